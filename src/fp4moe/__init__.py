@@ -1,0 +1,29 @@
+"""fp4moe: Mixture-of-Experts layers over NVFP4 expert weights.
+
+One prepared copy of the experts serves W4A4 (per-tensor, per-token or static activation
+scales) and W4A16; see README.md and docs/.
+"""
+
+from .checkpoints import load_checkpoint_experts, save_modelopt_experts
+from .experts import PreparedExperts, load_experts, prepare_experts
+from .moe import moe
+from .nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
+from .routing import expert_range, local_expert_ids, route
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "NVFP4Tensor",
+    "PreparedExperts",
+    "__version__",
+    "dequantize_nvfp4",
+    "expert_range",
+    "load_checkpoint_experts",
+    "load_experts",
+    "local_expert_ids",
+    "moe",
+    "prepare_experts",
+    "quantize_nvfp4",
+    "route",
+    "save_modelopt_experts",
+]
