@@ -1,0 +1,221 @@
+"""Measure the Triton MoE against the byte floor and a bf16 grouped-GEMM MoE on one GPU.
+
+    python3 benchmarks/bench_moe.py --tokens 1 16 256 8192 --json out.json
+
+Prints a table and writes JSON: card ceilings measured in the same run (device-to-device
+copy bandwidth, bf16 matmul rate), then per token count and mode the median time over
+CUDA-graph replays, the fraction of the byte floor (touched NVFP4 expert bytes over the
+measured copy bandwidth) and the speed-up over the bf16 ``torch._grouped_mm`` MoE with the
+same routes. Each timed configuration is checked against the reference first.
+This script grows into ``fp4moe bench`` (issue 4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+PRESETS = {
+    # name: (hidden, inter, experts total, local experts, top_k)
+    "deepseek-v3-ep8": (7168, 2048, 256, 32, 8),
+    "qwen3-30b-a3b": (2048, 768, 128, 128, 8),
+    "gpt-oss-like": (2880, 2880, 128, 128, 4),
+}
+
+
+def time_graph(fn, iters: int = 20, reps: int = 5) -> float:
+    """Median microseconds of one call, over CUDA-graph replays of ``reps`` calls each."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / reps)
+    return statistics.median(times)
+
+
+def card_ceilings() -> dict:
+    n = 1 << 30  # 1 GiB each way; a kernel copy (a graph's memcpy node may use a copy engine)
+    src = torch.empty(n // 4, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    us = time_graph(lambda: torch.mul(src, 1.0, out=dst), iters=10, reps=3)
+    copy_tbs = 2 * n / (us * 1e-6) / 1e12
+    m = 8192
+    a = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+    us = time_graph(lambda: a @ b, iters=10, reps=3)
+    tflops = 2 * m**3 / (us * 1e-6) / 1e12
+    return {"copy_TBps": copy_tbs, "bf16_matmul_TFLOPs": tflops}
+
+
+def make_routes(t: int, e_total: int, e_local: int, k: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    scores = torch.rand(t, e_total, device="cuda", generator=g)
+    w, ids = scores.topk(k, dim=1)
+    w = (w / w.sum(1, keepdim=True)).float()
+    ids = torch.where(ids < e_local, ids, -1).to(torch.int32)
+    return ids, w
+
+
+def bf16_grouped_moe(x, ids, w, w13_t, w2_t):
+    """bf16 MoE on torch._grouped_mm: sort rows by expert, two grouped GEMMs, scatter-add.
+
+    w13_t: bf16 [E, H, 2I] and w2_t: [E, I, H] (K-major for _grouped_mm)."""
+    e = w13_t.shape[0]
+    t, k = ids.shape
+    flat = ids.reshape(-1).long()
+    key = torch.where(flat < 0, e, flat)
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(e + 1, dtype=torch.int64, device=x.device).scatter_add_(
+        0, key, torch.ones_like(key)
+    )[:e]
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    rows = x[order // k]
+    h = torch._grouped_mm(rows, w13_t, offs=offs)
+    i = w2_t.shape[1]
+    a = (torch.nn.functional.silu(h[:, :i].float()) * h[:, i:].float()).to(torch.bfloat16)
+    y = torch._grouped_mm(a, w2_t, offs=offs)
+    valid = key[order] < e
+    contrib = y.float() * (w.reshape(-1)[order] * valid).unsqueeze(1)
+    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    out.index_add_(0, order // k, contrib)
+    return out.to(torch.bfloat16)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--preset", default="deepseek-v3-ep8", choices=sorted(PRESETS))
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 8192])
+    p.add_argument("--modes", nargs="+", default=["w4a16", "w4a4-token", "w4a4-tensor"])
+    p.add_argument("--finalize", choices=["fused", "unfused", "both"], default="both")
+    p.add_argument("--no-pdl", action="store_true")
+    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--check", action="store_true", help="check each config against the reference")
+    p.add_argument("--json", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_moe.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+
+    import fp4moe
+    from fp4moe.kernels.launch import TritonOptions, moe_triton
+    from fp4moe.reference import moe_reference
+
+    h, inter, e_total, e_local, k = PRESETS[args.preset]
+    ceil = card_ceilings()
+    print(
+        f"# {torch.cuda.get_device_name()}  copy {ceil['copy_TBps']:.2f} TB/s  "
+        f"bf16 {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s  preset {args.preset}"
+    )
+    torch.manual_seed(args.seed)
+    w13 = (torch.randn(e_local, 2 * inter, h, device="cuda") * 0.02).to(torch.bfloat16)
+    w2 = (torch.randn(e_local, h, inter, device="cuda") * 0.02).to(torch.bfloat16)
+    experts = fp4moe.prepare_experts(w13, w2)
+    bytes_per_expert = experts.nbytes() / e_local
+    # _grouped_mm wants B [G, K, N] with K contiguous: a transposed view of [G, N, K].
+    w13_deq, w2_deq = experts.dequantize(torch.bfloat16)
+    w13_t, w2_t = w13_deq.transpose(1, 2), w2_deq.transpose(1, 2)
+    del w13, w2
+    opt = TritonOptions(pdl=not args.no_pdl)
+    finals = {"both": [True, False], "fused": [True], "unfused": [False]}[args.finalize]
+    rows = []
+    for t in args.tokens:
+        x = (torch.randn(t, h, device="cuda")).to(torch.bfloat16)
+        ids, w = make_routes(t, e_total, e_local, k, args.seed + t)
+        touched = int(torch.unique(ids[ids >= 0]).numel())
+        routes = int((ids >= 0).sum())
+        floor_us = touched * bytes_per_expert / (ceil["copy_TBps"] * 1e12) * 1e6
+        flops = 2 * routes * 3 * h * inter
+        base_us = None
+        if not args.no_baseline:
+            try:
+                base_us = time_graph(lambda: bf16_grouped_moe(x, ids, w, w13_t, w2_t))
+            except Exception as exc:
+                print(f"# baseline failed at T={t}: {exc}")
+        for mode in args.modes:
+            m, sc = {
+                "w4a16": ("w4a16", "per_token"),
+                "w4a4-token": ("w4a4", "per_token"),
+                "w4a4-tensor": ("w4a4", "per_tensor"),
+                "w4a4-static": ("w4a4", "static"),
+            }[mode]
+            for fused in finals:
+                fn = lambda: moe_triton(
+                    x,
+                    ids,
+                    w,
+                    experts,
+                    mode=m,
+                    act_scale=sc,
+                    fused_finalize=fused,
+                    options=opt,
+                )
+                err = None
+                if args.check and t <= 1024:
+                    ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc).float()
+                    out = fn().float()
+                    err = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                us = time_graph(fn)
+                row = {
+                    "tokens": t,
+                    "routes": routes,
+                    "touched": touched,
+                    "mode": mode,
+                    "finalize": "fused" if fused else "unfused",
+                    "us": us,
+                    "floor_frac": floor_us / us,
+                    "TFLOPs": flops / (us * 1e-6) / 1e12,
+                    "weight_TBps": touched * bytes_per_expert / (us * 1e-6) / 1e12,
+                    "vs_bf16": (base_us / us) if base_us else None,
+                    "bf16_us": base_us,
+                    "rel_err": err,
+                }
+                rows.append(row)
+                print(
+                    f"T={t:6d} routes={routes:6d} touched={touched:3d} {mode:12s} "
+                    f"{row['finalize']:8s} {us:9.1f} us  floor {row['floor_frac']:.2f}  "
+                    f"{row['TFLOPs']:6.1f} TFLOP/s  {row['weight_TBps']:.2f} TB/s  "
+                    f"bf16 {base_us or float('nan'):9.1f} us  x{row['vs_bf16'] or float('nan'):.2f}"
+                    + (f"  err {err:.1e}" if err is not None else ""),
+                    flush=True,
+                )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "ceilings": ceil,
+                    "preset": args.preset,
+                    "torch": torch.__version__,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Small Triton helpers shared by the kernel families."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["fma_f32", "to_bf16"]
+
+
+@triton.jit
+def to_bf16(x, INTERPRET: tl.constexpr):
+    """fp32 to bf16, round to nearest even. Triton 3.6's interpreter truncates this cast,
+    so under the interpreter the rounding is done on the bits first (finite values)."""
+    if INTERPRET:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def fma_f32(a, b, c, INTERPRET: tl.constexpr):
+    """a * b + c with one rounding. The interpreter's fma rounds twice in fp32, so there the
+    sum is formed in fp64 (the product is exact; the sum is rounded twice, to fp64 then fp32,
+    which can differ from one rounding only in extremely rare cases)."""
+    if INTERPRET:
+        return (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
+    else:
+        return tl.fma(a, b, c)
+
+
+@triton.jit
+def to_e4m3(s, INTERPRET: tl.constexpr):
+    """Non-negative fp32 (<= 448) to float8_e4m3fn, round to nearest even. The interpreter's
+    cast rounds ties away from zero, so there the value is first rounded on the e4m3 grid:
+    3 mantissa bits for normals (>= 2^-6), multiples of 2^-9 below."""
+    if INTERPRET:
+        b = s.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFFF + ((b >> 20) & 1)) & 0xFFF00000
+        normal = b.to(tl.float32, bitcast=True)
+        sub = ((s * 512.0 + 8388608.0) - 8388608.0) * (1.0 / 512.0)
+        return tl.where(s >= 0.015625, normal, sub).to(tl.float8e4nv)
+    else:
+        return s.to(tl.float8e4nv)

@@ -1,0 +1,65 @@
+"""Deterministic finalize (SPEC section 6): out[t] = bf16(sum over valid k ascending of
+fma(w[t, k], y[t, k], acc)), reading route rows stored in expert-sorted order.
+
+One program covers one token and BLOCK_H columns. Routing metadata (ids, weights, the
+rows' positions) are loaded before the wait on the FC2 kernel (programmatic dependent
+launch), so they overlap FC2's tail; a masked route's row is never loaded.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import fma_f32, to_bf16
+
+__all__ = ["finalize_block_h", "finalize_kernel"]
+
+
+def finalize_block_h(num_tokens: int, hidden: int) -> tuple[int, int]:
+    """(BLOCK_H, num_warps): wide blocks (16-byte loads, 8 bf16 a thread) when there are
+    enough tokens to fill the GPU, narrower ones at decode sizes so more programs run."""
+    if num_tokens >= 256:
+        block, warps = 1024, 4
+    elif num_tokens >= 32:
+        block, warps = 512, 2
+    else:
+        block, warps = 256, 1
+    while block > 16 and block // 2 >= hidden:
+        block //= 2
+    return block, warps
+
+
+@triton.jit
+def finalize_kernel(
+    y_ptr,  # bf16 [rows, H] route rows, sorted order
+    route_pos_ptr,  # int32 [T*TOPK]: position of route t*TOPK+k among the rows
+    ids_ptr,  # int32 [T*TOPK]
+    w_ptr,  # fp32 [T*TOPK]
+    out_ptr,  # bf16 [T, H]
+    H,
+    TOPK: tl.constexpr,
+    KP: tl.constexpr,  # next power of two >= TOPK
+    BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    ks = tl.arange(0, KP)
+    kmask = ks < TOPK
+    ids = tl.load(ids_ptr + t * TOPK + ks, mask=kmask, other=-1)
+    ws = tl.load(w_ptr + t * TOPK + ks, mask=kmask, other=0.0)
+    pos = tl.load(route_pos_ptr + t * TOPK + ks, mask=kmask, other=0).to(tl.int64)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in tl.static_range(TOPK):
+        sel = ks == k
+        valid = tl.sum(tl.where(sel, ids, 0), axis=0) >= 0
+        wk = tl.sum(tl.where(sel, ws, 0.0), axis=0)
+        pk = tl.sum(tl.where(sel, pos, 0), axis=0)
+        y = tl.load(y_ptr + pk * H + cols, mask=cmask & valid, other=0.0).to(tl.float32)
+        acc = tl.where(valid, fma_f32(tl.zeros_like(acc) + wk, y, acc, INTERPRET), acc)
+    tl.store(out_ptr + t * H + cols, to_bf16(acc, INTERPRET), mask=cmask)

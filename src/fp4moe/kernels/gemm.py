@@ -1,0 +1,210 @@
+"""Grouped NVFP4 GEMMs for the MoE: FC1 (gather + SwiGLU epilogue) and FC2 (route rows or
+fused finalize), one Triton kernel with constexpr switches.
+
+Orientation: every tile computes acc[BN, BM] = W[BN, BK] @ X^T[BK, BM] ("swap A and B"):
+the weight tile, decoded in registers, is the MMA's register-side operand, and tokens
+are the narrow dimension, so decode sizes (a handful of rows per expert) still fill a
+tile of 64+ weight rows. The same orientation serves prefill with BM = 128.
+
+Decode of NVFP4 (codes + e4m3 block scales) in registers: a nibble's sign and 3 magnitude
+bits are placed at fp16 bits 15 and 11..9, which is exactly e2m1 * 2^-14 (the e2m1
+subnormal 0.5 lands on an fp16 subnormal); times the block scale in fp16 this stays exact
+(a product of at most 6 significant bits, >= 2^-24). The 2^-14 factor of each decoded
+operand is a power of two, so the kernel multiplies the fp32 accumulator back by 2^14
+(W4A16) or 2^28 (W4A4) before the global scales, bit-identical to decoding without it.
+W4A16 converts the decoded weights to bf16 (exact) and multiplies with bf16 activations;
+W4A4 keeps both operands in fp16, where both are exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from .common import to_bf16
+
+__all__ = ["GemmConfig", "choose_gemm_config"]
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Launch choice for one grouped GEMM (tests can pin one)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _largest_pow2_dividing(k: int, cap: int) -> int:
+    b = cap
+    while k % b:
+        b //= 2
+    return b
+
+
+def choose_gemm_config(
+    rows_per_expert: float, n: int, k: int, *, gated: bool, interpret: bool = False
+) -> GemmConfig:
+    """Tile shapes from the average rows an expert receives (no autotuning).
+
+    Small row counts: 16 token columns and narrow weight tiles, so weight rows are split
+    over many programs (bytes in flight on every SM). Large: 128 x 128 tiles.
+    """
+    if interpret:
+        return GemmConfig(16, 32, _largest_pow2_dividing(k, 64), num_warps=4, num_stages=1)
+    if rows_per_expert <= 16:
+        return GemmConfig(16, 64, _largest_pow2_dividing(k, 256), num_warps=4, num_stages=4)
+    if rows_per_expert <= 48:
+        return GemmConfig(32, 64, _largest_pow2_dividing(k, 256), num_warps=4, num_stages=4)
+    if rows_per_expert <= 160:
+        return GemmConfig(64, 128 if not gated else 64, _largest_pow2_dividing(k, 128), 4, 4)
+    return GemmConfig(128, 128 if not gated else 64, _largest_pow2_dividing(k, 64), 8, 4)
+
+
+@triton.jit
+def _nibble_to_f16(n):
+    """e2m1 code (uint8 0..15) to fp16 holding e2m1 * 2^-14, exactly (code 8 gives -0)."""
+    n16 = n.to(tl.int16)
+    return (((n16 & 8) << 12) | ((n16 & 7) << 9)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def decode_nvfp4_tile(codes, scales, R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr):
+    """codes uint8 [R, C/2] and e4m3 scales [R, C/16] to [R, C] of OUT, scaled by 2^-14."""
+    lo = _nibble_to_f16(codes & 0xF)
+    hi = _nibble_to_f16(codes >> 4)
+    v = tl.join(lo, hi).reshape(R, C)
+    s = scales.to(tl.float16)
+    v = (v.reshape(R, C // 16, 16) * s[:, :, None]).reshape(R, C)
+    return v.to(OUT)
+
+
+@triton.jit
+def moe_gemm_kernel(
+    a_ptr,  # bf16 [rows, K] or NVFP4 codes uint8 [rows, K/2]
+    a_scales_ptr,  # e4m3 [rows, K/16] (A_FP4)
+    a_global_ptr,  # fp32 [rows] (A_FP4)
+    sorted_routes_ptr,  # int32 [T*K]: sorted position -> flat route t*TOPK + k
+    topk_w_ptr,  # fp32 [T*TOPK] (FUSED)
+    w_codes_ptr,  # uint8 [E, W_ROWS, K/2]
+    w_scales_ptr,  # e4m3 [E, W_ROWS, K/16]
+    w_global_ptr,  # fp32 [E, W_GLOBALS]
+    out_ptr,  # bf16 [rows, N] (sorted order) or fp32 [T, N] (FUSED)
+    block_expert_ptr,
+    block_start_ptr,
+    block_end_ptr,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    TOPK: tl.constexpr,
+    GATED: tl.constexpr,
+    A_FP4: tl.constexpr,
+    A_GATHER: tl.constexpr,
+    FUSED: tl.constexpr,
+    OUT_SCALE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    W_DTYPE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    start = tl.load(block_start_ptr + pid_m)
+    end = tl.load(block_end_ptr + pid_m)
+    e64 = e.to(tl.int64)
+
+    offs_m = start + tl.arange(0, BM)
+    m_mask = offs_m < end
+    if A_GATHER or FUSED:
+        route = tl.load(sorted_routes_ptr + offs_m, mask=m_mask, other=0)
+    if A_GATHER:
+        src = route // TOPK
+    else:
+        src = offs_m
+    src = tl.where(m_mask, src, 0).to(tl.int64)
+
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_mask = offs_n < N
+    if GATED:
+        w_rows_total = 2 * N
+    else:
+        w_rows_total = N
+    KH = K // 2
+    KS = K // 16
+    row_g = e64 * w_rows_total + offs_n
+    wc_g = w_codes_ptr + row_g[:, None] * KH + tl.arange(0, BK // 2)[None, :]
+    ws_g = w_scales_ptr + row_g[:, None] * KS + tl.arange(0, BK // 16)[None, :]
+    if GATED:
+        wc_u = wc_g + N * KH
+        ws_u = ws_g + N * KS
+    if A_FP4:
+        ac_ptrs = a_ptr + src[:, None] * KH + tl.arange(0, BK // 2)[None, :]
+        as_ptrs = a_scales_ptr + src[:, None] * KS + tl.arange(0, BK // 16)[None, :]
+    else:
+        x_ptrs = a_ptr + src[None, :] * K + tl.arange(0, BK)[:, None]
+
+    acc_g = tl.zeros((BN, BM), dtype=tl.float32)
+    if GATED:
+        acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        if A_FP4:
+            ac = tl.load(ac_ptrs + k0 // 2, mask=m_mask[:, None], other=0)
+            asc = tl.load(as_ptrs + k0 // 16, mask=m_mask[:, None], other=0.0)
+            x = tl.trans(decode_nvfp4_tile(ac, asc, BM, BK, DOT_DTYPE))
+        else:
+            x = tl.load(x_ptrs + k0, mask=m_mask[None, :], other=0.0).to(DOT_DTYPE)
+        wg = decode_nvfp4_tile(
+            tl.load(wc_g + k0 // 2, mask=n_mask[:, None], other=0),
+            tl.load(ws_g + k0 // 16, mask=n_mask[:, None], other=0.0),
+            BN,
+            BK,
+            W_DTYPE,
+        ).to(DOT_DTYPE)
+        acc_g = tl.dot(wg, x, acc_g)
+        if GATED:
+            wu = decode_nvfp4_tile(
+                tl.load(wc_u + k0 // 2, mask=n_mask[:, None], other=0),
+                tl.load(ws_u + k0 // 16, mask=n_mask[:, None], other=0.0),
+                BN,
+                BK,
+                W_DTYPE,
+            ).to(DOT_DTYPE)
+            acc_u = tl.dot(wu, x, acc_u)
+
+    # Epilogue: h = acc * g_x * g_w (SPEC section 5), after undoing the decode's 2^-14s.
+    h = acc_g * OUT_SCALE
+    if A_FP4:
+        gx = tl.load(a_global_ptr + src, mask=m_mask, other=1.0)
+        h = h * gx[None, :]
+    if GATED:
+        h = h * tl.load(w_global_ptr + e64 * 2)
+        hu = acc_u * OUT_SCALE
+        if A_FP4:
+            hu = hu * gx[None, :]
+        hu = hu * tl.load(w_global_ptr + e64 * 2 + 1)
+        res = (h / (1.0 + tl.exp(-h))) * hu
+    else:
+        res = h * tl.load(w_global_ptr + e64)
+    y = to_bf16(res, INTERPRET)
+    mask = n_mask[:, None] & m_mask[None, :]
+    if FUSED:
+        tok = (route // TOPK).to(tl.int64)
+        wt = tl.load(topk_w_ptr + route, mask=m_mask, other=0.0)
+        contrib = y.to(tl.float32) * wt[None, :]
+        tl.atomic_add(
+            out_ptr + tok[None, :] * N + offs_n[:, None], contrib, mask=mask, sem="relaxed"
+        )
+    else:
+        tl.store(out_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None], y, mask=mask)

@@ -1,0 +1,252 @@
+"""The Triton backend of ``fp4moe.moe``: sort, (quantize), FC1, (quantize), FC2, finalize.
+
+Every step is on the device with no host synchronization, so the sequence can be
+captured in a CUDA graph (``fp4moe.runner``). Consecutive Triton kernels use
+programmatic dependent launch when ``pdl`` is on (the default on a GPU; off in the
+interpreter): each waits on its predecessor's output with ``gdc_wait`` and releases its
+dependents right after, and the finalize kernel reads routing metadata before its wait.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..experts import PreparedExperts
+from ..nvfp4 import global_from_amax
+from .finalize import finalize_block_h, finalize_kernel
+from .gemm import GemmConfig, choose_gemm_config, moe_gemm_kernel
+from .quantize import MODE_PER_ROW, MODE_SCALAR, MODE_STATIC, quantize_rows_kernel
+from .sort import RouteSort, sort_routes
+
+__all__ = ["TritonOptions", "interpreting", "moe_triton"]
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class TritonOptions:
+    """Switches of the Triton backend (tests and benchmarks pin them).
+
+    pdl: programmatic dependent launch between consecutive kernels (None: on for CUDA
+        devices of compute capability >= 9, off in the interpreter).
+    fc1 / fc2: pinned GEMM configs (None: ``choose_gemm_config``).
+    """
+
+    pdl: bool | None = None
+    fc1: GemmConfig | None = None
+    fc2: GemmConfig | None = None
+
+
+def _use_pdl(opt: TritonOptions, device: torch.device) -> bool:
+    if interpreting() or device.type != "cuda":
+        return False
+    if opt.pdl is not None:
+        return opt.pdl
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _launch(kernel, grid, pdl: bool, *args, **kwargs):
+    if pdl:
+        kwargs["launch_pdl"] = True
+    kernel[grid](*args, USE_PDL=pdl, **kwargs)
+
+
+def _quantize_rows(
+    src: torch.Tensor,
+    rows: int,
+    *,
+    mode: int,
+    pdl: bool,
+    index: torch.Tensor | None = None,
+    div: int = 1,
+    count: torch.Tensor | None = None,
+    table: torch.Tensor | None = None,
+    row_expert: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    c = src.shape[1]
+    dev = src.device
+    codes = torch.empty(rows, c // 2, dtype=torch.uint8, device=dev)
+    scales = torch.empty(rows, c // 16, dtype=torch.float8_e4m3fn, device=dev)
+    glob = torch.empty(rows, dtype=torch.float32, device=dev)
+    if rows == 0:
+        return codes, scales, glob
+    dummy = glob
+    block_c = min(triton.next_power_of_2(c), 64 if interpreting() else 1024)
+    _launch(
+        quantize_rows_kernel, (rows,), pdl,
+        src, index if index is not None else dummy, count if count is not None else dummy,
+        rows, codes, scales, glob,
+        table if table is not None else dummy, row_expert if row_expert is not None else dummy,
+        c, MODE=mode, GATHER=index is not None, DIV=div, COUNT_FROM_PTR=count is not None,
+        BLOCK_C=block_c, INTERPRET=interpreting(), num_warps=4,
+    )  # fmt: skip
+    return codes, scales, glob
+
+
+def _global_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    return global_from_amax(amax).reshape(1)
+
+
+def _gemm(
+    cfg: GemmConfig,
+    sort: RouteSort,
+    a: torch.Tensor,
+    a_scales: torch.Tensor | None,
+    a_global: torch.Tensor | None,
+    w_codes: torch.Tensor,
+    w_scales: torch.Tensor,
+    w_global: torch.Tensor,
+    out: torch.Tensor,
+    topk_w: torch.Tensor,
+    *,
+    n: int,
+    k: int,
+    topk: int,
+    gated: bool,
+    a_gather: bool,
+    fused: bool,
+    pdl: bool,
+) -> None:
+    a_fp4 = a_scales is not None
+    if interpreting():
+        dot, wdt = tl.float32, tl.float32
+    elif a_fp4:
+        dot, wdt = tl.float16, tl.float16
+    else:
+        dot, wdt = tl.bfloat16, tl.bfloat16
+    out_scale = 2.0**28 if a_fp4 else 2.0**14
+    grid = (triton.cdiv(n, cfg.block_n), sort.num_blocks)
+    dummy = w_global
+    _launch(
+        moe_gemm_kernel, grid, pdl,
+        a, a_scales if a_fp4 else dummy, a_global if a_fp4 else dummy,
+        sort.sorted_routes, topk_w,
+        w_codes, w_scales, w_global, out,
+        sort.block_expert, sort.block_start, sort.block_end,
+        n, k,
+        TOPK=topk, GATED=gated, A_FP4=a_fp4, A_GATHER=a_gather, FUSED=fused,
+        OUT_SCALE=out_scale, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+        DOT_DTYPE=dot, W_DTYPE=wdt, INTERPRET=interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def moe_triton(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    experts: PreparedExperts,
+    *,
+    mode: str = "w4a16",
+    act_scale: str = "per_token",
+    fused_finalize: bool = False,
+    options: TritonOptions | None = None,
+) -> torch.Tensor:
+    """The MoE forward on Triton kernels; inputs validated by ``fp4moe.moe``. bf16 [T, H]."""
+    if x.device.type != "cuda" and not interpreting():
+        raise RuntimeError(
+            "backend: 'triton' needs a CUDA device (or TRITON_INTERPRET=1 for the interpreter); "
+            f"x is on {x.device}. Use backend='reference' or 'auto' on this machine."
+        )
+    opt = options or TritonOptions()
+    pdl = _use_pdl(opt, x.device)
+    t, h = x.shape
+    topk = topk_ids.shape[1]
+    e_count = experts.num_experts
+    inter = experts.intermediate_size
+    n_routes = t * topk
+    dev = x.device
+    x = x.contiguous()
+    ids = topk_ids.contiguous()
+    w_flat = topk_weights.contiguous().reshape(-1)
+
+    rows_per_expert = n_routes / e_count
+    cfg1 = opt.fc1 or choose_gemm_config(
+        rows_per_expert, inter, h, gated=True, interpret=interpreting()
+    )
+    cfg2 = opt.fc2 or choose_gemm_config(
+        rows_per_expert, h, inter, gated=False, interpret=interpreting()
+    )
+    if cfg1.block_m != cfg2.block_m:
+        raise ValueError("options: fc1 and fc2 configs must share block_m (one tile schedule)")
+    sort = sort_routes(ids, e_count, cfg1.block_m)
+    n_valid = sort.expert_offsets[e_count:]  # device scalar: rows in sorted order
+    sorted_expert = torch.where(
+        torch.arange(n_routes, device=dev) < n_valid, ids.reshape(-1)[sort.sorted_routes.long()], 0
+    ).to(torch.int32)
+
+    # FC1 input.
+    w4a4 = mode == "w4a4"
+    a_scales = a_global = None
+    a_src, a_gather = x, True
+    if w4a4:
+        if act_scale == "per_token":
+            a_src, a_scales, a_global = _quantize_rows(x, t, mode=MODE_PER_ROW, pdl=pdl)
+        elif act_scale == "per_tensor":
+            g = _global_from_amax(x.abs().amax())
+            a_src, a_scales, a_global = _quantize_rows(x, t, mode=MODE_SCALAR, table=g, pdl=pdl)
+        else:  # static: global of the route's expert, so quantize each sorted row
+            a_src, a_scales, a_global = _quantize_rows(
+                x, n_routes, mode=MODE_STATIC, index=sort.sorted_routes, div=topk,
+                count=n_valid, table=experts.a13_scale, row_expert=sorted_expert, pdl=pdl,
+            )  # fmt: skip
+            a_gather = False
+
+    act = torch.empty(n_routes, inter, dtype=torch.bfloat16, device=dev)
+    _gemm(
+        cfg1, sort, a_src, a_scales, a_global,
+        experts.w13_codes, experts.w13_scales, experts.w13_global, act, w_flat,
+        n=inter, k=h, topk=topk, gated=True, a_gather=a_gather, fused=False, pdl=pdl,
+    )  # fmt: skip
+
+    # FC2 input.
+    b_scales = b_global = None
+    b_src = act
+    if w4a4:
+        if act_scale == "per_token":
+            b_src, b_scales, b_global = _quantize_rows(
+                act, n_routes, mode=MODE_PER_ROW, count=n_valid, pdl=pdl
+            )
+        elif act_scale == "per_tensor":
+            live = (torch.arange(n_routes, device=dev) < n_valid)[:, None]
+            g = _global_from_amax(torch.where(live, act.abs(), 0).amax())
+            b_src, b_scales, b_global = _quantize_rows(
+                act, n_routes, mode=MODE_SCALAR, count=n_valid, table=g, pdl=pdl
+            )
+        else:
+            b_src, b_scales, b_global = _quantize_rows(
+                act, n_routes, mode=MODE_STATIC, count=n_valid, table=experts.a2_scale,
+                row_expert=sorted_expert, pdl=pdl,
+            )  # fmt: skip
+
+    if fused_finalize:
+        acc = torch.zeros(t, h, dtype=torch.float32, device=dev)
+        _gemm(
+            cfg2, sort, b_src, b_scales, b_global,
+            experts.w2_codes, experts.w2_scales, experts.w2_global, acc, w_flat,
+            n=h, k=inter, topk=topk, gated=False, a_gather=False, fused=True, pdl=pdl,
+        )  # fmt: skip
+        return acc.to(torch.bfloat16)
+
+    y = torch.empty(n_routes, h, dtype=torch.bfloat16, device=dev)
+    _gemm(
+        cfg2, sort, b_src, b_scales, b_global,
+        experts.w2_codes, experts.w2_scales, experts.w2_global, y, w_flat,
+        n=h, k=inter, topk=topk, gated=False, a_gather=False, fused=False, pdl=pdl,
+    )  # fmt: skip
+    out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+    block_h, warps = finalize_block_h(t, h)
+    _launch(
+        finalize_kernel, (t, triton.cdiv(h, block_h)), pdl,
+        y, sort.route_pos, ids, w_flat, out, h,
+        TOPK=topk, KP=triton.next_power_of_2(topk), BLOCK_H=block_h,
+        INTERPRET=interpreting(), num_warps=warps,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,106 @@
+"""Activation quantization to NVFP4 for W4A4 (SPEC section 2), bit-identical to
+``fp4moe.nvfp4.quantize_nvfp4``: per-row dynamic, static (a calibrated global per expert)
+or one per-tensor global, optionally gathering the rows it reads.
+
+One program a row: an amax pass (per-row dynamic only), then the row in chunks of
+BLOCK_C: block amax, e4m3 scale (round to nearest even, saturating), e2m1 codes.
+Divisions are ``div_rn`` so that the float operations are those of the reference.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import to_e4m3
+
+__all__ = ["MODE_PER_ROW", "MODE_SCALAR", "MODE_STATIC", "quantize_rows_kernel"]
+
+MODE_PER_ROW = 0  # global = amax(row) / 2688 (1 where the row is 0)
+MODE_STATIC = 1  # global = table[row_expert[i]]
+MODE_SCALAR = 2  # global = table[0]
+
+
+@triton.jit
+def _encode_e2m1(v):
+    m = tl.abs(v)
+    idx = (
+        (m > 0.25).to(tl.uint8)
+        + (m >= 0.75).to(tl.uint8)
+        + (m > 1.25).to(tl.uint8)
+        + (m >= 1.75).to(tl.uint8)
+        + (m > 2.5).to(tl.uint8)
+        + (m >= 3.5).to(tl.uint8)
+        + (m > 5.0).to(tl.uint8)
+    )
+    return idx | ((v < 0).to(tl.uint8) << 3)
+
+
+@triton.jit
+def quantize_rows_kernel(
+    src_ptr,  # bf16 [src_rows, C]
+    src_index_ptr,  # int32 [rows]: src row = src_index[i] // DIV (GATHER)
+    n_rows_ptr,  # int32 pointer to the row count (COUNT_FROM_PTR)
+    n_rows,
+    codes_ptr,  # uint8 [rows, C/2]
+    scales_ptr,  # e4m3 [rows, C/16]
+    global_out_ptr,  # fp32 [rows]
+    table_ptr,  # fp32 global table (MODE_STATIC: [E]; MODE_SCALAR: [1])
+    row_expert_ptr,  # int32 [rows] (MODE_STATIC)
+    C: tl.constexpr,
+    MODE: tl.constexpr,
+    GATHER: tl.constexpr,
+    DIV: tl.constexpr,
+    COUNT_FROM_PTR: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    i = tl.program_id(0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if COUNT_FROM_PTR:
+        n = tl.load(n_rows_ptr)
+    else:
+        n = n_rows
+    if i >= n:
+        return
+    if GATHER:
+        src = (tl.load(src_index_ptr + i) // DIV).to(tl.int64)
+    else:
+        src = i.to(tl.int64)
+    row = src_ptr + src * C
+    cols = tl.arange(0, BLOCK_C)
+
+    if MODE == 0:
+        amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        for c0 in range(0, C, BLOCK_C):
+            x = tl.load(row + c0 + cols, mask=c0 + cols < C, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        a = tl.max(amax, axis=0)
+        g = tl.where(a == 0.0, 1.0, tl.math.div_rn(a, 2688.0))
+    elif MODE == 1:
+        g = tl.load(table_ptr + tl.load(row_expert_ptr + i))
+    else:
+        g = tl.load(table_ptr)
+    tl.store(global_out_ptr + i, g)
+
+    i64 = i.to(tl.int64)
+    six_g = 6.0 * g
+    for c0 in range(0, C, BLOCK_C):
+        x = tl.load(row + c0 + cols, mask=c0 + cols < C, other=0.0).to(tl.float32)
+        xb = x.reshape(BLOCK_C // 16, 16)
+        amax_b = tl.max(tl.abs(xb), axis=1)
+        s = tl.minimum(tl.math.div_rn(amax_b, tl.zeros_like(amax_b) + six_g), 448.0)
+        s8 = to_e4m3(s, INTERPRET)
+        denom = s8.to(tl.float32) * g
+        safe = tl.where(denom == 0.0, 1.0, denom)
+        v = tl.math.div_rn(xb, tl.broadcast_to(safe[:, None], (BLOCK_C // 16, 16)))
+        code = tl.where((denom == 0.0)[:, None], 0, _encode_e2m1(v)).to(tl.uint8)
+        lo, hi = tl.split(code.reshape(BLOCK_C // 2, 2))
+        packed = lo | (hi << 4)
+        pc = c0 // 2 + tl.arange(0, BLOCK_C // 2)
+        tl.store(codes_ptr + i64 * (C // 2) + pc, packed, mask=pc < C // 2)
+        ps = c0 // 16 + tl.arange(0, BLOCK_C // 16)
+        tl.store(scales_ptr + i64 * (C // 16) + ps, s8, mask=ps < C // 16)
