@@ -110,6 +110,7 @@ def main(argv=None) -> int:
     p.add_argument("--modes", nargs="+", default=["w4a16", "w4a4-token", "w4a4-tensor"])
     p.add_argument("--finalize", choices=["fused", "unfused", "both"], default="both")
     p.add_argument("--no-pdl", action="store_true")
+    p.add_argument("--decode-asm", action="store_true", help="inline-PTX W4A16 weight decode")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--check", action="store_true", help="check each config against the reference")
     p.add_argument("--json", default=None)
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
     w13_deq, w2_deq = experts.dequantize(torch.bfloat16)
     w13_t, w2_t = w13_deq.transpose(1, 2), w2_deq.transpose(1, 2)
     del w13, w2
-    opt = TritonOptions(pdl=not args.no_pdl)
+    opt = TritonOptions(pdl=not args.no_pdl, decode_asm=args.decode_asm)
     finals = {"both": [True, False], "fused": [True], "unfused": [False]}[args.finalize]
     rows = []
     for t in args.tokens:

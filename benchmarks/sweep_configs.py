@@ -39,6 +39,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 8192])
     p.add_argument("--mode", default="w4a16")
     p.add_argument("--preset", default="deepseek-v3-ep8")
+    p.add_argument("--decode-asm", action="store_true")
     args = p.parse_args(argv)
     import fp4moe
     from fp4moe.kernels import gemm
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
         flops = 2 * int((ids >= 0).sum()) * 3 * h * inter
         for c in CANDIDATES["small" if t <= 64 else "large"]:
             cfg = GemmConfig(*c)
-            opt = TritonOptions(fc1=cfg, fc2=cfg)
+            opt = TritonOptions(fc1=cfg, fc2=cfg, decode_asm=args.decode_asm)
             try:
                 us = time_graph(
                     lambda: moe_triton(

@@ -266,3 +266,22 @@ def test_batch_invariance_gpu(gpu_experts, mode):
         x[pos], ids[pos], w[pos] = x0[0], ids0[0], w0[0]
         out = fp4moe.moe(x, ids, w, experts, mode=m, act_scale=sc)
         assert torch.equal(out[pos], alone[0]), f"T={t}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16, 300])
+@pytest.mark.parametrize("fused", [False, True], ids=["deterministic", "fused"])
+def test_decode_asm_matches_plain_decode(gpu_experts, t, fused):
+    """The inline-PTX W4A16 weight decode gives the same bits as the fp16 bit-placement one."""
+    e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
+    experts = gpu_experts("deepseek-v3-ep8")
+    x = _x(t, h, seed=t, device="cuda")
+    ids, w = _gpu_routes(t, k, e, e_total, seed=t)
+    plain = moe_triton(x, ids, w, experts, fused_finalize=fused)
+    asm = moe_triton(
+        x, ids, w, experts, fused_finalize=fused, options=TritonOptions(decode_asm=True)
+    )
+    ref = moe_reference(x, ids, w, experts)
+    assert rel_err(asm, ref) <= TOL["w4a16"]
+    if not fused:
+        assert torch.equal(asm, plain)

@@ -83,6 +83,59 @@ def decode_nvfp4_tile(codes, scales, R: tl.constexpr, C: tl.constexpr, OUT: tl.c
     return v.to(OUT)
 
 
+# Inline-PTX decode for W4A16 weights (GPU only): 4 packed bytes (the low or the high
+# nibbles) to 4 bf16 values times their block scales, with two byte lookups (prmt) for the
+# bf16 magnitude bytes, the sign bits moved by shifts, and one mul.rn.bf16x2 per pair.
+# bf16 magnitude of e2m1 index 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6 = 0x0000, 0x3F00, 0x3F80,
+# 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0: high bytes 00 3F 3F 3F 40 40 40 40, low bytes
+# 00 00 80 C0 00 40 80 C0. Exact: e2m1 times an e4m3 value fits bf16.
+_DECODE_BODY = """
+    prmt.b32 sel, t, t, 0x0020;
+    mov.b32 ta, 0x3F3F3F00;
+    mov.b32 tb, 0x40404040;
+    prmt.b32 hb, ta, tb, sel;
+    mov.b32 ta, 0xC0800000;
+    mov.b32 tb, 0xC0804000;
+    prmt.b32 lb, ta, tb, sel;
+    prmt.b32 d0, lb, hb, 0x5140;
+    prmt.b32 d1, lb, hb, 0x7362;
+"""
+_DECODE_LO_ASM = tl.constexpr(
+    "{\n.reg .b32 m, t, sel, hb, lb, ta, tb, sg, d0, d1;\n"
+    "and.b32 m, $2, 0x07070707;\nshr.b32 t, m, 4;\nor.b32 t, t, m;\n"
+    + _DECODE_BODY
+    + "shl.b32 sg, $2, 12;\nand.b32 sg, sg, 0x8000;\nor.b32 d0, d0, sg;\n"
+    "shl.b32 sg, $2, 20;\nand.b32 sg, sg, 0x80000000;\nor.b32 d0, d0, sg;\n"
+    "shr.b32 sg, $2, 4;\nand.b32 sg, sg, 0x8000;\nor.b32 d1, d1, sg;\n"
+    "shl.b32 sg, $2, 4;\nand.b32 sg, sg, 0x80000000;\nor.b32 d1, d1, sg;\n"
+    "mul.rn.bf16x2 $0, d0, $3;\nmul.rn.bf16x2 $1, d1, $4;\n}"
+)
+_DECODE_HI_ASM = tl.constexpr(
+    "{\n.reg .b32 m, t, sel, hb, lb, ta, tb, sg, d0, d1;\n"
+    "shr.b32 m, $2, 4;\nand.b32 m, m, 0x07070707;\nshr.b32 t, m, 4;\nor.b32 t, t, m;\n"
+    + _DECODE_BODY
+    + "shl.b32 sg, $2, 8;\nand.b32 sg, sg, 0x8000;\nor.b32 d0, d0, sg;\n"
+    "shl.b32 sg, $2, 16;\nand.b32 sg, sg, 0x80000000;\nor.b32 d0, d0, sg;\n"
+    "shr.b32 sg, $2, 8;\nand.b32 sg, sg, 0x8000;\nor.b32 d1, d1, sg;\n"
+    "and.b32 sg, $2, 0x80000000;\nor.b32 d1, d1, sg;\n"
+    "mul.rn.bf16x2 $0, d0, $3;\nmul.rn.bf16x2 $1, d1, $4;\n}"
+)
+
+
+@triton.jit
+def decode_nvfp4_tile_bf16_asm(codes, scales, R: tl.constexpr, C: tl.constexpr):
+    """codes uint8 [R, C/2], e4m3 scales [R, C/16] to bf16 [R, C] (exact, no 2^-14 factor)."""
+    s = scales.to(tl.bfloat16)
+    s = tl.broadcast_to(s[:, :, None], (R, C // 16, 8)).reshape(R, C // 2)
+    lo = tl.inline_asm_elementwise(
+        _DECODE_LO_ASM, "=r,=r,r,r,r", [codes, s], dtype=tl.bfloat16, is_pure=True, pack=4
+    )
+    hi = tl.inline_asm_elementwise(
+        _DECODE_HI_ASM, "=r,=r,r,r,r", [codes, s], dtype=tl.bfloat16, is_pure=True, pack=4
+    )
+    return tl.join(lo, hi).reshape(R, C)
+
+
 @triton.jit
 def moe_gemm_kernel(
     a_ptr,  # bf16 [rows, K] or NVFP4 codes uint8 [rows, K/2]
@@ -112,6 +165,7 @@ def moe_gemm_kernel(
     W_DTYPE: tl.constexpr,
     USE_PDL: tl.constexpr,
     INTERPRET: tl.constexpr,
+    DECODE_ASM: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -165,22 +219,38 @@ def moe_gemm_kernel(
             x = tl.trans(decode_nvfp4_tile(ac, asc, BM, BK, DOT_DTYPE))
         else:
             x = tl.load(x_ptrs + k0, mask=m_mask[None, :], other=0.0).to(DOT_DTYPE)
-        wg = decode_nvfp4_tile(
-            tl.load(wc_g + k0 // 2, mask=n_mask[:, None], other=0),
-            tl.load(ws_g + k0 // 16, mask=n_mask[:, None], other=0.0),
-            BN,
-            BK,
-            W_DTYPE,
-        ).to(DOT_DTYPE)
-        acc_g = tl.dot(wg, x, acc_g)
-        if GATED:
-            wu = decode_nvfp4_tile(
-                tl.load(wc_u + k0 // 2, mask=n_mask[:, None], other=0),
-                tl.load(ws_u + k0 // 16, mask=n_mask[:, None], other=0.0),
+        if DECODE_ASM:
+            wg = decode_nvfp4_tile_bf16_asm(
+                tl.load(wc_g + k0 // 2, mask=n_mask[:, None], other=0),
+                tl.load(ws_g + k0 // 16, mask=n_mask[:, None], other=0.0),
+                BN,
+                BK,
+            )
+        else:
+            wg = decode_nvfp4_tile(
+                tl.load(wc_g + k0 // 2, mask=n_mask[:, None], other=0),
+                tl.load(ws_g + k0 // 16, mask=n_mask[:, None], other=0.0),
                 BN,
                 BK,
                 W_DTYPE,
             ).to(DOT_DTYPE)
+        acc_g = tl.dot(wg, x, acc_g)
+        if GATED:
+            if DECODE_ASM:
+                wu = decode_nvfp4_tile_bf16_asm(
+                    tl.load(wc_u + k0 // 2, mask=n_mask[:, None], other=0),
+                    tl.load(ws_u + k0 // 16, mask=n_mask[:, None], other=0.0),
+                    BN,
+                    BK,
+                )
+            else:
+                wu = decode_nvfp4_tile(
+                    tl.load(wc_u + k0 // 2, mask=n_mask[:, None], other=0),
+                    tl.load(ws_u + k0 // 16, mask=n_mask[:, None], other=0.0),
+                    BN,
+                    BK,
+                    W_DTYPE,
+                ).to(DOT_DTYPE)
             acc_u = tl.dot(wu, x, acc_u)
 
     # Epilogue: h = acc * g_x * g_w (SPEC section 5), after undoing the decode's 2^-14s.

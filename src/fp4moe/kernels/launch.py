@@ -37,11 +37,14 @@ class TritonOptions:
     pdl: programmatic dependent launch between consecutive kernels (None: on for CUDA
         devices of compute capability >= 9, off in the interpreter).
     fc1 / fc2: pinned GEMM configs (None: ``choose_gemm_config``).
+    decode_asm: decode W4A16 weights with inline PTX (GPU only; experimental, see
+        docs/perf-notes.md).
     """
 
     pdl: bool | None = None
     fc1: GemmConfig | None = None
     fc2: GemmConfig | None = None
+    decode_asm: bool = False
 
 
 def _use_pdl(opt: TritonOptions, device: torch.device) -> bool:
@@ -113,15 +116,17 @@ def _gemm(
     a_gather: bool,
     fused: bool,
     pdl: bool,
+    decode_asm: bool = False,
 ) -> None:
     a_fp4 = a_scales is not None
+    decode_asm = decode_asm and not a_fp4 and not interpreting()
     if interpreting():
         dot, wdt = tl.float32, tl.float32
     elif a_fp4:
         dot, wdt = tl.float16, tl.float16
     else:
         dot, wdt = tl.bfloat16, tl.bfloat16
-    out_scale = 2.0**28 if a_fp4 else 2.0**14
+    out_scale = 2.0**28 if a_fp4 else (1.0 if decode_asm else 2.0**14)
     grid = (triton.cdiv(n, cfg.block_n), sort.num_blocks)
     dummy = w_global
     _launch(
@@ -133,7 +138,7 @@ def _gemm(
         n, k,
         TOPK=topk, GATED=gated, A_FP4=a_fp4, A_GATHER=a_gather, FUSED=fused,
         OUT_SCALE=out_scale, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-        DOT_DTYPE=dot, W_DTYPE=wdt, INTERPRET=interpreting(),
+        DOT_DTYPE=dot, W_DTYPE=wdt, INTERPRET=interpreting(), DECODE_ASM=decode_asm,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -204,6 +209,7 @@ def moe_triton(
         cfg1, sort, a_src, a_scales, a_global,
         experts.w13_codes, experts.w13_scales, experts.w13_global, act, w_flat,
         n=inter, k=h, topk=topk, gated=True, a_gather=a_gather, fused=False, pdl=pdl,
+        decode_asm=opt.decode_asm,
     )  # fmt: skip
 
     # FC2 input.
@@ -232,6 +238,7 @@ def moe_triton(
             cfg2, sort, b_src, b_scales, b_global,
             experts.w2_codes, experts.w2_scales, experts.w2_global, acc, w_flat,
             n=h, k=inter, topk=topk, gated=False, a_gather=False, fused=True, pdl=pdl,
+            decode_asm=opt.decode_asm,
         )  # fmt: skip
         return acc.to(torch.bfloat16)
 
@@ -240,6 +247,7 @@ def moe_triton(
         cfg2, sort, b_src, b_scales, b_global,
         experts.w2_codes, experts.w2_scales, experts.w2_global, y, w_flat,
         n=h, k=inter, topk=topk, gated=False, a_gather=False, fused=False, pdl=pdl,
+        decode_asm=opt.decode_asm,
     )  # fmt: skip
     out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
     block_h, warps = finalize_block_h(t, h)
