@@ -402,3 +402,13 @@ def test_prepare_does_not_modify_inputs(weights):
     c13, c2 = w13.clone(), w2.clone()
     prepare_experts(w13, w2, a13_scale=0.1, a2_scale=0.2)
     assert torch.equal(w13, c13) and torch.equal(w2, c2)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_from_linear_refuses_bad_static_scales(bad):
+    w13 = torch.randn(2, 64, 64)
+    w2 = torch.randn(2, 64, 32)
+    t = prepare_experts(w13, w2, a13_scale=0.01, a2_scale=0.01).to_linear()
+    t["a2_scale"][1] = bad
+    with pytest.raises(ValueError, match="a2_scale"):
+        PreparedExperts.from_linear(t)

@@ -180,7 +180,7 @@ def _validate_linear(t: dict[str, torch.Tensor]) -> None:
     e, two_i, half_h = c.shape
     if two_i % 2 or (two_i // 2) % 32 or (half_h * 2) % 32:
         raise ValueError(
-            f"w13_codes: H and I must be multiples of 32, got H={half_h * 2}, I={two_i / 2}"
+            f"w13_codes: H and I must be multiples of 32, got H={half_h * 2}, I={two_i // 2}"
         )
     expected = _expected_shapes(e, half_h * 2, two_i // 2)
     device = c.device
@@ -192,6 +192,9 @@ def _validate_linear(t: dict[str, torch.Tensor]) -> None:
             raise ValueError(f"{k}: on {v.device}, but w13_codes is on {device}")
     if ("a13_scale" in t) != ("a2_scale" in t):
         raise ValueError("a13_scale, a2_scale: give both static activation scales or neither")
+    for k in _OPTIONAL_NAMES:
+        if k in t and (not bool(torch.isfinite(t[k]).all()) or bool((t[k] <= 0).any())):
+            raise ValueError(f"{k}: static activation scales must be finite and positive")
 
 
 # ------------------------------------------------------------------------------ prepare
