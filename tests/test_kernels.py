@@ -112,9 +112,11 @@ def test_moe_triton_matches_reference(interpret, device, mode, fused, t, k, e, h
     m, sc = mode
     before = [v.clone() for v in experts.to_linear().values()]
     ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
-    out = fp4moe.moe(
-        x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused, backend="triton"
-    )
+    # Workspaces and output are NaN-poisoned, so an element no kernel wrote shows up.
+    out = moe_triton(
+        x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused,
+        options=TritonOptions(poison=True),
+    )  # fmt: skip
     assert out.dtype == torch.bfloat16 and out.shape == (t, h)
     assert not torch.isnan(out).any()
     # Accumulation order differs (fp32 in K chunks against the reference's exact sum), so
@@ -194,10 +196,15 @@ def test_moe_gpu_shapes(gpu_experts, shape, t, mode, fused):
     x = _x(t, h, seed=t, device="cuda")
     ids, w = _gpu_routes(t, k, e, e_total, seed=t + 1)
     m, sc = mode
-    out = fp4moe.moe(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused)
-    assert out.shape == (t, h)
     if t == 0:
+        out = fp4moe.moe(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused)
+        assert out.shape == (0, h)
         return
+    out = moe_triton(
+        x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused,
+        options=TritonOptions(poison=True),
+    )  # fmt: skip
+    assert out.shape == (t, h)
     ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
     assert not torch.isnan(out).any()
     assert rel_err(out, ref) <= TOL[m], f"rel err {rel_err(out, ref):.2e}"
@@ -285,3 +292,14 @@ def test_decode_asm_matches_plain_decode(gpu_experts, t, fused):
     assert rel_err(asm, ref) <= TOL["w4a16"]
     if not fused:
         assert torch.equal(asm, plain)
+
+
+@pytest.mark.kernel
+def test_backend_triton_through_moe(interpret, device):
+    """The public entry point reaches the Triton backend (interpreter on CPU)."""
+    experts = _experts(4, 64, 32, seed=3, device=device)
+    x = _x(6, 64, seed=3, device=device)
+    ids, w = _routes(6, 2, 4, seed=3, device=device)
+    out = fp4moe.moe(x, ids, w, experts, mode="w4a4", backend="triton")
+    ref = moe_reference(x, ids, w, experts, mode="w4a4", act_scale="per_token")
+    assert rel_err(out, ref) <= TOL["w4a4"]

@@ -39,12 +39,15 @@ class TritonOptions:
     fc1 / fc2: pinned GEMM configs (None: ``choose_gemm_config``).
     decode_asm: decode W4A16 weights with inline PTX (GPU only; experimental, see
         docs/perf-notes.md).
+    poison: fill every workspace and the output with NaN (0xFF bytes for codes and
+        scales) before the kernels run, so tests see any element no kernel wrote.
     """
 
     pdl: bool | None = None
     fc1: GemmConfig | None = None
     fc2: GemmConfig | None = None
     decode_asm: bool = False
+    poison: bool = False
 
 
 def _use_pdl(opt: TritonOptions, device: torch.device) -> bool:
@@ -53,6 +56,14 @@ def _use_pdl(opt: TritonOptions, device: torch.device) -> bool:
     if opt.pdl is not None:
         return opt.pdl
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device, poison: bool) -> torch.Tensor:
+    if not poison:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if dtype.is_floating_point and dtype.itemsize > 1:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.full(shape, 0xFF, dtype=torch.uint8, device=device).view(dtype)
 
 
 def _launch(kernel, grid, pdl: bool, *args, **kwargs):
@@ -72,12 +83,13 @@ def _quantize_rows(
     count: torch.Tensor | None = None,
     table: torch.Tensor | None = None,
     row_expert: torch.Tensor | None = None,
+    poison: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     c = src.shape[1]
     dev = src.device
-    codes = torch.empty(rows, c // 2, dtype=torch.uint8, device=dev)
-    scales = torch.empty(rows, c // 16, dtype=torch.float8_e4m3fn, device=dev)
-    glob = torch.empty(rows, dtype=torch.float32, device=dev)
+    codes = _empty((rows, c // 2), torch.uint8, dev, poison)
+    scales = _empty((rows, c // 16), torch.float8_e4m3fn, dev, poison)
+    glob = _empty((rows,), torch.float32, dev, poison)
     if rows == 0:
         return codes, scales, glob
     dummy = glob
@@ -193,18 +205,23 @@ def moe_triton(
     a_src, a_gather = x, True
     if w4a4:
         if act_scale == "per_token":
-            a_src, a_scales, a_global = _quantize_rows(x, t, mode=MODE_PER_ROW, pdl=pdl)
+            a_src, a_scales, a_global = _quantize_rows(
+                x, t, mode=MODE_PER_ROW, pdl=pdl, poison=opt.poison
+            )
         elif act_scale == "per_tensor":
             g = _global_from_amax(x.abs().amax())
-            a_src, a_scales, a_global = _quantize_rows(x, t, mode=MODE_SCALAR, table=g, pdl=pdl)
+            a_src, a_scales, a_global = _quantize_rows(
+                x, t, mode=MODE_SCALAR, table=g, pdl=pdl, poison=opt.poison
+            )
         else:  # static: global of the route's expert, so quantize each sorted row
             a_src, a_scales, a_global = _quantize_rows(
                 x, n_routes, mode=MODE_STATIC, index=sort.sorted_routes, div=topk,
                 count=n_valid, table=experts.a13_scale, row_expert=sorted_expert, pdl=pdl,
+                poison=opt.poison,
             )  # fmt: skip
             a_gather = False
 
-    act = torch.empty(n_routes, inter, dtype=torch.bfloat16, device=dev)
+    act = _empty((n_routes, inter), torch.bfloat16, dev, opt.poison)
     _gemm(
         cfg1, sort, a_src, a_scales, a_global,
         experts.w13_codes, experts.w13_scales, experts.w13_global, act, w_flat,
@@ -218,38 +235,41 @@ def moe_triton(
     if w4a4:
         if act_scale == "per_token":
             b_src, b_scales, b_global = _quantize_rows(
-                act, n_routes, mode=MODE_PER_ROW, count=n_valid, pdl=pdl
+                act, n_routes, mode=MODE_PER_ROW, count=n_valid, pdl=pdl, poison=opt.poison
             )
         elif act_scale == "per_tensor":
             live = (torch.arange(n_routes, device=dev) < n_valid)[:, None]
             g = _global_from_amax(torch.where(live, act.abs(), 0).amax())
             b_src, b_scales, b_global = _quantize_rows(
-                act, n_routes, mode=MODE_SCALAR, count=n_valid, table=g, pdl=pdl
+                act,
+                n_routes,
+                mode=MODE_SCALAR,
+                count=n_valid,
+                table=g,
+                pdl=pdl,
+                poison=opt.poison,
             )
         else:
             b_src, b_scales, b_global = _quantize_rows(
                 act, n_routes, mode=MODE_STATIC, count=n_valid, table=experts.a2_scale,
-                row_expert=sorted_expert, pdl=pdl,
+                row_expert=sorted_expert, pdl=pdl, poison=opt.poison,
             )  # fmt: skip
 
+    # Fused: atomics add weight * y into fp32 [T, H]; unfused: route rows in sorted order.
     if fused_finalize:
-        acc = torch.zeros(t, h, dtype=torch.float32, device=dev)
-        _gemm(
-            cfg2, sort, b_src, b_scales, b_global,
-            experts.w2_codes, experts.w2_scales, experts.w2_global, acc, w_flat,
-            n=h, k=inter, topk=topk, gated=False, a_gather=False, fused=True, pdl=pdl,
-            decode_asm=opt.decode_asm,
-        )  # fmt: skip
-        return acc.to(torch.bfloat16)
-
-    y = torch.empty(n_routes, h, dtype=torch.bfloat16, device=dev)
+        dest = torch.zeros(t, h, dtype=torch.float32, device=dev)
+    else:
+        dest = _empty((n_routes, h), torch.bfloat16, dev, opt.poison)
     _gemm(
         cfg2, sort, b_src, b_scales, b_global,
-        experts.w2_codes, experts.w2_scales, experts.w2_global, y, w_flat,
-        n=h, k=inter, topk=topk, gated=False, a_gather=False, fused=False, pdl=pdl,
+        experts.w2_codes, experts.w2_scales, experts.w2_global, dest, w_flat,
+        n=h, k=inter, topk=topk, gated=False, a_gather=False, fused=fused_finalize, pdl=pdl,
         decode_asm=opt.decode_asm,
     )  # fmt: skip
-    out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+    if fused_finalize:
+        return dest.to(torch.bfloat16)
+    y = dest
+    out = _empty((t, h), torch.bfloat16, dev, opt.poison)
     block_h, warps = finalize_block_h(t, h)
     _launch(
         finalize_kernel, (t, triton.cdiv(h, block_h)), pdl,
