@@ -63,9 +63,14 @@ def _x(t, h, *, seed, device):
 
 @pytest.mark.parametrize("t,k,e,bm", [(0, 2, 4, 16), (1, 1, 3, 16), (37, 3, 5, 16), (50, 4, 8, 32)])
 @pytest.mark.parametrize("masked", [0.0, 0.3, 1.0], ids=["none", "some", "all"])
-def test_sort_invariants(t, k, e, bm, masked):
-    ids, _ = _routes(t, k, e, seed=t + k, device="cpu", masked=masked)
-    s = sort_routes(ids, e, bm)
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "triton"])
+def test_sort_invariants(interpret, device, t, k, e, bm, masked, use_kernel):
+    if use_kernel and t == 0:
+        pytest.skip("T = 0 never reaches the sort")
+    ids, _ = _routes(t, k, e, seed=t + k, device=device, masked=masked)
+    s = sort_routes(ids, e, bm, use_kernel=use_kernel)
+    s = type(s)(**{f: (v.cpu() if isinstance(v, torch.Tensor) else v) for f, v in vars(s).items()})
+    ids = ids.cpu()
     ref = sort_routes_reference(ids, e, bm)
     n_valid = ref["n_valid"]
     assert int(s.expert_offsets[e]) == n_valid
@@ -83,6 +88,14 @@ def test_sort_invariants(t, k, e, bm, masked):
     ]
     assert tiles == ref["tiles"]
     assert all(int(a) == -1 for a in s.block_expert[len(tiles) :])
+    sorted_ids = ids.reshape(-1)[s.sorted_routes.long()]
+    assert torch.equal(s.sorted_expert[:n_valid], sorted_ids[:n_valid])
+    assert bool((s.sorted_expert[n_valid:] == 0).all())
+    if use_kernel:  # both implementations agree field by field
+        other = sort_routes(ids, e, bm, use_kernel=False)
+        for f, v in vars(other).items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, getattr(s, f)), f
 
 
 # ----------------------------------------------------------------------------- whole MoE
@@ -303,3 +316,26 @@ def test_backend_triton_through_moe(interpret, device):
     out = fp4moe.moe(x, ids, w, experts, mode="w4a4", backend="triton")
     ref = moe_reference(x, ids, w, experts, mode="w4a4", act_scale="per_token")
     assert rel_err(out, ref) <= TOL["w4a4"]
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_prefetch_config_matches_plain(interpret, device, mode):
+    """Register double buffering of the weight tiles changes no bits."""
+    if device != "cpu":
+        pytest.skip("interpreter case; the GPU sweep runs prefetch configs")
+    from fp4moe.kernels.gemm import GemmConfig
+
+    experts = _experts(4, 128, 64, seed=11, device=device)
+    x = _x(10, 128, seed=11, device=device)
+    ids, w = _routes(10, 2, 4, seed=11, device=device, masked=0.2)
+    m, sc = mode
+    plain = GemmConfig(16, 32, 32, num_stages=1)
+    pre = GemmConfig(16, 32, 32, num_stages=1, prefetch=True)
+    a = moe_triton(
+        x, ids, w, experts, mode=m, act_scale=sc, options=TritonOptions(fc1=plain, fc2=plain)
+    )
+    b = moe_triton(
+        x, ids, w, experts, mode=m, act_scale=sc, options=TritonOptions(fc1=pre, fc2=pre)
+    )
+    assert torch.equal(a, b)

@@ -9,10 +9,12 @@ from .experts import PreparedExperts, load_experts, prepare_experts
 from .moe import moe
 from .nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
 from .routing import expert_range, local_expert_ids, route
+from .runner import MoERunner
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "MoERunner",
     "NVFP4Tensor",
     "PreparedExperts",
     "__version__",

@@ -37,6 +37,7 @@ class GemmConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    prefetch: bool = False  # load the next K tile's weight bytes before decoding this one
 
 
 def _largest_pow2_dividing(k: int, cap: int) -> int:
@@ -166,6 +167,7 @@ def moe_gemm_kernel(
     USE_PDL: tl.constexpr,
     INTERPRET: tl.constexpr,
     DECODE_ASM: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -212,7 +214,31 @@ def moe_gemm_kernel(
     acc_g = tl.zeros((BN, BM), dtype=tl.float32)
     if GATED:
         acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+    # Register double buffering (PREFETCH): the next tile's weight bytes are in flight while
+    # this tile is decoded and multiplied.
+    cg_nxt = tl.load(wc_g, mask=n_mask[:, None], other=0)
+    sg_nxt = tl.load(ws_g, mask=n_mask[:, None], other=0.0)
+    if GATED:
+        cu_nxt = tl.load(wc_u, mask=n_mask[:, None], other=0)
+        su_nxt = tl.load(ws_u, mask=n_mask[:, None], other=0.0)
     for k0 in range(0, K, BK):
+        if PREFETCH:
+            cg_cur = cg_nxt
+            sg_cur = sg_nxt
+            pm = n_mask[:, None] & (k0 + BK < K)
+            cg_nxt = tl.load(wc_g + (k0 + BK) // 2, mask=pm, other=0)
+            sg_nxt = tl.load(ws_g + (k0 + BK) // 16, mask=pm, other=0.0)
+            if GATED:
+                cu_cur = cu_nxt
+                su_cur = su_nxt
+                cu_nxt = tl.load(wc_u + (k0 + BK) // 2, mask=pm, other=0)
+                su_nxt = tl.load(ws_u + (k0 + BK) // 16, mask=pm, other=0.0)
+        else:
+            cg_cur = tl.load(wc_g + k0 // 2, mask=n_mask[:, None], other=0)
+            sg_cur = tl.load(ws_g + k0 // 16, mask=n_mask[:, None], other=0.0)
+            if GATED:
+                cu_cur = tl.load(wc_u + k0 // 2, mask=n_mask[:, None], other=0)
+                su_cur = tl.load(ws_u + k0 // 16, mask=n_mask[:, None], other=0.0)
         if A_FP4:
             ac = tl.load(ac_ptrs + k0 // 2, mask=m_mask[:, None], other=0)
             asc = tl.load(as_ptrs + k0 // 16, mask=m_mask[:, None], other=0.0)
@@ -220,37 +246,15 @@ def moe_gemm_kernel(
         else:
             x = tl.load(x_ptrs + k0, mask=m_mask[None, :], other=0.0).to(DOT_DTYPE)
         if DECODE_ASM:
-            wg = decode_nvfp4_tile_bf16_asm(
-                tl.load(wc_g + k0 // 2, mask=n_mask[:, None], other=0),
-                tl.load(ws_g + k0 // 16, mask=n_mask[:, None], other=0.0),
-                BN,
-                BK,
-            )
+            wg = decode_nvfp4_tile_bf16_asm(cg_cur, sg_cur, BN, BK)
         else:
-            wg = decode_nvfp4_tile(
-                tl.load(wc_g + k0 // 2, mask=n_mask[:, None], other=0),
-                tl.load(ws_g + k0 // 16, mask=n_mask[:, None], other=0.0),
-                BN,
-                BK,
-                W_DTYPE,
-            ).to(DOT_DTYPE)
+            wg = decode_nvfp4_tile(cg_cur, sg_cur, BN, BK, W_DTYPE).to(DOT_DTYPE)
         acc_g = tl.dot(wg, x, acc_g)
         if GATED:
             if DECODE_ASM:
-                wu = decode_nvfp4_tile_bf16_asm(
-                    tl.load(wc_u + k0 // 2, mask=n_mask[:, None], other=0),
-                    tl.load(ws_u + k0 // 16, mask=n_mask[:, None], other=0.0),
-                    BN,
-                    BK,
-                )
+                wu = decode_nvfp4_tile_bf16_asm(cu_cur, su_cur, BN, BK)
             else:
-                wu = decode_nvfp4_tile(
-                    tl.load(wc_u + k0 // 2, mask=n_mask[:, None], other=0),
-                    tl.load(ws_u + k0 // 16, mask=n_mask[:, None], other=0.0),
-                    BN,
-                    BK,
-                    W_DTYPE,
-                ).to(DOT_DTYPE)
+                wu = decode_nvfp4_tile(cu_cur, su_cur, BN, BK, W_DTYPE).to(DOT_DTYPE)
             acc_u = tl.dot(wu, x, acc_u)
 
     # Epilogue: h = acc * g_x * g_w (SPEC section 5), after undoing the decode's 2^-14s.

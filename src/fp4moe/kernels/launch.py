@@ -151,6 +151,7 @@ def _gemm(
         TOPK=topk, GATED=gated, A_FP4=a_fp4, A_GATHER=a_gather, FUSED=fused,
         OUT_SCALE=out_scale, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         DOT_DTYPE=dot, W_DTYPE=wdt, INTERPRET=interpreting(), DECODE_ASM=decode_asm,
+        PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -195,9 +196,7 @@ def moe_triton(
         raise ValueError("options: fc1 and fc2 configs must share block_m (one tile schedule)")
     sort = sort_routes(ids, e_count, cfg1.block_m)
     n_valid = sort.expert_offsets[e_count:]  # device scalar: rows in sorted order
-    sorted_expert = torch.where(
-        torch.arange(n_routes, device=dev) < n_valid, ids.reshape(-1)[sort.sorted_routes.long()], 0
-    ).to(torch.int32)
+    sorted_expert = sort.sorted_expert
 
     # FC1 input.
     w4a4 = mode == "w4a4"

@@ -12,8 +12,14 @@ Given top-k ids [T, K] (negative = masked), produce:
   their programs exit at once. ``max_blocks = cdiv(T*K, block_m) + min(E, T*K)`` bounds
   sum_e cdiv(count_e, block_m), so the grid size is known on the host without a sync.
 
-Built from sort, scatter-add and cumsum (no ``nonzero``/``bincount``/``.item()``), so the
-whole step is capturable in a CUDA graph. An expert with no rows gets no block.
+Two implementations with the same outputs, both without a host sync (capturable in a
+CUDA graph); an expert with no rows gets no block:
+
+- ``sort_routes_kernel``, one Triton program, for up to ``SMALL_ROUTES`` routes (decode):
+  one launch instead of the ~35 small torch kernels below, which cost about 70 us in a
+  CUDA graph at 1 token (docs/perf-notes.md).
+- torch ops (stable sort, scatter-add, cumsum, searchsorted; no ``nonzero``, ``bincount``
+  or ``.item()``) for larger batches, where their cost is small against the GEMMs.
 """
 
 from __future__ import annotations
@@ -21,8 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
-__all__ = ["RouteSort", "max_blocks", "sort_routes", "sort_routes_reference"]
+__all__ = ["SMALL_ROUTES", "RouteSort", "max_blocks", "sort_routes", "sort_routes_reference"]
+
+SMALL_ROUTES = 1024  # up to this many routes (T*K) one Triton program sorts them
 
 
 @dataclass(frozen=True)
@@ -34,6 +44,7 @@ class RouteSort:
     block_expert: torch.Tensor
     block_start: torch.Tensor
     block_end: torch.Tensor
+    sorted_expert: torch.Tensor  # int32 [T*K]: expert of each sorted row (0 past n_valid)
     block_m: int
 
     @property
@@ -45,13 +56,29 @@ def max_blocks(num_routes: int, num_experts: int, block_m: int) -> int:
     return -(-num_routes // block_m) + min(num_experts, num_routes)
 
 
-def sort_routes(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> RouteSort:
+def sort_routes(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, *, use_kernel: bool | None = None
+) -> RouteSort:
     """Sort routes by expert and build the tile schedule (see module docstring).
 
     Args:
         topk_ids: int32 [T, K], ids in [-inf, E); ids >= E are the caller's to reject.
         num_experts: E. block_m: rows per GEMM tile.
+        use_kernel: force the Triton kernel (True) or torch ops (False); None picks the
+            kernel for at most ``SMALL_ROUTES`` routes on CUDA or in the interpreter.
     """
+    import os
+
+    n = topk_ids.numel()
+    if use_kernel is None:
+        kernel_ok = topk_ids.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
+        use_kernel = kernel_ok and 0 < n <= SMALL_ROUTES
+    if use_kernel:
+        return _sort_routes_triton(topk_ids, num_experts, block_m)
+    return _sort_routes_torch(topk_ids, num_experts, block_m)
+
+
+def _sort_routes_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> RouteSort:
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     n = flat.numel()
@@ -76,6 +103,7 @@ def sort_routes(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Route
     start = offsets[e_c] + local * block_m
     end = torch.minimum(start + block_m, offsets[e_c + 1])
     i32 = torch.int32
+    sorted_key = key[perm]
     return RouteSort(
         sorted_routes=perm.to(i32),
         route_pos=route_pos.to(i32),
@@ -84,8 +112,97 @@ def sort_routes(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Route
         block_expert=torch.where(valid, e_of_b, -1).to(i32),
         block_start=torch.where(valid, start, 0).to(i32),
         block_end=torch.where(valid, end, 0).to(i32),
+        sorted_expert=torch.where(sorted_key < num_experts, sorted_key, 0).to(i32),
         block_m=block_m,
     )
+
+
+@triton.jit
+def _gather_small(table, idx, SIZE: tl.constexpr):
+    """table[idx] for a small register vector ``table`` [SIZE] and indices idx [M]."""
+    cols = tl.arange(0, SIZE)
+    return tl.sum(tl.where(cols[None, :] == idx[:, None], table[None, :], 0), axis=1)
+
+
+@triton.jit
+def sort_routes_kernel(
+    ids_ptr,  # int32 [N]
+    sorted_routes_ptr,
+    route_pos_ptr,
+    sorted_expert_ptr,  # int32 [N]
+    counts_ptr,  # int32 [E]
+    offsets_ptr,  # int32 [E + 1]
+    block_expert_ptr,
+    block_start_ptr,
+    block_end_ptr,  # int32 [NB]
+    N,
+    NB,
+    E: tl.constexpr,
+    EP: tl.constexpr,  # power of two > E (bin E collects masked routes and padding)
+    NP: tl.constexpr,  # power of two >= N
+    NBP: tl.constexpr,  # power of two >= NB
+    BM: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    r = tl.arange(0, NP)
+    ids = tl.load(ids_ptr + r, mask=r < N, other=-1)
+    key = tl.where(ids < 0, E, ids)
+    counts = tl.histogram(key, EP)
+    offs = tl.cumsum(counts, 0) - counts  # exclusive prefix sum
+    ecols = tl.arange(0, EP)
+    tl.store(counts_ptr + ecols, counts, mask=ecols < E)
+    tl.store(offsets_ptr + ecols, offs, mask=ecols <= E)
+
+    # Stable rank of each route among the routes of its expert: earlier routes, same key.
+    for c0 in range(0, NP, CHUNK):
+        rc = c0 + tl.arange(0, CHUNK)
+        idc = tl.load(ids_ptr + rc, mask=rc < N, other=-1)
+        kc = tl.where(idc < 0, E, idc)
+        earlier = (key[None, :] == kc[:, None]) & (r[None, :] < rc[:, None])
+        pos = _gather_small(offs, kc, EP) + tl.sum(earlier.to(tl.int32), axis=1)
+        live = rc < N
+        tl.store(sorted_routes_ptr + pos, rc, mask=live)
+        tl.store(route_pos_ptr + rc, pos, mask=live)
+        tl.store(sorted_expert_ptr + pos, tl.where(kc < E, kc, 0), mask=live)
+
+    # Tile schedule: expert e owns cdiv(count_e, BM) consecutive blocks.
+    nblk = tl.where(ecols < E, (counts + BM - 1) // BM, 0)
+    bcum = tl.cumsum(nblk, 0)  # inclusive
+    for b0 in range(0, NBP, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        e_of_b = tl.sum(((bcum[None, :] <= b[:, None]) & (ecols[None, :] < E)).to(tl.int32), 1)
+        valid = e_of_b < E
+        first = _gather_small(bcum - nblk, e_of_b, EP)
+        start = _gather_small(offs, e_of_b, EP) + (b - first) * BM
+        stop = _gather_small(offs + counts, e_of_b, EP)
+        m = b < NB
+        tl.store(block_expert_ptr + b, tl.where(valid, e_of_b, -1), mask=m)
+        tl.store(block_start_ptr + b, tl.where(valid, start, 0), mask=m)
+        tl.store(block_end_ptr + b, tl.where(valid, tl.minimum(start + BM, stop), 0), mask=m)
+
+
+def _sort_routes_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> RouteSort:
+    dev = topk_ids.device
+    n = topk_ids.numel()
+    nb = max_blocks(n, num_experts, block_m)
+    i32 = torch.int32
+    out = {
+        name: torch.empty(size, dtype=i32, device=dev)
+        for name, size in (
+            ("sorted_routes", n), ("route_pos", n), ("sorted_expert", n),
+            ("expert_counts", num_experts), ("expert_offsets", num_experts + 1),
+            ("block_expert", nb), ("block_start", nb), ("block_end", nb),
+        )
+    }  # fmt: skip
+    sort_routes_kernel[(1,)](
+        topk_ids.contiguous(), out["sorted_routes"], out["route_pos"], out["sorted_expert"],
+        out["expert_counts"], out["expert_offsets"],
+        out["block_expert"], out["block_start"], out["block_end"],
+        n, nb, E=num_experts, EP=triton.next_power_of_2(num_experts + 1),
+        NP=triton.next_power_of_2(n), NBP=triton.next_power_of_2(nb), BM=block_m,
+        CHUNK=16, num_warps=4,
+    )  # fmt: skip
+    return RouteSort(block_m=block_m, **out)
 
 
 def sort_routes_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> dict:
