@@ -76,28 +76,28 @@ def make_routes(t: int, e_total: int, e_local: int, k: int, seed: int):
     return ids, w
 
 
-def bf16_grouped_moe(x, ids, w, w13_t, w2_t):
+def bf16_grouped_moe(x, ids, w, w13_t, w2_t, n_valid):
     """bf16 MoE on torch._grouped_mm: sort rows by expert, two grouped GEMMs, scatter-add.
 
-    w13_t: bf16 [E, H, 2I] and w2_t: [E, I, H] (K-major for _grouped_mm)."""
+    w13_t: bf16 [E, H, 2I] and w2_t: [E, I, H], transposed views (K contiguous) as
+    ``_grouped_mm`` wants. ``n_valid`` (valid routes, known on the host before timing) keeps
+    masked routes out of every pass."""
     e = w13_t.shape[0]
     t, k = ids.shape
     flat = ids.reshape(-1).long()
     key = torch.where(flat < 0, e, flat)
-    order = torch.argsort(key, stable=True)
+    order = torch.argsort(key, stable=True)[:n_valid]
     counts = torch.zeros(e + 1, dtype=torch.int64, device=x.device).scatter_add_(
         0, key, torch.ones_like(key)
     )[:e]
     offs = torch.cumsum(counts, 0).to(torch.int32)
-    rows = x[order // k]
-    h = torch._grouped_mm(rows, w13_t, offs=offs)
+    tok = order // k
+    h = torch._grouped_mm(x[tok], w13_t, offs=offs)
     i = w2_t.shape[1]
     a = (torch.nn.functional.silu(h[:, :i].float()) * h[:, i:].float()).to(torch.bfloat16)
     y = torch._grouped_mm(a, w2_t, offs=offs)
-    valid = key[order] < e
-    contrib = y.float() * (w.reshape(-1)[order] * valid).unsqueeze(1)
     out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
-    out.index_add_(0, order // k, contrib)
+    out.index_add_(0, tok, y.float() * w.reshape(-1)[order].unsqueeze(1))
     return out.to(torch.bfloat16)
 
 
@@ -152,18 +152,18 @@ def main(argv=None) -> int:
         base_us = None
         if not args.no_baseline and t >= 4096:
             # Where does the bf16 baseline's time go? Its two grouped GEMMs alone:
-            rows = x[torch.argsort(torch.where(ids < 0, e_local, ids).reshape(-1))[:routes] // k]
+            grows = x[torch.argsort(torch.where(ids < 0, e_local, ids).reshape(-1))[:routes] // k]
             offs = torch.cumsum(torch.bincount(ids[ids >= 0].long(), minlength=e_local), 0)
             offs = offs.to(torch.int32)
             hbuf = torch.empty(routes, 2 * inter, dtype=torch.bfloat16, device="cuda")
             abuf = torch.empty(routes, inter, dtype=torch.bfloat16, device="cuda")
             gm_us = time_graph(
                 lambda: (
-                    torch._grouped_mm(rows, w13_t, offs=offs),
+                    torch._grouped_mm(grows, w13_t, offs=offs),
                     torch._grouped_mm(abuf, w2_t, offs=offs),
                 )
             )
-            dense_us = time_graph(lambda: (rows @ w13_t[0], abuf @ w2_t[0]))
+            dense_us = time_graph(lambda: (grows @ w13_t[0], abuf @ w2_t[0]))
             print(
                 f"# T={t}: bf16 _grouped_mm pair {gm_us:.1f} us "
                 f"({flops / gm_us / 1e6:.0f} TFLOP/s); one dense bf16 pair of the same "
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
             del hbuf
         if not args.no_baseline:
             try:
-                base_us = time_graph(lambda: bf16_grouped_moe(x, ids, w, w13_t, w2_t))
+                base_us = time_graph(lambda: bf16_grouped_moe(x, ids, w, w13_t, w2_t, routes))
             except Exception as exc:
                 print(f"# baseline failed at T={t}: {exc}")
         for mode in args.modes:

@@ -57,13 +57,16 @@ def choose_gemm_config(
     """
     if interpret:
         return GemmConfig(16, 32, _largest_pow2_dividing(k, 64), num_warps=4, num_stages=1)
+    # Measured on the H200 (docs/perf-notes.md, benchmarks/sweep_configs.py): at 16 tokens
+    # (16, 64, 128, prefetch) 309 us against 328 us for (16, 64, 256, 4 stages); at 8192
+    # tokens (128, 128, 32, 8 warps, 4 stages) 3.68 ms against 5.3 ms for (128, 64, 64).
     if rows_per_expert <= 16:
-        return GemmConfig(16, 64, _largest_pow2_dividing(k, 256), num_warps=4, num_stages=4)
+        return GemmConfig(16, 64, _largest_pow2_dividing(k, 128), 4, 1, prefetch=True)
     if rows_per_expert <= 48:
         return GemmConfig(32, 64, _largest_pow2_dividing(k, 256), num_warps=4, num_stages=4)
     if rows_per_expert <= 160:
         return GemmConfig(64, 128 if not gated else 64, _largest_pow2_dividing(k, 128), 4, 4)
-    return GemmConfig(128, 128 if not gated else 64, _largest_pow2_dividing(k, 64), 8, 4)
+    return GemmConfig(128, 128, _largest_pow2_dividing(k, 32), 8, 4)
 
 
 @triton.jit
