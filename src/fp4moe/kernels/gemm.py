@@ -48,7 +48,13 @@ def _largest_pow2_dividing(k: int, cap: int) -> int:
 
 
 def choose_gemm_config(
-    rows_per_expert: float, n: int, k: int, *, gated: bool, interpret: bool = False
+    rows_per_expert: float,
+    n: int,
+    k: int,
+    *,
+    gated: bool,
+    interpret: bool = False,
+    a_fp4: bool = False,
 ) -> GemmConfig:
     """Tile shapes from the average rows an expert receives (no autotuning).
 
@@ -60,6 +66,9 @@ def choose_gemm_config(
     # Measured on the H200 (docs/perf-notes.md, benchmarks/sweep_configs.py): at 16 tokens
     # (16, 64, 128, prefetch) 309 us against 328 us for (16, 64, 256, 4 stages); at 8192
     # tokens (128, 128, 32, 8 warps, 4 stages) 3.68 ms against 5.3 ms for (128, 64, 64).
+    # W4A4 at 16 tokens: (16, 64, 256, 4 stages) 338 us against 410 us with prefetch.
+    if rows_per_expert <= 16 and a_fp4:
+        return GemmConfig(16, 64, _largest_pow2_dividing(k, 256), 4, 4)
     if rows_per_expert <= 16:
         return GemmConfig(16, 64, _largest_pow2_dividing(k, 128), 4, 1, prefetch=True)
     if rows_per_expert <= 48:

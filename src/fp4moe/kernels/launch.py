@@ -187,10 +187,10 @@ def moe_triton(
 
     rows_per_expert = n_routes / e_count
     cfg1 = opt.fc1 or choose_gemm_config(
-        rows_per_expert, inter, h, gated=True, interpret=interpreting()
+        rows_per_expert, inter, h, gated=True, interpret=interpreting(), a_fp4=mode == "w4a4"
     )
     cfg2 = opt.fc2 or choose_gemm_config(
-        rows_per_expert, h, inter, gated=False, interpret=interpreting()
+        rows_per_expert, h, inter, gated=False, interpret=interpreting(), a_fp4=mode == "w4a4"
     )
     if cfg1.block_m != cfg2.block_m:
         raise ValueError("options: fc1 and fc2 configs must share block_m (one tile schedule)")
