@@ -8,15 +8,20 @@ from .checkpoints import load_checkpoint_experts, save_modelopt_experts
 from .experts import PreparedExperts, load_experts, prepare_experts
 from .moe import moe
 from .nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
+from .phases import MoELayer, PhaseConfig, PhasePolicy, RouterConfig, serving_phase
 from .routing import expert_range, local_expert_ids, route
 from .runner import MoERunner
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "MoELayer",
     "MoERunner",
     "NVFP4Tensor",
+    "PhaseConfig",
+    "PhasePolicy",
     "PreparedExperts",
+    "RouterConfig",
     "__version__",
     "dequantize_nvfp4",
     "expert_range",
@@ -28,4 +33,5 @@ __all__ = [
     "quantize_nvfp4",
     "route",
     "save_modelopt_experts",
+    "serving_phase",
 ]

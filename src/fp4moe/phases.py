@@ -1,0 +1,288 @@
+"""Precision by serving phase: PhasePolicy and the MoELayer users hold.
+
+One PreparedExperts serves every phase; switching phase changes only the mode argument of
+``fp4moe.moe`` (no copy, repack or conversion of the weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .experts import PreparedExperts
+from .moe import ACT_SCALES, BACKENDS, MODES, moe
+from .routing import ROUTING_METHODS, local_expert_ids, route
+
+__all__ = ["PHASES", "MoELayer", "PhaseConfig", "PhasePolicy", "RouterConfig", "serving_phase"]
+
+PHASES = ("prefill", "decode")
+_SHORT = {"token": "per_token", "tensor": "per_tensor", "static": "static"}
+
+_current_phase: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "fp4moe_phase", default=None
+)
+
+
+@contextlib.contextmanager
+def serving_phase(phase: str | None) -> Iterator[None]:
+    """Set the phase for every MoELayer called inside the block (``None``: infer it).
+
+    Integrations (for example Hugging Face ``generate``) use this to say which pass is the
+    prompt (prefill) and which are the later steps (decode)."""
+    if phase is not None and phase not in PHASES:
+        raise ValueError(f"phase: expected one of {PHASES} or None, got {phase!r}")
+    token = _current_phase.set(phase)
+    try:
+        yield
+    finally:
+        _current_phase.reset(token)
+
+
+@dataclass(frozen=True)
+class PhaseConfig:
+    """How one phase runs: mode, W4A4 activation scale, finalize.
+
+    Strings parse too: "w4a16", "w4a4-token", "w4a4-tensor", "w4a4-static", each with an
+    optional "+fused" suffix (fused finalize; default deterministic)."""
+
+    mode: str = "w4a16"
+    act_scale: str = "per_token"
+    fused_finalize: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode: expected one of {MODES}, got {self.mode!r}")
+        if self.act_scale not in ACT_SCALES:
+            raise ValueError(f"act_scale: expected one of {ACT_SCALES}, got {self.act_scale!r}")
+
+    @classmethod
+    def parse(cls, spec: str | PhaseConfig) -> PhaseConfig:
+        if isinstance(spec, PhaseConfig):
+            return spec
+        if not isinstance(spec, str):
+            raise TypeError(f"policy: expected a str or PhaseConfig, got {type(spec).__name__}")
+        name, _, suffix = spec.partition("+")
+        if suffix not in ("", "fused"):
+            raise ValueError(f"policy: unknown suffix {suffix!r} in {spec!r} (only '+fused')")
+        fused = suffix == "fused"
+        if name == "w4a16":
+            return cls("w4a16", "per_token", fused)
+        head, _, scale = name.partition("-")
+        if head != "w4a4" or scale not in _SHORT:
+            raise ValueError(
+                f"policy: {spec!r} is not one of 'w4a16', 'w4a4-token', 'w4a4-tensor', "
+                "'w4a4-static' (optionally with '+fused')"
+            )
+        return cls("w4a4", _SHORT[scale], fused)
+
+    def __str__(self) -> str:
+        base = "w4a16" if self.mode == "w4a16" else "w4a4-" + self.act_scale.replace("per_", "")
+        return base + ("+fused" if self.fused_finalize else "")
+
+
+@dataclass(frozen=True)
+class PhasePolicy:
+    """Maps serving phases to PhaseConfigs.
+
+    Args:
+        prefill: the prompt pass (compute-bound; W4A4 by default).
+        decode: the generation steps (memory-bound; W4A16 by default).
+        decode_max_tokens: when a call gives no phase (and none is set by
+            ``serving_phase``), calls with at most this many tokens run as decode.
+        backend: passed to ``fp4moe.moe`` ("auto": Triton on CUDA, reference elsewhere).
+    """
+
+    prefill: PhaseConfig | str = "w4a4-token"
+    decode: PhaseConfig | str = "w4a16"
+    decode_max_tokens: int = 64
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefill", PhaseConfig.parse(self.prefill))
+        object.__setattr__(self, "decode", PhaseConfig.parse(self.decode))
+        if isinstance(self.decode_max_tokens, bool) or not isinstance(self.decode_max_tokens, int):
+            raise TypeError("decode_max_tokens: expected an int")
+        if self.decode_max_tokens < 0:
+            raise ValueError(f"decode_max_tokens: must be >= 0, got {self.decode_max_tokens}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
+
+    @classmethod
+    def single(cls, spec: PhaseConfig | str, *, backend: str = "auto") -> PhasePolicy:
+        """The same configuration for every phase."""
+        return cls(prefill=spec, decode=spec, backend=backend)
+
+    @classmethod
+    def coerce(cls, policy: PhasePolicy | PhaseConfig | str) -> PhasePolicy:
+        if isinstance(policy, PhasePolicy):
+            return policy
+        return cls.single(policy)
+
+    def phase_of(self, num_tokens: int, phase: str | None = None) -> str:
+        phase = phase if phase is not None else _current_phase.get()
+        if phase is None:
+            return "decode" if num_tokens <= self.decode_max_tokens else "prefill"
+        if phase not in PHASES:
+            raise ValueError(f"phase: expected one of {PHASES} or None, got {phase!r}")
+        return phase
+
+    def select(self, num_tokens: int, phase: str | None = None) -> PhaseConfig:
+        return self.decode if self.phase_of(num_tokens, phase) == "decode" else self.prefill
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Router settings (see ``fp4moe.route``); the gate weight and bias live in the layer."""
+
+    method: str = "softmax"
+    top_k: int = 2
+    renormalize: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.method not in ROUTING_METHODS:
+            raise ValueError(f"method: expected one of {ROUTING_METHODS}, got {self.method!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
+            raise ValueError(f"top_k: expected a positive int, got {self.top_k!r}")
+
+
+@dataclass
+class _Stats:
+    calls: dict[str, int] = field(default_factory=lambda: {p: 0 for p in PHASES})
+    tokens: dict[str, int] = field(default_factory=lambda: {p: 0 for p in PHASES})
+
+
+class MoELayer(nn.Module):
+    """A sparse MoE block over one PreparedExperts, its router, and a phase policy.
+
+    Args:
+        experts: the prepared experts (E local experts). Held as a plain attribute, not as
+            parameters or buffers, so ``state_dict`` and ``.to()`` never copy them; move them
+            with ``layer.experts = layer.experts.to(device)`` if you must.
+        router: RouterConfig (method, top_k, groups, scaling).
+        gate_weight: fp32/bf16 [E_total, H] router weight (logits = x @ gate_weight.T in
+            fp32). May be None when every call passes ``router_logits`` or ``routes``.
+        correction_bias: fp32 [E_total] selection bias (sigmoid_grouped only).
+        policy: a PhasePolicy, or a single mode string for every phase.
+        expert_range: (start, stop) when this layer holds only experts start..stop-1 of
+            E_total (expert parallelism): other experts' routes are masked.
+    """
+
+    def __init__(
+        self,
+        experts: PreparedExperts,
+        router: RouterConfig | None = None,
+        *,
+        gate_weight: torch.Tensor | None = None,
+        correction_bias: torch.Tensor | None = None,
+        policy: PhasePolicy | PhaseConfig | str | None = None,
+        expert_range: tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(experts, PreparedExperts):
+            raise TypeError(f"experts: expected PreparedExperts, got {type(experts).__name__}")
+        self.experts = experts
+        self.router = router or RouterConfig()
+        if not isinstance(self.router, RouterConfig):
+            raise TypeError(f"router: expected RouterConfig, got {type(self.router).__name__}")
+        self.policy = PhasePolicy.coerce(policy if policy is not None else PhasePolicy())
+        h = experts.hidden_size
+        if gate_weight is not None:
+            if gate_weight.dim() != 2 or gate_weight.shape[1] != h:
+                raise ValueError(
+                    f"gate_weight: expected [E_total, {h}], got {tuple(gate_weight.shape)}"
+                )
+            self.register_buffer("gate_weight", gate_weight.detach().float().clone())
+        else:
+            self.gate_weight = None
+        if correction_bias is not None:
+            self.register_buffer("correction_bias", correction_bias.detach().float().clone())
+        else:
+            self.correction_bias = None
+        n_total = gate_weight.shape[0] if gate_weight is not None else experts.num_experts
+        if expert_range is None:
+            expert_range = (0, experts.num_experts)
+        start, stop = expert_range
+        if stop - start != experts.num_experts or start < 0 or stop > n_total:
+            raise ValueError(
+                f"expert_range: {expert_range} does not hold the {experts.num_experts} "
+                f"prepared experts within {n_total}"
+            )
+        self.expert_range = (start, stop)
+        self.num_experts_total = n_total
+        self.stats = _Stats()
+
+    def route(self, x2d: torch.Tensor, router_logits: torch.Tensor | None = None):
+        """(topk_ids int32 [T, K] local ids, topk_weights fp32 [T, K]) for x2d [T, H]."""
+        if router_logits is None:
+            if self.gate_weight is None:
+                raise ValueError("router_logits: needed when the layer has no gate_weight")
+            router_logits = x2d.float() @ self.gate_weight.t()
+        r = self.router
+        kw = {}
+        if r.method == "sigmoid_grouped":
+            kw = dict(
+                correction_bias=self.correction_bias, n_group=r.n_group,
+                topk_group=r.topk_group, scaling_factor=r.scaling_factor,
+            )  # fmt: skip
+        ids, w = route(router_logits, r.top_k, method=r.method, renormalize=r.renormalize, **kw)
+        start, stop = self.expert_range
+        if (start, stop) != (0, self.num_experts_total):
+            ids = local_expert_ids(ids, start, stop)
+        return ids, w
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        phase: str | None = None,
+        *,
+        router_logits: torch.Tensor | None = None,
+        routes: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """x: bf16 [..., H] -> bf16 [..., H].
+
+        phase: "prefill", "decode", or None (the ``serving_phase`` context, else the
+        policy's token-count threshold). routes: precomputed (ids, weights) [T, K]."""
+        shape = x.shape
+        x2d = x.reshape(-1, shape[-1])
+        if x2d.dtype != torch.bfloat16:
+            raise TypeError(f"x: expected torch.bfloat16, got {x2d.dtype}")
+        t = x2d.shape[0]
+        ids, w = routes if routes is not None else self.route(x2d, router_logits)
+        name = self.policy.phase_of(t, phase)
+        cfg = self.policy.prefill if name == "prefill" else self.policy.decode
+        self.stats.calls[name] += 1
+        self.stats.tokens[name] += t
+        out = moe(
+            x2d, ids, w, self.experts, mode=cfg.mode, act_scale=cfg.act_scale,
+            fused_finalize=cfg.fused_finalize, backend=self.policy.backend,
+        )  # fmt: skip
+        return out.reshape(shape)
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of the expert weights (one prepared copy) and of the router, and what a
+        bf16 copy of the experts would cost."""
+        e, h, i = (self.experts.num_experts, self.experts.hidden_size,
+                   self.experts.intermediate_size)  # fmt: skip
+        router = sum(b.numel() * b.element_size() for b in self.buffers())
+        return {
+            "expert_bytes": self.experts.nbytes(),
+            "router_bytes": router,
+            "bf16_expert_bytes": e * 3 * h * i * 2,
+            "copies_of_expert_weights": 1,
+        }
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts={self.experts.num_experts} of {self.num_experts_total}, "
+            f"H={self.experts.hidden_size}, I={self.experts.intermediate_size}, "
+            f"router={self.router.method}/top{self.router.top_k}, "
+            f"prefill={self.policy.prefill}, decode={self.policy.decode}"
+        )
