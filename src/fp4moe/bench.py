@@ -1,0 +1,470 @@
+"""``fp4moe bench``: the MoE layer on a CUDA GPU against the baselines a user would pick.
+
+Per token count and mode: median microseconds over CUDA-graph replays, TFLOP/s, GB/s of
+expert weights, fraction of the byte floor (touched NVFP4 expert bytes over this card's
+copy bandwidth, measured in the same run), speed-up over a bf16 ``torch._grouped_mm`` MoE
+and over the naive NVFP4 path (dequantize every expert, then the same grouped GEMMs), and
+the unfused/fused ratio. Output: a table, and JSON, CSV and (with matplotlib) a PNG plot.
+Each timed configuration is checked against the reference once before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+__all__ = ["PRESETS", "Preset", "add_arguments", "main", "run"]
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden: int
+    inter: int
+    experts: int  # in the whole model
+    local_experts: int  # held by the benchmarked rank (expert parallelism)
+    top_k: int
+    method: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0
+
+
+PRESETS = {
+    "deepseek-v3-ep8": Preset(7168, 2048, 256, 32, 8, "sigmoid_grouped", 8, 4, 2.5),
+    "qwen3-30b-a3b": Preset(2048, 768, 128, 128, 8, "softmax"),
+    "mixtral-8x7b": Preset(4096, 14336, 8, 8, 2, "topk_softmax"),
+    "kimi-k2-ep8": Preset(7168, 2048, 384, 48, 8, "sigmoid_grouped", 1, 1, 2.827),
+    "gpt-oss-120b-shape": Preset(2880, 2880, 128, 128, 4, "topk_softmax"),
+}
+MODES = {
+    "w4a16": ("w4a16", "per_token"),
+    "w4a4-token": ("w4a4", "per_token"),
+    "w4a4-tensor": ("w4a4", "per_tensor"),
+    "w4a4-static": ("w4a4", "static"),
+}
+DEFAULT_TOKENS = [2**i for i in range(15)]  # 1 .. 16384
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="deepseek-v3-ep8", choices=sorted(PRESETS))
+    for name in ("hidden", "inter", "experts", "local-experts", "top-k"):
+        p.add_argument(f"--{name}", type=int, default=None, help=f"override the preset's {name}")
+    p.add_argument("--num-tokens", type=int, nargs="+", default=DEFAULT_TOKENS)
+    p.add_argument(
+        "--modes", nargs="+", default=["w4a4-tensor", "w4a4-token", "w4a16"], choices=sorted(MODES)
+    )
+    p.add_argument("--no-fused-finalize", action="store_true", help="deterministic finalize only")
+    p.add_argument(
+        "--finalize",
+        choices=["fused", "unfused", "both"],
+        default=None,
+        help="time each row fused, unfused or both (default: both)",
+    )
+    p.add_argument("--no-cuda-graph", action="store_true", help="time eager calls")
+    p.add_argument("--no-pdl", action="store_true", help="programmatic dependent launch off")
+    p.add_argument(
+        "--cold-l2",
+        action="store_true",
+        help="rotate several copies of the experts so weights never sit in L2",
+    )
+    p.add_argument("--no-baseline", action="store_true", help="skip the bf16 and naive baselines")
+    p.add_argument("--no-check", action="store_true", help="skip the check against the reference")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-out", help="folder for JSON, CSV and PNG")
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def time_us(fn, *, graph: bool, warmup: int, iters: int, reps: int = 1) -> float:
+    """Median microseconds of one ``fn()`` call (``reps`` calls a sample)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(max(warmup, 1)):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                fn()
+        run = g.replay
+    else:
+
+        def run():
+            for _ in range(reps):
+                fn()
+
+    run()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b) * 1000 / reps)
+    return statistics.median(samples)
+
+
+def card_ceilings() -> dict:
+    n = 1 << 30
+    src = torch.empty(n // 4, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    us = time_us(lambda: torch.mul(src, 1.0, out=dst), graph=True, warmup=2, iters=10, reps=3)
+    copy = 2 * n / (us * 1e-6)
+    m = 8192
+    a = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+    us = time_us(lambda: a @ b, graph=True, warmup=2, iters=10, reps=3)
+    return {"copy_bytes_per_s": copy, "bf16_matmul_flops": 2 * m**3 / (us * 1e-6)}
+
+
+# ----------------------------------------------------------------------------- baselines
+
+
+def bf16_grouped_moe(x, ids, w, w13_t, w2_t, n_valid: int):
+    """bf16 MoE on ``torch._grouped_mm`` (w13_t [E, H, 2I], w2_t [E, I, H], K-contiguous
+    views); ``n_valid`` valid routes, known on the host, keep masked routes out."""
+    e = w13_t.shape[0]
+    t, k = ids.shape
+    key = torch.where(ids.reshape(-1) < 0, e, ids.reshape(-1)).long()
+    order = torch.argsort(key, stable=True)[:n_valid]
+    counts = torch.zeros(e + 1, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    offs = torch.cumsum(counts[:e], 0).to(torch.int32)
+    tok = order // k
+    h = torch._grouped_mm(x[tok], w13_t, offs=offs)
+    i = w2_t.shape[1]
+    a = (torch.nn.functional.silu(h[:, :i].float()) * h[:, i:].float()).to(torch.bfloat16)
+    y = torch._grouped_mm(a, w2_t, offs=offs)
+    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    out.index_add_(0, tok, y.float() * w.reshape(-1)[order].unsqueeze(1))
+    return out.to(torch.bfloat16)
+
+
+def naive_nvfp4_moe(x, ids, w, experts, n_valid: int):
+    """Dequantize every expert to bf16 on each call, then the bf16 grouped-GEMM MoE."""
+    w13, w2 = experts.dequantize(torch.bfloat16)
+    return bf16_grouped_moe(x, ids, w, w13.transpose(1, 2), w2.transpose(1, 2), n_valid)
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def _git_commit() -> str | None:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
+        )
+        return out.stdout.strip() or None
+    except Exception:
+        return None
+
+
+def _progress(i: int, n: int, label: str) -> None:
+    width = 30
+    done = int(width * i / max(n, 1))
+    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} {label:40s}")
+    sys.stderr.flush()
+
+
+def resolve_preset(args: argparse.Namespace) -> Preset:
+    p = PRESETS[args.preset]
+    over = {
+        "hidden": args.hidden,
+        "inter": args.inter,
+        "experts": args.experts,
+        "local_experts": args.local_experts,
+        "top_k": args.top_k,
+    }
+    kw = {k: v for k, v in over.items() if v is not None}
+    if "experts" in kw and "local_experts" not in kw:
+        kw["local_experts"] = min(p.local_experts, kw["experts"])
+    p = Preset(**{**asdict(p), **kw})
+    if p.hidden % 32 or p.inter % 32:
+        raise ValueError(f"--hidden and --inter must be multiples of 32, got {p.hidden}, {p.inter}")
+    if not 1 <= p.local_experts <= p.experts or not 1 <= p.top_k <= p.experts:
+        raise ValueError("--local-experts and --top-k must be between 1 and --experts")
+    return p
+
+
+def make_routes(p: Preset, t: int, seed: int, device: str):
+    """Router logits from random tokens through the preset's routing; other ranks' experts
+    masked (this rank holds experts 0 .. local_experts-1)."""
+    import fp4moe
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(t, p.experts, device=device, generator=g) * 2.0
+    kw = {}
+    if p.method == "sigmoid_grouped":
+        bias = torch.randn(p.experts, device=device, generator=g) * 0.01
+        kw = dict(
+            correction_bias=bias,
+            n_group=p.n_group,
+            topk_group=p.topk_group,
+            scaling_factor=p.scaling,
+        )
+    ids, w = fp4moe.route(logits, p.top_k, method=p.method, **kw)
+    if p.local_experts < p.experts:
+        ids = fp4moe.local_expert_ids(ids, 0, p.local_experts)
+    return ids, w
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the benchmark (needs CUDA); returns the JSON document it writes."""
+    import fp4moe
+    from fp4moe.kernels.launch import TritonOptions, moe_triton
+    from fp4moe.reference import moe_reference
+
+    p = resolve_preset(args)
+    finals = {"both": [True, False], "fused": [True], "unfused": [False]}[
+        args.finalize or ("unfused" if args.no_fused_finalize else "both")
+    ]
+    ceil = card_ceilings()
+    torch.manual_seed(args.seed)
+    e = p.local_experts
+    w13 = torch.randn(e, 2 * p.inter, p.hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(e, p.hidden, p.inter, device="cuda", dtype=torch.bfloat16) * 0.02
+    static = torch.full((e,), 4.0 / 2688, device="cuda")
+    experts = fp4moe.prepare_experts(w13, w2, a13_scale=static, a2_scale=static * 0.1)
+    del w13, w2
+    copies = [experts]
+    if args.cold_l2:
+        l2 = torch.cuda.get_device_properties(0).L2_cache_size
+        n = max(2, math.ceil(2 * l2 / experts.nbytes()) + 1)
+        copies += [fp4moe.PreparedExperts.from_linear(experts.to_linear()) for _ in range(n - 1)]
+    per_expert = experts.nbytes() / e
+    base = None
+    if not args.no_baseline:
+        w13d, w2d = experts.dequantize(torch.bfloat16)
+        base = (w13d.transpose(1, 2), w2d.transpose(1, 2))
+    opt = TritonOptions(pdl=not args.no_pdl)
+    graph = not args.no_cuda_graph
+    rows = []
+    plan = [(t, m, f) for t in args.num_tokens for m in args.modes for f in finals]
+    step = 0
+    for t in args.num_tokens:
+        x = torch.randn(t, p.hidden, device="cuda").to(torch.bfloat16)
+        ids, w = make_routes(p, t, args.seed + t, "cuda")
+        valid = ids >= 0
+        routes = int(valid.sum())
+        touched = int(torch.unique(ids[valid]).numel()) if routes else 0
+        floor_us = touched * per_expert / ceil["copy_bytes_per_s"] * 1e6
+        flops = 2 * routes * 3 * p.hidden * p.inter
+        bf16_us = naive_us = None
+        if base is not None and routes:
+            bf16_us = time_us(
+                lambda: bf16_grouped_moe(x, ids, w, *base, routes),  # noqa: B023
+                graph=graph,
+                warmup=args.warmup,
+                iters=args.iters,
+            )
+            naive_us = time_us(
+                lambda: naive_nvfp4_moe(x, ids, w, experts, routes),  # noqa: B023
+                graph=graph,
+                warmup=args.warmup,
+                iters=args.iters,
+            )
+        fused_us: dict[str, float] = {}
+        for mode in args.modes:
+            m, sc = MODES[mode]
+            for fused in finals:
+                step += 1
+                _progress(step, len(plan), f"T={t} {mode} {'fused' if fused else 'unfused'}")
+                err = None
+                if not args.no_check:
+                    ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc).float()
+                    out = moe_triton(
+                        x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused, options=opt
+                    ).float()
+                    err = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+                    tol = 2e-3 if m == "w4a16" else 1e-2
+                    if not math.isfinite(err) or err > tol:
+                        raise RuntimeError(
+                            f"T={t} {mode} fused={fused}: rel. error {err:.2e} "
+                            f"above the SPEC tolerance {tol}"
+                        )
+                it = iter(range(1 << 30))
+
+                def call(m=m, sc=sc, fused=fused, it=it, x=x, ids=ids, w=w):
+                    ex = copies[next(it) % len(copies)]
+                    return moe_triton(
+                        x,
+                        ids,
+                        w,
+                        ex,
+                        mode=m,
+                        act_scale=sc,
+                        fused_finalize=fused,
+                        options=opt,
+                    )
+
+                us = time_us(
+                    call, graph=graph, warmup=args.warmup, iters=args.iters, reps=len(copies)
+                )
+                if fused:
+                    fused_us[mode] = us
+                rows.append(
+                    {
+                        "tokens": t,
+                        "local_routes": routes,
+                        "experts_touched": touched,
+                        "mode": mode,
+                        "finalize": "fused" if fused else "unfused",
+                        "us": us,
+                        "tflops": flops / (us * 1e-6) / 1e12,
+                        "weight_GBps": touched * per_expert / (us * 1e-6) / 1e9,
+                        "floor_fraction": floor_us / us if touched else None,
+                        "vs_bf16": bf16_us / us if bf16_us else None,
+                        "vs_naive_nvfp4": naive_us / us if naive_us else None,
+                        "unfused_over_fused": us / fused_us[mode]
+                        if not fused and mode in fused_us
+                        else None,
+                        "bf16_us": bf16_us,
+                        "naive_nvfp4_us": naive_us,
+                        "rel_err": err,
+                    }
+                )
+    sys.stderr.write("\n")
+    doc = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "fp4moe": fp4moe.__version__,
+        "commit": _git_commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "preset": args.preset,
+        "shape": asdict(p),
+        "ceilings": ceil,
+        "cuda_graph": graph,
+        "pdl": not args.no_pdl,
+        "cold_l2": args.cold_l2,
+        "rows": rows,
+    }
+    write_outputs(doc, args.out)
+    return doc
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+
+        return triton.__version__
+    except Exception:
+        return None
+
+
+def format_table(doc: dict) -> str:
+    c = doc["ceilings"]
+    head = (
+        f"# {doc['device']}  copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s  bf16 "
+        f"{c['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s  preset {doc['preset']}"
+    )
+    cols = [
+        "tokens",
+        "local_routes",
+        "experts_touched",
+        "mode",
+        "finalize",
+        "us",
+        "tflops",
+        "weight_GBps",
+        "floor_fraction",
+        "vs_bf16",
+        "vs_naive_nvfp4",
+        "unfused_over_fused",
+    ]
+    lines = [head, "  ".join(f"{k:>12s}" for k in cols)]
+    for r in doc["rows"]:
+        cells = []
+        for k in cols:
+            v = r[k]
+            cells.append(
+                f"{'-':>12s}"
+                if v is None
+                else f"{v:12.2f}"
+                if isinstance(v, float)
+                else f"{v!s:>12s}"
+            )
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def write_outputs(doc: dict, out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    if doc["rows"]:
+        with open(os.path.join(out, "bench.csv"), "w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=list(doc["rows"][0]))
+            wr.writeheader()
+            wr.writerows(doc["rows"])
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        print(f"(no matplotlib: {out}/bench.png not drawn)", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in doc["rows"]:
+        series.setdefault(f"{r['mode']} {r['finalize']}", []).append((r["tokens"], r["us"]))
+        if r["bf16_us"]:
+            series.setdefault("bf16 grouped_mm", []).append((r["tokens"], r["bf16_us"]))
+        if r["naive_nvfp4_us"]:
+            series.setdefault("naive NVFP4", []).append((r["tokens"], r["naive_nvfp4_us"]))
+    for name, pts in series.items():
+        pts = sorted(set(pts))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    floor = sorted(
+        {(r["tokens"], r["us"] * r["floor_fraction"]) for r in doc["rows"] if r["floor_fraction"]}
+    )
+    if floor:
+        ax.plot([p[0] for p in floor], [p[1] for p in floor], "k--", label="byte floor")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("microseconds (median)")
+    ax.set_title(f"fp4moe on {doc['device']}, {doc['preset']}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "bench.png"), dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="fp4moe bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(p)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("fp4moe bench needs a CUDA GPU; none is available here", file=sys.stderr)
+        return 1
+    doc = run(args)
+    print(format_table(doc))
+    print(f"(JSON, CSV and PNG in {args.out}/)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

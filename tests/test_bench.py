@@ -1,0 +1,73 @@
+"""fp4moe bench: the parts that run without a GPU (presets, outputs); the GPU run is manual."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+
+import pytest
+
+from fp4moe import bench
+
+
+def _args(**kw):
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args([])
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return args
+
+
+def test_defaults_sweep_1_to_16384_all_modes():
+    args = _args()
+    assert args.num_tokens == [2**i for i in range(15)]
+    assert set(args.modes) == {"w4a4-tensor", "w4a4-token", "w4a16"}
+
+
+@pytest.mark.parametrize("name", sorted(bench.PRESETS))
+def test_presets_route_on_cpu(name):
+    p = bench.resolve_preset(_args(preset=name))
+    ids, w = bench.make_routes(p, 5, 0, "cpu")
+    assert ids.shape == (5, p.top_k) and w.shape == (5, p.top_k)
+    assert int(ids.max()) < p.local_experts
+    if p.local_experts < p.experts:
+        assert bool((ids < 0).any())  # other ranks' experts are masked
+
+
+def test_overrides_and_bad_shapes():
+    p = bench.resolve_preset(_args(hidden=1024, inter=512, experts=16, top_k=4))
+    assert (p.hidden, p.inter, p.experts, p.local_experts, p.top_k) == (1024, 512, 16, 16, 4)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        bench.resolve_preset(_args(hidden=1000))
+    with pytest.raises(ValueError, match="top-k"):
+        bench.resolve_preset(_args(top_k=999))
+
+
+def test_outputs_table_json_csv(tmp_path):
+    row = {
+        "tokens": 16, "local_routes": 11, "experts_touched": 11, "mode": "w4a16",
+        "finalize": "unfused", "us": 300.0, "tflops": 3.0, "weight_GBps": 900.0,
+        "floor_fraction": 0.2, "vs_bf16": 1.5, "vs_naive_nvfp4": 3.0, "unfused_over_fused": None,
+        "bf16_us": 450.0, "naive_nvfp4_us": 900.0, "rel_err": 1e-4,
+    }  # fmt: skip
+    doc = {
+        "device": "test", "preset": "deepseek-v3-ep8", "rows": [row],
+        "ceilings": {"copy_bytes_per_s": 4.2e12, "bf16_matmul_flops": 7.5e14},
+    }  # fmt: skip
+    bench.write_outputs(doc, str(tmp_path))
+    assert json.loads((tmp_path / "bench.json").read_text())["rows"][0]["us"] == 300.0
+    rows = list(csv.DictReader((tmp_path / "bench.csv").open()))
+    assert rows[0]["mode"] == "w4a16"
+    table = bench.format_table(doc)
+    assert "4.20 TB/s" in table and "w4a16" in table
+
+
+def test_bench_without_gpu_fails_clearly(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    assert bench.main(["--num-tokens", "1"]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().err
