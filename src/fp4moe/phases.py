@@ -59,6 +59,12 @@ class PhaseConfig:
             raise ValueError(f"mode: expected one of {MODES}, got {self.mode!r}")
         if self.act_scale not in ACT_SCALES:
             raise ValueError(f"act_scale: expected one of {ACT_SCALES}, got {self.act_scale!r}")
+        if not isinstance(self.fused_finalize, bool):
+            raise TypeError(
+                f"fused_finalize: expected a bool, got {type(self.fused_finalize).__name__}"
+            )
+        if self.mode == "w4a16":  # W4A16 ignores act_scale: one spelling, so str() round-trips
+            object.__setattr__(self, "act_scale", "per_token")
 
     @classmethod
     def parse(cls, spec: str | PhaseConfig) -> PhaseConfig:
@@ -66,8 +72,8 @@ class PhaseConfig:
             return spec
         if not isinstance(spec, str):
             raise TypeError(f"policy: expected a str or PhaseConfig, got {type(spec).__name__}")
-        name, _, suffix = spec.partition("+")
-        if suffix not in ("", "fused"):
+        name, plus, suffix = spec.partition("+")
+        if plus and suffix != "fused":  # "w4a16+" too
             raise ValueError(f"policy: unknown suffix {suffix!r} in {spec!r} (only '+fused')")
         fused = suffix == "fused"
         if name == "w4a16":
@@ -151,6 +157,15 @@ class RouterConfig:
             raise ValueError(f"method: expected one of {ROUTING_METHODS}, got {self.method!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
             raise ValueError(f"top_k: expected a positive int, got {self.top_k!r}")
+        if self.method != "sigmoid_grouped":
+            given = {"n_group": self.n_group != 1, "topk_group": self.topk_group != 1,
+                     "scaling_factor": self.scaling_factor != 1.0}  # fmt: skip
+            for name, is_given in given.items():
+                if is_given:  # silently ignoring it would route the model wrongly
+                    raise ValueError(
+                        f"{name}: only used by method 'sigmoid_grouped', got a non-default "
+                        f"value with method {self.method!r}"
+                    )
 
 
 @dataclass
@@ -195,6 +210,11 @@ class MoELayer(nn.Module):
         self.policy = PhasePolicy.coerce(policy if policy is not None else PhasePolicy())
         h = experts.hidden_size
         if gate_weight is not None:
+            if not isinstance(gate_weight, torch.Tensor):
+                raise TypeError(
+                    "gate_weight: expected a torch.Tensor or None, got "
+                    f"{type(gate_weight).__name__}"
+                )
             if gate_weight.dim() != 2 or gate_weight.shape[1] != h:
                 raise ValueError(
                     f"gate_weight: expected [E_total, {h}], got {tuple(gate_weight.shape)}"
@@ -203,6 +223,11 @@ class MoELayer(nn.Module):
         else:
             self.gate_weight = None
         if correction_bias is not None:
+            if self.router.method != "sigmoid_grouped":
+                raise ValueError(
+                    "correction_bias: only used by router method 'sigmoid_grouped', got "
+                    f"method {self.router.method!r}"
+                )
             self.register_buffer("correction_bias", correction_bias.detach().float().clone())
         else:
             self.correction_bias = None
@@ -216,6 +241,13 @@ class MoELayer(nn.Module):
                 f"prepared experts within {n_total}"
             )
         self.expert_range = (start, stop)
+        for name in PHASES:
+            cfg = getattr(self.policy, name)
+            if cfg.mode == "w4a4" and cfg.act_scale == "static" and experts.a13_scale is None:
+                raise ValueError(
+                    f"policy: {name} runs {cfg}, which needs calibrated activation scales, but "
+                    "these experts were prepared without a13_scale/a2_scale"
+                )
         self.num_experts_total = n_total
         self.stats = _Stats()
 
@@ -224,7 +256,21 @@ class MoELayer(nn.Module):
         if router_logits is None:
             if self.gate_weight is None:
                 raise ValueError("router_logits: needed when the layer has no gate_weight")
-            router_logits = x2d.float() @ self.gate_weight.t()
+            # .float(): the buffer follows layer.to(dtype) (bf16 models); logits stay fp32
+            router_logits = x2d.float() @ self.gate_weight.float().t()
+        elif not isinstance(router_logits, torch.Tensor):
+            raise TypeError(
+                f"router_logits: expected a torch.Tensor, got {type(router_logits).__name__}"
+            )
+        else:
+            want = (x2d.shape[0], self.num_experts_total)
+            if router_logits.dim() >= 2 and router_logits.shape[-1] == want[1]:
+                router_logits = router_logits.reshape(-1, want[1])  # [..., E] like x
+            if tuple(router_logits.shape) != want:
+                raise ValueError(
+                    f"router_logits: expected [T, E_total] = {list(want)}, got "
+                    f"{tuple(router_logits.shape)}"
+                )
         r = self.router
         kw = {}
         if r.method == "sigmoid_grouped":
@@ -250,20 +296,27 @@ class MoELayer(nn.Module):
 
         phase: "prefill", "decode", or None (the ``serving_phase`` context, else the
         policy's token-count threshold). routes: precomputed (ids, weights) [T, K]."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"x: expected torch.bfloat16, got {x.dtype}")
         shape = x.shape
-        x2d = x.reshape(-1, shape[-1])
-        if x2d.dtype != torch.bfloat16:
-            raise TypeError(f"x: expected torch.bfloat16, got {x2d.dtype}")
+        h = self.experts.hidden_size
+        if x.dim() < 1 or shape[-1] != h:
+            raise ValueError(
+                f"x: expected [..., {h}] (the experts' hidden size), got {tuple(shape)}"
+            )
+        x2d = x.reshape(-1, h)
         t = x2d.shape[0]
         ids, w = routes if routes is not None else self.route(x2d, router_logits)
         name = self.policy.phase_of(t, phase)
         cfg = self.policy.prefill if name == "prefill" else self.policy.decode
-        self.stats.calls[name] += 1
-        self.stats.tokens[name] += t
         out = moe(
             x2d, ids, w, self.experts, mode=cfg.mode, act_scale=cfg.act_scale,
             fused_finalize=cfg.fused_finalize, backend=self.policy.backend,
         )  # fmt: skip
+        self.stats.calls[name] += 1  # calls that ran: a call that raised is not counted
+        self.stats.tokens[name] += t
         return out.reshape(shape)
 
     def memory_report(self) -> dict[str, int]:
