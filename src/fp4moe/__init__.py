@@ -5,6 +5,7 @@ scales) and W4A16; see README.md and docs/.
 """
 
 from .checkpoints import load_checkpoint_experts, save_modelopt_experts
+from .distributed import EPMoELayer
 from .experts import PreparedExperts, load_experts, prepare_experts
 from .moe import moe
 from .nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
@@ -15,6 +16,7 @@ from .runner import MoERunner
 __version__ = "0.1.0"
 
 __all__ = [
+    "EPMoELayer",
     "MoELayer",
     "MoERunner",
     "NVFP4Tensor",

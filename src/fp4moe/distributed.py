@@ -1,0 +1,835 @@
+"""Expert parallelism on ``torch.distributed``: EPMoELayer and the expert-side route rows.
+
+Each rank of a process group holds a contiguous slice of the experts
+(``fp4moe.expert_range(rank, world, E_total)``) and its own tokens. One call:
+
+1. route every token of this rank with the global router (fp32 logits, ``fp4moe.route``);
+2. (W4A4) quantize the activations on this (home) rank exactly as the single-process
+   layer would, so that only NVFP4 bytes travel;
+3. dispatch: exchange per-expert counts, then the rows (``all_to_all_single``);
+4. expert ranks compute the route rows y (SPEC section 5) of the rows they received;
+5. combine: send y back (``all_to_all_single``); the home rank runs the deterministic
+   finalize of SPEC section 6 (ascending k, fp32 fma, one bf16 rounding).
+
+With the deterministic finalize and a batch-invariant mode (W4A16, W4A4 per-token, W4A4
+static), each token's output is bitwise identical to the single-process ``MoELayer``
+holding all experts. W4A4 per-tensor uses one global scale over the *global* batch (all
+ranks' tokens; an ``all_reduce(max)`` of the amax), so it is bitwise identical to the
+single-process layer run on all ranks' tokens concatenated. docs/expert-parallel.md has
+the wire format and what is and is not guaranteed.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .experts import PreparedExperts
+from .moe import ACT_SCALES, BACKENDS, MODES
+from .nvfp4 import NVFP4Tensor, dequantize_blocks, global_from_amax, quantize_blocks
+from .phases import PHASES, PhaseConfig, PhasePolicy, RouterConfig, _current_phase, _Stats
+from .reference import _acc, _apply_global, _quantized_input, finalize_reference
+from .routing import ROUTING_METHODS, expert_range, route
+
+__all__ = ["EPMoELayer", "compute_route_rows", "wire_row_bytes"]
+
+_SIG_VERSION = 1
+_SIG_FIELDS = (
+    "signature version",
+    "world size",
+    "E_total (gate_weight rows)",
+    "hidden size H",
+    "intermediate size I",
+    "experts per rank",
+    "router method",
+    "router top_k",
+    "router renormalize",
+    "router n_group",
+    "router topk_group",
+    "router scaling_factor",
+    "prefill policy",
+    "decode policy",
+    "policy decode_max_tokens",
+    "policy backend",
+    "static activation scales present",
+    "max_tokens",
+    "gate_weight checksum",
+    "correction_bias checksum",
+    "device type",
+)
+_PHASE_CODE = {"prefill": 0, "decode": 1, None: 2}
+_META_EXTRA = 3  # per destination: counts of its experts, then T_local, phase code, status
+
+
+def wire_row_bytes(hidden: int, mode: str, act_scale: str = "per_token") -> int:
+    """Bytes of one dispatched row (one route) on the wire.
+
+    W4A16: H bf16 values (2H). W4A4: H/2 bytes of e2m1 codes, H/16 e4m3 block scales, and
+    for per-token scales the row's fp32 global (4 bytes); static and per-tensor globals
+    are known on the receiving rank and not sent. A combined (returned) row is always 2H.
+    """
+    if mode == "w4a16":
+        return 2 * hidden
+    return hidden // 2 + hidden // 16 + (4 if act_scale == "per_token" else 0)
+
+
+# ------------------------------------------------------------------------ expert side
+
+
+def compute_route_rows(
+    rows: torch.Tensor | NVFP4Tensor,
+    row_expert: torch.Tensor,
+    experts: PreparedExperts,
+    *,
+    mode: str,
+    act_scale: str = "per_token",
+    backend: str = "reference",
+    amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Route rows y (SPEC section 5) for rows already gathered (and, for W4A4, quantized).
+
+    Each row is one route: its FC1 input and the local expert ``row_expert[n]`` it goes to.
+    The result equals, row for row and bit for bit, what ``route_rows_reference`` (or the
+    Triton backend's FC2 output before finalize) gives for the same routes in any batch,
+    for the row-local modes (W4A16, W4A4 per-token and static).
+
+    Args:
+        rows: W4A16: bf16 [N, H]. W4A4: an NVFP4Tensor with codes uint8 [N, H/2], block
+            scales e4m3 [N, H/16] and a per-row fp32 global [N] (the FC1 input quantized as
+            SPEC section 2 says: per-token, the expert's static a13 scale, or the batch's
+            per-tensor global).
+        row_expert: int [N] local expert ids; a negative id marks a padding row (its output
+            row is unspecified and must not be read).
+        experts: the local experts (E of them).
+        mode: "w4a16" or "w4a4"; act_scale: the W4A4 activation scale of the FC2 input
+            ("per_token", "static" or "per_tensor").
+        backend: "reference" (plain PyTorch) or "triton" (the Triton kernels' pieces).
+        amax_reduce: W4A4 per-tensor only: called with this rank's fp32 amax of the FC2
+            input (0 when it has no rows) and returns the amax the global scale is taken
+            from (expert parallelism passes an ``all_reduce(max)`` over the group). It is
+            called whatever N is, so every rank takes part in the collective.
+
+    Returns:
+        bf16 [N, H].
+    """
+    if backend == "triton":
+        return _route_rows_triton(rows, row_expert, experts, mode, act_scale, amax_reduce)
+    return _route_rows_reference(rows, row_expert, experts, mode, act_scale, amax_reduce)
+
+
+def _fc2_amax(act: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    vals = torch.where(
+        live[:, None], act.abs(), torch.zeros((), dtype=act.dtype, device=act.device)
+    )
+    if vals.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=act.device)
+    return vals.amax().float()
+
+
+def _route_rows_reference(rows, row_expert, experts, mode, act_scale, amax_reduce):
+    """The math of ``reference.route_rows_reference`` with the FC1 input given per row."""
+    w4a4 = mode == "w4a4"
+    n = rows.codes.shape[0] if w4a4 else rows.shape[0]
+    dev = experts.device
+    act = torch.zeros(n, experts.intermediate_size, dtype=torch.bfloat16, device=dev)
+    groups = []
+    for e in range(experts.num_experts):
+        idx = (row_expert == e).nonzero(as_tuple=True)[0]
+        if idx.numel():
+            groups.append((e, idx))
+    for e, idx in groups:
+        if w4a4:
+            xin = dequantize_blocks(rows.codes[idx], rows.scales[idx])
+            gx = rows.global_scale[idx]
+        else:
+            xin, gx = rows[idx].float(), None
+        gate, up = experts.w13_nvfp4(e)
+        h_gate = _apply_global(_acc(xin, dequantize_blocks(gate.codes, gate.scales)), gx)
+        h_up = _apply_global(_acc(xin, dequantize_blocks(up.codes, up.scales)), gx)
+        h_gate = h_gate * gate.global_scale
+        h_up = h_up * up.global_scale
+        act[idx] = (F.silu(h_gate) * h_up).to(torch.bfloat16)
+
+    a_global = None
+    if w4a4 and act_scale == "per_tensor":
+        amax = _fc2_amax(act, row_expert >= 0)
+        if amax_reduce is not None:
+            amax = amax_reduce(amax)
+        a_global = global_from_amax(amax)
+    y = torch.zeros(n, experts.hidden_size, dtype=torch.bfloat16, device=dev)
+    for e, idx in groups:
+        a2 = experts.a2_scale[e] if experts.a2_scale is not None else None
+        ain, ga = _quantized_input(act[idx], mode, act_scale, a2, a_global)
+        w2 = experts.w2_nvfp4(e)
+        acc = _apply_global(_acc(ain, dequantize_blocks(w2.codes, w2.scales)), ga)
+        y[idx] = (acc * w2.global_scale).to(torch.bfloat16)
+    return y
+
+
+def _route_rows_triton(rows, row_expert, experts, mode, act_scale, amax_reduce):
+    """The middle of ``kernels.launch.moe_triton`` (sort, FC1, quantize, FC2) with K = 1.
+
+    Every received row is a one-route token; FC1 gathers it (bf16, or pre-quantized NVFP4
+    codes, scales and per-row global). Rows come back in the order they came in."""
+    from .kernels.gemm import choose_gemm_config
+    from .kernels.launch import (
+        TritonOptions,
+        _empty,
+        _gemm,
+        _quantize_rows,
+        _use_pdl,
+        interpreting,
+    )
+    from .kernels.quantize import MODE_PER_ROW, MODE_SCALAR, MODE_STATIC
+    from .kernels.sort import sort_routes
+
+    w4a4 = mode == "w4a4"
+    a_src = rows.codes if w4a4 else rows
+    n = a_src.shape[0]
+    dev = a_src.device
+    h, inter, e_count = experts.hidden_size, experts.intermediate_size, experts.num_experts
+    if n == 0:
+        if w4a4 and act_scale == "per_tensor" and amax_reduce is not None:
+            amax_reduce(torch.zeros((), dtype=torch.float32, device=dev))
+        return torch.empty(0, h, dtype=torch.bfloat16, device=dev)
+    opt = TritonOptions()
+    pdl = _use_pdl(opt, dev)
+    ids = row_expert.to(torch.int32).reshape(n, 1).contiguous()
+    ones = torch.ones(n, dtype=torch.float32, device=dev)
+    interp = interpreting()
+    cfg1 = choose_gemm_config(n / e_count, inter, h, gated=True, interpret=interp, a_fp4=w4a4)
+    cfg2 = choose_gemm_config(n / e_count, h, inter, gated=False, interpret=interp, a_fp4=w4a4)
+    if cfg1.block_m != cfg2.block_m:
+        raise RuntimeError("internal: fc1 and fc2 configs must share block_m")
+    sort = sort_routes(ids, e_count, cfg1.block_m)
+    n_valid = sort.expert_offsets[e_count:]
+    a_scales = rows.scales.contiguous() if w4a4 else None
+    a_global = rows.global_scale.contiguous() if w4a4 else None
+    act = _empty((n, inter), torch.bfloat16, dev, False)
+    _gemm(
+        cfg1, sort, a_src.contiguous(), a_scales, a_global,
+        experts.w13_codes, experts.w13_scales, experts.w13_global, act, ones,
+        n=inter, k=h, topk=1, gated=True, a_gather=True, fused=False, pdl=pdl,
+    )  # fmt: skip
+    b_src, b_scales, b_global = act, None, None
+    if w4a4:
+        if act_scale == "per_token":
+            b_src, b_scales, b_global = _quantize_rows(
+                act, n, mode=MODE_PER_ROW, count=n_valid, pdl=pdl
+            )
+        elif act_scale == "per_tensor":
+            live = torch.arange(n, device=dev) < n_valid
+            amax = _fc2_amax(act, live)
+            if amax_reduce is not None:
+                amax = amax_reduce(amax)
+            g = global_from_amax(amax).reshape(1)
+            b_src, b_scales, b_global = _quantize_rows(
+                act, n, mode=MODE_SCALAR, count=n_valid, table=g, pdl=pdl
+            )
+        else:
+            b_src, b_scales, b_global = _quantize_rows(
+                act, n, mode=MODE_STATIC, count=n_valid, table=experts.a2_scale,
+                row_expert=sort.sorted_expert, pdl=pdl,
+            )  # fmt: skip
+    dest = _empty((n, h), torch.bfloat16, dev, False)
+    _gemm(
+        cfg2, sort, b_src, b_scales, b_global,
+        experts.w2_codes, experts.w2_scales, experts.w2_global, dest, ones,
+        n=h, k=inter, topk=1, gated=False, a_gather=False, fused=False, pdl=pdl,
+    )  # fmt: skip
+    return dest[sort.route_pos.long()]
+
+
+# ------------------------------------------------------------------------ helpers
+
+
+def _pack(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate [N, ...] tensors of any dtype into one uint8 [N, bytes] buffer."""
+    n = parts[0].shape[0]
+    cols = [math.prod(p.shape[1:]) for p in parts]
+    return torch.cat(
+        [p.contiguous().reshape(n, c).view(torch.uint8) for p, c in zip(parts, cols)], dim=1
+    ).contiguous()
+
+
+def _crc(t: torch.Tensor | None) -> int:
+    if t is None:
+        return -1
+    data = t.detach().float().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    return zlib.crc32(data)
+
+
+def _policy_code(cfg: PhaseConfig) -> int:
+    return MODES.index(cfg.mode) * 100 + ACT_SCALES.index(cfg.act_scale) * 10 + cfg.fused_finalize
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one call sends where (home side) and receives (expert side)."""
+
+    send_counts: torch.Tensor  # int64 [world, E_local] (device)
+    recv_counts: torch.Tensor  # int64 [world, E_local] (device)
+    send_splits: list[int] | None  # rows to each rank (variable path)
+    recv_splits: list[int] | None
+    cfg: PhaseConfig
+    phase: str
+
+
+class EPMoELayer(nn.Module):
+    """An expert-parallel sparse MoE block: a sibling of ``MoELayer`` over a process group.
+
+    Every rank of ``group`` builds one, with its slice of the experts and the same router,
+    gate weight and policy; then every rank calls ``forward`` the same number of times
+    (a collective), each with its own tokens (any T, including 0).
+
+    Args:
+        experts: this rank's prepared experts: global experts [start, stop) of E_total,
+            where (start, stop) = ``fp4moe.expert_range(rank, world, E_total)``.
+        router: RouterConfig (as ``MoELayer``).
+        gate_weight: fp32/bf16 [E_total, H], the full router weight (every rank routes its
+            own tokens over all experts). Required.
+        correction_bias: fp32 [E_total] (``"sigmoid_grouped"`` only).
+        policy: PhasePolicy or one mode string (as ``MoELayer``). The finalize is always the
+            deterministic one (a "+fused" suffix is accepted and has no effect: FC2 runs on
+            another rank than the token's output).
+        group: the process group (default: the world group).
+        expert_range: optional (start, stop) to check against ``fp4moe.expert_range``.
+        max_tokens: declare the most tokens a rank passes in one call to use the
+            fixed-capacity path: every rank sends ``max_tokens * top_k`` rows to every rank
+            (padding included), so buffer shapes never depend on the routes, no host sync is
+            needed, and the communication can be captured in a CUDA graph. ``None``: the
+            variable path (split sizes read on the host, one sync per call, fewer bytes).
+
+    Construction is collective too: every rank exchanges a signature (shapes, router,
+    policy, checksums of the gate weight) and its static activation scales; any
+    disagreement raises ``ValueError`` on every rank.
+
+    Attributes:
+        last_comm_bytes: bytes this rank sent to *other* ranks in the last call:
+            ``dispatch`` and ``combine`` (row payloads), ``metadata`` (counts), and the
+            same payloads kept on this rank (``dispatch_self``, ``combine_self``), plus the
+            row counts ``dispatch_rows`` / ``recv_rows``.
+    """
+
+    def __init__(
+        self,
+        experts: PreparedExperts,
+        router: RouterConfig | None = None,
+        *,
+        gate_weight: torch.Tensor,
+        correction_bias: torch.Tensor | None = None,
+        policy: PhasePolicy | PhaseConfig | str | None = None,
+        group: dist.ProcessGroup | None = None,
+        expert_range: tuple[int, int] | None = None,
+        max_tokens: int | None = None,
+    ) -> None:
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "EPMoELayer: torch.distributed is not initialized; call "
+                "dist.init_process_group first (gloo on CPU, nccl on GPUs)"
+            )
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.stats = _Stats()
+        self.last_comm_bytes: dict[str, int] = {}
+        device = self._comm_device(experts)
+        local_error: Exception | None = None
+        sig = [0] * len(_SIG_FIELDS)
+        try:
+            self._setup(experts, router, gate_weight, correction_bias, policy, expert_range,
+                        max_tokens)  # fmt: skip
+            sig = self._signature(gate_weight, correction_bias)
+        except (TypeError, ValueError) as exc:
+            local_error = exc
+        self._agree(sig, local_error, device)
+        self._gather_static_scales(device)
+
+    # ------------------------------------------------------------------ construction
+    def _comm_device(self, experts) -> torch.device:
+        if isinstance(experts, PreparedExperts):
+            return experts.device
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _setup(self, experts, router, gate_weight, correction_bias, policy, rng, max_tokens):
+        if not isinstance(experts, PreparedExperts):
+            raise TypeError(f"experts: expected PreparedExperts, got {type(experts).__name__}")
+        self.experts = experts
+        self.router = router or RouterConfig()
+        if not isinstance(self.router, RouterConfig):
+            raise TypeError(f"router: expected RouterConfig, got {type(self.router).__name__}")
+        self.policy = PhasePolicy.coerce(policy if policy is not None else PhasePolicy())
+        h = experts.hidden_size
+        if not isinstance(gate_weight, torch.Tensor):
+            raise TypeError(
+                f"gate_weight: expected a torch.Tensor [E_total, {h}], got "
+                f"{type(gate_weight).__name__} (expert parallelism routes every token over "
+                "all experts, so the full gate weight is required)"
+            )
+        if gate_weight.dim() != 2 or gate_weight.shape[1] != h:
+            raise ValueError(
+                f"gate_weight: expected [E_total, {h}], got {tuple(gate_weight.shape)}"
+            )
+        e_total = gate_weight.shape[0]
+        if e_total % self.world_size:
+            raise ValueError(
+                f"gate_weight: E_total={e_total} experts do not split evenly over "
+                f"world size {self.world_size}"
+            )
+        start, stop = expert_range(self.rank, self.world_size, e_total)
+        if experts.num_experts != stop - start:
+            raise ValueError(
+                f"experts: rank {self.rank} of {self.world_size} must hold experts "
+                f"[{start}, {stop}) of {e_total} ({stop - start} experts), got "
+                f"{experts.num_experts} prepared experts"
+            )
+        if rng is not None and tuple(rng) != (start, stop):
+            raise ValueError(
+                f"expert_range: rank {self.rank} of {self.world_size} holds experts "
+                f"[{start}, {stop}) of {e_total} (fp4moe.expert_range), got {tuple(rng)}"
+            )
+        if self.router.top_k > e_total:
+            raise ValueError(f"router: top_k={self.router.top_k} exceeds E_total={e_total}")
+        for name, cfg in (("prefill", self.policy.prefill), ("decode", self.policy.decode)):
+            if cfg.mode == "w4a4" and cfg.act_scale == "static" and experts.a13_scale is None:
+                raise ValueError(
+                    f"policy: the {name} phase uses W4A4 static scales, but these experts "
+                    "were prepared without a13_scale/a2_scale"
+                )
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+        ):
+            raise ValueError(f"max_tokens: expected a positive int or None, got {max_tokens!r}")
+        self.max_tokens = max_tokens
+        self.expert_range = (start, stop)
+        self.num_experts_total = e_total
+        self.experts_per_rank = stop - start
+        self.register_buffer("gate_weight", gate_weight.detach().float().clone())
+        if correction_bias is not None:
+            self.register_buffer("correction_bias", correction_bias.detach().float().clone())
+        else:
+            self.correction_bias = None
+
+    def _signature(self, gate_weight, correction_bias) -> list[int]:
+        r, p, ex = self.router, self.policy, self.experts
+        scaling = struct.unpack("<q", struct.pack("<d", float(r.scaling_factor)))[0]
+        return [
+            _SIG_VERSION, self.world_size, self.num_experts_total, ex.hidden_size,
+            ex.intermediate_size, self.experts_per_rank, ROUTING_METHODS.index(r.method),
+            r.top_k, int(r.renormalize), r.n_group, r.topk_group, scaling,
+            _policy_code(p.prefill), _policy_code(p.decode), p.decode_max_tokens,
+            BACKENDS.index(p.backend), int(ex.a13_scale is not None),
+            -1 if self.max_tokens is None else self.max_tokens,
+            _crc(gate_weight), _crc(correction_bias), int(ex.device.type == "cuda"),
+        ]  # fmt: skip
+
+    def _agree(self, sig: list[int], local_error: Exception | None, device) -> None:
+        mine = torch.tensor([int(local_error is None), *sig], dtype=torch.int64, device=device)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine, group=self.group)
+        table = torch.stack(every).cpu().tolist()
+        if local_error is not None:
+            raise type(local_error)(
+                f"{local_error} [EPMoELayer on rank {self.rank}; every rank of the group raises]"
+            ) from local_error
+        failed = [r for r, row in enumerate(table) if row[0] == 0]
+        if failed:
+            raise ValueError(
+                f"EPMoELayer: rank(s) {failed} rejected their arguments (see the error raised "
+                f"there); rank {self.rank} raises too so that no rank waits on the others"
+            )
+        problems = []
+        for j, name in enumerate(_SIG_FIELDS):
+            values = [row[j + 1] for row in table]
+            if len(set(values)) > 1:
+                shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+                problems.append(f"{name} ({shown})")
+        if problems:
+            raise ValueError(
+                "EPMoELayer: the ranks of the group disagree on "
+                + "; ".join(problems)
+                + f" [raised on every rank; this is rank {self.rank}]"
+            )
+
+    def _gather_static_scales(self, device) -> None:
+        self.a13_scale_all = None
+        if self.experts.a13_scale is None:
+            return
+        mine = self.experts.a13_scale.detach().float().contiguous().to(device)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine, group=self.group)
+        self.a13_scale_all = torch.cat(every)  # [E_total], global expert order
+
+    # ------------------------------------------------------------------ routing
+    def route(self, x2d: torch.Tensor, router_logits: torch.Tensor | None = None):
+        """(topk_ids int32 [T, K] *global* expert ids, topk_weights fp32 [T, K])."""
+        if router_logits is None:
+            router_logits = x2d.float() @ self.gate_weight.t()
+        r = self.router
+        kw = {}
+        if r.method == "sigmoid_grouped":
+            kw = dict(
+                correction_bias=self.correction_bias, n_group=r.n_group,
+                topk_group=r.topk_group, scaling_factor=r.scaling_factor,
+            )  # fmt: skip
+        return route(router_logits, r.top_k, method=r.method, renormalize=r.renormalize, **kw)
+
+    def _backend(self) -> str:
+        b = self.policy.backend
+        if b == "auto":
+            return "triton" if self.experts.device.type == "cuda" else "reference"
+        return b
+
+    def _check_input(self, x, phase, router_logits, routes):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+        h = self.experts.hidden_size
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"x: expected torch.bfloat16, got {x.dtype}")
+        if x.dim() < 1 or x.shape[-1] != h:
+            raise ValueError(f"x: expected [..., {h}] (hidden size), got {tuple(x.shape)}")
+        if x.device != self.experts.device:
+            raise ValueError(f"x: on {x.device}, but the experts are on {self.experts.device}")
+        if phase is not None and phase not in PHASES:
+            raise ValueError(f"phase: expected one of {PHASES} or None, got {phase!r}")
+        x2d = x.reshape(-1, h)
+        if routes is not None:
+            ids, w = routes
+            k = self.router.top_k
+            t = x2d.shape[0]
+            if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int32:
+                raise TypeError("routes: topk_ids must be an int32 tensor")
+            if not isinstance(w, torch.Tensor) or w.dtype != torch.float32:
+                raise TypeError("routes: topk_weights must be a float32 tensor")
+            if tuple(ids.shape) != (t, k) or tuple(w.shape) != (t, k):
+                raise ValueError(
+                    f"routes: expected topk_ids and topk_weights of shape [{t}, {k}] "
+                    f"(tokens, router top_k), got {tuple(ids.shape)} and {tuple(w.shape)}"
+                )
+            if ids.numel() and not _capturing():
+                hi = int(ids.max())
+                if hi >= self.num_experts_total:
+                    raise ValueError(
+                        f"routes: expert id {hi} out of range (E_total={self.num_experts_total})"
+                    )
+        else:
+            if router_logits is not None and tuple(router_logits.shape) != (
+                x2d.shape[0],
+                self.num_experts_total,
+            ):
+                raise ValueError(
+                    f"router_logits: expected [{x2d.shape[0]}, {self.num_experts_total}], "
+                    f"got {tuple(router_logits.shape)}"
+                )
+            ids, w = self.route(x2d, router_logits)
+        if self.max_tokens is not None and x2d.shape[0] > self.max_tokens:
+            raise ValueError(
+                f"x: {x2d.shape[0]} tokens, more than the declared max_tokens={self.max_tokens}"
+            )
+        return x2d, ids.contiguous(), w.contiguous()
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        x: torch.Tensor,
+        phase: str | None = None,
+        *,
+        router_logits: torch.Tensor | None = None,
+        routes: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """x: bf16 [..., H], this rank's tokens -> bf16 [..., H]. A collective call.
+
+        phase: "prefill", "decode" or None (the ``serving_phase`` context, else the
+        policy's threshold applied to the *global* token count, the sum over ranks; a
+        layer with ``max_tokens`` runs as decode then). Every rank must ask for the same
+        phase. routes: precomputed (topk_ids int32 *global* ids, topk_weights fp32) [T, K].
+
+        A rank whose input is invalid raises its TypeError/ValueError after the count
+        exchange, and every other rank raises a ValueError naming it: no rank is left
+        waiting in a collective."""
+        dev = self.experts.device
+        k = self.router.top_k
+        local_error: Exception | None = None
+        requested = None
+        try:
+            requested = phase if phase is not None else _current_phase.get()
+            x2d, ids, w = self._check_input(x, phase, router_logits, routes)
+            shape = x.shape
+        except (TypeError, ValueError) as exc:
+            local_error = exc
+            h = self.experts.hidden_size
+            x2d = torch.zeros(0, h, dtype=torch.bfloat16, device=dev)
+            ids = torch.zeros(0, k, dtype=torch.int32, device=dev)
+            w = torch.zeros(0, k, dtype=torch.float32, device=dev)
+            requested = None
+        t = x2d.shape[0]
+        world, epr, e_total = self.world_size, self.experts_per_rank, self.num_experts_total
+
+        # Send order: valid routes sorted by global expert id (so by destination rank, then
+        # by its local expert), stable in (token, k); masked routes last.
+        flat = ids.reshape(-1).long()
+        key = torch.where(flat >= 0, flat, torch.full_like(flat, e_total))
+        perm = torch.sort(key, stable=True).indices
+        sorted_key = key[perm]
+        counts = torch.zeros(e_total + 1, dtype=torch.int64, device=dev)
+        counts.scatter_add_(0, key, torch.ones_like(key))
+        send_counts = counts[:e_total].reshape(world, epr)
+
+        meta = torch.empty(world, epr + _META_EXTRA, dtype=torch.int64, device=dev)
+        meta[:, :epr] = send_counts
+        meta[:, epr] = t
+        meta[:, epr + 1] = _PHASE_CODE[requested]
+        meta[:, epr + 2] = int(local_error is not None)
+        meta_recv = torch.empty_like(meta)
+        dist.all_to_all_single(meta_recv, meta, group=self.group)
+        plan = self._plan(meta, meta_recv, requested, local_error)
+
+        cfg = plan.cfg
+        self.stats.calls[plan.phase] += 1
+        self.stats.tokens[plan.phase] += t
+        mode, act = cfg.mode, cfg.act_scale if cfg.mode == "w4a4" else "per_token"
+        backend = self._backend()
+        row_bytes = wire_row_bytes(self.experts.hidden_size, mode, act)
+        payload, fc1_global = self._home_rows(x2d, perm, sorted_key, k, mode, act, backend)
+
+        # Dispatch.
+        if self.max_tokens is None:
+            n_send = sum(plan.send_splits)
+            recv = torch.empty(sum(plan.recv_splits), row_bytes, dtype=torch.uint8, device=dev)
+            dist.all_to_all_single(
+                recv, payload[:n_send].contiguous(), plan.recv_splits, plan.send_splits,
+                group=self.group,
+            )  # fmt: skip
+            row_expert = torch.repeat_interleave(
+                torch.arange(epr, device=dev).repeat(world), plan.recv_counts.reshape(-1)
+            )
+            slot = torch.arange(flat.numel(), device=dev)  # sorted position = row sent
+        else:
+            cap = self.max_tokens * k
+            dest = sorted_key // epr  # world for masked routes
+            starts = torch.cumsum(send_counts.sum(1), 0) - send_counts.sum(1)
+            pos = torch.arange(flat.numel(), device=dev) - starts[dest.clamp(max=world - 1)]
+            slot = torch.where(sorted_key < e_total, dest * cap + pos, world * cap)
+            send = torch.zeros(world * cap + 1, row_bytes, dtype=torch.uint8, device=dev)
+            send[slot] = payload
+            recv = torch.empty(world * cap, row_bytes, dtype=torch.uint8, device=dev)
+            dist.all_to_all_single(recv, send[: world * cap], group=self.group)
+            ends = torch.cumsum(plan.recv_counts, 1)  # [world, epr]
+            j = torch.arange(cap, device=dev).expand(world, cap).contiguous()
+            row_expert = torch.searchsorted(ends, j, right=True)
+            row_expert = torch.where(row_expert < epr, row_expert, -1).reshape(-1)
+
+        # Expert side.
+        rows = self._unpack(recv, row_expert, mode, act, fc1_global)
+        reduce = self._all_reduce_max if (mode == "w4a4" and act == "per_tensor") else None
+        y = compute_route_rows(
+            rows, row_expert, self.experts, mode=mode, act_scale=act, backend=backend,
+            amax_reduce=reduce,
+        )  # fmt: skip
+
+        # Combine.
+        hb = 2 * self.experts.hidden_size
+        y_bytes = y.contiguous().view(torch.uint8).reshape(-1, hb)
+        if self.max_tokens is None:
+            back = torch.empty(n_send, hb, dtype=torch.uint8, device=dev)
+            dist.all_to_all_single(
+                back, y_bytes, plan.send_splits, plan.recv_splits, group=self.group
+            )
+        else:
+            back = torch.empty(world * cap, hb, dtype=torch.uint8, device=dev)
+            dist.all_to_all_single(back, y_bytes, group=self.group)
+        self._account(plan, row_bytes, hb, epr)
+
+        # Finalize on the home rank: route r's row is back[route_pos[r]].
+        route_pos = torch.zeros(flat.numel(), dtype=torch.int64, device=dev)
+        route_pos[perm] = torch.where(sorted_key < e_total, slot, 0)
+        y_rows = back.view(torch.bfloat16)
+        return self._finalize(y_rows, route_pos, ids, w, backend).reshape(shape)
+
+    def _plan(self, meta, meta_recv, requested, local_error) -> _Plan:
+        world, epr = self.world_size, self.experts_per_rank
+        send_counts = meta[:, :epr]
+        recv_counts = meta_recv[:, :epr]
+        if self.max_tokens is not None and _capturing():
+            # No host reads under CUDA-graph capture: no checks, phase from the caller.
+            phase = requested or "decode"
+            return _Plan(send_counts, recv_counts, None, None, self._cfg(phase), phase)
+        both = torch.stack([meta, meta_recv]).cpu()
+        if local_error is not None:
+            raise type(local_error)(
+                f"{local_error} [EPMoELayer.forward on rank {self.rank}; every rank of the "
+                "group raises]"
+            ) from local_error
+        m_recv = both[1]
+        bad = [r for r in range(world) if int(m_recv[r, epr + 2]) != 0]
+        if bad:
+            raise ValueError(
+                f"EPMoELayer.forward: rank(s) {bad} rejected their input (see the error raised "
+                f"there); rank {self.rank} raises too so that no rank waits on the others"
+            )
+        codes = [int(m_recv[r, epr + 1]) for r in range(world)]
+        if len(set(codes)) > 1:
+            names = {v: k for k, v in _PHASE_CODE.items()}
+            shown = ", ".join(f"rank {r}: {names[c]!r}" for r, c in enumerate(codes))
+            raise ValueError(
+                f"EPMoELayer.forward: the ranks asked for different phases ({shown}); every "
+                "rank must run the same phase (same wire format) in one call"
+            )
+        if requested is not None:
+            phase = requested
+        elif self.max_tokens is not None:
+            phase = "decode"
+        else:
+            phase = self.policy.phase_of(int(m_recv[:, epr].sum()), None)
+        send_splits = both[0, :, :epr].sum(1).tolist()
+        recv_splits = m_recv[:, :epr].sum(1).tolist()
+        return _Plan(send_counts, recv_counts, send_splits, recv_splits, self._cfg(phase), phase)
+
+    def _cfg(self, phase: str) -> PhaseConfig:
+        return self.policy.prefill if phase == "prefill" else self.policy.decode
+
+    def _all_reduce_max(self, amax: torch.Tensor) -> torch.Tensor:
+        buf = amax.detach().float().reshape(1).clone()
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
+        return buf.reshape(())
+
+    def _home_rows(self, x2d, perm, sorted_key, k, mode, act, backend):
+        """The dispatched payload, one uint8 row per route in send order, and (per-tensor)
+        the global FC1 scale. Quantization is that of the single-process layer: per-token
+        and per-tensor on the token rows, static per route with its expert's a13 scale."""
+        dev = x2d.device
+        t = x2d.shape[0]
+        src = perm // k  # token of each route in send order
+        if mode == "w4a16":
+            return _pack([x2d])[src], None
+        if act == "per_tensor":
+            amax = (
+                x2d.abs().amax().float() if t else torch.zeros((), dtype=torch.float32, device=dev)
+            )
+            g = global_from_amax(self._all_reduce_max(amax))
+        if backend == "triton":
+            from .kernels.launch import _quantize_rows
+            from .kernels.quantize import MODE_PER_ROW, MODE_SCALAR, MODE_STATIC
+
+            if act == "per_token":
+                c, s, gl = _quantize_rows(x2d.contiguous(), t, mode=MODE_PER_ROW, pdl=False)
+                return _pack([c, s, gl])[src], None
+            if act == "per_tensor":
+                c, s, _ = _quantize_rows(
+                    x2d.contiguous(), t, mode=MODE_SCALAR, table=g.reshape(1), pdl=False
+                )
+                return _pack([c, s])[src], g
+            expert = sorted_key.clamp(max=self.num_experts_total - 1).to(torch.int32)
+            c, s, _ = _quantize_rows(
+                x2d.contiguous(), perm.numel(), mode=MODE_STATIC, index=perm.to(torch.int32),
+                div=k, table=self.a13_scale_all, row_expert=expert, pdl=False,
+            )  # fmt: skip
+            return _pack([c, s]), None
+        if act == "per_token":
+            g_rows = global_from_amax(x2d.abs().amax(dim=-1))
+            c, s = quantize_blocks(x2d, g_rows)
+            return _pack([c, s, g_rows])[src], None
+        if act == "per_tensor":
+            c, s = quantize_blocks(x2d, g)
+            return _pack([c, s])[src], g
+        expert = sorted_key.clamp(max=self.num_experts_total - 1)
+        c, s = quantize_blocks(x2d[src], self.a13_scale_all[expert])
+        return _pack([c, s]), None
+
+    def _unpack(self, recv, row_expert, mode, act, fc1_global):
+        h = self.experts.hidden_size
+        n = recv.shape[0]
+        if mode == "w4a16":
+            return recv.view(torch.bfloat16)
+        codes = recv[:, : h // 2].contiguous()
+        scales = recv[:, h // 2 : h // 2 + h // 16].contiguous().view(torch.float8_e4m3fn)
+        if act == "per_token":
+            o = h // 2 + h // 16
+            glob = recv[:, o : o + 4].contiguous().view(torch.float32).reshape(n)
+        elif act == "static":
+            glob = self.experts.a13_scale[row_expert.clamp(min=0)]
+        else:
+            glob = fc1_global.reshape(1).expand(n).contiguous()
+        return NVFP4Tensor(codes, scales, glob)
+
+    def _finalize(self, y_rows, route_pos, ids, w, backend) -> torch.Tensor:
+        t, k = ids.shape
+        h = self.experts.hidden_size
+        if backend == "triton" and t:
+            import triton
+
+            from .kernels.finalize import finalize_block_h, finalize_kernel
+            from .kernels.launch import _launch, interpreting
+
+            if y_rows.shape[0] == 0:
+                y_rows = torch.zeros(1, h, dtype=torch.bfloat16, device=y_rows.device)
+            out = torch.empty(t, h, dtype=torch.bfloat16, device=y_rows.device)
+            block_h, warps = finalize_block_h(t, h)
+            _launch(
+                finalize_kernel, (t, triton.cdiv(h, block_h)), False,
+                y_rows, route_pos.to(torch.int32), ids, w.reshape(-1), out, h,
+                TOPK=k, KP=triton.next_power_of_2(k), BLOCK_H=block_h,
+                INTERPRET=interpreting(), num_warps=warps,
+            )  # fmt: skip
+            return out
+        if y_rows.shape[0] == 0:
+            y_full = torch.zeros(t, k, h, dtype=torch.bfloat16, device=y_rows.device)
+        else:
+            y_full = y_rows[route_pos].reshape(t, k, h)
+        return finalize_reference(y_full, ids, w)
+
+    def _account(self, plan: _Plan, row_bytes: int, hb: int, epr: int) -> None:
+        world, r = self.world_size, self.rank
+        if self.max_tokens is None:
+            send, recv = plan.send_splits, plan.recv_splits
+        else:
+            cap = self.max_tokens * self.router.top_k
+            send = recv = [cap] * world
+        others_send = sum(v for d, v in enumerate(send) if d != r)
+        others_back = sum(v for d, v in enumerate(recv) if d != r)
+        self.last_comm_bytes = {
+            "dispatch": others_send * row_bytes,
+            "combine": others_back * hb,
+            "metadata": (world - 1) * (epr + _META_EXTRA) * 8,
+            "dispatch_self": send[r] * row_bytes,
+            "combine_self": recv[r] * hb,
+            "dispatch_rows": sum(send),
+            "recv_rows": sum(recv),
+        }
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of this rank's expert slice and router (as ``MoELayer.memory_report``)."""
+        e, h, i = (self.experts.num_experts, self.experts.hidden_size,
+                   self.experts.intermediate_size)  # fmt: skip
+        router = sum(b.numel() * b.element_size() for b in self.buffers())
+        return {
+            "expert_bytes": self.experts.nbytes(),
+            "router_bytes": router,
+            "bf16_expert_bytes": e * 3 * h * i * 2,
+            "copies_of_expert_weights": 1,
+        }
+
+    def extra_repr(self) -> str:
+        start, stop = self.expert_range
+        return (
+            f"rank={self.rank}/{self.world_size}, experts=[{start}, {stop}) of "
+            f"{self.num_experts_total}, H={self.experts.hidden_size}, "
+            f"I={self.experts.intermediate_size}, router={self.router.method}/"
+            f"top{self.router.top_k}, prefill={self.policy.prefill}, "
+            f"decode={self.policy.decode}, max_tokens={self.max_tokens}"
+        )
