@@ -1,0 +1,22 @@
+"""The disaggregated example: prefill worker (W4A4) and decode worker (W4A16) on one set of
+prepared expert files continue exactly as one process with the same policy."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import disaggregated
+
+
+def test_two_workers_continue_like_one_process(tmp_path):
+    rep = disaggregated.run(steps=2, prompt_len=6, batch=2, device="cpu", folder=str(tmp_path))
+    assert rep["matches_single_process"]
+    assert rep["kv_bytes_handed_over"] > 0
+    assert rep["expert_files"] == ["experts-0.safetensors", "experts-1.safetensors"]
+    assert len(rep["tokens"]) == 2 and len(rep["tokens"][0]) == 3
