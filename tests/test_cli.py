@@ -28,6 +28,9 @@ def test_help_of_every_command(command, capsys):
     assert main([*command, "--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"usage: fp4moe {' '.join(command)}".rstrip())
+    if command == ["demo"]:
+        for option in ("--layer", "--disaggregated", "--model-config", "--checkpoint", "--json"):
+            assert option in out
 
 
 def test_python_m_fp4moe():
@@ -48,9 +51,9 @@ def test_unknown_argument_is_an_error(capsys):
     assert "unrecognized arguments: --no-such-option" in capsys.readouterr().err
 
 
-def test_demo_runs_every_mode(tmp_path, capsys, device):
+def test_demo_layer_runs_every_mode(tmp_path, capsys, device):
     path = tmp_path / "demo.json"
-    argv = ["demo", *TINY, "--calib-tokens", "256", "--repeats", "1", "--device", device]
+    argv = ["demo", "--layer", *TINY, "--calib-tokens", "256", "--repeats", "1", "--device", device]
     assert main([*argv, "--json", str(path)]) == 0
     out = capsys.readouterr().out
     for mode, act in DEMO_MODES:
@@ -69,10 +72,108 @@ def test_demo_runs_every_mode(tmp_path, capsys, device):
     assert result["prepared_bytes"] < 0.3 * result["bf16_bytes"]
 
 
-def test_demo_rejects_bad_sizes(capsys):
-    assert main(["demo", "--hidden", "100"]) == 2
+def test_demo_layer_rejects_bad_sizes(capsys):
+    assert main(["demo", "--layer", "--hidden", "100"]) == 2
     assert "hidden: expected a positive multiple of 32, got 100" in capsys.readouterr().err
-    assert main(["demo", "--experts", "2", "--top-k", "3"]) == 2
+    assert main(["demo", "--layer", "--experts", "2", "--top-k", "3"]) == 2
+
+
+# ------------------------------------------------------------------ the transformer demo
+
+TINY_MODEL = dict(
+    model_type="qwen3_moe", vocab_size=128, hidden_size=64, intermediate_size=64,
+    moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+    head_dim=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+    max_position_embeddings=64,
+)  # fmt: skip
+
+
+def _phase_rows(out: str) -> dict[str, list[str]]:
+    return {
+        line.split()[0]: line.split()
+        for line in out.splitlines()
+        if line.split()[:1] in (["prefill"], ["decode"])
+    }
+
+
+def test_demo_default_is_the_transformer_demo(capsys, device):
+    pytest.importorskip("transformers")
+    argv = ["demo", "--batch", "1", "--prompt-len", "3", "--new-tokens", "2", "--device", device]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("fp4moe demo: Qwen3MoeForCausalLM, the Qwen3-30B-A3B architecture")
+    flat = " ".join(out.split())
+    assert "4 layers, H=256, 16 experts of I=128 (softmax top-2), vocab 1024" in flat
+    rows = _phase_rows(out)
+    assert rows["prefill"][1:4] == ["w4a4-token", "3", "1"]  # mode, tokens, calls
+    assert rows["decode"][1:4] == ["w4a16", "1", "1"]
+    memory = {line[:20]: line.split()[-3:-1] for line in out.splitlines()}
+    assert memory["one NVFP4 copy, shar"] == ["3.38", "MiB"]  # 4 layers of 16 experts
+    assert memory["bf16 (the reference "] == ["12.00", "MiB"]
+
+
+def test_demo_model_config_policy_and_json(tmp_path, capsys, device):
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_MODEL))
+    path = tmp_path / "demo.json"
+    argv = ["demo", "--model-config", str(config), "--batch", "2", "--prompt-len", "5",
+            "--new-tokens", "3", "--prefill", "w4a4-tensor", "--device", device,
+            "--json", str(path)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = _phase_rows(out)
+    assert rows["prefill"][1:4] == ["w4a4-tensor", "10", "1"]
+    assert rows["decode"][1:4] == ["w4a16", "4", "2"]
+    doc = json.loads(path.read_text())
+    assert [p["mode"] for p in doc["phases"]] == ["w4a4-tensor", "w4a16"]
+    for p in doc["phases"]:
+        assert 0.0 <= p["top1_agreement"] <= 1.0 and 0.0 < p["logit_rel_error"] < 0.3
+    assert doc["memory"]["two_nvfp4_copies"] == 2 * doc["memory"]["one_shared_nvfp4_copy"]
+    assert doc["shared_storage"]["same_object_and_pointers"] is True
+    assert doc["model"]["experts"] == 8 and doc["config"]["model_config"] == str(config)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--hidden", "256"], "--hidden: only with --layer"),
+        (["--layer", "--new-tokens", "4"], "--new-tokens: not an option of --layer"),
+        (["--disaggregated", "--prefill", "w4a16"], "--prefill: not an option of --disaggregated"),
+        (["--new-tokens", "1"], "new_tokens: expected at least 2"),
+        (["--model-config", "no/such.json"], "--model-config: no such file or directory"),
+        (["--prefill", "w4a8"], "is not one of 'w4a16'"),
+    ],
+    ids=str,
+)
+def test_demo_bad_options(argv, message, capsys):
+    pytest.importorskip("transformers")
+    assert main(["demo", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_demo_refuses_a_model_without_moe_blocks(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(model_type="llama", vocab_size=64, hidden_size=64,
+        intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)))  # fmt: skip
+    assert main(["demo", "--model-config", str(config), "--device", "cpu"]) == 2
+    assert "found no MoE block to convert" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two worker processes start torch and transformers: about 20 s
+def test_demo_disaggregated(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    path = tmp_path / "dis.json"
+    argv = ["demo", "--disaggregated", "--batch", "1", "--prompt-len", "4", "--new-tokens", "2",
+            "--device", "cpu", "--json", str(path)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("fp4moe demo --disaggregated: prefill worker (w4a4-token)")
+    assert "bitwise the same last logits): True" in out
+    rep = json.loads(path.read_text())
+    assert rep["matches_single_process"] is True and rep["decode_steps"] == 1
+    assert len(rep["tokens"]) == 1 and len(rep["tokens"][0]) == 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")

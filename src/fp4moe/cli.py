@@ -38,32 +38,131 @@ def _check_device(command: str, device: str) -> int:
 # ----------------------------------------------------------------------------- demo
 
 
-def _cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
-    from .demo import DemoConfig, render_demo, run_demo
+# Options of ``fp4moe demo --layer`` only, with their defaults there.
+_LAYER_DEFAULTS = {
+    "hidden": 512,
+    "inter": 256,
+    "experts": 16,
+    "top_k": 4,
+    "tokens": 64,
+    "calib_tokens": 256,
+    "repeats": 5,
+}
+# Options of the transformer demo (and, the first three, of --disaggregated).
+_MODEL_DEFAULTS = {
+    "batch": 2,
+    "prompt_len": 16,
+    "new_tokens": 8,
+    "model_config": None,
+    "checkpoint": None,
+    "prefill": "w4a4-token",
+    "decode": "w4a16",
+}
 
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _write_json(path: str | None, doc: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=2)
+        print(f"wrote {path}")
+
+
+def _cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
     if rc := _check_device("demo", args.device):
         return rc
+    given = {k for k in (*_LAYER_DEFAULTS, *_MODEL_DEFAULTS) if getattr(args, k) is not None}
+    if args.layer:
+        wrong = [k for k in _MODEL_DEFAULTS if k in given]
+        if wrong:
+            return _fail("demo", f"{_flag(wrong[0])}: not an option of --layer")
+        return _demo_layer(args)
+    wrong = [k for k in _LAYER_DEFAULTS if k in given]
+    if wrong:
+        return _fail("demo", f"{_flag(wrong[0])}: only with --layer (the layer-level demo)")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return _fail(
+            "demo",
+            "needs transformers 5.x (pip install 'transformers>=5,<6', or -e '.[test]'); "
+            "`fp4moe demo --layer` runs without it",
+            1,
+        )
+    opts = {k: getattr(args, k) if k in given else v for k, v in _MODEL_DEFAULTS.items()}
+    if args.disaggregated:
+        wrong = [k for k in ("model_config", "checkpoint", "prefill", "decode") if k in given]
+        if args.backend is not None:
+            wrong.append("backend")
+        if wrong:
+            return _fail("demo", f"{_flag(wrong[0])}: not an option of --disaggregated")
+        return _demo_disaggregated(args, opts)
+    return _demo_model(args, opts)
+
+
+def _demo_layer(args: argparse.Namespace) -> int:
+    from .demo import DemoConfig, render_demo, run_demo
+
+    sizes = {k: getattr(args, k) if getattr(args, k) is not None else v
+             for k, v in _LAYER_DEFAULTS.items()}  # fmt: skip
     try:
         cfg = DemoConfig(
-            hidden=args.hidden,
-            inter=args.inter,
-            experts=args.experts,
-            top_k=args.top_k,
-            tokens=args.tokens,
-            calib_tokens=args.calib_tokens,
-            seed=args.seed,
-            repeats=args.repeats,
-            device=args.device,
-            backend=args.backend,
+            **sizes, seed=args.seed, device=args.device, backend=args.backend or "auto"
         )
     except ValueError as exc:
         return _fail("demo", str(exc))
     res = run_demo(cfg)
     print(render_demo(res))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res.to_json(), f, indent=2)
-        print(f"wrote {args.json}")
+    _write_json(args.json, res.to_json())
+    return 0
+
+
+def _demo_model(args: argparse.Namespace, opts: dict) -> int:
+    from .demo_model import ModelDemoConfig, render_model_demo, run_model_demo
+
+    for key in ("model_config", "checkpoint"):
+        path = opts[key]
+        if path is not None and not os.path.exists(path):
+            return _fail("demo", f"{_flag(key)}: no such file or directory {path!r}")
+    if opts["checkpoint"] is not None and not os.path.isdir(opts["checkpoint"]):
+        return _fail(
+            "demo", f"--checkpoint: expected a checkpoint directory, got {opts['checkpoint']!r}"
+        )
+    try:
+        cfg = ModelDemoConfig(
+            **opts, seed=args.seed, device=args.device, backend=args.backend or "auto"
+        )
+    except (TypeError, ValueError) as exc:
+        return _fail("demo", str(exc))
+    try:
+        res = run_model_demo(cfg)
+    except (ValueError, NotImplementedError) as exc:  # a config or checkpoint we cannot run
+        return _fail("demo", str(exc))
+    print(render_model_demo(res))
+    _write_json(args.json, res.to_json())
+    return 0
+
+
+def _demo_disaggregated(args: argparse.Namespace, opts: dict) -> int:
+    from .demo_model import render_disaggregated, run_disaggregated
+
+    if opts["new_tokens"] < 2:
+        return _fail("demo", f"--new-tokens: expected at least 2, got {opts['new_tokens']}")
+    for key in ("batch", "prompt_len"):
+        if opts[key] < 1:
+            return _fail("demo", f"{_flag(key)}: expected at least 1, got {opts[key]}")
+    try:
+        rep = run_disaggregated(
+            steps=opts["new_tokens"] - 1, prompt_len=opts["prompt_len"], batch=opts["batch"],
+            seed=args.seed, device=args.device,
+        )  # fmt: skip
+    except FileNotFoundError as exc:
+        return _fail("demo", str(exc), 1)
+    print(render_disaggregated(rep))
+    _write_json(args.json, rep)
     return 0
 
 
@@ -160,8 +259,8 @@ def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
     if not torch.cuda.is_available():
         print(
             "fp4moe bench needs a CUDA GPU; none is available here "
-            "(torch.cuda.is_available() is False). On a CPU, `fp4moe demo` runs every mode "
-            "with the reference backend.",
+            "(torch.cuda.is_available() is False). On a CPU, `fp4moe demo --layer` runs every "
+            "mode with the reference backend.",
             file=sys.stderr,
         )
         return 1
@@ -193,28 +292,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "demo",
-        help="run every mode on a small synthetic MoE layer and compare with bf16",
+        help="generate with a small MoE transformer on one NVFP4 copy; compare with bf16",
         description=(
-            "Build a small MoE layer with realistic random weights, prepare its experts once "
-            "(with calibrated static activation scales), route with softmax top-k, and run "
-            "w4a16 and w4a4 (per_token, static, per_tensor) against the bf16 layer."
+            "Convert a small MoE transformer (default: Qwen3-MoE scaled down, random weights) "
+            "once to NVFP4 experts, generate greedily with the default phase policy (prefill "
+            "w4a4-token, decode w4a16), and print per phase the mode, tokens, time, tokens/s "
+            "and the agreement with the bf16 model (logit relative error, top-1), then the "
+            "bytes of the expert weights: one copy against two. --layer: the layer-level "
+            "table of every mode; --disaggregated: prefill and decode in two processes "
+            "(examples/disaggregated.py)."
         ),
     )
-    p.add_argument("--hidden", type=int, default=512, help="hidden size H (default 512)")
-    p.add_argument(
-        "--inter", type=int, default=256, help="expert intermediate size I (default 256)"
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--layer",
+        action="store_true",
+        help="the layer-level demo: one synthetic MoE layer, every mode against bf16",
     )
-    p.add_argument("--experts", type=int, default=16, help="experts E (default 16)")
-    p.add_argument("--top-k", type=int, default=4, help="routes a token K (default 4)")
-    p.add_argument("--tokens", type=int, default=64, help="tokens T (default 64)")
-    p.add_argument(
-        "--calib-tokens",
-        type=int,
-        default=256,
-        help="tokens of the separate calibration batch for static scales (default 256)",
+    which.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="run examples/disaggregated.py: a W4A4 prefill worker hands the KV cache to a "
+        "W4A16 decode worker, both opening the same prepared expert files",
     )
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs a mode (default 5)")
     p.add_argument(
         "--device",
         default=_default_device(),
@@ -223,11 +324,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--backend",
         choices=BACKENDS,
-        default="auto",
+        default=None,
         help="auto: triton on CUDA (the reference where a kernel is not there yet), "
         "reference elsewhere (default auto)",
     )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+
+    g = p.add_argument_group("the transformer demo (default) and --disaggregated")
+    g.add_argument("--batch", type=int, help="sequences (default 2)")
+    g.add_argument("--prompt-len", type=int, help="random prompt tokens a sequence (default 16)")
+    g.add_argument(
+        "--new-tokens", type=int, help="tokens to generate a sequence, greedily (default 8)"
+    )
+    g = p.add_argument_group("the transformer demo (default)")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument(
+        "--model-config",
+        metavar="PATH",
+        help="a transformers config.json (or its directory) of a Qwen3-MoE, Mixtral or "
+        "DeepSeek-V3 model, scaled down to run here; built with random weights",
+    )
+    src.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="a local HF checkpoint directory (config.json, safetensors) whose experts are "
+        "NVFP4 (ModelOpt or compressed-tensors); read offline",
+    )
+    g.add_argument("--prefill", metavar="MODE", help="prefill mode (default w4a4-token)")
+    g.add_argument("--decode", metavar="MODE", help="decode mode (default w4a16)")
+
+    g = p.add_argument_group("the layer demo (--layer)")
+    g.add_argument("--hidden", type=int, help="hidden size H (default 512)")
+    g.add_argument("--inter", type=int, help="expert intermediate size I (default 256)")
+    g.add_argument("--experts", type=int, help="experts E (default 16)")
+    g.add_argument("--top-k", type=int, help="routes a token K (default 4)")
+    g.add_argument("--tokens", type=int, help="tokens T (default 64)")
+    g.add_argument(
+        "--calib-tokens",
+        type=int,
+        help="tokens of the separate calibration batch for static scales (default 256)",
+    )
+    g.add_argument("--repeats", type=int, help="timed runs a mode (default 5)")
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser(

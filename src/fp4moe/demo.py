@@ -1,4 +1,5 @@
-"""The layer behind ``fp4moe demo``: synthetic weights, calibration, the bf16 baseline, the table.
+"""The layer behind ``fp4moe demo --layer``: synthetic weights, calibration, the bf16 baseline,
+the table. (The default ``fp4moe demo``, a small transformer generating, is in demo_model.py.)
 
 The weights are not plain Gaussian: each matrix has log-normal row and column scales and a
 few outlier input columns, and the tokens have log-normal channel and token scales with a
@@ -243,7 +244,7 @@ def _kernels_missing(exc: BaseException) -> bool:
 
 
 def run_demo(cfg: DemoConfig) -> DemoResult:
-    """Prepare once, route, and run every mode against the bf16 layer (``fp4moe demo``)."""
+    """Prepare once, route, and run every mode against the bf16 layer (``fp4moe demo --layer``)."""
     start = time.perf_counter()
     device = torch.device(cfg.device)
     res = DemoResult(config=cfg)
@@ -344,12 +345,12 @@ def format_table(headers: list[str], rows: list[list[str]], align: str) -> str:
 
 
 def render_demo(res: DemoResult) -> str:
-    """The report ``fp4moe demo`` prints."""
+    """The report ``fp4moe demo --layer`` prints."""
     cfg = res.config
     lo, hi = res.routes_per_expert
     lines = [
-        f"fp4moe demo: E={cfg.experts} experts, H={cfg.hidden}, I={cfg.inter}, top-{cfg.top_k}, "
-        f"T={cfg.tokens} tokens, device {cfg.device}, seed {cfg.seed}",
+        f"fp4moe demo --layer: E={cfg.experts} experts, H={cfg.hidden}, I={cfg.inter}, "
+        f"top-{cfg.top_k}, T={cfg.tokens} tokens, device {cfg.device}, seed {cfg.seed}",
         f"routes: softmax top-{cfg.top_k}, renormalized; {res.experts_touched}/{cfg.experts} "
         f"experts touched, {lo} to {hi} routes an expert",
         f"prepared once: {res.experts!r}",
