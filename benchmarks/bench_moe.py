@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+from fp4moe.bench import bf16_grouped_moe  # the same baseline as `fp4moe bench`
+
 PRESETS = {
     # name: (hidden, inter, experts total, local experts, top_k)
     "deepseek-v3-ep8": (7168, 2048, 256, 32, 8),
@@ -74,31 +76,6 @@ def make_routes(t: int, e_total: int, e_local: int, k: int, seed: int):
     w = (w / w.sum(1, keepdim=True)).float()
     ids = torch.where(ids < e_local, ids, -1).to(torch.int32)
     return ids, w
-
-
-def bf16_grouped_moe(x, ids, w, w13_t, w2_t, n_valid):
-    """bf16 MoE on torch._grouped_mm: sort rows by expert, two grouped GEMMs, scatter-add.
-
-    w13_t: bf16 [E, H, 2I] and w2_t: [E, I, H], transposed views (K contiguous) as
-    ``_grouped_mm`` wants. ``n_valid`` (valid routes, known on the host before timing) keeps
-    masked routes out of every pass."""
-    e = w13_t.shape[0]
-    t, k = ids.shape
-    flat = ids.reshape(-1).long()
-    key = torch.where(flat < 0, e, flat)
-    order = torch.argsort(key, stable=True)[:n_valid]
-    counts = torch.zeros(e + 1, dtype=torch.int64, device=x.device).scatter_add_(
-        0, key, torch.ones_like(key)
-    )[:e]
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    tok = order // k
-    h = torch._grouped_mm(x[tok], w13_t, offs=offs)
-    i = w2_t.shape[1]
-    a = (torch.nn.functional.silu(h[:, :i].float()) * h[:, i:].float()).to(torch.bfloat16)
-    y = torch._grouped_mm(a, w2_t, offs=offs)
-    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
-    out.index_add_(0, tok, y.float() * w.reshape(-1)[order].unsqueeze(1))
-    return out.to(torch.bfloat16)
 
 
 def main(argv=None) -> int:
