@@ -669,3 +669,46 @@ def test_phase_switching_keeps_gpu_memory_flat():
     assert {n: t.data_ptr() for n, t in _expert_tensors(experts).items()} == ptrs
     assert layer.stats.calls == {"prefill": 11, "decode": 11}
     assert layer.stats.tokens == {"prefill": 11 * 256, "decode": 11 * 4}
+
+
+def test_memory_report_workspaces():
+    """Workspace bytes are reported per phase and grow with the tokens of a call."""
+    from fp4moe.kernels.launch import workspace_bytes
+
+    g = torch.Generator().manual_seed(0)
+    ex = fp4moe.prepare_experts(
+        torch.randn(4, 64, 64, generator=g), torch.randn(4, 64, 32, generator=g)
+    )
+    layer = fp4moe.MoELayer(ex, fp4moe.RouterConfig("softmax", 2), gate_weight=torch.randn(4, 64))
+    rep = layer.memory_report(num_tokens=512)
+    assert rep["prefill_workspace_tokens"] == 512
+    assert rep["decode_workspace_tokens"] == layer.policy.decode_max_tokens
+    assert rep["prefill_workspace_bytes"] == workspace_bytes(512, 2, 64, 32, 4, mode="w4a4")
+    assert rep["decode_workspace_bytes"] == workspace_bytes(64, 2, 64, 32, 4, mode="w4a16")
+    assert workspace_bytes(1024, 2, 64, 32, 4) > workspace_bytes(512, 2, 64, 32, 4)
+
+
+@pytest.mark.gpu
+def test_workspace_estimate_matches_cuda_allocations():
+    """The estimate is within 25 % of the peak extra memory of one Triton call."""
+    from fp4moe.kernels.launch import moe_triton, workspace_bytes
+
+    e, h, i, t, k = 8, 2048, 512, 1024, 4
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ex = fp4moe.prepare_experts(
+        torch.randn(e, 2 * i, h, device="cuda", generator=g) * 0.05,
+        torch.randn(e, h, i, device="cuda", generator=g) * 0.05,
+    )
+    x = torch.randn(t, h, device="cuda", generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(t)]).to(torch.int32)
+    w = torch.rand(t, k, device="cuda")
+    for mode in ("w4a16", "w4a4"):
+        moe_triton(x, ids, w, ex, mode=mode)  # compile
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        moe_triton(x, ids, w, ex, mode=mode)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        est = workspace_bytes(t, k, h, i, e, mode=mode)
+        assert 0.75 * peak <= est <= 1.25 * peak, (mode, est, peak)

@@ -319,17 +319,34 @@ class MoELayer(nn.Module):
         self.stats.tokens[name] += t
         return out.reshape(shape)
 
-    def memory_report(self) -> dict[str, int]:
-        """Bytes of the expert weights (one prepared copy) and of the router, and what a
-        bf16 copy of the experts would cost."""
-        e, h, i = (self.experts.num_experts, self.experts.hidden_size,
-                   self.experts.intermediate_size)  # fmt: skip
+    def memory_report(self, num_tokens: int | None = None) -> dict[str, int]:
+        """Bytes of the expert weights (one prepared copy, shared by every phase), of the
+        router, what a bf16 copy of the experts would cost, and the transient workspace of
+        one call (Triton backend) for the decode phase at ``decode_max_tokens`` tokens and
+        for the prefill phase at ``num_tokens`` (default 4096) tokens."""
+        from .kernels.launch import workspace_bytes
+
+        ex = self.experts
+        e, h, i = ex.num_experts, ex.hidden_size, ex.intermediate_size
         router = sum(b.numel() * b.element_size() for b in self.buffers())
+
+        def ws(t: int, cfg: PhaseConfig) -> int:
+            return workspace_bytes(
+                t, self.router.top_k, h, i, e, mode=cfg.mode, act_scale=cfg.act_scale,
+                fused_finalize=cfg.fused_finalize,
+            )  # fmt: skip
+
+        prefill_t = 4096 if num_tokens is None else num_tokens
+        decode_t = max(self.policy.decode_max_tokens, 1)
         return {
-            "expert_bytes": self.experts.nbytes(),
+            "expert_bytes": ex.nbytes(),
             "router_bytes": router,
             "bf16_expert_bytes": e * 3 * h * i * 2,
             "copies_of_expert_weights": 1,
+            "decode_workspace_tokens": decode_t,
+            "decode_workspace_bytes": ws(decode_t, self.policy.decode),
+            "prefill_workspace_tokens": prefill_t,
+            "prefill_workspace_bytes": ws(prefill_t, self.policy.prefill),
         }
 
     def extra_repr(self) -> str:

@@ -23,7 +23,7 @@ from .gemm import GemmConfig, choose_gemm_config, moe_gemm_kernel
 from .quantize import MODE_PER_ROW, MODE_SCALAR, MODE_STATIC, quantize_rows_kernel
 from .sort import RouteSort, sort_routes
 
-__all__ = ["TritonOptions", "interpreting", "moe_triton"]
+__all__ = ["TritonOptions", "interpreting", "moe_triton", "workspace_bytes"]
 
 
 def interpreting() -> bool:
@@ -277,3 +277,32 @@ def moe_triton(
         INTERPRET=interpreting(), num_warps=warps,
     )  # fmt: skip
     return out
+
+
+def workspace_bytes(
+    num_tokens: int,
+    top_k: int,
+    hidden: int,
+    inter: int,
+    num_experts: int,
+    *,
+    mode: str = "w4a16",
+    act_scale: str = "per_token",
+    fused_finalize: bool = False,
+    block_m: int = 16,
+) -> int:
+    """Bytes ``moe_triton`` allocates for one call of ``num_tokens`` tokens (freed after the
+    call, or held by a CUDA graph's pool): route sort and schedule, activations between
+    the GEMMs, W4A4 quantized inputs, route rows or the fp32 accumulator, the output."""
+    t, k, h, i = num_tokens, top_k, hidden, inter
+    n = t * k
+    nb = -(-n // block_m) + min(num_experts, n)
+    total = 4 * (3 * n + 2 * num_experts + 1 + 3 * nb)  # sort outputs (int32)
+    total += n * i * 2  # FC1 output a, bf16
+    if mode == "w4a4":
+        rows = n if act_scale == "static" else t
+        total += rows * (h // 2 + h // 16 + 4)  # x as NVFP4 + globals
+        total += n * (i // 2 + i // 16 + 4)  # a as NVFP4 + globals
+    total += t * h * 4 if fused_finalize else n * h * 2  # fp32 accumulator or route rows
+    total += t * h * 2  # output, bf16
+    return total
