@@ -339,3 +339,43 @@ def test_prefetch_config_matches_plain(interpret, device, mode):
         x, ids, w, experts, mode=m, act_scale=sc, options=TritonOptions(fc1=pre, fc2=pre)
     )
     assert torch.equal(a, b)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("fused", [False, True], ids=["deterministic", "fused"])
+@pytest.mark.parametrize("t", [1, 13])
+def test_fc1_nvfp4_out_matches_two_step(interpret, device, fused, t):
+    """Static W4A4: FC1 quantizing its own output gives the bits of FC1 + quantize kernel."""
+    if device != "cpu":
+        pytest.skip("interpreter case")
+    from fp4moe.kernels.gemm import GemmConfig
+
+    experts = _experts(4, 64, 64, seed=21, device=device)
+    x = _x(t, 64, seed=21, device=device)
+    ids, w = _routes(t, 2, 4, seed=21, device=device, masked=0.2)
+    cfg = GemmConfig(16, 32, 32, num_stages=1)
+    two = moe_triton(x, ids, w, experts, mode="w4a4", act_scale="static", fused_finalize=fused,
+                     options=TritonOptions(fc1=cfg, fc2=cfg, poison=True))  # fmt: skip
+    one = moe_triton(
+        x, ids, w, experts, mode="w4a4", act_scale="static", fused_finalize=fused,
+        options=TritonOptions(fc1=cfg, fc2=cfg, poison=True, fc1_nvfp4_out=True),
+    )  # fmt: skip
+    ref = moe_reference(x, ids, w, experts, mode="w4a4", act_scale="static")
+    if not fused:
+        assert torch.equal(one, two)
+    assert rel_err(one, ref) <= TOL["w4a4"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 64, 1000])
+def test_fc1_nvfp4_out_gpu(gpu_experts, t):
+    """On the GPU, FC1's own NVFP4 output gives the bits of the two-step static path."""
+    e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
+    experts = gpu_experts("deepseek-v3-ep8")
+    x = _x(t, h, seed=t, device="cuda")
+    ids, w = _gpu_routes(t, k, e, e_total, seed=t)
+    two = moe_triton(x, ids, w, experts, mode="w4a4", act_scale="static",
+                     options=TritonOptions(poison=True))  # fmt: skip
+    one = moe_triton(x, ids, w, experts, mode="w4a4", act_scale="static",
+                     options=TritonOptions(poison=True, fc1_nvfp4_out=True))  # fmt: skip
+    assert torch.equal(one, two)

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .common import to_bf16
+from .common import to_bf16, to_e4m3
+from .quantize import encode_e2m1
 
 __all__ = ["GemmConfig", "choose_gemm_config"]
 
@@ -159,7 +160,10 @@ def moe_gemm_kernel(
     w_codes_ptr,  # uint8 [E, W_ROWS, K/2]
     w_scales_ptr,  # e4m3 [E, W_ROWS, K/16]
     w_global_ptr,  # fp32 [E, W_GLOBALS]
-    out_ptr,  # bf16 [rows, N] (sorted order) or fp32 [T, N] (FUSED)
+    out_ptr,  # bf16 [rows, N] (sorted order), fp32 [T, N] (FUSED) or codes [rows, N/2] (OUT_FP4)
+    out_scales_ptr,  # e4m3 [rows, N/16] (OUT_FP4)
+    out_global_ptr,  # fp32 [rows] (OUT_FP4)
+    out_table_ptr,  # fp32 [E]: the static global of the output per expert (OUT_FP4)
     block_expert_ptr,
     block_start_ptr,
     block_end_ptr,
@@ -180,6 +184,7 @@ def moe_gemm_kernel(
     INTERPRET: tl.constexpr,
     DECODE_ASM: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
+    OUT_FP4: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -292,5 +297,29 @@ def moe_gemm_kernel(
         tl.atomic_add(
             out_ptr + tok[None, :] * N + offs_n[:, None], contrib, mask=mask, sem="relaxed"
         )
+    elif OUT_FP4:
+        # FC1 for static W4A4: quantize the bf16 activation tile straight to NVFP4 with the
+        # expert's calibrated global (SPEC 2, the same float operations as quantize.py):
+        # blocks of 16 along N, so a tile of BN columns holds BN // 16 whole blocks.
+        g = tl.load(out_table_ptr + e64)
+        blk = tl.reshape(y.to(tl.float32), (BN // 16, 16, BM))
+        amax = tl.max(tl.abs(blk), axis=1)  # [BN // 16, BM]
+        s = tl.minimum(tl.math.div_rn(amax, tl.zeros_like(amax) + 6.0 * g), 448.0)
+        s8 = to_e4m3(s, INTERPRET)
+        denom = s8.to(tl.float32) * g
+        safe = tl.where(denom == 0.0, 1.0, denom)
+        v = tl.math.div_rn(blk, tl.broadcast_to(safe[:, None, :], (BN // 16, 16, BM)))
+        code = tl.where((denom == 0.0)[:, None, :], 0, encode_e2m1(v)).to(tl.uint8)
+        pairs = tl.permute(tl.reshape(code, (BN // 2, 2, BM)), (0, 2, 1))  # [BN/2, BM, 2]
+        lo, hi = tl.split(pairs)
+        rows64 = offs_m.to(tl.int64)[None, :]
+        pc = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+        tl.store(out_ptr + rows64 * (N // 2) + pc[:, None], lo | (hi << 4),
+                 mask=(pc < N // 2)[:, None] & m_mask[None, :])  # fmt: skip
+        ps = pid_n * (BN // 16) + tl.arange(0, BN // 16)
+        tl.store(out_scales_ptr + rows64 * (N // 16) + ps[:, None], s8,
+                 mask=(ps < N // 16)[:, None] & m_mask[None, :])  # fmt: skip
+        if pid_n == 0:
+            tl.store(out_global_ptr + offs_m, tl.zeros_like(offs_m).to(tl.float32) + g, mask=m_mask)
     else:
         tl.store(out_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None], y, mask=mask)

@@ -39,6 +39,9 @@ class TritonOptions:
     fc1 / fc2: pinned GEMM configs (None: ``choose_gemm_config``).
     decode_asm: decode W4A16 weights with inline PTX (GPU only; experimental, see
         docs/perf-notes.md).
+    fc1_nvfp4_out: static W4A4 only: FC1 writes the activation as NVFP4 directly (no
+        bf16 round trip, no second quantize kernel). Bit-identical to the two-step path in
+        the interpreter; off until checked on the GPU.
     poison: fill every workspace and the output with NaN (0xFF bytes for codes and
         scales) before the kernels run, so tests see any element no kernel wrote.
     """
@@ -48,6 +51,7 @@ class TritonOptions:
     fc2: GemmConfig | None = None
     decode_asm: bool = False
     poison: bool = False
+    fc1_nvfp4_out: bool = False
 
 
 def _use_pdl(opt: TritonOptions, device: torch.device) -> bool:
@@ -129,7 +133,10 @@ def _gemm(
     fused: bool,
     pdl: bool,
     decode_asm: bool = False,
+    out_fp4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
+    """One grouped GEMM. ``out_fp4`` = (scales, globals, static table): ``out`` receives
+    NVFP4 codes of the FC1 activation instead of bf16 (static W4A4)."""
     a_fp4 = a_scales is not None
     decode_asm = decode_asm and not a_fp4 and not interpreting()
     if interpreting():
@@ -146,12 +153,13 @@ def _gemm(
         a, a_scales if a_fp4 else dummy, a_global if a_fp4 else dummy,
         sort.sorted_routes, topk_w,
         w_codes, w_scales, w_global, out,
+        *(out_fp4 if out_fp4 is not None else (dummy, dummy, dummy)),
         sort.block_expert, sort.block_start, sort.block_end,
         n, k,
         TOPK=topk, GATED=gated, A_FP4=a_fp4, A_GATHER=a_gather, FUSED=fused,
         OUT_SCALE=out_scale, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         DOT_DTYPE=dot, W_DTYPE=wdt, INTERPRET=interpreting(), DECODE_ASM=decode_asm,
-        PREFETCH=cfg.prefetch,
+        PREFETCH=cfg.prefetch, OUT_FP4=out_fp4 is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -220,12 +228,22 @@ def moe_triton(
             )  # fmt: skip
             a_gather = False
 
-    act = _empty((n_routes, inter), torch.bfloat16, dev, opt.poison)
+    fc1_fp4 = w4a4 and act_scale == "static" and opt.fc1_nvfp4_out
+    out_fp4 = None
+    if fc1_fp4:  # FC1 writes NVFP4 codes, scales and globals of `a` itself
+        act = _empty((n_routes, inter // 2), torch.uint8, dev, opt.poison)
+        out_fp4 = (
+            _empty((n_routes, inter // 16), torch.float8_e4m3fn, dev, opt.poison),
+            _empty((n_routes,), torch.float32, dev, opt.poison),
+            experts.a2_scale,
+        )
+    else:
+        act = _empty((n_routes, inter), torch.bfloat16, dev, opt.poison)
     _gemm(
         cfg1, sort, a_src, a_scales, a_global,
         experts.w13_codes, experts.w13_scales, experts.w13_global, act, w_flat,
         n=inter, k=h, topk=topk, gated=True, a_gather=a_gather, fused=False, pdl=pdl,
-        decode_asm=opt.decode_asm,
+        decode_asm=opt.decode_asm, out_fp4=out_fp4,
     )  # fmt: skip
 
     # FC2 input.
@@ -248,6 +266,8 @@ def moe_triton(
                 pdl=pdl,
                 poison=opt.poison,
             )
+        elif fc1_fp4:
+            b_src, b_scales, b_global = act, out_fp4[0], out_fp4[1]
         else:
             b_src, b_scales, b_global = _quantize_rows(
                 act, n_routes, mode=MODE_STATIC, count=n_valid, table=experts.a2_scale,

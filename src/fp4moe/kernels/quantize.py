@@ -14,7 +14,7 @@ import triton.language as tl
 
 from .common import to_e4m3
 
-__all__ = ["MODE_PER_ROW", "MODE_SCALAR", "MODE_STATIC", "quantize_rows_kernel"]
+__all__ = ["MODE_PER_ROW", "MODE_SCALAR", "MODE_STATIC", "encode_e2m1", "quantize_rows_kernel"]
 
 MODE_PER_ROW = 0  # global = amax(row) / 2688 (1 where the row is 0)
 MODE_STATIC = 1  # global = table[row_expert[i]]
@@ -22,7 +22,7 @@ MODE_SCALAR = 2  # global = table[0]
 
 
 @triton.jit
-def _encode_e2m1(v):
+def encode_e2m1(v):
     m = tl.abs(v)
     idx = (
         (m > 0.25).to(tl.uint8)
@@ -97,7 +97,7 @@ def quantize_rows_kernel(
         denom = s8.to(tl.float32) * g
         safe = tl.where(denom == 0.0, 1.0, denom)
         v = tl.math.div_rn(xb, tl.broadcast_to(safe[:, None], (BLOCK_C // 16, 16)))
-        code = tl.where((denom == 0.0)[:, None], 0, _encode_e2m1(v)).to(tl.uint8)
+        code = tl.where((denom == 0.0)[:, None], 0, encode_e2m1(v)).to(tl.uint8)
         lo, hi = tl.split(code.reshape(BLOCK_C // 2, 2))
         packed = lo | (hi << 4)
         pc = c0 // 2 + tl.arange(0, BLOCK_C // 2)
