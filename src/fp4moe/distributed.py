@@ -35,9 +35,17 @@ from torch import nn
 from .experts import PreparedExperts
 from .moe import ACT_SCALES, BACKENDS, MODES
 from .nvfp4 import NVFP4Tensor, dequantize_blocks, global_from_amax, quantize_blocks
-from .phases import PHASES, PhaseConfig, PhasePolicy, RouterConfig, _current_phase, _Stats
+from .phases import (
+    PHASES,
+    PhaseConfig,
+    PhasePolicy,
+    RouterConfig,
+    _current_phase,
+    _Stats,
+    layer_settings,
+)
 from .reference import _acc, _apply_global, _quantized_input, finalize_reference
-from .routing import ROUTING_METHODS, expert_range, route
+from .routing import ROUTING_METHODS, expert_range
 
 __all__ = ["EPMoELayer", "compute_route_rows", "wire_row_bytes"]
 
@@ -367,13 +375,7 @@ class EPMoELayer(nn.Module):
         return torch.device("cpu")
 
     def _setup(self, experts, router, gate_weight, correction_bias, policy, rng, max_tokens):
-        if not isinstance(experts, PreparedExperts):
-            raise TypeError(f"experts: expected PreparedExperts, got {type(experts).__name__}")
-        self.experts = experts
-        self.router = router or RouterConfig()
-        if not isinstance(self.router, RouterConfig):
-            raise TypeError(f"router: expected RouterConfig, got {type(self.router).__name__}")
-        self.policy = PhasePolicy.coerce(policy if policy is not None else PhasePolicy())
+        self.experts, self.router, self.policy = layer_settings(experts, router, policy)
         h = experts.hidden_size
         if not isinstance(gate_weight, torch.Tensor):
             raise TypeError(
@@ -479,15 +481,9 @@ class EPMoELayer(nn.Module):
     def route(self, x2d: torch.Tensor, router_logits: torch.Tensor | None = None):
         """(topk_ids int32 [T, K] *global* expert ids, topk_weights fp32 [T, K])."""
         if router_logits is None:
-            router_logits = x2d.float() @ self.gate_weight.t()
-        r = self.router
-        kw = {}
-        if r.method == "sigmoid_grouped":
-            kw = dict(
-                correction_bias=self.correction_bias, n_group=r.n_group,
-                topk_group=r.topk_group, scaling_factor=r.scaling_factor,
-            )  # fmt: skip
-        return route(router_logits, r.top_k, method=r.method, renormalize=r.renormalize, **kw)
+            # .float(): the buffer follows layer.to(dtype); logits stay fp32 (as MoELayer)
+            router_logits = x2d.float() @ self.gate_weight.float().t()
+        return self.router.route(router_logits, self.correction_bias)
 
     def _backend(self) -> str:
         b = self.policy.backend

@@ -167,6 +167,32 @@ class RouterConfig:
                         f"value with method {self.method!r}"
                     )
 
+    def route(
+        self, logits: torch.Tensor, correction_bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``fp4moe.route`` with these settings: (int32 ids, fp32 weights) [T, top_k] for
+        logits [T, E_total]; ``correction_bias`` is used by "sigmoid_grouped" only."""
+        kw = {}
+        if self.method == "sigmoid_grouped":
+            kw = dict(
+                correction_bias=correction_bias, n_group=self.n_group,
+                topk_group=self.topk_group, scaling_factor=self.scaling_factor,
+            )  # fmt: skip
+        return route(logits, self.top_k, method=self.method, renormalize=self.renormalize, **kw)
+
+
+def layer_settings(
+    experts: PreparedExperts, router: RouterConfig | None, policy
+) -> tuple[PreparedExperts, RouterConfig, PhasePolicy]:
+    """The checks every MoE layer (single-process or expert-parallel) makes of its
+    experts, router and policy; returns them with the defaults filled in."""
+    if not isinstance(experts, PreparedExperts):
+        raise TypeError(f"experts: expected PreparedExperts, got {type(experts).__name__}")
+    router = router or RouterConfig()
+    if not isinstance(router, RouterConfig):
+        raise TypeError(f"router: expected RouterConfig, got {type(router).__name__}")
+    return experts, router, PhasePolicy.coerce(policy if policy is not None else PhasePolicy())
+
 
 @dataclass
 class _Stats:
@@ -201,13 +227,7 @@ class MoELayer(nn.Module):
         expert_range: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(experts, PreparedExperts):
-            raise TypeError(f"experts: expected PreparedExperts, got {type(experts).__name__}")
-        self.experts = experts
-        self.router = router or RouterConfig()
-        if not isinstance(self.router, RouterConfig):
-            raise TypeError(f"router: expected RouterConfig, got {type(self.router).__name__}")
-        self.policy = PhasePolicy.coerce(policy if policy is not None else PhasePolicy())
+        self.experts, self.router, self.policy = layer_settings(experts, router, policy)
         h = experts.hidden_size
         if gate_weight is not None:
             if not isinstance(gate_weight, torch.Tensor):
@@ -271,14 +291,7 @@ class MoELayer(nn.Module):
                     f"router_logits: expected [T, E_total] = {list(want)}, got "
                     f"{tuple(router_logits.shape)}"
                 )
-        r = self.router
-        kw = {}
-        if r.method == "sigmoid_grouped":
-            kw = dict(
-                correction_bias=self.correction_bias, n_group=r.n_group,
-                topk_group=r.topk_group, scaling_factor=r.scaling_factor,
-            )  # fmt: skip
-        ids, w = route(router_logits, r.top_k, method=r.method, renormalize=r.renormalize, **kw)
+        ids, w = self.router.route(router_logits, self.correction_bias)
         start, stop = self.expert_range
         if (start, stop) != (0, self.num_experts_total):
             ids = local_expert_ids(ids, start, stop)
