@@ -146,8 +146,8 @@ def worker(rank: int, world: int, addr: str, folder: str, args: dict) -> None:
     backend = "nccl" if args["nccl"] else "gloo"
     dist.init_process_group(backend, init_method=addr, rank=rank, world_size=world)
     device = f"cuda:{rank}" if args["nccl"] else args["device"]
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
+    if device.startswith("cuda"):  # "cuda" alone: both workers share the current GPU
+        torch.cuda.set_device(torch.device(device).index or 0)
     model = open_worker_model(folder, device, args["seed"])
     result = {}
     if rank == 0:  # prefill worker, W4A4

@@ -6,6 +6,7 @@ written to be read; the Triton kernels are tested bit for bit against it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -100,9 +101,16 @@ def encode_e2m1(v: torch.Tensor) -> torch.Tensor:
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """e2m1 codes (uint8 0..15, one per element) to fp32 values; code 8 ("-0") gives 0."""
+    return _e2m1_table(codes.device)[codes.long()]
+
+
+@functools.cache
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    # Cached per device: a host-to-device copy is not allowed inside CUDA-graph capture, so
+    # a first (eager) call puts the table on the device and captured calls reuse it.
     table = torch.tensor(E2M1_VALUES + tuple(-x for x in E2M1_VALUES), dtype=torch.float32)
     table[8] = 0.0
-    return table.to(codes.device)[codes.long()]
+    return table.to(device)
 
 
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
