@@ -224,6 +224,23 @@ def _case_shapes(rank, world, res, full):
     _bitwise(out.reshape(6, H), _single("w4a16", full)(x.reshape(6, H), phase="decode"), "3d")
 
 
+def _case_split_steps(rank, world, res, full):
+    """dispatch, compute_experts, combine one by one: the bits and bytes of forward."""
+    ts = TOKENS[world]
+    x = _x(rank, ts[rank], salt=13)
+    for mode in MODES:
+        for max_tokens in (None, 20):
+            ep = _ep(rank, world, mode, full, max_tokens=max_tokens)
+            ref = ep(x, phase="prefill")
+            ref_bytes = dict(ep.last_comm_bytes)
+            d = ep.dispatch(x, phase="prefill")
+            y = ep.compute_experts(d)
+            assert y.shape == (d.row_expert.numel(), H), y.shape
+            _bitwise(ep.combine(d, y), ref, f"{mode} max_tokens={max_tokens} split steps")
+            assert ep.last_comm_bytes == ref_bytes
+            assert ep.stats.calls["prefill"] == 2
+
+
 def _case_triton_interpreter(rank, world, res, full):
     """The Triton backend's pieces (interpreter): bitwise as single-process moe_triton."""
     if world != 2 or os.environ.get("TRITON_INTERPRET") != "1":
@@ -351,6 +368,7 @@ CASES = {
     "fixed_capacity": _case_fixed_capacity,
     "phase_inference": _case_phase_inference,
     "shapes": _case_shapes,
+    "split_steps": _case_split_steps,
     "errors": _case_errors,
     "triton_interpreter": _case_triton_interpreter,
     "cuda_graph": _case_cuda_graph,

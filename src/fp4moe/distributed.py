@@ -47,7 +47,7 @@ from .phases import (
 from .reference import _acc, _apply_global, _quantized_input, finalize_reference
 from .routing import ROUTING_METHODS, expert_range
 
-__all__ = ["EPMoELayer", "compute_route_rows", "wire_row_bytes"]
+__all__ = ["EPDispatch", "EPMoELayer", "compute_route_rows", "wire_row_bytes"]
 
 _SIG_VERSION = 1
 _SIG_FIELDS = (
@@ -293,6 +293,32 @@ class _Plan:
     recv_splits: list[int] | None
     cfg: PhaseConfig
     phase: str
+
+
+@dataclass(frozen=True)
+class EPDispatch:
+    """What ``EPMoELayer.dispatch`` received and keeps for ``compute_experts`` and
+    ``combine`` (one call of ``forward`` split in its three steps).
+
+    Expert side: ``rows`` (W4A16 bf16 [N, H]; W4A4 an NVFP4Tensor with one global per row)
+    and ``row_expert`` (int [N] local expert ids, -1 for padding rows of the fixed-capacity
+    path), the input of ``compute_route_rows`` with ``mode``, ``act_scale`` and
+    ``backend``. The other fields are the home side's bookkeeping for the combine."""
+
+    rows: torch.Tensor | NVFP4Tensor
+    row_expert: torch.Tensor
+    mode: str
+    act_scale: str
+    backend: str
+    row_bytes: int  # bytes of one dispatched row on the wire
+    plan: _Plan
+    ids: torch.Tensor  # int32 [T, K] global ids of this rank's tokens
+    weights: torch.Tensor  # fp32 [T, K]
+    perm: torch.Tensor  # send order of the routes
+    sorted_key: torch.Tensor  # global expert id of each route in send order (E_total: masked)
+    slot: torch.Tensor  # row each route in send order went to (and comes back from)
+    n_send: int | None  # rows sent (variable path)
+    shape: torch.Size  # of the x given to dispatch
 
 
 class EPMoELayer(nn.Module):
@@ -557,7 +583,24 @@ class EPMoELayer(nn.Module):
 
         A rank whose input is invalid raises its TypeError/ValueError after the count
         exchange, and every other rank raises a ValueError naming it: no rank is left
-        waiting in a collective."""
+        waiting in a collective.
+
+        The call is ``combine(d, compute_experts(d))`` with ``d = dispatch(...)``; the three
+        steps are public so that they can be timed one by one (``fp4moe bench --ep``)."""
+        d = self.dispatch(x, phase, router_logits=router_logits, routes=routes)
+        return self.combine(d, self.compute_experts(d))
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        phase: str | None = None,
+        *,
+        router_logits: torch.Tensor | None = None,
+        routes: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> EPDispatch:
+        """Step 1 of ``forward`` (a collective; same arguments): route, exchange the counts,
+        quantize (W4A4) and send the rows to their expert ranks, and receive this rank's
+        rows. Returns the state that ``compute_experts`` and ``combine`` take."""
         dev = self.experts.device
         k = self.router.top_k
         local_error: Exception | None = None
@@ -616,6 +659,7 @@ class EPMoELayer(nn.Module):
             )
             slot = torch.arange(flat.numel(), device=dev)  # sorted position = row sent
         else:
+            n_send = None
             cap = self.max_tokens * k
             dest = sorted_key // epr  # world for masked routes
             starts = torch.cumsum(send_counts.sum(1), 0) - send_counts.sum(1)
@@ -630,32 +674,50 @@ class EPMoELayer(nn.Module):
             row_expert = torch.searchsorted(ends, j, right=True)
             row_expert = torch.where(row_expert < epr, row_expert, -1).reshape(-1)
 
-        # Expert side.
         rows = self._unpack(recv, row_expert, mode, act, fc1_global)
-        reduce = self._all_reduce_max if (mode == "w4a4" and act == "per_tensor") else None
-        y = compute_route_rows(
-            rows, row_expert, self.experts, mode=mode, act_scale=act, backend=backend,
-            amax_reduce=reduce,
+        return EPDispatch(
+            rows=rows, row_expert=row_expert, mode=mode, act_scale=act, backend=backend,
+            row_bytes=row_bytes, plan=plan, ids=ids, weights=w, perm=perm,
+            sorted_key=sorted_key, slot=slot, n_send=n_send, shape=shape,
         )  # fmt: skip
 
-        # Combine.
+    def compute_experts(self, d: EPDispatch) -> torch.Tensor:
+        """Step 2 of ``forward``: the route rows y (bf16 [rows received, H]) of the rows
+        ``d`` received, on this rank's experts (``compute_route_rows``). A collective only
+        for W4A4 per-tensor (an ``all_reduce(max)`` of the FC2 amax)."""
+        reduce = (
+            self._all_reduce_max if (d.mode == "w4a4" and d.act_scale == "per_tensor") else None
+        )
+        return compute_route_rows(
+            d.rows, d.row_expert, self.experts, mode=d.mode, act_scale=d.act_scale,
+            backend=d.backend, amax_reduce=reduce,
+        )  # fmt: skip
+
+    def combine(self, d: EPDispatch, y: torch.Tensor) -> torch.Tensor:
+        """Step 3 of ``forward`` (a collective): send the route rows ``y`` back to their
+        home ranks and run the deterministic finalize there; returns bf16 [..., H] in the
+        shape of the ``x`` given to ``dispatch``. Sets ``last_comm_bytes``."""
+        dev = self.experts.device
+        plan, world, epr = d.plan, self.world_size, self.experts_per_rank
         hb = 2 * self.experts.hidden_size
         y_bytes = y.contiguous().view(torch.uint8).reshape(-1, hb)
         if self.max_tokens is None:
-            back = torch.empty(n_send, hb, dtype=torch.uint8, device=dev)
+            back = torch.empty(d.n_send, hb, dtype=torch.uint8, device=dev)
             dist.all_to_all_single(
                 back, y_bytes, plan.send_splits, plan.recv_splits, group=self.group
             )
         else:
+            cap = self.max_tokens * self.router.top_k
             back = torch.empty(world * cap, hb, dtype=torch.uint8, device=dev)
             dist.all_to_all_single(back, y_bytes, group=self.group)
-        self._account(plan, row_bytes, hb, epr)
+        self._account(plan, d.row_bytes, hb, epr)
 
         # Finalize on the home rank: route r's row is back[route_pos[r]].
-        route_pos = torch.zeros(flat.numel(), dtype=torch.int64, device=dev)
-        route_pos[perm] = torch.where(sorted_key < e_total, slot, 0)
+        n_routes = d.perm.numel()
+        route_pos = torch.zeros(n_routes, dtype=torch.int64, device=dev)
+        route_pos[d.perm] = torch.where(d.sorted_key < self.num_experts_total, d.slot, 0)
         y_rows = back.view(torch.bfloat16)
-        return self._finalize(y_rows, route_pos, ids, w, backend).reshape(shape)
+        return self._finalize(y_rows, route_pos, d.ids, d.weights, d.backend).reshape(d.shape)
 
     def _plan(self, meta, meta_recv, requested, local_error) -> _Plan:
         world, epr = self.world_size, self.experts_per_rank
