@@ -83,6 +83,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-out", help="folder for JSON, CSV and PNG")
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=None,
+        metavar="N",
+        help="expert parallelism over N processes, one GPU each (NCCL): the preset's experts "
+        "split over the ranks, T tokens a rank; times dispatch, expert compute and combine "
+        "separately, and the same expert compute alone on one GPU. Writes bench-ep.json and "
+        "bench-ep.csv to --out (docs/expert-parallel.md)",
+    )
+    # Testing only (CI on CPU): gloo processes on the CPU with the reference backend.
+    p.add_argument("--ep-backend", choices=["nccl", "gloo"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--ep-kernels", choices=["auto", "triton", "reference"], default="auto",
+        help=argparse.SUPPRESS,
+    )  # fmt: skip
+    p.add_argument("--ep-timeout", type=float, default=600.0, help=argparse.SUPPRESS)
 
 
 # ----------------------------------------------------------------------------- timing
@@ -227,7 +245,12 @@ def make_routes(p: Preset, t: int, seed: int, device: str):
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Run the benchmark (needs CUDA); returns the JSON document it writes."""
+    """Run the benchmark (needs CUDA); returns the JSON document it writes. With
+    ``args.ep`` set, the expert-parallel benchmark (``fp4moe.bench_ep.run_ep``)."""
+    if getattr(args, "ep", None) is not None:
+        from .bench_ep import run_ep
+
+        return run_ep(args)
     import fp4moe
     from fp4moe.kernels.launch import TritonOptions, moe_triton
     from fp4moe.reference import moe_reference
@@ -457,6 +480,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_arguments(p)
     args = p.parse_args(argv)
+    if args.ep is not None:
+        from .bench_ep import main_args
+
+        return main_args(args)
     if not torch.cuda.is_available():
         print("fp4moe bench needs a CUDA GPU; none is available here", file=sys.stderr)
         return 1

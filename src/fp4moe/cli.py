@@ -256,6 +256,10 @@ def _cmd_inspect(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
+    if args.ep is not None:
+        from .bench_ep import main_args
+
+        return main_args(args)
     if not torch.cuda.is_available():
         print(
             "fp4moe bench needs a CUDA GPU; none is available here "
@@ -399,7 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Benchmark the MoE layer on a CUDA GPU against a bf16 torch._grouped_mm MoE and "
             "the naive NVFP4 path, with this card's copy bandwidth and bf16 matmul rate "
-            "measured in the same run. Writes bench.json, bench.csv and bench.png to --out."
+            "measured in the same run. Writes bench.json, bench.csv and bench.png to --out. "
+            "--ep N: the expert-parallel layer over N GPUs (dispatch, compute and combine "
+            "timed separately); writes bench-ep.json and bench-ep.csv."
         ),
     )
     from .bench import add_arguments as _bench_arguments

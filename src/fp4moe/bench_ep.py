@@ -1,0 +1,549 @@
+"""``fp4moe bench --ep N``: the expert-parallel layer (``EPMoELayer``) over N processes.
+
+One process a GPU (rank r on ``cuda:r``, NCCL, the Triton backend). The preset's experts
+(all of them: 256 for deepseek-v3-ep8) are split in contiguous ranges over the ranks
+(``fp4moe.expert_range``); each rank prepares only its own slice (random bf16 weights,
+``fp4moe.prepare_experts``) and has T tokens of its own, routed at random over *all* experts
+with the preset's routing. Per token count T (per rank) and mode, each rank times, eagerly,
+with CUDA events, median over ``--iters`` after ``--warmup`` calls:
+
+- dispatch: ``EPMoELayer.dispatch``: the count exchange, W4A4 quantization of the rows on
+  the home rank, the row ``all_to_all_single`` (variable path: one host read of the counts);
+- compute: ``EPMoELayer.compute_experts``: FC1, SwiGLU, FC2 on the rows received (W4A4
+  per-tensor: includes the 4-byte ``all_reduce(max)`` of the FC2 amax);
+- combine: ``EPMoELayer.combine``: the return ``all_to_all_single`` and the deterministic
+  finalize on the home rank;
+- total: one whole ``EPMoELayer.forward``;
+- local compute: the same expert compute on the same received rows run alone
+  (``compute_route_rows`` without any collective): what this rank's share of the expert
+  work costs on one GPU with no communication.
+
+All ranks meet at a barrier (after a device synchronize) before each timed step, so a step's
+time is that step's, including the wait for the slowest rank inside its collectives. A row
+reports the max over ranks of each rank's median (the slowest rank bounds the step), the
+bytes a rank sends to other ranks in one call (``EPMoELayer.last_comm_bytes``) and the rows
+each rank received (max and min over ranks). ``--ep-backend gloo`` (CPU, reference backend)
+is for tests on small shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, replace
+from datetime import timedelta
+
+import torch
+
+__all__ = ["EPUnavailable", "format_table", "main_args", "run_ep", "write_outputs"]
+
+PREPARE_CHUNK = 16  # experts quantized at a time (bounds the bf16 weights held at once)
+
+
+class EPUnavailable(RuntimeError):
+    """This machine cannot run the requested expert-parallel benchmark (no GPU, too few)."""
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+def resolve(args: argparse.Namespace) -> dict:
+    """Check the --ep options (raises ValueError for bad usage, EPUnavailable when this
+    machine lacks the GPUs); returns the settings the workers run with."""
+    from .bench import MODES, resolve_preset
+
+    world = args.ep
+    if isinstance(world, bool) or not isinstance(world, int) or world < 2:
+        raise ValueError(
+            f"--ep: expected a number of processes of at least 2 (one GPU each), got {world}; "
+            "without --ep, fp4moe bench times one GPU"
+        )
+    if args.local_experts is not None:
+        raise ValueError(
+            "--local-experts: not used with --ep (each rank holds --experts / --ep experts)"
+        )
+    if args.cold_l2:
+        raise ValueError("--cold-l2: not supported with --ep")
+    comm, device = args.ep_backend, args.device
+    if comm is None:
+        comm = "gloo" if device == "cpu" else "nccl"
+    if device is None:
+        device = "cpu" if comm == "gloo" else "cuda"
+    if (comm, device) not in (("nccl", "cuda"), ("gloo", "cpu")):
+        raise ValueError(
+            f"--ep-backend {comm} with --device {device}: NCCL runs on CUDA GPUs, gloo "
+            "(for tests) on the CPU"
+        )
+    kernels = args.ep_kernels
+    if kernels == "auto":
+        kernels = "triton" if device == "cuda" else "reference"
+    p = resolve_preset(args)
+    p = replace(p, local_experts=p.experts)  # routes over all experts, nothing masked
+    if p.experts % world:
+        raise ValueError(
+            f"--ep {world}: the preset's {p.experts} experts do not split evenly over "
+            f"{world} processes (choose --ep dividing --experts)"
+        )
+    if any(t < 0 for t in args.num_tokens):
+        raise ValueError("--num-tokens: expected counts >= 0")
+    if args.iters < 1 or args.warmup < 0:
+        raise ValueError("--iters must be >= 1 and --warmup >= 0")
+    for m in args.modes:
+        if m not in MODES:
+            raise ValueError(f"--modes: unknown mode {m!r}")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise EPUnavailable(
+                f"fp4moe bench --ep {world} needs {world} CUDA GPUs (one a process, NCCL); none "
+                "is available here (torch.cuda.is_available() is False). On a CPU, "
+                "`fp4moe demo --layer` runs every mode with the reference backend."
+            )
+        found = torch.cuda.device_count()
+        if found < world:
+            seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+            where = f" (CUDA_VISIBLE_DEVICES={seen})" if seen is not None else ""
+            raise EPUnavailable(
+                f"fp4moe bench --ep {world} needs {world} CUDA GPUs (one a process), but "
+                f"{found} {'is' if found == 1 else 'are'} visible here{where}; "
+                f"use --ep {found} or fewer" + ("" if found >= 2 else " on a multi-GPU machine")
+            )
+    return {
+        "world": world,
+        "comm": comm,
+        "device": device,
+        "kernels": kernels,
+        "preset": p,
+        "timeout_s": args.ep_timeout,
+    }
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+class _Clock:
+    """Microseconds of one call: CUDA events on the GPU, the host clock on the CPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def __call__(self, fn):
+        if self.cuda:
+            a = torch.cuda.Event(enable_timing=True)
+            b = torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = fn()
+            b.record()
+            b.synchronize()
+            return out, a.elapsed_time(b) * 1000.0
+        t0 = time.perf_counter()
+        out = fn()
+        return out, (time.perf_counter() - t0) * 1e6
+
+
+def _align(cuda: bool, rank: int) -> None:
+    """Every rank idle and at the same point before a timed step."""
+    import torch.distributed as dist
+
+    if cuda:
+        torch.cuda.synchronize()
+        dist.barrier(device_ids=[rank])
+        torch.cuda.synchronize()
+    else:
+        dist.barrier()
+
+
+def _prepare_slice(p, start: int, stop: int, seed: int, device: str):
+    """Random bf16 experts [start, stop) quantized on this rank, PREPARE_CHUNK at a time."""
+    import fp4moe
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    parts = []
+    for lo in range(start, stop, PREPARE_CHUNK):
+        n = min(PREPARE_CHUNK, stop - lo)
+        w13 = torch.randn(n, 2 * p.inter, p.hidden, device=device, generator=g) * 0.02
+        w2 = torch.randn(n, p.hidden, p.inter, device=device, generator=g) * 0.02
+        static = torch.full((n,), 4.0 / 2688, device=device)  # as bench.run
+        ex = fp4moe.prepare_experts(
+            w13.to(torch.bfloat16), w2.to(torch.bfloat16), a13_scale=static,
+            a2_scale=static * 0.1,
+        )  # fmt: skip
+        del w13, w2
+        parts.append(ex.to_linear())
+    return fp4moe.PreparedExperts.from_linear(
+        {k: torch.cat([d[k] for d in parts]) for k in parts[0]}
+    )
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float | None:
+    if ref.numel() == 0:
+        return None
+    den = ref.float().norm()
+    num = (out.float() - ref.float()).norm()
+    if float(den) == 0.0:
+        return 0.0 if float(num) == 0.0 else float("inf")
+    return float(num / den)
+
+
+def _measure(layer, x, routes, clock, cuda, rank, warmup, iters, check) -> dict:
+    """One (T, mode) on this rank: the per-step medians, bytes, rows, checks."""
+    from .distributed import compute_route_rows
+
+    def call():
+        return layer(x, phase="prefill", routes=routes)
+
+    for _ in range(max(warmup, 1)):
+        call()
+    steps: dict[str, list[float]] = {"dispatch": [], "compute": [], "combine": [], "total": []}
+    d = y = split_out = None
+    for _ in range(iters):
+        _align(cuda, rank)
+        d, us = clock(lambda: layer.dispatch(x, phase="prefill", routes=routes))
+        steps["dispatch"].append(us)
+        _align(cuda, rank)
+        y, us = clock(lambda: layer.compute_experts(d))  # noqa: B023
+        steps["compute"].append(us)
+        _align(cuda, rank)
+        split_out, us = clock(lambda: layer.combine(d, y))  # noqa: B023
+        steps["combine"].append(us)
+    for _ in range(iters):
+        _align(cuda, rank)
+        out, us = clock(call)
+        steps["total"].append(us)
+    comm = dict(layer.last_comm_bytes)
+
+    # The same expert work alone: the received rows, no collective (per-tensor W4A4: the
+    # FC2 amax of this rank's rows only; the work is the same).
+    def local():
+        return compute_route_rows(
+            d.rows, d.row_expert, layer.experts, mode=d.mode, act_scale=d.act_scale,
+            backend=d.backend,
+        )  # fmt: skip
+
+    for _ in range(max(warmup, 1)):
+        local()
+    if cuda:
+        torch.cuda.synchronize()
+    local_us = [clock(local)[1] for _ in range(iters)]
+
+    err = None
+    if check and d.backend != "reference":  # the compute against the reference, same rows
+        reduce = layer._all_reduce_max if d.act_scale == "per_tensor" else None
+        ref = compute_route_rows(
+            d.rows, d.row_expert, layer.experts, mode=d.mode, act_scale=d.act_scale,
+            backend="reference", amax_reduce=reduce,
+        )  # fmt: skip
+        live = d.row_expert >= 0
+        err = _rel_err(y[live], ref[live])
+    same = bool(torch.equal(split_out.view(torch.int16), out.view(torch.int16)))
+    med = {k: statistics.median(v) for k, v in steps.items()}
+    return {
+        "dispatch_us": med["dispatch"],
+        "compute_us": med["compute"],
+        "combine_us": med["combine"],
+        "total_us": med["total"],
+        "local_compute_us": statistics.median(local_us),
+        "dispatch_bytes": comm["dispatch"],
+        "combine_bytes": comm["combine"],
+        "metadata_bytes": comm["metadata"],
+        "bytes_sent": comm["dispatch"] + comm["combine"] + comm["metadata"],
+        "dispatch_rows": comm["dispatch_rows"],
+        "recv_rows": comm["recv_rows"],
+        "rel_err": err,
+        "split_matches_forward": same,
+    }
+
+
+def _combine_ranks(t: int, mode: str, world: int, per: list[dict]) -> dict:
+    def mx(k):
+        return max(r[k] for r in per)
+
+    errs = [r["rel_err"] for r in per if r["rel_err"] is not None]
+    return {
+        "tokens": t,  # per rank
+        "global_tokens": t * world,
+        "mode": mode,
+        "dispatch_us": mx("dispatch_us"),
+        "compute_us": mx("compute_us"),
+        "combine_us": mx("combine_us"),
+        "total_us": mx("total_us"),
+        "local_compute_us": mx("local_compute_us"),
+        "total_over_local": mx("total_us") / mx("local_compute_us")
+        if mx("local_compute_us") > 0
+        else None,
+        "bytes_sent": mx("bytes_sent"),
+        "dispatch_bytes": mx("dispatch_bytes"),
+        "combine_bytes": mx("combine_bytes"),
+        "bytes_sent_all_ranks": sum(r["bytes_sent"] for r in per),
+        "recv_rows_max": mx("recv_rows"),
+        "recv_rows_min": min(r["recv_rows"] for r in per),
+        "rel_err": max(errs) if errs else None,
+        "split_matches_forward": all(r["split_matches_forward"] for r in per),
+    }
+
+
+def _check_row(row: dict, rank: int) -> None:
+    """The expert compute against the reference on the same rows (as ``fp4moe bench``
+    checks each configuration), and the timed steps against ``forward``."""
+    err, tol = row["rel_err"], 2e-3 if row["mode"] == "w4a16" else 1e-2
+    if err is not None and not (err <= tol):
+        raise RuntimeError(
+            f"T={row['tokens']} {row['mode']}: expert compute rel. error {err:.2e} against "
+            f"the reference backend on the same rows, above the SPEC tolerance {tol}"
+        )
+    if not row["split_matches_forward"] and rank == 0:
+        sys.stderr.write(
+            f"\nwarning: T={row['tokens']} {row['mode']}: dispatch + compute_experts + "
+            "combine did not give forward's bits on some rank (a nondeterministic kernel?)\n"
+        )
+
+
+def _progress(i: int, n: int, label: str) -> None:
+    width = 30
+    done = int(width * i / max(n, 1))
+    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} {label:40s}")
+    sys.stderr.flush()
+
+
+def _worker(rank: int, settings: dict, args: argparse.Namespace, init: str, out_dir: str):
+    import torch.distributed as dist
+
+    import fp4moe
+
+    from .bench import make_routes
+    from .distributed import EPMoELayer
+    from .phases import PhasePolicy, RouterConfig
+
+    world, p = settings["world"], settings["preset"]
+    cuda = settings["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+        dev = f"cuda:{rank}"
+    else:
+        torch.set_num_threads(1)
+        dev = "cpu"
+    dist.init_process_group(
+        settings["comm"], init_method=init, rank=rank, world_size=world,
+        timeout=timedelta(seconds=settings["timeout_s"]),
+    )  # fmt: skip
+    try:
+        start, stop = fp4moe.expert_range(rank, world, p.experts)
+        experts = _prepare_slice(p, start, stop, args.seed * 1000 + rank, dev)
+        g = torch.Generator(device=dev).manual_seed(args.seed)  # same gate on every rank
+        gate = torch.randn(p.experts, p.hidden, device=dev, generator=g) * 0.02
+        router = RouterConfig(
+            method=p.method, top_k=p.top_k,
+            **(
+                dict(n_group=p.n_group, topk_group=p.topk_group, scaling_factor=p.scaling)
+                if p.method == "sigmoid_grouped" else {}
+            ),
+        )  # fmt: skip
+        layers = {
+            m: EPMoELayer(
+                experts,
+                router,
+                gate_weight=gate,
+                policy=PhasePolicy.single(m, backend=settings["kernels"]),
+            )
+            for m in args.modes
+        }
+        clock = _Clock(cuda)
+        rows, per_rank = [], []
+        plan = [(t, m) for t in args.num_tokens for m in args.modes]
+        step = 0
+        for t in args.num_tokens:
+            s = args.seed + 7919 * rank + t
+            gx = torch.Generator(device=dev).manual_seed(s)
+            x = torch.randn(t, p.hidden, device=dev, generator=gx).to(torch.bfloat16)
+            routes = make_routes(p, t, s, dev)
+            for m in args.modes:
+                step += 1
+                if rank == 0:
+                    _progress(step, len(plan), f"T={t}/rank {m}")
+                mine = _measure(
+                    layers[m], x, routes, clock, cuda, rank, args.warmup, args.iters,
+                    not args.no_check,
+                )  # fmt: skip
+                every: list = [None] * world
+                dist.all_gather_object(every, mine)
+                row = _combine_ranks(t, m, world, every)
+                _check_row(row, rank)  # the same verdict on every rank: all raise or none
+                rows.append(row)
+                per_rank += [{"tokens": t, "mode": m, "rank": r, **v} for r, v in enumerate(every)]
+        names: list = [None] * world
+        here = torch.cuda.get_device_name(rank) if cuda else (platform.processor() or "cpu")
+        dist.all_gather_object(names, here)
+        if rank == 0:
+            sys.stderr.write("\n")
+            doc = _document(settings, args, names, rows, per_rank, experts)
+            with open(os.path.join(out_dir, "result.json"), "w") as f:
+                json.dump(doc, f)
+    except Exception:
+        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _document(settings, args, names, rows, per_rank, experts) -> dict:
+    import fp4moe
+
+    from .bench import _git_commit, _triton_version
+
+    p = settings["preset"]
+    nccl = None
+    if settings["comm"] == "nccl":
+        try:
+            nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+        except Exception:
+            nccl = None
+    shape = asdict(p)
+    shape.pop("local_experts")
+    return {
+        "device": names[0],
+        "devices": names,
+        "world_size": settings["world"],
+        "backend": settings["comm"],
+        "kernels": settings["kernels"],
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "nccl": nccl,
+        "fp4moe": fp4moe.__version__,
+        "commit": _git_commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "preset": args.preset,
+        "shape": shape,
+        "experts_per_rank": p.experts // settings["world"],
+        "expert_bytes_per_rank": experts.nbytes(),
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "path": "variable (max_tokens=None), eager, deterministic finalize",
+        "timing": (
+            "per rank: median over iters of each step, every rank at a barrier before each "
+            "step; rows: max over ranks. local_compute_us: the compute step on the same "
+            "received rows run alone, no collective. bytes: sent to other ranks in one call "
+            "(dispatch + combine + metadata), max over ranks"
+        ),
+        "rows": rows,
+        "per_rank": per_rank,
+    }
+
+
+# ----------------------------------------------------------------------------- parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _failure(world: int, tmp: str, exc: Exception) -> str:
+    """The tracebacks the ranks wrote, the first written (most likely the cause) first."""
+    files = [os.path.join(tmp, f) for f in os.listdir(tmp) if f.startswith("error")]
+    files.sort(key=os.path.getmtime)
+    parts = []
+    for path in files:
+        rank = os.path.basename(path)[len("error") : -len(".txt")]
+        with open(path) as f:
+            parts.append(f"[rank {rank}] {f.read().rstrip()}")
+    detail = "\n".join(parts) if parts else str(exc)
+    return f"fp4moe bench --ep {world}: a process failed (first error first):\n{detail}"
+
+
+def run_ep(args: argparse.Namespace) -> dict:
+    """Spawn ``args.ep`` processes, run the benchmark, write JSON and CSV under ``args.out``
+    (``bench-ep.json``, ``bench-ep.csv``); returns the JSON document."""
+    import torch.multiprocessing as mp
+
+    settings = resolve(args)
+    world = settings["world"]
+    with tempfile.TemporaryDirectory(prefix="fp4moe-bench-ep-") as tmp:
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.start_processes(
+            _worker, args=(settings, args, init, tmp), nprocs=world, join=False,
+            start_method="spawn",
+        )  # fmt: skip
+        try:
+            while not ctx.join(timeout=1.0):
+                pass
+        except Exception as exc:
+            raise RuntimeError(_failure(world, tmp, exc)) from exc
+        finally:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.terminate()
+        with open(os.path.join(tmp, "result.json")) as f:
+            doc = json.load(f)
+    write_outputs(doc, args.out)
+    return doc
+
+
+TABLE_COLS = [
+    "tokens", "mode", "dispatch_us", "compute_us", "combine_us", "total_us",
+    "local_compute_us", "total_over_local", "bytes_sent", "recv_rows_max", "recv_rows_min",
+]  # fmt: skip
+
+
+def format_table(doc: dict) -> str:
+    s = doc["shape"]
+    head = (
+        f"# {doc['device']} x{doc['world_size']}  {doc['backend']}, {doc['kernels']} kernels  "
+        f"preset {doc['preset']}: {s['experts']} experts ({doc['experts_per_rank']} a rank), "
+        f"top-{s['top_k']}, H {s['hidden']}, I {s['inter']}\n"
+        "# tokens per rank; microseconds: max over ranks of each rank's median; bytes sent by "
+        "one rank to the others in one call"
+    )
+    lines = [head, "  ".join(f"{k:>16s}" for k in TABLE_COLS)]
+    for r in doc["rows"]:
+        cells = []
+        for k in TABLE_COLS:
+            v = r[k]
+            cells.append(
+                f"{'-':>16s}"
+                if v is None
+                else f"{v:16.2f}"
+                if isinstance(v, float)
+                else f"{v!s:>16s}"
+            )
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def write_outputs(doc: dict, out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench-ep.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    if doc["rows"]:
+        with open(os.path.join(out, "bench-ep.csv"), "w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=list(doc["rows"][0]))
+            wr.writeheader()
+            wr.writerows(doc["rows"])
+
+
+def main_args(args: argparse.Namespace) -> int:
+    """The command line's ``--ep`` path: exit 0, 1 (cannot run here, or a process failed)
+    or 2 (bad usage)."""
+    try:
+        doc = run_ep(args)
+    except ValueError as exc:
+        print(f"fp4moe bench: error: {exc}", file=sys.stderr)
+        return 2
+    except EPUnavailable as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    except RuntimeError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    print(format_table(doc))
+    print(f"(JSON and CSV in {args.out}/bench-ep.json, bench-ep.csv)")
+    return 0
