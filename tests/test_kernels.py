@@ -355,7 +355,8 @@ def test_fc1_nvfp4_out_matches_two_step(interpret, device, fused, t):
     ids, w = _routes(t, 2, 4, seed=21, device=device, masked=0.2)
     cfg = GemmConfig(16, 32, 32, num_stages=1)
     two = moe_triton(x, ids, w, experts, mode="w4a4", act_scale="static", fused_finalize=fused,
-                     options=TritonOptions(fc1=cfg, fc2=cfg, poison=True))  # fmt: skip
+                     options=TritonOptions(fc1=cfg, fc2=cfg, poison=True,
+                                           fc1_nvfp4_out=False))  # fmt: skip
     one = moe_triton(
         x, ids, w, experts, mode="w4a4", act_scale="static", fused_finalize=fused,
         options=TritonOptions(fc1=cfg, fc2=cfg, poison=True, fc1_nvfp4_out=True),
@@ -375,7 +376,31 @@ def test_fc1_nvfp4_out_gpu(gpu_experts, t):
     x = _x(t, h, seed=t, device="cuda")
     ids, w = _gpu_routes(t, k, e, e_total, seed=t)
     two = moe_triton(x, ids, w, experts, mode="w4a4", act_scale="static",
-                     options=TritonOptions(poison=True))  # fmt: skip
+                     options=TritonOptions(poison=True, fc1_nvfp4_out=False))  # fmt: skip
     one = moe_triton(x, ids, w, experts, mode="w4a4", act_scale="static",
                      options=TritonOptions(poison=True, fc1_nvfp4_out=True))  # fmt: skip
     assert torch.equal(one, two)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_chunked_loop_matches_reference_and_is_config_invariant(interpret, device, mode):
+    """The experimental chunked main loop (TritonOptions.chunked): within tolerance of the
+    reference, and one summation order for every config (BK 32 and 64, BN 32 and 64): the
+    same bits, which is what batch invariance needs when the config follows the size."""
+    if device != "cpu":
+        pytest.skip("interpreter case; benchmarks/sweep_decode.py checks it on the GPU")
+    from fp4moe.kernels.gemm import GemmConfig
+
+    experts = _experts(4, 128, 64, seed=31, device=device)
+    x = _x(9, 128, seed=31, device=device)
+    ids, w = _routes(9, 2, 4, seed=31, device=device, masked=0.2)
+    m, sc = mode
+    outs = []
+    for cfg in (GemmConfig(16, 32, 32, num_stages=1), GemmConfig(16, 64, 64, num_stages=1)):
+        opt = TritonOptions(fc1=cfg, fc2=cfg, chunked=True, poison=True)
+        outs.append(moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=opt))
+    ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
+    assert rel_err(outs[0], ref) <= TOL[m]
+    if sc != "per_tensor":
+        assert torch.equal(outs[0], outs[1])

@@ -150,6 +150,60 @@ def decode_nvfp4_tile_bf16_asm(codes, scales, R: tl.constexpr, C: tl.constexpr):
     return tl.join(lo, hi).reshape(R, C)
 
 
+# Chunked decode (layout linear-v1, no change to the stored bytes): a chunk is 32 elements
+# of K, i.e. 16 code bytes and 2 block scales a row. Byte q holds element 2q (low nibble)
+# and 2q + 1 (high nibble), so the low nibbles of a chunk are its 16 even elements and the
+# high nibbles its 16 odd ones. Each chunk is multiplied as two K=16 dots, evens then
+# odds, against the matching even and odd columns of the activations: no interleaving of
+# decoded values in registers, and a fixed summation order whatever BK is (so decode-size
+# and prefill-size configs give the same bits: batch invariance, SPEC 7).
+#
+# Inline-PTX decode (GPU), 8 code bytes a call, to bf16 two per register: the two low (or
+# high) nibbles of adjacent bytes go to the halves of t, and one multiply places each
+# nibble's 3 magnitude bits at bf16 bits 8..6 and its sign at bit 15:
+# ((t & 0x000F000F) * 0x1040) & 0x81C081C0 (shifts by 6 and 12 whose fields do not overlap;
+# 0x00F000F0 and 0x104 for high nibbles). That bf16 is e2m1 * 2^-126 exactly (its exponent
+# field is the e2m1 exponent, so the subnormal 0.5 is right too). One fma by the block
+# scale times 2^118 (in bf16, exact) gives e2m1 * scale * 2^-8, exact (<= 6 significant
+# bits, >= 2^-18). The kernel multiplies the fp32 accumulator back by 2^8 per decoded
+# operand.
+_CHUNK_DECODE_ASM = tl.constexpr(
+    "{\n.reg .b32 t, u, z;\nmov.b32 z, 0x80008000;\n"
+    + "".join(
+        f"prmt.b32 t, ${8 + j // 2}, 0, {'0x4342' if j % 2 else '0x4140'};\n"
+        f"and.b32 u, t, 0x000F000F;\nmul.lo.u32 u, u, 0x1040;\nand.b32 u, u, 0x81C081C0;\n"
+        f"fma.rn.bf16x2 ${j}, u, ${10 + j}, z;\n"
+        f"and.b32 u, t, 0x00F000F0;\nmul.lo.u32 u, u, 0x104;\nand.b32 u, u, 0x81C081C0;\n"
+        f"fma.rn.bf16x2 ${4 + j}, u, ${10 + j}, z;\n"
+        for j in range(4)
+    )
+    + "}"
+)
+
+
+@triton.jit
+def decode_chunk(codes, scales, R: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr):
+    """codes uint8 [R, 16] and e4m3 scales [R, 2] of one 32-element chunk to (even, odd)
+    element tiles [R, 16] of OUT, each value times 2^-8 (exact)."""
+    if ASM:
+        # Per element: the scale as bf16 times 2^118 (exact), so each register pair of
+        # elements (2j, 2j + 1), adjacent code bytes of one block, carries its own scale
+        # whatever layout the compiler gives the operand.
+        sc = (scales.to(tl.float32) * 3.32306998946229e35).to(tl.bfloat16)
+        sb = tl.reshape(tl.broadcast_to(sc[:, :, None], (R, 2, 8)), (R, 16))
+        lo, hi = tl.inline_asm_elementwise(
+            _CHUNK_DECODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [codes, sb],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=8,
+        )  # fmt: skip
+        return lo.to(OUT), hi.to(OUT)
+    else:
+        s = scales.to(tl.float32) * 0.00390625
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (R, 2, 8)), (R, 16))
+        lo = _nibble_to_f16(codes & 0xF).to(tl.float32) * 16384.0
+        hi = _nibble_to_f16(codes >> 4).to(tl.float32) * 16384.0
+        return (lo * s).to(OUT), (hi * s).to(OUT)
+
+
 @triton.jit
 def moe_gemm_kernel(
     a_ptr,  # bf16 [rows, K] or NVFP4 codes uint8 [rows, K/2]
@@ -185,6 +239,7 @@ def moe_gemm_kernel(
     DECODE_ASM: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
     OUT_FP4: tl.constexpr = False,
+    CHUNKED: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -231,48 +286,83 @@ def moe_gemm_kernel(
     acc_g = tl.zeros((BN, BM), dtype=tl.float32)
     if GATED:
         acc_u = tl.zeros((BN, BM), dtype=tl.float32)
-    # Register double buffering (PREFETCH): the next tile's weight bytes are in flight while
-    # this tile is decoded and multiplied.
-    cg_nxt = tl.load(wc_g, mask=n_mask[:, None], other=0)
-    sg_nxt = tl.load(ws_g, mask=n_mask[:, None], other=0.0)
-    if GATED:
-        cu_nxt = tl.load(wc_u, mask=n_mask[:, None], other=0)
-        su_nxt = tl.load(ws_u, mask=n_mask[:, None], other=0.0)
-    for k0 in range(0, K, BK):
-        if PREFETCH:
-            cg_cur = cg_nxt
-            sg_cur = sg_nxt
-            pm = n_mask[:, None] & (k0 + BK < K)
-            cg_nxt = tl.load(wc_g + (k0 + BK) // 2, mask=pm, other=0)
-            sg_nxt = tl.load(ws_g + (k0 + BK) // 16, mask=pm, other=0.0)
-            if GATED:
-                cu_cur = cu_nxt
-                su_cur = su_nxt
-                cu_nxt = tl.load(wc_u + (k0 + BK) // 2, mask=pm, other=0)
-                su_nxt = tl.load(ws_u + (k0 + BK) // 16, mask=pm, other=0.0)
-        else:
-            cg_cur = tl.load(wc_g + k0 // 2, mask=n_mask[:, None], other=0)
-            sg_cur = tl.load(ws_g + k0 // 16, mask=n_mask[:, None], other=0.0)
-            if GATED:
-                cu_cur = tl.load(wc_u + k0 // 2, mask=n_mask[:, None], other=0)
-                su_cur = tl.load(ws_u + k0 // 16, mask=n_mask[:, None], other=0.0)
+    if CHUNKED:
+        q16 = tl.arange(0, 16)
+        q2 = tl.arange(0, 2)
+        cw_g = w_codes_ptr + row_g[:, None] * KH + q16[None, :]
+        sw_g = w_scales_ptr + row_g[:, None] * KS + q2[None, :]
         if A_FP4:
-            ac = tl.load(ac_ptrs + k0 // 2, mask=m_mask[:, None], other=0)
-            asc = tl.load(as_ptrs + k0 // 16, mask=m_mask[:, None], other=0.0)
-            x = tl.trans(decode_nvfp4_tile(ac, asc, BM, BK, DOT_DTYPE))
+            ca_p = a_ptr + src[:, None] * KH + q16[None, :]
+            sa_p = a_scales_ptr + src[:, None] * KS + q2[None, :]
         else:
-            x = tl.load(x_ptrs + k0, mask=m_mask[None, :], other=0.0).to(DOT_DTYPE)
-        if DECODE_ASM:
-            wg = decode_nvfp4_tile_bf16_asm(cg_cur, sg_cur, BN, BK)
-        else:
-            wg = decode_nvfp4_tile(cg_cur, sg_cur, BN, BK, W_DTYPE).to(DOT_DTYPE)
-        acc_g = tl.dot(wg, x, acc_g)
+            xa_p = a_ptr + src[:, None] * K + tl.arange(0, 32)[None, :]
+        for kb in range(0, K // BK):
+            for c in tl.static_range(BK // 32):
+                kq = kb * (BK // 2) + c * 16
+                ksc = kb * (BK // 16) + c * 2
+                if A_FP4:
+                    ac = tl.load(ca_p + kq, mask=m_mask[:, None], other=0)
+                    asc = tl.load(sa_p + ksc, mask=m_mask[:, None], other=0.0)
+                    xe, xo = decode_chunk(ac, asc, BM, DECODE_ASM, DOT_DTYPE)
+                else:
+                    xx = tl.load(xa_p + (kb * BK + c * 32), mask=m_mask[:, None], other=0.0)
+                    xe, xo = tl.split(tl.reshape(xx.to(DOT_DTYPE), (BM, 16, 2)))
+                xe = tl.trans(xe)
+                xo = tl.trans(xo)
+                cg = tl.load(cw_g + kq, mask=n_mask[:, None], other=0)
+                sg = tl.load(sw_g + ksc, mask=n_mask[:, None], other=0.0)
+                we, wo = decode_chunk(cg, sg, BN, DECODE_ASM, DOT_DTYPE)
+                acc_g = tl.dot(we, xe, acc_g)
+                acc_g = tl.dot(wo, xo, acc_g)
+                if GATED:
+                    cu = tl.load(cw_g + N * KH + kq, mask=n_mask[:, None], other=0)
+                    su = tl.load(sw_g + N * KS + ksc, mask=n_mask[:, None], other=0.0)
+                    ue, uo = decode_chunk(cu, su, BN, DECODE_ASM, DOT_DTYPE)
+                    acc_u = tl.dot(ue, xe, acc_u)
+                    acc_u = tl.dot(uo, xo, acc_u)
+    else:
+        # Register double buffering (PREFETCH): the next tile's weight bytes are in flight while
+        # this tile is decoded and multiplied.
+        cg_nxt = tl.load(wc_g, mask=n_mask[:, None], other=0)
+        sg_nxt = tl.load(ws_g, mask=n_mask[:, None], other=0.0)
         if GATED:
-            if DECODE_ASM:
-                wu = decode_nvfp4_tile_bf16_asm(cu_cur, su_cur, BN, BK)
+            cu_nxt = tl.load(wc_u, mask=n_mask[:, None], other=0)
+            su_nxt = tl.load(ws_u, mask=n_mask[:, None], other=0.0)
+        for k0 in range(0, K, BK):
+            if PREFETCH:
+                cg_cur = cg_nxt
+                sg_cur = sg_nxt
+                pm = n_mask[:, None] & (k0 + BK < K)
+                cg_nxt = tl.load(wc_g + (k0 + BK) // 2, mask=pm, other=0)
+                sg_nxt = tl.load(ws_g + (k0 + BK) // 16, mask=pm, other=0.0)
+                if GATED:
+                    cu_cur = cu_nxt
+                    su_cur = su_nxt
+                    cu_nxt = tl.load(wc_u + (k0 + BK) // 2, mask=pm, other=0)
+                    su_nxt = tl.load(ws_u + (k0 + BK) // 16, mask=pm, other=0.0)
             else:
-                wu = decode_nvfp4_tile(cu_cur, su_cur, BN, BK, W_DTYPE).to(DOT_DTYPE)
-            acc_u = tl.dot(wu, x, acc_u)
+                cg_cur = tl.load(wc_g + k0 // 2, mask=n_mask[:, None], other=0)
+                sg_cur = tl.load(ws_g + k0 // 16, mask=n_mask[:, None], other=0.0)
+                if GATED:
+                    cu_cur = tl.load(wc_u + k0 // 2, mask=n_mask[:, None], other=0)
+                    su_cur = tl.load(ws_u + k0 // 16, mask=n_mask[:, None], other=0.0)
+            if A_FP4:
+                ac = tl.load(ac_ptrs + k0 // 2, mask=m_mask[:, None], other=0)
+                asc = tl.load(as_ptrs + k0 // 16, mask=m_mask[:, None], other=0.0)
+                x = tl.trans(decode_nvfp4_tile(ac, asc, BM, BK, DOT_DTYPE))
+            else:
+                x = tl.load(x_ptrs + k0, mask=m_mask[None, :], other=0.0).to(DOT_DTYPE)
+            if DECODE_ASM:
+                wg = decode_nvfp4_tile_bf16_asm(cg_cur, sg_cur, BN, BK)
+            else:
+                wg = decode_nvfp4_tile(cg_cur, sg_cur, BN, BK, W_DTYPE).to(DOT_DTYPE)
+            acc_g = tl.dot(wg, x, acc_g)
+            if GATED:
+                if DECODE_ASM:
+                    wu = decode_nvfp4_tile_bf16_asm(cu_cur, su_cur, BN, BK)
+                else:
+                    wu = decode_nvfp4_tile(cu_cur, su_cur, BN, BK, W_DTYPE).to(DOT_DTYPE)
+                acc_u = tl.dot(wu, x, acc_u)
 
     # Epilogue: h = acc * g_x * g_w (SPEC section 5), after undoing the decode's 2^-14s.
     h = acc_g * OUT_SCALE

@@ -37,11 +37,16 @@ class TritonOptions:
     pdl: programmatic dependent launch between consecutive kernels (None: on for CUDA
         devices of compute capability >= 9, off in the interpreter).
     fc1 / fc2: pinned GEMM configs (None: ``choose_gemm_config``).
-    decode_asm: decode W4A16 weights with inline PTX (GPU only; experimental, see
-        docs/perf-notes.md).
+    decode_asm: decode with inline PTX (GPU only; the interpreter always uses the plain
+        Triton decode, which gives the same values). Experimental, off: see
+        docs/perf-notes.md.
+    chunked: experimental GEMM main loop (chunks of 32 elements of K, the even and the odd
+        elements as two K=16 dots, ``gemm.decode_chunk``): 1.5x fewer instructions a
+        weight but slower on the H200 at decode sizes (docs/perf-notes.md), so off.
+        Each loop is batch invariant on its own; the two differ in the last bits.
     fc1_nvfp4_out: static W4A4 only: FC1 writes the activation as NVFP4 directly (no
-        bf16 round trip, no second quantize kernel). Bit-identical to the two-step path in
-        the interpreter; off until checked on the GPU.
+        bf16 round trip, no second quantize kernel); bit-identical to the two-step path
+        (tested in the interpreter and on the H200), so on by default.
     poison: fill every workspace and the output with NaN (0xFF bytes for codes and
         scales) before the kernels run, so tests see any element no kernel wrote.
     """
@@ -50,8 +55,9 @@ class TritonOptions:
     fc1: GemmConfig | None = None
     fc2: GemmConfig | None = None
     decode_asm: bool = False
+    chunked: bool = False
     poison: bool = False
-    fc1_nvfp4_out: bool = False
+    fc1_nvfp4_out: bool = True
 
 
 def _use_pdl(opt: TritonOptions, device: torch.device) -> bool:
@@ -134,18 +140,26 @@ def _gemm(
     pdl: bool,
     decode_asm: bool = False,
     out_fp4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    chunked: bool = False,
 ) -> None:
     """One grouped GEMM. ``out_fp4`` = (scales, globals, static table): ``out`` receives
     NVFP4 codes of the FC1 activation instead of bf16 (static W4A4)."""
     a_fp4 = a_scales is not None
-    decode_asm = decode_asm and not a_fp4 and not interpreting()
-    if interpreting():
-        dot, wdt = tl.float32, tl.float32
-    elif a_fp4:
-        dot, wdt = tl.float16, tl.float16
+    if chunked:
+        # Both operands decoded (or bf16 activations) as bf16; each decoded operand carries
+        # a factor 2^-8 (gemm.decode_chunk), undone on the fp32 accumulator.
+        decode_asm = decode_asm and not interpreting()
+        dot = wdt = tl.float32 if interpreting() else tl.bfloat16
+        out_scale = 2.0**16 if a_fp4 else 2.0**8
     else:
-        dot, wdt = tl.bfloat16, tl.bfloat16
-    out_scale = 2.0**28 if a_fp4 else (1.0 if decode_asm else 2.0**14)
+        decode_asm = decode_asm and not a_fp4 and not interpreting()
+        if interpreting():
+            dot, wdt = tl.float32, tl.float32
+        elif a_fp4:
+            dot, wdt = tl.float16, tl.float16
+        else:
+            dot, wdt = tl.bfloat16, tl.bfloat16
+        out_scale = 2.0**28 if a_fp4 else (1.0 if decode_asm else 2.0**14)
     grid = (triton.cdiv(n, cfg.block_n), sort.num_blocks)
     dummy = w_global
     _launch(
@@ -159,7 +173,7 @@ def _gemm(
         TOPK=topk, GATED=gated, A_FP4=a_fp4, A_GATHER=a_gather, FUSED=fused,
         OUT_SCALE=out_scale, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         DOT_DTYPE=dot, W_DTYPE=wdt, INTERPRET=interpreting(), DECODE_ASM=decode_asm,
-        PREFETCH=cfg.prefetch, OUT_FP4=out_fp4 is not None,
+        PREFETCH=cfg.prefetch, OUT_FP4=out_fp4 is not None, CHUNKED=chunked,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -243,7 +257,7 @@ def moe_triton(
         cfg1, sort, a_src, a_scales, a_global,
         experts.w13_codes, experts.w13_scales, experts.w13_global, act, w_flat,
         n=inter, k=h, topk=topk, gated=True, a_gather=a_gather, fused=False, pdl=pdl,
-        decode_asm=opt.decode_asm, out_fp4=out_fp4,
+        decode_asm=opt.decode_asm, out_fp4=out_fp4, chunked=opt.chunked,
     )  # fmt: skip
 
     # FC2 input.
@@ -283,7 +297,7 @@ def moe_triton(
         cfg2, sort, b_src, b_scales, b_global,
         experts.w2_codes, experts.w2_scales, experts.w2_global, dest, w_flat,
         n=h, k=inter, topk=topk, gated=False, a_gather=False, fused=fused_finalize, pdl=pdl,
-        decode_asm=opt.decode_asm,
+        decode_asm=opt.decode_asm, chunked=opt.chunked,
     )  # fmt: skip
     if fused_finalize:
         return dest.to(torch.bfloat16)
@@ -318,7 +332,9 @@ def workspace_bytes(
     n = t * k
     nb = -(-n // block_m) + min(num_experts, n)
     total = 4 * (3 * n + 2 * num_experts + 1 + 3 * nb)  # sort outputs (int32)
-    total += n * i * 2  # FC1 output a, bf16
+    fc1_fp4 = mode == "w4a4" and act_scale == "static"  # TritonOptions.fc1_nvfp4_out
+    if not fc1_fp4:
+        total += n * i * 2  # FC1 output a, bf16
     if mode == "w4a4":
         rows = n if act_scale == "static" else t
         total += rows * (h // 2 + h // 16 + 4)  # x as NVFP4 + globals

@@ -1,0 +1,115 @@
+"""Compare GEMM main loops and configs of the Triton MoE on one preset, with a correctness
+check of every variant (against the reference, and chunked configs bitwise against each
+other: one summation order for every config is what keeps batch invariance).
+
+    PYTHONPATH=src python3 benchmarks/sweep_decode.py --out sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+import fp4moe
+from fp4moe.bench import MODES, PRESETS, card_ceilings, make_routes, time_us
+from fp4moe.kernels.gemm import GemmConfig
+from fp4moe.kernels.launch import TritonOptions, moe_triton
+from fp4moe.reference import moe_reference
+
+SMALL = [
+    (16, 64, 128, 4, 1),
+    (16, 64, 128, 4, 2),
+    (16, 64, 128, 4, 3),
+    (16, 64, 256, 4, 3),
+    (16, 128, 128, 4, 3),
+    (16, 64, 64, 4, 4),
+    (16, 128, 256, 8, 3),
+    (16, 256, 128, 8, 3),
+]
+LARGE = [
+    (128, 128, 32, 8, 4),
+    (128, 128, 64, 8, 3),
+    (128, 128, 32, 8, 3),
+    (128, 256, 32, 8, 3),
+    (64, 128, 64, 4, 3),
+    (128, 128, 128, 8, 2),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="deepseek-v3-ep8")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 8192])
+    ap.add_argument("--modes", nargs="+", default=["w4a16", "w4a4-token"])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default="sweep.json")
+    a = ap.parse_args()
+    ceil = card_ceilings()
+    tbs, tfl = ceil["copy_bytes_per_s"] / 1e12, ceil["bf16_matmul_flops"] / 1e12
+    print(f"copy {tbs:.2f} TB/s, bf16 {tfl:.0f} TFLOP/s")
+    p = PRESETS[a.preset]
+    torch.manual_seed(0)
+    e = p.local_experts
+    w13 = torch.randn(e, 2 * p.inter, p.hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(e, p.hidden, p.inter, device="cuda", dtype=torch.bfloat16) * 0.02
+    ex = fp4moe.prepare_experts(w13, w2)
+    del w13, w2
+    per_expert = ex.nbytes() / e
+    rows = []
+    for t in a.tokens:
+        x = torch.randn(t, p.hidden, device="cuda").to(torch.bfloat16)
+        ids, w = make_routes(p, t, t, "cuda")
+        valid = ids >= 0
+        touched = int(torch.unique(ids[valid]).numel()) if valid.any() else 0
+        floor = touched * per_expert / ceil["copy_bytes_per_s"] * 1e6
+        for mode in a.modes:
+            m, sc = MODES[mode]
+            ref = moe_reference(x, ids, w, ex, mode=m, act_scale=sc).float()
+            variants = {
+                "old": TritonOptions(chunked=False, decode_asm=False),
+                "new": TritonOptions(),
+                "new-plain": TritonOptions(decode_asm=False),
+            }
+            for c in SMALL if t <= 256 else LARGE:
+                g = GemmConfig(*c)
+                variants[f"new{c}"] = TritonOptions(fc1=g, fc2=g)
+            first = None
+            for name, opt in variants.items():
+                try:
+                    out = moe_triton(x, ids, w, ex, mode=m, act_scale=sc, options=opt)
+                    torch.cuda.synchronize()
+                    err = float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+                    same = None
+                    if name.startswith("new"):
+                        if first is None:
+                            first = out
+                        same = bool(torch.equal(out, first))
+                    us = time_us(
+                        lambda: moe_triton(x, ids, w, ex, mode=m, act_scale=sc, options=opt),
+                        graph=True,
+                        warmup=3,
+                        iters=a.iters,
+                    )
+                except Exception as exc:
+                    print(f"T={t} {mode} {name}: FAILED {type(exc).__name__}: {exc}"[:400])
+                    rows.append(
+                        {"tokens": t, "mode": mode, "variant": name, "error": str(exc)[:300]}
+                    )
+                    continue
+                r = {
+                    "tokens": t, "mode": mode, "variant": name, "us": us, "rel_err": err,
+                    "bitwise_same_as_new": same, "touched": touched,
+                    "floor_fraction": floor / us if touched else None,
+                }  # fmt: skip
+                rows.append(r)
+                ff = f"{r['floor_fraction']:.3f}" if touched else "-"
+                print(f"T={t:5d} {mode:11s} {name:28s} {us:9.1f} us  floor {ff}", end="")
+                print(f"  err {err:.2e}  same {same}")
+    with open(a.out, "w") as f:
+        json.dump({"ceilings": ceil, "preset": a.preset, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
