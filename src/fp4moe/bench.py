@@ -280,6 +280,21 @@ def run(args: argparse.Namespace) -> dict:
     opt = TritonOptions(pdl=not args.no_pdl)
     graph = not args.no_cuda_graph
     rows = []
+    doc = {  # rows fill in as they are timed; written after each token count
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "fp4moe": fp4moe.__version__,
+        "commit": _git_commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "preset": args.preset,
+        "shape": asdict(p),
+        "ceilings": ceil,
+        "cuda_graph": graph,
+        "pdl": not args.no_pdl,
+        "cold_l2": args.cold_l2,
+        "rows": rows,
+    }
     plan = [(t, m, f) for t in args.num_tokens for m in args.modes for f in finals]
     step = 0
     for t in args.num_tokens:
@@ -364,22 +379,8 @@ def run(args: argparse.Namespace) -> dict:
                         "rel_err": err,
                     }
                 )
+        write_outputs(doc, args.out, plot=False)  # a run cut short keeps its rows
     sys.stderr.write("\n")
-    doc = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": _triton_version(),
-        "fp4moe": fp4moe.__version__,
-        "commit": _git_commit(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "preset": args.preset,
-        "shape": asdict(p),
-        "ceilings": ceil,
-        "cuda_graph": graph,
-        "pdl": not args.no_pdl,
-        "cold_l2": args.cold_l2,
-        "rows": rows,
-    }
     write_outputs(doc, args.out)
     return doc
 
@@ -429,7 +430,7 @@ def format_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(doc: dict, out: str) -> None:
+def write_outputs(doc: dict, out: str, plot: bool = True) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "bench.json"), "w") as f:
         json.dump(doc, f, indent=1)
@@ -438,6 +439,8 @@ def write_outputs(doc: dict, out: str) -> None:
             wr = csv.DictWriter(f, fieldnames=list(doc["rows"][0]))
             wr.writeheader()
             wr.writerows(doc["rows"])
+    if not plot:
+        return
     try:
         import matplotlib
 
