@@ -130,7 +130,8 @@ def decode(model, cache, first: torch.Tensor, steps: int):
 
 def _send(t: torch.Tensor, dst: int, device: str) -> int:
     raw = t.contiguous().view(torch.uint8).reshape(-1)
-    dist.send(raw if device.startswith("cuda") and dist.get_backend() == "nccl" else raw.cpu(), dst)
+    # NCCL moves device tensors only (the header is built on the host); gloo host tensors.
+    dist.send(raw.to(device) if dist.get_backend() == "nccl" else raw.cpu(), dst)
     return raw.numel()
 
 
