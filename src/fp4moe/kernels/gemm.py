@@ -56,17 +56,32 @@ def choose_gemm_config(
     gated: bool,
     interpret: bool = False,
     a_fp4: bool = False,
+    loop: int = 2,
 ) -> GemmConfig:
     """Tile shapes from the average rows an expert receives (no autotuning).
 
     Small row counts: 16 token columns and narrow weight tiles, so weight rows are split
-    over many programs (bytes in flight on every SM). Large: 128 x 128 tiles.
+    over many programs (bytes in flight on every SM). Large: 64 to 128 token columns.
+    ``loop`` is the main loop (``TritonOptions.chunked``) the config is for.
     """
     if interpret:
         return GemmConfig(16, 32, _largest_pow2_dividing(k, 64), num_warps=4, num_stages=1)
-    # Measured on the H200 (docs/perf-notes.md, benchmarks/sweep_configs.py): at 16 tokens
-    # (16, 64, 128, prefetch) 309 us against 328 us for (16, 64, 256, 4 stages); at 8192
-    # tokens (128, 128, 32, 8 warps, 4 stages) 3.68 ms against 5.3 ms for (128, 64, 64).
+    if loop:
+        # Measured on the H200 with the chunk-ordered loop (docs/perf-notes.md,
+        # benchmarks/sweep_decode.py, DeepSeek-V3 EP8): 16 tokens (4 rows an expert)
+        # (16, 64, 256, 2 stages) 136 us; 64 and 256 tokens (16, 128, 128, 2 stages) 403 and
+        # 613 us; 1024 tokens (64, 128, 32, 4 stages) 1280 us; 8192 tokens (W4A4)
+        # (128, 64, 64, 3 stages) 3552 us.
+        if rows_per_expert <= 8:
+            return GemmConfig(16, 64, _largest_pow2_dividing(k, 256), 4, 2)
+        if rows_per_expert <= 64:
+            return GemmConfig(16, 128, _largest_pow2_dividing(k, 128), 4, 2)
+        if rows_per_expert <= 512:
+            return GemmConfig(64, 128, 32, 4, 4)
+        return GemmConfig(128, 64, _largest_pow2_dividing(k, 64), 4, 3)
+    # The earlier loop, measured on the H200 (docs/perf-notes.md, benchmarks/sweep_configs.py):
+    # at 16 tokens (16, 64, 128, prefetch) 309 us against 328 us for (16, 64, 256, 4 stages);
+    # at 8192 tokens (128, 128, 32, 8 warps, 4 stages) 3.68 ms against 5.3 ms for (128, 64, 64).
     # W4A4 at 16 tokens: (16, 64, 256, 4 stages) 338 us against 410 us with prefetch.
     if rows_per_expert <= 16 and a_fp4:
         return GemmConfig(16, 64, _largest_pow2_dividing(k, 256), 4, 4)
@@ -182,15 +197,17 @@ _CHUNK_DECODE_ASM = tl.constexpr(
 
 
 @triton.jit
-def decode_chunk(codes, scales, R: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr):
-    """codes uint8 [R, 16] and e4m3 scales [R, 2] of one 32-element chunk to (even, odd)
-    element tiles [R, 16] of OUT, each value times 2^-8 (exact)."""
+def decode_lohi(
+    codes, scales, R: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr
+):
+    """codes uint8 [R, C/2] and e4m3 scales [R, C/16] to the low-nibble (even) and the
+    high-nibble (odd) elements, two [R, C/2] tiles of OUT, each value times 2^-8 (exact)."""
     if ASM:
         # Per element: the scale as bf16 times 2^118 (exact), so each register pair of
         # elements (2j, 2j + 1), adjacent code bytes of one block, carries its own scale
         # whatever layout the compiler gives the operand.
         sc = (scales.to(tl.float32) * 3.32306998946229e35).to(tl.bfloat16)
-        sb = tl.reshape(tl.broadcast_to(sc[:, :, None], (R, 2, 8)), (R, 16))
+        sb = tl.reshape(tl.broadcast_to(sc[:, :, None], (R, C // 16, 8)), (R, C // 2))
         lo, hi = tl.inline_asm_elementwise(
             _CHUNK_DECODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [codes, sb],
             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=8,
@@ -198,10 +215,34 @@ def decode_chunk(codes, scales, R: tl.constexpr, ASM: tl.constexpr, OUT: tl.cons
         return lo.to(OUT), hi.to(OUT)
     else:
         s = scales.to(tl.float32) * 0.00390625
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (R, 2, 8)), (R, 16))
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (R, C // 16, 8)), (R, C // 2))
         lo = _nibble_to_f16(codes & 0xF).to(tl.float32) * 16384.0
         hi = _nibble_to_f16(codes >> 4).to(tl.float32) * 16384.0
         return (lo * s).to(OUT), (hi * s).to(OUT)
+
+
+@triton.jit
+def decode_chunk(codes, scales, R: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr):
+    """One 32-element chunk: codes [R, 16], scales [R, 2] to (even, odd) tiles [R, 16]."""
+    return decode_lohi(codes, scales, R, 32, ASM, OUT)
+
+
+@triton.jit
+def decode_permuted(
+    codes, scales, R: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr
+):
+    """codes [R, C/2] and scales [R, C/16] to [R, C] in chunk order: for each chunk of 32
+    elements its 16 even elements, then its 16 odd ones (the order of ``chunk_perm``)."""
+    lo, hi = decode_lohi(codes, scales, R, C, ASM, OUT)
+    v = tl.join(tl.reshape(lo, (R, C // 32, 16)), tl.reshape(hi, (R, C // 32, 16)))
+    return tl.reshape(tl.permute(v, (0, 1, 3, 2)), (R, C))
+
+
+@triton.jit
+def chunk_perm(C: tl.constexpr):
+    """K index of each position of a ``decode_permuted`` tile of C elements."""
+    p = tl.arange(0, C)
+    return (p // 32) * 32 + 2 * (p % 16) + (p // 16) % 2
 
 
 @triton.jit
@@ -239,7 +280,7 @@ def moe_gemm_kernel(
     DECODE_ASM: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
     OUT_FP4: tl.constexpr = False,
-    CHUNKED: tl.constexpr = False,
+    CHUNKED: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -286,7 +327,7 @@ def moe_gemm_kernel(
     acc_g = tl.zeros((BN, BM), dtype=tl.float32)
     if GATED:
         acc_u = tl.zeros((BN, BM), dtype=tl.float32)
-    if CHUNKED:
+    if CHUNKED == 1:
         q16 = tl.arange(0, 16)
         q2 = tl.arange(0, 2)
         cw_g = w_codes_ptr + row_g[:, None] * KH + q16[None, :]
@@ -320,6 +361,30 @@ def moe_gemm_kernel(
                     ue, uo = decode_chunk(cu, su, BN, DECODE_ASM, DOT_DTYPE)
                     acc_u = tl.dot(ue, xe, acc_u)
                     acc_u = tl.dot(uo, xo, acc_u)
+    elif CHUNKED == 2:
+        cw2 = w_codes_ptr + row_g[:, None] * KH + tl.arange(0, BK // 2)[None, :]
+        sw2 = w_scales_ptr + row_g[:, None] * KS + tl.arange(0, BK // 16)[None, :]
+        if A_FP4:
+            ca2 = a_ptr + src[:, None] * KH + tl.arange(0, BK // 2)[None, :]
+            sa2 = a_scales_ptr + src[:, None] * KS + tl.arange(0, BK // 16)[None, :]
+        else:
+            xp2 = a_ptr + src[:, None] * K + tl.arange(0, BK)[None, :]
+        for kb in range(0, K // BK):
+            if A_FP4:
+                ac = tl.load(ca2 + kb * (BK // 2), mask=m_mask[:, None], other=0)
+                asc = tl.load(sa2 + kb * (BK // 16), mask=m_mask[:, None], other=0.0)
+                x = tl.trans(decode_permuted(ac, asc, BM, BK, DECODE_ASM, DOT_DTYPE))
+            else:  # contiguous rows, put in chunk order in registers
+                x = tl.load(xp2 + kb * BK, mask=m_mask[:, None], other=0.0).to(DOT_DTYPE)
+                x = tl.reshape(x, (BM, BK // 32, 16, 2))
+                x = tl.trans(tl.reshape(tl.permute(x, (0, 1, 3, 2)), (BM, BK)))
+            cg = tl.load(cw2 + kb * (BK // 2), mask=n_mask[:, None], other=0)
+            sg = tl.load(sw2 + kb * (BK // 16), mask=n_mask[:, None], other=0.0)
+            acc_g = tl.dot(decode_permuted(cg, sg, BN, BK, DECODE_ASM, DOT_DTYPE), x, acc_g)
+            if GATED:
+                cu = tl.load(cw2 + N * KH + kb * (BK // 2), mask=n_mask[:, None], other=0)
+                su = tl.load(sw2 + N * KS + kb * (BK // 16), mask=n_mask[:, None], other=0.0)
+                acc_u = tl.dot(decode_permuted(cu, su, BN, BK, DECODE_ASM, DOT_DTYPE), x, acc_u)
     else:
         # Register double buffering (PREFETCH): the next tile's weight bytes are in flight while
         # this tile is decoded and multiplied.
