@@ -14,7 +14,7 @@ w13 = torch.randn(E, 2 * I, H, device="cuda") * 0.02
 w2 = torch.randn(E, H, I, device="cuda") * 0.02
 ex = fp4moe.prepare_experts(w13, w2)
 x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
-c, s, g = launch._quantize_rows(x, T, mode=MODE_PER_ROW, pdl=False)
+c, s, g = launch.quantize_rows(x, T, mode=MODE_PER_ROW, pdl=False)
 q = quantize_nvfp4(x, per_row=True)
 print(
     "per-row quant codes",

@@ -183,77 +183,34 @@ def _route_rows_reference(rows, row_expert, experts, mode, act_scale, amax_reduc
 
 
 def _route_rows_triton(rows, row_expert, experts, mode, act_scale, amax_reduce):
-    """The middle of ``kernels.launch.moe_triton`` (sort, FC1, quantize, FC2) with K = 1.
+    """The Triton backend's expert work (``kernels.launch.expert_gemms``) with top-k 1.
 
     Every received row is a one-route token; FC1 gathers it (bf16, or pre-quantized NVFP4
     codes, scales and per-row global). Rows come back in the order they came in."""
-    from .kernels.gemm import choose_gemm_config
-    from .kernels.launch import (
-        TritonOptions,
-        _empty,
-        _gemm,
-        _quantize_rows,
-        _use_pdl,
-        interpreting,
-    )
-    from .kernels.quantize import MODE_PER_ROW, MODE_SCALAR, MODE_STATIC
+    from .kernels.launch import TritonOptions, expert_gemms, gemm_configs, use_pdl
     from .kernels.sort import sort_routes
 
     w4a4 = mode == "w4a4"
     a_src = rows.codes if w4a4 else rows
     n = a_src.shape[0]
     dev = a_src.device
-    h, inter, e_count = experts.hidden_size, experts.intermediate_size, experts.num_experts
     if n == 0:
         if w4a4 and act_scale == "per_tensor" and amax_reduce is not None:
             amax_reduce(torch.zeros((), dtype=torch.float32, device=dev))
-        return torch.empty(0, h, dtype=torch.bfloat16, device=dev)
+        return torch.empty(0, experts.hidden_size, dtype=torch.bfloat16, device=dev)
     opt = TritonOptions()
-    pdl = _use_pdl(opt, dev)
-    ids = row_expert.to(torch.int32).reshape(n, 1).contiguous()
-    ones = torch.ones(n, dtype=torch.float32, device=dev)
-    interp = interpreting()
-    cfg1 = choose_gemm_config(n / e_count, inter, h, gated=True, interpret=interp, a_fp4=w4a4)
-    cfg2 = choose_gemm_config(n / e_count, h, inter, gated=False, interpret=interp, a_fp4=w4a4)
-    if cfg1.block_m != cfg2.block_m:
-        raise RuntimeError("internal: fc1 and fc2 configs must share block_m")
-    sort = sort_routes(ids, e_count, cfg1.block_m)
-    n_valid = sort.expert_offsets[e_count:]
-    a_scales = rows.scales.contiguous() if w4a4 else None
-    a_global = rows.global_scale.contiguous() if w4a4 else None
-    act = _empty((n, inter), torch.bfloat16, dev, False)
-    _gemm(
-        cfg1, sort, a_src.contiguous(), a_scales, a_global,
-        experts.w13_codes, experts.w13_scales, experts.w13_global, act, ones,
-        n=inter, k=h, topk=1, gated=True, a_gather=True, fused=False, pdl=pdl,
+    cfg1, cfg2 = gemm_configs(n, experts, mode, opt)
+    sort = sort_routes(row_expert.to(torch.int32).reshape(n, 1).contiguous(),
+                       experts.num_experts, cfg1.block_m)  # fmt: skip
+    y = expert_gemms(
+        sort, a_src.contiguous(),
+        rows.scales.contiguous() if w4a4 else None,
+        rows.global_scale.contiguous() if w4a4 else None,
+        experts, cfg1=cfg1, cfg2=cfg2, mode=mode, act_scale=act_scale, topk=1, a_gather=True,
+        route_weights=torch.ones(n, dtype=torch.float32, device=dev),
+        amax_reduce=amax_reduce, options=opt, pdl=use_pdl(opt, dev),
     )  # fmt: skip
-    b_src, b_scales, b_global = act, None, None
-    if w4a4:
-        if act_scale == "per_token":
-            b_src, b_scales, b_global = _quantize_rows(
-                act, n, mode=MODE_PER_ROW, count=n_valid, pdl=pdl
-            )
-        elif act_scale == "per_tensor":
-            live = torch.arange(n, device=dev) < n_valid
-            amax = _fc2_amax(act, live)
-            if amax_reduce is not None:
-                amax = amax_reduce(amax)
-            g = global_from_amax(amax).reshape(1)
-            b_src, b_scales, b_global = _quantize_rows(
-                act, n, mode=MODE_SCALAR, count=n_valid, table=g, pdl=pdl
-            )
-        else:
-            b_src, b_scales, b_global = _quantize_rows(
-                act, n, mode=MODE_STATIC, count=n_valid, table=experts.a2_scale,
-                row_expert=sort.sorted_expert, pdl=pdl,
-            )  # fmt: skip
-    dest = _empty((n, h), torch.bfloat16, dev, False)
-    _gemm(
-        cfg2, sort, b_src, b_scales, b_global,
-        experts.w2_codes, experts.w2_scales, experts.w2_global, dest, ones,
-        n=h, k=inter, topk=1, gated=False, a_gather=False, fused=False, pdl=pdl,
-    )  # fmt: skip
-    return dest[sort.route_pos.long()]
+    return y[sort.route_pos.long()]
 
 
 # ------------------------------------------------------------------------ helpers
@@ -781,19 +738,19 @@ class EPMoELayer(nn.Module):
             )
             g = global_from_amax(self._all_reduce_max(amax))
         if backend == "triton":
-            from .kernels.launch import _quantize_rows
+            from .kernels.launch import quantize_rows
             from .kernels.quantize import MODE_PER_ROW, MODE_SCALAR, MODE_STATIC
 
             if act == "per_token":
-                c, s, gl = _quantize_rows(x2d.contiguous(), t, mode=MODE_PER_ROW, pdl=False)
+                c, s, gl = quantize_rows(x2d.contiguous(), t, mode=MODE_PER_ROW, pdl=False)
                 return _pack([c, s, gl])[src], None
             if act == "per_tensor":
-                c, s, _ = _quantize_rows(
+                c, s, _ = quantize_rows(
                     x2d.contiguous(), t, mode=MODE_SCALAR, table=g.reshape(1), pdl=False
                 )
                 return _pack([c, s])[src], g
             expert = sorted_key.clamp(max=self.num_experts_total - 1).to(torch.int32)
-            c, s, _ = _quantize_rows(
+            c, s, _ = quantize_rows(
                 x2d.contiguous(), perm.numel(), mode=MODE_STATIC, index=perm.to(torch.int32),
                 div=k, table=self.a13_scale_all, row_expert=expert, pdl=False,
             )  # fmt: skip
@@ -829,22 +786,11 @@ class EPMoELayer(nn.Module):
         t, k = ids.shape
         h = self.experts.hidden_size
         if backend == "triton" and t:
-            import triton
-
-            from .kernels.finalize import finalize_block_h, finalize_kernel
-            from .kernels.launch import _launch, interpreting
+            from .kernels.launch import finalize_rows
 
             if y_rows.shape[0] == 0:
                 y_rows = torch.zeros(1, h, dtype=torch.bfloat16, device=y_rows.device)
-            out = torch.empty(t, h, dtype=torch.bfloat16, device=y_rows.device)
-            block_h, warps = finalize_block_h(t, h)
-            _launch(
-                finalize_kernel, (t, triton.cdiv(h, block_h)), False,
-                y_rows, route_pos.to(torch.int32), ids, w.reshape(-1), out, h,
-                TOPK=k, KP=triton.next_power_of_2(k), BLOCK_H=block_h,
-                INTERPRET=interpreting(), num_warps=warps,
-            )  # fmt: skip
-            return out
+            return finalize_rows(y_rows, route_pos.to(torch.int32), ids, w)
         if y_rows.shape[0] == 0:
             y_full = torch.zeros(t, k, h, dtype=torch.bfloat16, device=y_rows.device)
         else:

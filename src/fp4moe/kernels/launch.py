@@ -10,6 +10,7 @@ dependents right after, and the finalize kernel reads routing metadata before it
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,17 @@ from .gemm import GemmConfig, choose_gemm_config, moe_gemm_kernel
 from .quantize import MODE_PER_ROW, MODE_SCALAR, MODE_STATIC, quantize_rows_kernel
 from .sort import RouteSort, sort_routes
 
-__all__ = ["TritonOptions", "interpreting", "moe_triton", "workspace_bytes"]
+__all__ = [
+    "TritonOptions",
+    "expert_gemms",
+    "finalize_rows",
+    "gemm_configs",
+    "interpreting",
+    "moe_triton",
+    "quantize_rows",
+    "use_pdl",
+    "workspace_bytes",
+]
 
 
 def interpreting() -> bool:
@@ -61,7 +72,8 @@ class TritonOptions:
     fc1_nvfp4_out: bool = True
 
 
-def _use_pdl(opt: TritonOptions, device: torch.device) -> bool:
+def use_pdl(opt: TritonOptions, device: torch.device) -> bool:
+    """Whether the kernels of a call on ``device`` use programmatic dependent launch."""
     if interpreting() or device.type != "cuda":
         return False
     if opt.pdl is not None:
@@ -83,7 +95,7 @@ def _launch(kernel, grid, pdl: bool, *args, **kwargs):
     kernel[grid](*args, USE_PDL=pdl, **kwargs)
 
 
-def _quantize_rows(
+def quantize_rows(
     src: torch.Tensor,
     rows: int,
     *,
@@ -96,6 +108,10 @@ def _quantize_rows(
     row_expert: torch.Tensor | None = None,
     poison: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 codes uint8 [rows, C/2], e4m3 scales [rows, C/16] and fp32 globals [rows] of
+    rows of ``src`` (bf16 [., C]); ``mode`` (quantize.MODE_*) picks the global: per row,
+    the one scalar in ``table``, or (static) ``table[row_expert[r]]``. ``index`` / ``div``
+    gather source row ``index[r] // div``; ``count`` (a device scalar) limits the rows."""
     c = src.shape[1]
     dev = src.device
     codes = _empty((rows, c // 2), torch.uint8, dev, poison)
@@ -179,6 +195,124 @@ def _gemm(
     )  # fmt: skip
 
 
+def gemm_configs(
+    n_routes: int, experts: PreparedExperts, mode: str, options: TritonOptions
+) -> tuple[GemmConfig, GemmConfig]:
+    """FC1 and FC2 configs for ``n_routes`` rows over ``experts`` (pinned ones from
+    ``options`` win). Any config gives the same bits (one summation order a loop)."""
+    rows_per_expert = n_routes / experts.num_experts
+    loop = int(options.chunked)
+    h, inter, a_fp4 = experts.hidden_size, experts.intermediate_size, mode == "w4a4"
+    cfg1 = options.fc1 or choose_gemm_config(
+        rows_per_expert, inter, h, gated=True, interpret=interpreting(), a_fp4=a_fp4, loop=loop
+    )
+    cfg2 = options.fc2 or choose_gemm_config(
+        rows_per_expert, h, inter, gated=False, interpret=interpreting(), a_fp4=a_fp4, loop=loop
+    )
+    if cfg1.block_m != cfg2.block_m:
+        raise ValueError("options: fc1 and fc2 configs must share block_m (one tile schedule)")
+    return cfg1, cfg2
+
+
+def expert_gemms(
+    sort: RouteSort,
+    a: torch.Tensor,
+    a_scales: torch.Tensor | None,
+    a_global: torch.Tensor | None,
+    experts: PreparedExperts,
+    *,
+    cfg1: GemmConfig,
+    cfg2: GemmConfig,
+    mode: str,
+    act_scale: str,
+    topk: int,
+    a_gather: bool,
+    route_weights: torch.Tensor,
+    fused_into: torch.Tensor | None = None,
+    amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    options: TritonOptions | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """The expert work of a call, on routes already sorted (``sort``): FC1 with SwiGLU,
+    for W4A4 the quantization of FC1's output, and FC2.
+
+    Args:
+        sort: ``sort_routes`` of the call's [T, topk] expert ids (T * topk routes).
+        a: FC1 input. bf16 [T, H] gathered by route (``a_gather``), or for W4A4 NVFP4 codes
+            uint8 [T, H/2] (gathered) or [T * topk, H/2] in sorted order (not gathered),
+            with ``a_scales`` e4m3 [..., H/16] and ``a_global`` fp32 [...] per row.
+        route_weights: fp32 [T * topk] router weights (read by the fused epilogue only).
+        fused_into: fp32 [T, H] zeros: FC2 adds weight * y of each route into it with
+            atomics (fused finalize). None: FC2 writes route rows.
+        amax_reduce: W4A4 per-tensor: maps the fp32 amax of FC1's valid output rows to the
+            amax its global scale is taken from (expert parallelism: an all-reduce max).
+
+    Returns:
+        bf16 [T * topk, H] route rows in sorted order (rows past the valid count
+        unspecified), or ``fused_into``.
+    """
+    opt = options or TritonOptions()
+    n_routes = sort.sorted_routes.shape[0]
+    e_count = experts.num_experts
+    h, inter = experts.hidden_size, experts.intermediate_size
+    dev = a.device
+    n_valid = sort.expert_offsets[e_count:]
+    w4a4 = mode == "w4a4"
+    fc1_fp4 = w4a4 and act_scale == "static" and opt.fc1_nvfp4_out
+    out_fp4 = None
+    if fc1_fp4:  # FC1 writes NVFP4 codes, scales and globals of `a` itself
+        act = _empty((n_routes, inter // 2), torch.uint8, dev, opt.poison)
+        out_fp4 = (
+            _empty((n_routes, inter // 16), torch.float8_e4m3fn, dev, opt.poison),
+            _empty((n_routes,), torch.float32, dev, opt.poison),
+            experts.a2_scale,
+        )
+    else:
+        act = _empty((n_routes, inter), torch.bfloat16, dev, opt.poison)
+    _gemm(
+        cfg1, sort, a, a_scales, a_global,
+        experts.w13_codes, experts.w13_scales, experts.w13_global, act, route_weights,
+        n=inter, k=h, topk=topk, gated=True, a_gather=a_gather, fused=False, pdl=pdl,
+        decode_asm=opt.decode_asm, out_fp4=out_fp4, chunked=opt.chunked,
+    )  # fmt: skip
+
+    # FC2 input.
+    b_src, b_scales, b_global = act, None, None
+    if w4a4:
+        if act_scale == "per_token":
+            b_src, b_scales, b_global = quantize_rows(
+                act, n_routes, mode=MODE_PER_ROW, count=n_valid, pdl=pdl, poison=opt.poison
+            )
+        elif act_scale == "per_tensor":
+            live = (torch.arange(n_routes, device=dev) < n_valid)[:, None]
+            amax = torch.where(live, act.abs(), 0).amax().float()
+            if amax_reduce is not None:
+                amax = amax_reduce(amax)
+            b_src, b_scales, b_global = quantize_rows(
+                act, n_routes, mode=MODE_SCALAR, count=n_valid, table=_global_from_amax(amax),
+                pdl=pdl, poison=opt.poison,
+            )  # fmt: skip
+        elif fc1_fp4:
+            b_src, b_scales, b_global = act, out_fp4[0], out_fp4[1]
+        else:
+            b_src, b_scales, b_global = quantize_rows(
+                act, n_routes, mode=MODE_STATIC, count=n_valid, table=experts.a2_scale,
+                row_expert=sort.sorted_expert, pdl=pdl, poison=opt.poison,
+            )  # fmt: skip
+
+    if fused_into is not None:
+        dest = fused_into
+    else:
+        dest = _empty((n_routes, h), torch.bfloat16, dev, opt.poison)
+    _gemm(
+        cfg2, sort, b_src, b_scales, b_global,
+        experts.w2_codes, experts.w2_scales, experts.w2_global, dest, route_weights,
+        n=h, k=inter, topk=topk, gated=False, a_gather=False, fused=fused_into is not None,
+        pdl=pdl, decode_asm=opt.decode_asm, chunked=opt.chunked,
+    )  # fmt: skip
+    return dest
+
+
 def moe_triton(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -197,121 +331,84 @@ def moe_triton(
             f"x is on {x.device}. Use backend='reference' or 'auto' on this machine."
         )
     opt = options or TritonOptions()
-    pdl = _use_pdl(opt, x.device)
+    pdl = use_pdl(opt, x.device)
     t, h = x.shape
     topk = topk_ids.shape[1]
     e_count = experts.num_experts
-    inter = experts.intermediate_size
     n_routes = t * topk
     dev = x.device
     x = x.contiguous()
     ids = topk_ids.contiguous()
     w_flat = topk_weights.contiguous().reshape(-1)
 
-    rows_per_expert = n_routes / e_count
-    loop = int(opt.chunked)
-    cfg1 = opt.fc1 or choose_gemm_config(
-        rows_per_expert, inter, h, gated=True, interpret=interpreting(), a_fp4=mode == "w4a4",
-        loop=loop,
-    )  # fmt: skip
-    cfg2 = opt.fc2 or choose_gemm_config(
-        rows_per_expert, h, inter, gated=False, interpret=interpreting(), a_fp4=mode == "w4a4",
-        loop=loop,
-    )  # fmt: skip
-    if cfg1.block_m != cfg2.block_m:
-        raise ValueError("options: fc1 and fc2 configs must share block_m (one tile schedule)")
+    cfg1, cfg2 = gemm_configs(n_routes, experts, mode, opt)
     sort = sort_routes(ids, e_count, cfg1.block_m)
     n_valid = sort.expert_offsets[e_count:]  # device scalar: rows in sorted order
-    sorted_expert = sort.sorted_expert
 
     # FC1 input.
-    w4a4 = mode == "w4a4"
     a_scales = a_global = None
     a_src, a_gather = x, True
-    if w4a4:
+    if mode == "w4a4":
         if act_scale == "per_token":
-            a_src, a_scales, a_global = _quantize_rows(
+            a_src, a_scales, a_global = quantize_rows(
                 x, t, mode=MODE_PER_ROW, pdl=pdl, poison=opt.poison
             )
         elif act_scale == "per_tensor":
             g = _global_from_amax(x.abs().amax())
-            a_src, a_scales, a_global = _quantize_rows(
+            a_src, a_scales, a_global = quantize_rows(
                 x, t, mode=MODE_SCALAR, table=g, pdl=pdl, poison=opt.poison
             )
         else:  # static: global of the route's expert, so quantize each sorted row
-            a_src, a_scales, a_global = _quantize_rows(
+            a_src, a_scales, a_global = quantize_rows(
                 x, n_routes, mode=MODE_STATIC, index=sort.sorted_routes, div=topk,
-                count=n_valid, table=experts.a13_scale, row_expert=sorted_expert, pdl=pdl,
-                poison=opt.poison,
+                count=n_valid, table=experts.a13_scale, row_expert=sort.sorted_expert,
+                pdl=pdl, poison=opt.poison,
             )  # fmt: skip
             a_gather = False
 
-    fc1_fp4 = w4a4 and act_scale == "static" and opt.fc1_nvfp4_out
-    out_fp4 = None
-    if fc1_fp4:  # FC1 writes NVFP4 codes, scales and globals of `a` itself
-        act = _empty((n_routes, inter // 2), torch.uint8, dev, opt.poison)
-        out_fp4 = (
-            _empty((n_routes, inter // 16), torch.float8_e4m3fn, dev, opt.poison),
-            _empty((n_routes,), torch.float32, dev, opt.poison),
-            experts.a2_scale,
-        )
-    else:
-        act = _empty((n_routes, inter), torch.bfloat16, dev, opt.poison)
-    _gemm(
-        cfg1, sort, a_src, a_scales, a_global,
-        experts.w13_codes, experts.w13_scales, experts.w13_global, act, w_flat,
-        n=inter, k=h, topk=topk, gated=True, a_gather=a_gather, fused=False, pdl=pdl,
-        decode_asm=opt.decode_asm, out_fp4=out_fp4, chunked=opt.chunked,
-    )  # fmt: skip
-
-    # FC2 input.
-    b_scales = b_global = None
-    b_src = act
-    if w4a4:
-        if act_scale == "per_token":
-            b_src, b_scales, b_global = _quantize_rows(
-                act, n_routes, mode=MODE_PER_ROW, count=n_valid, pdl=pdl, poison=opt.poison
-            )
-        elif act_scale == "per_tensor":
-            live = (torch.arange(n_routes, device=dev) < n_valid)[:, None]
-            g = _global_from_amax(torch.where(live, act.abs(), 0).amax())
-            b_src, b_scales, b_global = _quantize_rows(
-                act,
-                n_routes,
-                mode=MODE_SCALAR,
-                count=n_valid,
-                table=g,
-                pdl=pdl,
-                poison=opt.poison,
-            )
-        elif fc1_fp4:
-            b_src, b_scales, b_global = act, out_fp4[0], out_fp4[1]
-        else:
-            b_src, b_scales, b_global = _quantize_rows(
-                act, n_routes, mode=MODE_STATIC, count=n_valid, table=experts.a2_scale,
-                row_expert=sorted_expert, pdl=pdl, poison=opt.poison,
-            )  # fmt: skip
-
     # Fused: atomics add weight * y into fp32 [T, H]; unfused: route rows in sorted order.
-    if fused_finalize:
-        dest = torch.zeros(t, h, dtype=torch.float32, device=dev)
-    else:
-        dest = _empty((n_routes, h), torch.bfloat16, dev, opt.poison)
-    _gemm(
-        cfg2, sort, b_src, b_scales, b_global,
-        experts.w2_codes, experts.w2_scales, experts.w2_global, dest, w_flat,
-        n=h, k=inter, topk=topk, gated=False, a_gather=False, fused=fused_finalize, pdl=pdl,
-        decode_asm=opt.decode_asm, chunked=opt.chunked,
+    fused = torch.zeros(t, h, dtype=torch.float32, device=dev) if fused_finalize else None
+    dest = expert_gemms(
+        sort, a_src, a_scales, a_global, experts, cfg1=cfg1, cfg2=cfg2, mode=mode,
+        act_scale=act_scale, topk=topk, a_gather=a_gather, route_weights=w_flat,
+        fused_into=fused, options=opt, pdl=pdl,
     )  # fmt: skip
     if fused_finalize:
         return dest.to(torch.bfloat16)
-    y = dest
-    out = _empty((t, h), torch.bfloat16, dev, opt.poison)
+    return finalize_rows(dest, sort.route_pos, ids, w_flat, pdl=pdl, poison=opt.poison)
+
+
+def finalize_rows(
+    y_rows: torch.Tensor,
+    route_pos: torch.Tensor,
+    topk_ids: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    pdl: bool = False,
+    poison: bool = False,
+) -> torch.Tensor:
+    """Deterministic finalize (SPEC 6) on the device: out[t] = sum over k ascending of
+    weights[t, k] * y_rows[route_pos[t * K + k]], fp32 fma, one bf16 rounding; masked
+    routes (id < 0) skipped, all-masked tokens 0.
+
+    Args:
+        y_rows: bf16 [R, H] route rows (R >= 1).
+        route_pos: int32 [T * K] row of each route in ``y_rows``.
+        topk_ids: int32 [T, K]; weights: fp32 [T * K] (or [T, K]).
+
+    Returns:
+        bf16 [T, H].
+    """
+    t, k = topk_ids.shape
+    h = y_rows.shape[1]
+    out = _empty((t, h), torch.bfloat16, y_rows.device, poison)
+    if t == 0:
+        return out
     block_h, warps = finalize_block_h(t, h)
     _launch(
         finalize_kernel, (t, triton.cdiv(h, block_h)), pdl,
-        y, sort.route_pos, ids, w_flat, out, h,
-        TOPK=topk, KP=triton.next_power_of_2(topk), BLOCK_H=block_h,
+        y_rows, route_pos, topk_ids, weights.reshape(-1), out, h,
+        TOPK=k, KP=triton.next_power_of_2(k), BLOCK_H=block_h,
         INTERPRET=interpreting(), num_warps=warps,
     )  # fmt: skip
     return out
