@@ -63,6 +63,8 @@ def main() -> None:
             variants = {
                 "c2": TritonOptions(),
                 "old": TritonOptions(chunked=0, decode_asm=False),
+                "c3": TritonOptions(chunked=3),  # fixed K segments; split at decode sizes
+                "c3-nosplit": TritonOptions(chunked=3, split_k=False),
             }
             for c in SMALL if t <= 256 else LARGE:
                 g = GemmConfig(*c)
@@ -74,10 +76,14 @@ def main() -> None:
                     torch.cuda.synchronize()
                     err = float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
                     same = None
-                    if name.startswith("c"):
+                    if name.startswith("c2"):  # loop 2: every config the same bits
                         if first is None:
                             first = out
                         same = bool(torch.equal(out, first))
+                    elif name.startswith("c3"):  # loop 3: split or not, the same bits
+                        if name == "c3":
+                            first3 = out
+                        same = bool(torch.equal(out, first3))
                     us = time_us(
                         lambda: moe_triton(x, ids, w, ex, mode=m, act_scale=sc, options=opt),
                         graph=True,
@@ -92,7 +98,7 @@ def main() -> None:
                     continue
                 r = {
                     "tokens": t, "mode": mode, "variant": name, "us": us, "rel_err": err,
-                    "bitwise_same_as_c2": same, "touched": touched,
+                    "bitwise_same": same, "touched": touched,
                     "floor_fraction": floor / us if touched else None,
                 }  # fmt: skip
                 rows.append(r)

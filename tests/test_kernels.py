@@ -409,3 +409,60 @@ def test_chunked_loop_matches_reference_and_is_config_invariant(interpret, devic
     opt = TritonOptions(chunked=2, poison=True)
     two = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=opt)
     assert rel_err(two, ref) <= TOL[m]
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_segmented_loop_split_and_in_register_same_bits(interpret, device, mode, monkeypatch):
+    """Loop 3 (fixed K segments): one program a segment with partials summed by the last
+    program of a tile (split_k) gives the bits of the in-register segment sums, for every
+    config; a tail segment shorter than the others included (K = 5 tiles of 32, segments
+    of 2 tiles); within tolerance of the reference, fused finalize too."""
+    if device != "cpu":
+        pytest.skip("interpreter case; test_segmented_loop_gpu runs it on the GPU")
+    from fp4moe.kernels import launch
+    from fp4moe.kernels.gemm import GemmConfig
+
+    monkeypatch.setattr(launch, "SEGMENT", 64)
+    experts = _experts(4, 160, 96, seed=41, device=device)
+    x = _x(7, 160, seed=41, device=device)
+    ids, w = _routes(7, 2, 4, seed=41, device=device, masked=0.2)
+    m, sc = mode
+    ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
+    outs = []
+    a, b = GemmConfig(16, 32, 32, num_stages=1), GemmConfig(16, 64, 32, num_stages=1)
+    for split, cfg in ((False, a), (True, a), (True, b)):
+        opt = TritonOptions(fc1=cfg, fc2=cfg, chunked=3, split_k=split, poison=True)
+        outs.append(moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=opt))
+    fused = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=opt,
+                       fused_finalize=True)  # fmt: skip
+    assert rel_err(fused, ref) <= TOL[m]
+    assert rel_err(outs[0], ref) <= TOL[m]
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "mode", [("w4a16", "per_token"), ("w4a4", "per_token"), ("w4a4", "static")], ids=_mode_id
+)
+def test_segmented_loop_gpu(gpu_experts, mode):
+    """Loop 3 on the GPU: split and in-register segment sums give the same bits, and a
+    token's output is the same alone (split) and inside 4096 tokens (in registers)."""
+    e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
+    experts = gpu_experts("deepseek-v3-ep8")
+    m, sc = mode
+    x = _x(16, h, seed=5, device="cuda")
+    ids, w = _gpu_routes(16, k, e, e_total, seed=5)
+    a = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                   options=TritonOptions(chunked=3, split_k=True, poison=True))  # fmt: skip
+    b = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                   options=TritonOptions(chunked=3, split_k=False, poison=True))  # fmt: skip
+    assert torch.equal(a, b)
+    assert rel_err(a, moe_reference(x, ids, w, experts, mode=m, act_scale=sc)) <= TOL[m]
+    big = _x(4096, h, seed=6, device="cuda")
+    bids, bw = _gpu_routes(4096, k, e, e_total, seed=6)
+    big[100], bids[100], bw[100] = x[3], ids[3], w[3]
+    out = moe_triton(big, bids, bw, experts, mode=m, act_scale=sc,
+                     options=TritonOptions(chunked=3))  # fmt: skip
+    assert torch.equal(out[100], a[3])

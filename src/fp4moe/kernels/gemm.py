@@ -76,6 +76,8 @@ def choose_gemm_config(
             return GemmConfig(16, 64, _largest_pow2_dividing(k, 256), 4, 2)
         if rows_per_expert <= 64:
             return GemmConfig(16, 128, _largest_pow2_dividing(k, 128), 4, 2)
+        if loop == 3 and rows_per_expert > 64:  # segment sums double the accumulators
+            return GemmConfig(64, 64, _largest_pow2_dividing(k, 64), 4, 3)
         if rows_per_expert <= 512:
             return GemmConfig(64, 128, 32, 4, 4)
         return GemmConfig(128, 64, _largest_pow2_dividing(k, 64), 4, 3)
@@ -246,6 +248,33 @@ def chunk_perm(C: tl.constexpr):
 
 
 @triton.jit
+def _chunk_tile(
+    kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
+    N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GATED: tl.constexpr, A_FP4: tl.constexpr, DECODE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """One K tile of the chunk-ordered loop (``CHUNKED`` 2 and 3): load, decode, dot."""
+    KH: tl.constexpr = K // 2
+    KS: tl.constexpr = K // 16
+    if A_FP4:
+        ac = tl.load(ca2 + kb * (BK // 2), mask=m_mask[:, None], other=0)
+        asc = tl.load(sa2 + kb * (BK // 16), mask=m_mask[:, None], other=0.0)
+        x = tl.trans(decode_permuted(ac, asc, BM, BK, DECODE_ASM, DOT_DTYPE))
+    else:  # contiguous rows, put in chunk order in registers
+        x = tl.load(xp2 + kb * BK, mask=m_mask[:, None], other=0.0).to(DOT_DTYPE)
+        x = tl.reshape(x, (BM, BK // 32, 16, 2))
+        x = tl.trans(tl.reshape(tl.permute(x, (0, 1, 3, 2)), (BM, BK)))
+    cg = tl.load(cw2 + kb * (BK // 2), mask=n_mask[:, None], other=0)
+    sg = tl.load(sw2 + kb * (BK // 16), mask=n_mask[:, None], other=0.0)
+    acc_g = tl.dot(decode_permuted(cg, sg, BN, BK, DECODE_ASM, DOT_DTYPE), x, acc_g)
+    if GATED:
+        cu = tl.load(cw2 + N * KH + kb * (BK // 2), mask=n_mask[:, None], other=0)
+        su = tl.load(sw2 + N * KS + kb * (BK // 16), mask=n_mask[:, None], other=0.0)
+        acc_u = tl.dot(decode_permuted(cu, su, BN, BK, DECODE_ASM, DOT_DTYPE), x, acc_u)
+    return acc_g, acc_u
+
+
+@triton.jit
 def moe_gemm_kernel(
     a_ptr,  # bf16 [rows, K] or NVFP4 codes uint8 [rows, K/2]
     a_scales_ptr,  # e4m3 [rows, K/16] (A_FP4)
@@ -262,6 +291,9 @@ def moe_gemm_kernel(
     block_expert_ptr,
     block_start_ptr,
     block_end_ptr,
+    part_ptr,  # fp32 [segments, ws_rows, (2 if GATED) * N] segment partials (SPLIT)
+    cnt_ptr,  # int32 [tiles]: segments finished per output tile, reset by the last (SPLIT)
+    ws_rows,
     N: tl.constexpr,
     K: tl.constexpr,
     TOPK: tl.constexpr,
@@ -281,6 +313,8 @@ def moe_gemm_kernel(
     PREFETCH: tl.constexpr = False,
     OUT_FP4: tl.constexpr = False,
     CHUNKED: tl.constexpr = 0,
+    SEG_TILES: tl.constexpr = 0,
+    SPLIT: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -385,6 +419,79 @@ def moe_gemm_kernel(
                 cu = tl.load(cw2 + N * KH + kb * (BK // 2), mask=n_mask[:, None], other=0)
                 su = tl.load(sw2 + N * KS + kb * (BK // 16), mask=n_mask[:, None], other=0.0)
                 acc_u = tl.dot(decode_permuted(cu, su, BN, BK, DECODE_ASM, DOT_DTYPE), x, acc_u)
+    elif CHUNKED == 3:
+        # Chunk order (as 2) in fixed K segments of SEG_TILES tiles (1024 elements):
+        # acc = ((0 + P_0) + P_1) + ..., each P_s a dot chain from zero over its segment.
+        # SPLIT: one program a segment writes P_s, and the last to finish a tile sums the
+        # partials in segment order: the same operations, so the same bits, as the
+        # in-register sums of a program that runs every segment.
+        cw2 = w_codes_ptr + row_g[:, None] * KH + tl.arange(0, BK // 2)[None, :]
+        sw2 = w_scales_ptr + row_g[:, None] * KS + tl.arange(0, BK // 16)[None, :]
+        if A_FP4:
+            ca2 = a_ptr + src[:, None] * KH + tl.arange(0, BK // 2)[None, :]
+            sa2 = a_scales_ptr + src[:, None] * KS + tl.arange(0, BK // 16)[None, :]
+            xp2 = ca2
+        else:
+            xp2 = a_ptr + src[:, None] * K + tl.arange(0, BK)[None, :]
+            ca2 = xp2
+            sa2 = xp2
+        KB: tl.constexpr = K // BK
+        NFULL: tl.constexpr = KB // SEG_TILES  # full segments, then REM tiles in a last one
+        REM: tl.constexpr = KB % SEG_TILES
+        NSEG: tl.constexpr = NFULL + (REM > 0)
+        if not GATED:
+            acc_u = acc_g
+        if SPLIT:
+            s_id = tl.program_id(2)
+            if REM == 0:
+                for kb in range(s_id * SEG_TILES, s_id * SEG_TILES + SEG_TILES):
+                    acc_g, acc_u = _chunk_tile(
+                        kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
+                        N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
+                    )  # fmt: skip
+            else:
+                for j in range(0, SEG_TILES):
+                    kb = s_id * SEG_TILES + j
+                    if kb < KB:
+                        acc_g, acc_u = _chunk_tile(
+                            kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
+                            N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
+                        )  # fmt: skip
+            if GATED:
+                gn: tl.constexpr = 2 * N
+            else:
+                gn: tl.constexpr = N
+            pmask = n_mask[:, None] & m_mask[None, :]
+            prow = part_ptr + offs_m.to(tl.int64)[None, :] * gn + offs_n[:, None]
+            stride = ws_rows.to(tl.int64) * gn
+            tl.store(prow + s_id * stride, acc_g, mask=pmask)
+            if GATED:
+                tl.store(prow + s_id * stride + N, acc_u, mask=pmask)
+            tile = pid_m * tl.num_programs(0) + pid_n
+            done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if done != NSEG - 1:
+                return
+            tl.store(cnt_ptr + tile, 0)  # ready for the next call (and graph replay)
+            acc_g = tl.zeros((BN, BM), dtype=tl.float32)
+            acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+            for sg_i in range(0, NSEG):
+                acc_g = acc_g + tl.load(prow + sg_i * stride, mask=pmask, other=0.0)
+                if GATED:
+                    acc_u = acc_u + tl.load(prow + sg_i * stride + N, mask=pmask, other=0.0)
+        else:
+            for sg_i in range(0, NSEG):
+                pg = tl.zeros((BN, BM), dtype=tl.float32)
+                pu = tl.zeros((BN, BM), dtype=tl.float32)
+                for j in range(0, SEG_TILES):
+                    kb = sg_i * SEG_TILES + j
+                    if kb < KB:
+                        pg, pu = _chunk_tile(
+                            kb, pg, pu, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
+                            N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
+                        )  # fmt: skip
+                acc_g = acc_g + pg
+                if GATED:
+                    acc_u = acc_u + pu
     else:
         # Register double buffering (PREFETCH): the next tile's weight bytes are in flight while
         # this tile is decoded and multiplied.

@@ -24,6 +24,8 @@ from .gemm import GemmConfig, choose_gemm_config, moe_gemm_kernel
 from .quantize import MODE_PER_ROW, MODE_SCALAR, MODE_STATIC, quantize_rows_kernel
 from .sort import RouteSort, sort_routes
 
+SEGMENT = 1024  # K elements a segment of the segmented loop (chunked=3), fixed for all sizes
+
 __all__ = [
     "TritonOptions",
     "expert_gemms",
@@ -54,8 +56,13 @@ class TritonOptions:
     chunked: the GEMM main loop. 2 (default): K in chunk order (for each 32 elements,
         the 16 even then the 16 odd ones, ``gemm.decode_permuted``), one dot a K tile;
         1: the same order as two K=16 dots a chunk (slow, kept for comparison: it gives
-        the same bits as 2); 0: the first loop (natural K order, other bits). Each is
-        batch invariant: its summation order does not depend on the config.
+        the same bits as 2); 0: the first loop (natural K order, other bits); 3
+        (experimental, NOT YET RUN ON A GPU): chunk order in fixed K segments of
+        ``SEGMENT`` elements summed in segment order, so that K can be split over
+        programs at decode sizes (``split_k``) with the same bits as at prefill sizes.
+        Each loop is batch invariant: its summation order does not depend on the config.
+    split_k: loop 3 only: one program a K segment, partials summed by the last program
+        of a tile (None: when an expert averages at most 16 rows). Same bits either way.
     fc1_nvfp4_out: static W4A4 only: FC1 writes the activation as NVFP4 directly (no
         bf16 round trip, no second quantize kernel); bit-identical to the two-step path
         (tested in the interpreter and on the H200), so on by default.
@@ -68,6 +75,7 @@ class TritonOptions:
     fc2: GemmConfig | None = None
     decode_asm: bool = True
     chunked: int = 2
+    split_k: bool | None = None
     poison: bool = False
     fc1_nvfp4_out: bool = True
 
@@ -158,6 +166,7 @@ def _gemm(
     decode_asm: bool = True,
     out_fp4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     chunked: int = 2,
+    split: bool = False,
 ) -> None:
     """One grouped GEMM. ``out_fp4`` = (scales, globals, static table): ``out`` receives
     NVFP4 codes of the FC1 activation instead of bf16 (static W4A4)."""
@@ -179,18 +188,29 @@ def _gemm(
         out_scale = 2.0**28 if a_fp4 else (1.0 if decode_asm else 2.0**14)
     grid = (triton.cdiv(n, cfg.block_n), sort.num_blocks)
     dummy = w_global
+    seg_tiles = SEGMENT // cfg.block_k if int(chunked) == 3 else 0
+    nseg = -(-(k // cfg.block_k) // seg_tiles) if seg_tiles else 1
+    split = split and nseg > 1
+    part, cnt, ws_rows = dummy, dummy, 0
+    if split:  # one program a K segment; fp32 partials, summed by the last one of a tile
+        ws_rows = sort.sorted_routes.shape[0]
+        part = torch.empty(nseg * ws_rows * (2 * n if gated else n), dtype=torch.float32,
+                           device=a.device)  # fmt: skip
+        cnt = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=a.device)
+        grid = (*grid, nseg)
     _launch(
         moe_gemm_kernel, grid, pdl,
         a, a_scales if a_fp4 else dummy, a_global if a_fp4 else dummy,
         sort.sorted_routes, topk_w,
         w_codes, w_scales, w_global, out,
         *(out_fp4 if out_fp4 is not None else (dummy, dummy, dummy)),
-        sort.block_expert, sort.block_start, sort.block_end,
+        sort.block_expert, sort.block_start, sort.block_end, part, cnt, ws_rows,
         n, k,
         TOPK=topk, GATED=gated, A_FP4=a_fp4, A_GATHER=a_gather, FUSED=fused,
         OUT_SCALE=out_scale, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         DOT_DTYPE=dot, W_DTYPE=wdt, INTERPRET=interpreting(), DECODE_ASM=decode_asm,
         PREFETCH=cfg.prefetch, OUT_FP4=out_fp4 is not None, CHUNKED=int(chunked),
+        SEG_TILES=seg_tiles, SPLIT=split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -254,6 +274,9 @@ def expert_gemms(
     opt = options or TritonOptions()
     n_routes = sort.sorted_routes.shape[0]
     e_count = experts.num_experts
+    # Segmented loop: split K segments over programs when few rows an expert leave too few
+    # programs to fill the GPU (same bits either way).
+    split = opt.split_k if opt.split_k is not None else n_routes / e_count <= 16
     h, inter = experts.hidden_size, experts.intermediate_size
     dev = a.device
     n_valid = sort.expert_offsets[e_count:]
@@ -273,7 +296,7 @@ def expert_gemms(
         cfg1, sort, a, a_scales, a_global,
         experts.w13_codes, experts.w13_scales, experts.w13_global, act, route_weights,
         n=inter, k=h, topk=topk, gated=True, a_gather=a_gather, fused=False, pdl=pdl,
-        decode_asm=opt.decode_asm, out_fp4=out_fp4, chunked=opt.chunked,
+        decode_asm=opt.decode_asm, out_fp4=out_fp4, chunked=opt.chunked, split=split,
     )  # fmt: skip
 
     # FC2 input.
@@ -308,7 +331,7 @@ def expert_gemms(
         cfg2, sort, b_src, b_scales, b_global,
         experts.w2_codes, experts.w2_scales, experts.w2_global, dest, route_weights,
         n=h, k=inter, topk=topk, gated=False, a_gather=False, fused=fused_into is not None,
-        pdl=pdl, decode_asm=opt.decode_asm, chunked=opt.chunked,
+        pdl=pdl, decode_asm=opt.decode_asm, chunked=opt.chunked, split=split,
     )  # fmt: skip
     return dest
 
