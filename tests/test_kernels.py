@@ -466,3 +466,29 @@ def test_segmented_loop_gpu(gpu_experts, mode):
     out = moe_triton(big, bids, bw, experts, mode=m, act_scale=sc,
                      options=TritonOptions(chunked=3))  # fmt: skip
     assert torch.equal(out[100], a[3])
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("rows,count", [(6, None), (6, 4), (3, 0)])
+def test_per_tensor_quantize_on_device_bit_identical(interpret, device, rows, count):
+    """Per-tensor W4A4 on the device (amax_rows: atomic max, then the quantize kernel takes
+    the global from it): codes, scales and global bit-identical to quantize_nvfp4 on the
+    counted rows; no rows (or all zero) gives amax 0 and global 1."""
+    from fp4moe.kernels.launch import amax_rows, quantize_rows
+    from fp4moe.kernels.quantize import MODE_FROM_AMAX
+    from fp4moe.nvfp4 import quantize_nvfp4
+
+    x = _x(rows, 96, seed=rows, device=device)
+    x[1, 5] = -7.25
+    n = rows if count is None else count
+    cnt = None if count is None else torch.tensor([count], dtype=torch.int32, device=device)
+    amax = amax_rows(x, rows, count=cnt)
+    assert amax.item() == (x[:n].abs().amax().float().item() if n else 0.0)
+    codes, scales, glob = quantize_rows(x, rows, mode=MODE_FROM_AMAX, table=amax, count=cnt)
+    if n == 0:
+        assert amax.item() == 0.0
+        return
+    q = quantize_nvfp4(x[:n])
+    assert torch.equal(codes[:n], q.codes)
+    assert torch.equal(scales[:n].view(torch.uint8), q.scales.view(torch.uint8))
+    assert torch.equal(glob[:n], q.global_scale.expand(n))

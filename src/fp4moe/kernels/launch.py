@@ -18,10 +18,15 @@ import triton
 import triton.language as tl
 
 from ..experts import PreparedExperts
-from ..nvfp4 import global_from_amax
 from .finalize import finalize_block_h, finalize_kernel
 from .gemm import GemmConfig, choose_gemm_config, moe_gemm_kernel
-from .quantize import MODE_PER_ROW, MODE_SCALAR, MODE_STATIC, quantize_rows_kernel
+from .quantize import (
+    MODE_FROM_AMAX,
+    MODE_PER_ROW,
+    MODE_STATIC,
+    amax_rows_kernel,
+    quantize_rows_kernel,
+)
 from .sort import RouteSort, sort_routes
 
 SEGMENT = 1024  # K elements a segment of the segmented loop (chunked=3), fixed for all sizes
@@ -108,7 +113,7 @@ def quantize_rows(
     rows: int,
     *,
     mode: int,
-    pdl: bool,
+    pdl: bool = False,
     index: torch.Tensor | None = None,
     div: int = 1,
     count: torch.Tensor | None = None,
@@ -140,8 +145,22 @@ def quantize_rows(
     return codes, scales, glob
 
 
-def _global_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    return global_from_amax(amax).reshape(1)
+def amax_rows(
+    src: torch.Tensor, rows: int, *, count: torch.Tensor | None = None, pdl: bool = False
+) -> torch.Tensor:
+    """fp32 [1]: max |x| over the first ``rows`` rows of bf16 ``src`` [., C] (``count``, a
+    device scalar, limits them further), on the device; 0 for no rows."""
+    out = torch.zeros(1, dtype=torch.float32, device=src.device)
+    if rows == 0:
+        return out
+    c = src.shape[1]
+    block_c = min(triton.next_power_of_2(c), 64 if interpreting() else 1024)
+    _launch(
+        amax_rows_kernel, (rows,), pdl,
+        src, count if count is not None else out, rows, out, c,
+        COUNT_FROM_PTR=count is not None, BLOCK_C=block_c, num_warps=4,
+    )  # fmt: skip
+    return out
 
 
 def _gemm(
@@ -307,13 +326,12 @@ def expert_gemms(
                 act, n_routes, mode=MODE_PER_ROW, count=n_valid, pdl=pdl, poison=opt.poison
             )
         elif act_scale == "per_tensor":
-            live = (torch.arange(n_routes, device=dev) < n_valid)[:, None]
-            amax = torch.where(live, act.abs(), 0).amax().float()
+            amax = amax_rows(act, n_routes, count=n_valid, pdl=pdl)
             if amax_reduce is not None:
-                amax = amax_reduce(amax)
+                amax = amax_reduce(amax.reshape(())).reshape(1)
             b_src, b_scales, b_global = quantize_rows(
-                act, n_routes, mode=MODE_SCALAR, count=n_valid, table=_global_from_amax(amax),
-                pdl=pdl, poison=opt.poison,
+                act, n_routes, mode=MODE_FROM_AMAX, count=n_valid, table=amax, pdl=pdl,
+                poison=opt.poison,
             )  # fmt: skip
         elif fc1_fp4:
             b_src, b_scales, b_global = act, out_fp4[0], out_fp4[1]
@@ -377,9 +395,9 @@ def moe_triton(
                 x, t, mode=MODE_PER_ROW, pdl=pdl, poison=opt.poison
             )
         elif act_scale == "per_tensor":
-            g = _global_from_amax(x.abs().amax())
+            amax = amax_rows(x, t, pdl=pdl)
             a_src, a_scales, a_global = quantize_rows(
-                x, t, mode=MODE_SCALAR, table=g, pdl=pdl, poison=opt.poison
+                x, t, mode=MODE_FROM_AMAX, table=amax, pdl=pdl, poison=opt.poison
             )
         else:  # static: global of the route's expert, so quantize each sorted row
             a_src, a_scales, a_global = quantize_rows(

@@ -14,11 +14,20 @@ import triton.language as tl
 
 from .common import to_e4m3
 
-__all__ = ["MODE_PER_ROW", "MODE_SCALAR", "MODE_STATIC", "encode_e2m1", "quantize_rows_kernel"]
+__all__ = [
+    "MODE_FROM_AMAX",
+    "MODE_PER_ROW",
+    "MODE_SCALAR",
+    "MODE_STATIC",
+    "amax_rows_kernel",
+    "encode_e2m1",
+    "quantize_rows_kernel",
+]
 
 MODE_PER_ROW = 0  # global = amax(row) / 2688 (1 where the row is 0)
 MODE_STATIC = 1  # global = table[row_expert[i]]
 MODE_SCALAR = 2  # global = table[0]
+MODE_FROM_AMAX = 3  # global = table[0] / 2688 (1 where it is 0): table[0] an amax
 
 
 @triton.jit
@@ -34,6 +43,38 @@ def encode_e2m1(v):
         + (m > 5.0).to(tl.uint8)
     )
     return idx | ((v < 0).to(tl.uint8) << 3)
+
+
+@triton.jit
+def amax_rows_kernel(
+    src_ptr,  # bf16 [rows, C]
+    n_rows_ptr,  # int32 pointer to the row count (COUNT_FROM_PTR)
+    n_rows,
+    amax_ptr,  # fp32 [1], zero before the launch: max |x| over the rows is folded in
+    C: tl.constexpr,
+    COUNT_FROM_PTR: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Per-tensor amax (SPEC 2.1) of the first rows of ``src`` on the device: one program a
+    row, an atomic max (exact and order-free, so deterministic) into ``amax_ptr``."""
+    i = tl.program_id(0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if COUNT_FROM_PTR:
+        n = tl.load(n_rows_ptr)
+    else:
+        n = n_rows
+    if i >= n:
+        return
+    row = src_ptr + i.to(tl.int64) * C
+    cols = tl.arange(0, BLOCK_C)
+    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        x = tl.load(row + c0 + cols, mask=c0 + cols < C, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    tl.atomic_max(amax_ptr, tl.max(amax, axis=0), sem="relaxed")
 
 
 @triton.jit
@@ -82,8 +123,11 @@ def quantize_rows_kernel(
         g = tl.where(a == 0.0, 1.0, tl.math.div_rn(a, 2688.0))
     elif MODE == 1:
         g = tl.load(table_ptr + tl.load(row_expert_ptr + i))
-    else:
+    elif MODE == 2:
         g = tl.load(table_ptr)
+    else:
+        a = tl.load(table_ptr)
+        g = tl.where(a == 0.0, 1.0, tl.math.div_rn(a, 2688.0))
     tl.store(global_out_ptr + i, g)
 
     i64 = i.to(tl.int64)
