@@ -185,12 +185,19 @@ def naive_nvfp4_moe(x, ids, w, experts, n_valid: int):
 
 
 def _git_commit() -> str | None:
+    """HEAD of the checkout the code runs from, with "+dirty" when tracked files differ
+    from it (a copied working tree can carry a stale .git: then the suffix says so).
+    ``FP4MOE_COMMIT`` in the environment overrides both."""
+    if os.environ.get("FP4MOE_COMMIT"):
+        return os.environ["FP4MOE_COMMIT"]
     try:
         here = os.path.dirname(os.path.abspath(__file__))
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
-        )
-        return out.stdout.strip() or None
+        run = dict(cwd=here, capture_output=True, text=True, timeout=5)
+        head = subprocess.run(["git", "rev-parse", "HEAD"], **run).stdout.strip()
+        if not head:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **run)
+        return head + ("+dirty" if dirty.stdout.strip() else "")
     except Exception:
         return None
 
