@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One GPU session's checks and measurements, in parts that each fit a 10-minute call.
+# Run from the repository root on the GPU machine (torch and triton 3.6.0 preinstalled):
+#
+#   bash benchmarks/gpu_session.sh tests      # every GPU test (about 4 min on an H200)
+#   bash benchmarks/gpu_session.sh sweep      # main loops and configs (sweep_decode.py)
+#   bash benchmarks/gpu_session.sh bench      # fp4moe bench: DeepSeek-V3, Qwen3, Mixtral
+#   bash benchmarks/gpu_session.sh ep         # two GPUs: NCCL tests, bench --ep, example
+#
+# Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
+# transfer that limits the number of files still brings everything back. Each step has a
+# time limit and its log is kept even when it fails; the script never stops at a failure.
+set -u
+part="${1:?usage: gpu_session.sh tests|sweep|bench|ep}"
+out="${OUT:-gpu-out}/$part"
+mkdir -p "$out"
+export PYTHONPATH=src
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 secs=$2
+    shift 2
+    echo "== $name: $*" | tee -a "$out/steps.txt"
+    timeout "$secs" "$@" > "$out/$name.log" 2>&1
+    echo "   exit $? ($name)" | tee -a "$out/steps.txt"
+    tail -3 "$out/$name.log"
+}
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$out/smi.txt" 2>&1
+case "$part" in
+tests)
+    step kernels 300 python3 -m pytest -m gpu --device cuda tests/test_kernels.py -q
+    step others 240 python3 -m pytest -m gpu --device cuda -q \
+        tests/test_runner.py tests/test_phases.py tests/test_hf_gpu.py
+    ;;
+sweep)
+    step sweep 540 python3 benchmarks/sweep_decode.py --tokens 1 16 64 256 1024 8192 \
+        --iters 15 --out "$out/sweep.json"
+    ;;
+bench)
+    common=(--num-tokens 1 8 16 32 64 128 256 1024 4096 8192 16384 --iters 10)
+    step deepseek 240 python3 -m fp4moe bench "${common[@]}" --out "$out/deepseek"
+    step qwen3 150 python3 -m fp4moe bench --preset qwen3-30b-a3b "${common[@]}" \
+        --out "$out/qwen3"
+    step mixtral 180 python3 -m fp4moe bench --preset mixtral-8x7b "${common[@]}" \
+        --out "$out/mixtral"
+    ;;
+ep)
+    step nccl_tests 150 python3 -m pytest -m gpu --device cuda -q \
+        tests/test_distributed.py tests/test_bench_ep.py
+    step bench_ep 300 python3 -m fp4moe bench --ep 2 --num-tokens 1 16 64 256 1024 \
+        --modes w4a16 w4a4-token --out "$out/bench-ep"
+    step disaggregated 90 python3 examples/disaggregated.py --device cuda
+    ;;
+*)
+    echo "unknown part $part (tests, sweep, bench or ep)"
+    exit 2
+    ;;
+esac
+tar -czf "${OUT:-gpu-out}/gpu-$part.tar.gz" -C "$(dirname "$out")" "$part"
+echo "packed ${OUT:-gpu-out}/gpu-$part.tar.gz"
