@@ -492,3 +492,15 @@ def test_per_tensor_quantize_on_device_bit_identical(interpret, device, rows, co
     assert torch.equal(codes[:n], q.codes)
     assert torch.equal(scales[:n].view(torch.uint8), q.scales.view(torch.uint8))
     assert torch.equal(glob[:n], q.global_scale.expand(n))
+
+
+def test_workspace_bytes_counts_segment_partials():
+    """Loop 3 with split K adds fp32 partials of every segment of both GEMMs."""
+    from fp4moe.kernels.launch import SEGMENT, workspace_bytes
+
+    base = workspace_bytes(16, 8, 7168, 2048, 32)
+    seg = workspace_bytes(16, 8, 7168, 2048, 32, options=TritonOptions(chunked=3))
+    n = 16 * 8
+    assert seg - base == (7168 // SEGMENT) * n * 4096 * 4 + (2048 // SEGMENT) * n * 7168 * 4
+    off = workspace_bytes(16, 8, 7168, 2048, 32, options=TritonOptions(chunked=3, split_k=False))
+    assert off == base

@@ -466,15 +466,19 @@ def workspace_bytes(
     act_scale: str = "per_token",
     fused_finalize: bool = False,
     block_m: int = 16,
+    options: TritonOptions | None = None,
 ) -> int:
     """Bytes ``moe_triton`` allocates for one call of ``num_tokens`` tokens (freed after the
     call, or held by a CUDA graph's pool): route sort and schedule, activations between
-    the GEMMs, W4A4 quantized inputs, route rows or the fp32 accumulator, the output."""
+    the GEMMs, W4A4 quantized inputs, route rows or the fp32 accumulator, the output, and
+    (loop 3 with split K) the fp32 segment partials. Tile counters and the per-tensor amax
+    scalar (a few KB) are left out."""
+    opt = options or TritonOptions()
     t, k, h, i = num_tokens, top_k, hidden, inter
     n = t * k
     nb = -(-n // block_m) + min(num_experts, n)
     total = 4 * (3 * n + 2 * num_experts + 1 + 3 * nb)  # sort outputs (int32)
-    fc1_fp4 = mode == "w4a4" and act_scale == "static"  # TritonOptions.fc1_nvfp4_out
+    fc1_fp4 = mode == "w4a4" and act_scale == "static" and opt.fc1_nvfp4_out
     if not fc1_fp4:
         total += n * i * 2  # FC1 output a, bf16
     if mode == "w4a4":
@@ -483,4 +487,11 @@ def workspace_bytes(
         total += n * (i // 2 + i // 16 + 4)  # a as NVFP4 + globals
     total += t * h * 4 if fused_finalize else n * h * 2  # fp32 accumulator or route rows
     total += t * h * 2  # output, bf16
+    split = opt.split_k if opt.split_k is not None else n / num_experts <= 16
+    if int(opt.chunked) == 3 and split and n:
+        # Segments of each GEMM (at least 32-element tiles: SEGMENT is a multiple of any BK).
+        for kk, width in ((h, 2 * i), (i, h)):
+            nseg = -(-kk // SEGMENT)
+            if nseg > 1:
+                total += nseg * n * width * 4
     return total
