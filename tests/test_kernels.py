@@ -504,3 +504,30 @@ def test_workspace_bytes_counts_segment_partials():
     assert seg - base == (7168 // SEGMENT) * n * 4096 * 4 + (2048 // SEGMENT) * n * 7168 * 4
     off = workspace_bytes(16, 8, 7168, 2048, 32, options=TritonOptions(chunked=3, split_k=False))
     assert off == base
+
+
+@pytest.mark.parametrize("loop", [0, 2, 3])
+def test_gemm_configs_valid_for_every_preset(loop, monkeypatch):
+    """Every preset and token count gets GPU FC1/FC2 configs sharing block_m, with BK a
+    multiple of 32 (the chunk) that divides K, and (loop 3) divides the segment."""
+    from fp4moe.bench import PRESETS
+    from fp4moe.kernels import launch
+    from fp4moe.kernels.launch import SEGMENT, gemm_configs
+
+    monkeypatch.setattr(launch, "interpreting", lambda: False)  # the GPU's table
+
+    class _E:  # the fields gemm_configs reads
+        def __init__(self, p):
+            self.num_experts = p.local_experts
+            self.hidden_size = p.hidden
+            self.intermediate_size = p.inter
+
+    for p in PRESETS.values():
+        for t in (1, 16, 64, 256, 1024, 8192, 16384):
+            for mode in ("w4a16", "w4a4"):
+                c1, c2 = gemm_configs(t * p.top_k, _E(p), mode, TritonOptions(chunked=loop))
+                assert c1.block_m == c2.block_m
+                for cfg, k in ((c1, p.hidden), (c2, p.inter)):
+                    assert k % cfg.block_k == 0
+                    if loop:
+                        assert cfg.block_k % 32 == 0 and SEGMENT % cfg.block_k == 0
