@@ -93,6 +93,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "separately, and the same expert compute alone on one GPU. Writes bench-ep.json and "
         "bench-ep.csv to --out (docs/expert-parallel.md)",
     )
+    p.add_argument(
+        "--ep-path",
+        choices=["variable", "fixed", "both"],
+        default="both",
+        help="with --ep: the variable path (split sizes read on the host, eager), the "
+        "fixed-capacity path (max_tokens = --num-tokens; CUDA-graph replays unless "
+        "--no-cuda-graph, checked bitwise against the variable path first), or both "
+        "(default)",
+    )
     # Testing only (CI on CPU): gloo processes on the CPU with the reference backend.
     p.add_argument("--ep-backend", choices=["nccl", "gloo"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help=argparse.SUPPRESS)

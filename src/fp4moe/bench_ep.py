@@ -4,8 +4,9 @@ One process a GPU (rank r on ``cuda:r``, NCCL, the Triton backend). The preset's
 (all of them: 256 for deepseek-v3-ep8) are split in contiguous ranges over the ranks
 (``fp4moe.expert_range``); each rank prepares only its own slice (random bf16 weights,
 ``fp4moe.prepare_experts``) and has T tokens of its own, routed at random over *all* experts
-with the preset's routing. Per token count T (per rank) and mode, each rank times, eagerly,
-with CUDA events, median over ``--iters`` after ``--warmup`` calls:
+with the preset's routing. Per token count T (per rank), mode and path (``--ep-path``: the
+variable path, ``max_tokens=None``; the fixed-capacity path, ``max_tokens=T``; or both),
+each rank times, with CUDA events, median over ``--iters`` after ``--warmup`` calls:
 
 - dispatch: ``EPMoELayer.dispatch``: the count exchange, W4A4 quantization of the rows on
   the home rank, the row ``all_to_all_single`` (variable path: one host read of the counts);
@@ -18,10 +19,18 @@ with CUDA events, median over ``--iters`` after ``--warmup`` calls:
   (``compute_route_rows`` without any collective): what this rank's share of the expert
   work costs on one GPU with no communication.
 
-All ranks meet at a barrier (after a device synchronize) before each timed step, so a step's
-time is that step's, including the wait for the slowest rank inside its collectives. A row
-reports the max over ranks of each rank's median (the slowest rank bounds the step), the
-bytes a rank sends to other ranks in one call (``EPMoELayer.last_comm_bytes``) and the rows
+The variable path runs eagerly (its split sizes are read on the host: not capturable). The
+fixed path, on CUDA, is timed as CUDA-graph replays: after the warm-up every rank captures
+each step, the forward and the local compute in graphs of their own, then replays them
+(``--no-cuda-graph``: eager calls, as on gloo/CPU). Before a fixed row is timed, its output
+is checked bitwise against the variable path's on the same inputs (not for W4A4
+per-tensor); the run stops if any rank differs.
+
+All ranks meet at a barrier (after a device synchronize) before each timed step (and before
+each capture), so a step's time is that step's, including the wait for the slowest rank
+inside its collectives. A row reports the max over ranks of each rank's median (the slowest
+rank bounds the step), the bytes a rank sends to other ranks in one call
+(``EPMoELayer.last_comm_bytes``; fixed path: the capacity, padding included) and the rows
 each rank received (max and min over ranks). ``--ep-backend gloo`` (CPU, reference backend)
 is for tests on small shapes.
 """
@@ -47,6 +56,8 @@ import torch
 __all__ = ["EPUnavailable", "format_table", "main_args", "run_ep", "write_outputs"]
 
 PREPARE_CHUNK = 16  # experts quantized at a time (bounds the bf16 weights held at once)
+EP_PATHS = {"variable": ["variable"], "fixed": ["fixed"], "both": ["variable", "fixed"]}
+STEPS = ("dispatch", "compute", "combine")
 
 
 class EPUnavailable(RuntimeError):
@@ -100,6 +111,9 @@ def resolve(args: argparse.Namespace) -> dict:
     for m in args.modes:
         if m not in MODES:
             raise ValueError(f"--modes: unknown mode {m!r}")
+    ep_path = getattr(args, "ep_path", None) or "both"
+    if ep_path not in EP_PATHS:
+        raise ValueError(f"--ep-path: expected one of {', '.join(EP_PATHS)}, got {ep_path!r}")
     if device == "cuda":
         if not torch.cuda.is_available():
             raise EPUnavailable(
@@ -123,6 +137,9 @@ def resolve(args: argparse.Namespace) -> dict:
         "kernels": kernels,
         "preset": p,
         "timeout_s": args.ep_timeout,
+        "paths": EP_PATHS[ep_path],
+        # The fixed path as CUDA-graph replays (CUDA only; the variable path is never captured).
+        "graph": device == "cuda" and not getattr(args, "no_cuda_graph", False),
     }
 
 
@@ -193,31 +210,99 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float | None:
     return float(num / den)
 
 
-def _measure(layer, x, routes, clock, cuda, rank, warmup, iters, check) -> dict:
-    """One (T, mode) on this rank: the per-step medians, bytes, rows, checks."""
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality of two bf16 outputs (-0.0 and 0.0 differ, as do NaN payloads)."""
+    return a.shape == b.shape and bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
+
+
+def _warm_side_stream(fn, warmup: int) -> None:
+    """Warm-up calls on a side stream before a capture (as ``bench.time_us`` does)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(max(warmup, 1)):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+
+
+def _capture(fn):
+    """One ``fn()`` captured in a CUDA graph: (graph, its static output)."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
+def _eager_runs(layer, x, kw, state: dict) -> dict:
+    """The timed calls, eagerly: each stores its output in ``state``."""
+
+    def dispatch():
+        state["d"] = layer.dispatch(x, **kw)
+
+    def compute():
+        state["y"] = layer.compute_experts(state["d"])
+
+    def combine():
+        state["split_out"] = layer.combine(state["d"], state["y"])
+
+    def total():
+        state["out"] = layer(x, **kw)
+
+    return {"dispatch": dispatch, "compute": compute, "combine": combine, "total": total}
+
+
+def _graph_runs(layer, x, kw, state: dict, rank: int) -> dict:
+    """The fixed path's timed calls as CUDA graphs: dispatch, compute, combine and the whole
+    forward, each captured once (every rank, after a barrier: the collectives inside the
+    graphs must line up over the ranks), then replayed once in order before any timing. The
+    graphs' static outputs are in ``state`` (the graphs too, to keep them alive)."""
+    _align(True, rank)
+    gd, state["d"] = _capture(lambda: layer.dispatch(x, **kw))
+    _align(True, rank)
+    gc, state["y"] = _capture(lambda: layer.compute_experts(state["d"]))
+    _align(True, rank)
+    gb, state["split_out"] = _capture(lambda: layer.combine(state["d"], state["y"]))
+    _align(True, rank)
+    gt, state["out"] = _capture(lambda: layer(x, **kw))
+    state["graphs"] = [gd, gc, gb, gt]
+    run = {"dispatch": gd.replay, "compute": gc.replay, "combine": gb.replay, "total": gt.replay}
+    for k in (*STEPS, "total"):
+        _align(True, rank)
+        run[k]()
+    _align(True, rank)
+    return run
+
+
+def _measure(
+    layer, x, routes, clock, cuda, rank, warmup, iters, check, *, graph=False, expect=None
+) -> dict:
+    """One (T, mode, path) on this rank: the per-step medians, bytes, rows, checks.
+
+    graph: capture and replay (the fixed path on CUDA) instead of eager calls. expect: the
+    variable path's output for the same inputs, which the timed forward's must equal
+    bitwise (fixed path; None: not checked)."""
     from .distributed import compute_route_rows
 
-    def call():
-        return layer(x, phase="prefill", routes=routes)
-
-    for _ in range(max(warmup, 1)):
-        call()
-    steps: dict[str, list[float]] = {"dispatch": [], "compute": [], "combine": [], "total": []}
-    d = y = split_out = None
+    kw = {"phase": "prefill", "routes": routes}
+    if graph:
+        _warm_side_stream(lambda: layer(x, **kw), warmup)
+    else:
+        for _ in range(max(warmup, 1)):
+            layer(x, **kw)
+    state: dict = {}
+    run = _graph_runs(layer, x, kw, state, rank) if graph else _eager_runs(layer, x, kw, state)
+    steps: dict[str, list[float]] = {k: [] for k in (*STEPS, "total")}
+    for _ in range(iters):
+        for k in STEPS:  # in forward's order: each step consumes the one before
+            _align(cuda, rank)
+            steps[k].append(clock(run[k])[1])
     for _ in range(iters):
         _align(cuda, rank)
-        d, us = clock(lambda: layer.dispatch(x, phase="prefill", routes=routes))
-        steps["dispatch"].append(us)
-        _align(cuda, rank)
-        y, us = clock(lambda: layer.compute_experts(d))  # noqa: B023
-        steps["compute"].append(us)
-        _align(cuda, rank)
-        split_out, us = clock(lambda: layer.combine(d, y))  # noqa: B023
-        steps["combine"].append(us)
-    for _ in range(iters):
-        _align(cuda, rank)
-        out, us = clock(call)
-        steps["total"].append(us)
+        steps["total"].append(clock(run["total"])[1])
+    if cuda:
+        torch.cuda.synchronize()
+    d, y, split_out, out = state["d"], state["y"], state["split_out"], state["out"]
     comm = dict(layer.last_comm_bytes)
 
     # The same expert work alone: the received rows, no collective (per-tensor W4A4: the
@@ -228,11 +313,18 @@ def _measure(layer, x, routes, clock, cuda, rank, warmup, iters, check) -> dict:
             backend=d.backend,
         )  # fmt: skip
 
-    for _ in range(max(warmup, 1)):
-        local()
-    if cuda:
+    if graph:
+        _warm_side_stream(local, warmup)
+        g_local, _ = _capture(local)
+        g_local.replay()
         torch.cuda.synchronize()
-    local_us = [clock(local)[1] for _ in range(iters)]
+        local_us = [clock(g_local.replay)[1] for _ in range(iters)]
+    else:
+        for _ in range(max(warmup, 1)):
+            local()
+        if cuda:
+            torch.cuda.synchronize()
+        local_us = [clock(local)[1] for _ in range(iters)]
 
     err = None
     if check and d.backend != "reference":  # the compute against the reference, same rows
@@ -243,7 +335,6 @@ def _measure(layer, x, routes, clock, cuda, rank, warmup, iters, check) -> dict:
         )  # fmt: skip
         live = d.row_expert >= 0
         err = _rel_err(y[live], ref[live])
-    same = bool(torch.equal(split_out.view(torch.int16), out.view(torch.int16)))
     med = {k: statistics.median(v) for k, v in steps.items()}
     return {
         "dispatch_us": med["dispatch"],
@@ -258,19 +349,56 @@ def _measure(layer, x, routes, clock, cuda, rank, warmup, iters, check) -> dict:
         "dispatch_rows": comm["dispatch_rows"],
         "recv_rows": comm["recv_rows"],
         "rel_err": err,
-        "split_matches_forward": same,
+        "split_matches_forward": _same_bits(split_out, out),
+        "fixed_matches_variable": None if expect is None else _same_bits(out, expect),
     }
 
 
-def _combine_ranks(t: int, mode: str, world: int, per: list[dict]) -> dict:
+def _fixed_mismatch(t: int, mode: str, max_tokens: int, same: list) -> RuntimeError | None:
+    """The error when the fixed path did not give the variable path's bits on some rank."""
+    bad = [r for r, ok in enumerate(same) if not ok]
+    if not bad:
+        return None
+    return RuntimeError(
+        f"T={t} {mode}: the fixed-capacity path (max_tokens={max_tokens}) did not give the "
+        f"variable path's output bits for the same inputs on rank(s) {bad}; the fixed row "
+        "is not timed (both are deterministic and row-local in this mode, so they must agree)"
+    )
+
+
+def _check_fixed(var_layer, fixed, x, routes, t: int, mode: str, world: int):
+    """Before a fixed row is timed: one eager forward of each path on the same inputs,
+    bitwise equal on every rank, or every rank raises. Returns the variable path's output
+    (the timed forward is checked against it again), None for W4A4 per-tensor (skipped)."""
+    import torch.distributed as dist
+
+    if mode == "w4a4-tensor":
+        return None
+    kw = {"phase": "prefill", "routes": routes}
+    want = var_layer(x, **kw)
+    same: list = [None] * world
+    dist.all_gather_object(same, _same_bits(fixed(x, **kw), want))
+    exc = _fixed_mismatch(t, mode, fixed.max_tokens, same)
+    if exc is not None:
+        raise exc
+    return want
+
+
+def _combine_ranks(
+    t: int, mode: str, path: str, max_tokens: int | None, graph: bool, world: int, per: list[dict]
+) -> dict:
     def mx(k):
         return max(r[k] for r in per)
 
     errs = [r["rel_err"] for r in per if r["rel_err"] is not None]
+    fixed_ok = [r["fixed_matches_variable"] for r in per]
     return {
         "tokens": t,  # per rank
         "global_tokens": t * world,
         "mode": mode,
+        "path": path,
+        "max_tokens": max_tokens,
+        "cuda_graph": graph,
         "dispatch_us": mx("dispatch_us"),
         "compute_us": mx("compute_us"),
         "combine_us": mx("combine_us"),
@@ -287,6 +415,7 @@ def _combine_ranks(t: int, mode: str, world: int, per: list[dict]) -> dict:
         "recv_rows_min": min(r["recv_rows"] for r in per),
         "rel_err": max(errs) if errs else None,
         "split_matches_forward": all(r["split_matches_forward"] for r in per),
+        "fixed_matches_variable": None if None in fixed_ok else all(fixed_ok),
     }
 
 
@@ -299,10 +428,18 @@ def _check_row(row: dict, rank: int) -> None:
             f"T={row['tokens']} {row['mode']}: expert compute rel. error {err:.2e} against "
             f"the reference backend on the same rows, above the SPEC tolerance {tol}"
         )
+    if row["fixed_matches_variable"] is False:
+        raise RuntimeError(
+            f"T={row['tokens']} {row['mode']}: the timed fixed-capacity forward "
+            f"(max_tokens={row['max_tokens']}, {'CUDA graph' if row['cuda_graph'] else 'eager'})"
+            " did not give the variable path's output bits on some rank (the eager check "
+            "before timing had passed)"
+        )
     if not row["split_matches_forward"] and rank == 0:
         sys.stderr.write(
-            f"\nwarning: T={row['tokens']} {row['mode']}: dispatch + compute_experts + "
-            "combine did not give forward's bits on some rank (a nondeterministic kernel?)\n"
+            f"\nwarning: T={row['tokens']} {row['mode']} {row['path']}: dispatch + "
+            "compute_experts + combine did not give forward's bits on some rank (a "
+            "nondeterministic kernel?)\n"
         )
 
 
@@ -346,18 +483,20 @@ def _worker(rank: int, settings: dict, args: argparse.Namespace, init: str, out_
                 if p.method == "sigmoid_grouped" else {}
             ),
         )  # fmt: skip
-        layers = {
-            m: EPMoELayer(
-                experts,
-                router,
-                gate_weight=gate,
-                policy=PhasePolicy.single(m, backend=settings["kernels"]),
+        policies = {m: PhasePolicy.single(m, backend=settings["kernels"]) for m in args.modes}
+
+        def make_layer(m, max_tokens=None):  # collective: every rank builds the same one
+            return EPMoELayer(
+                experts, router, gate_weight=gate, policy=policies[m], max_tokens=max_tokens
             )
-            for m in args.modes
-        }
+
+        # The variable path's layers: timed (--ep-path variable/both), and the reference the
+        # fixed path is checked against.
+        layers = {m: make_layer(m) for m in args.modes}
+        paths, graph = settings["paths"], settings["graph"]
         clock = _Clock(cuda)
         rows, per_rank = [], []
-        plan = [(t, m) for t in args.num_tokens for m in args.modes]
+        plan = [(t, m, q) for t in args.num_tokens for m in args.modes for q in paths]
         step = 0
         for t in args.num_tokens:
             s = args.seed + 7919 * rank + t
@@ -365,19 +504,31 @@ def _worker(rank: int, settings: dict, args: argparse.Namespace, init: str, out_
             x = torch.randn(t, p.hidden, device=dev, generator=gx).to(torch.bfloat16)
             routes = make_routes(p, t, s, dev)
             for m in args.modes:
-                step += 1
-                if rank == 0:
-                    _progress(step, len(plan), f"T={t}/rank {m}")
-                mine = _measure(
-                    layers[m], x, routes, clock, cuda, rank, args.warmup, args.iters,
-                    not args.no_check,
-                )  # fmt: skip
-                every: list = [None] * world
-                dist.all_gather_object(every, mine)
-                row = _combine_ranks(t, m, world, every)
-                _check_row(row, rank)  # the same verdict on every rank: all raise or none
-                rows.append(row)
-                per_rank += [{"tokens": t, "mode": m, "rank": r, **v} for r, v in enumerate(every)]
+                for path in paths:
+                    step += 1
+                    if rank == 0:
+                        _progress(step, len(plan), f"T={t}/rank {m} {path}")
+                    if path == "variable":
+                        layer, cap, expect, timed_graph = layers[m], None, None, False
+                    else:
+                        cap = max(t, 1)  # max_tokens must be >= 1 (T = 0: capacity 1)
+                        layer = make_layer(m, cap)
+                        expect = _check_fixed(layers[m], layer, x, routes, t, m, world)
+                        timed_graph = graph
+                    mine = _measure(
+                        layer, x, routes, clock, cuda, rank, args.warmup, args.iters,
+                        not args.no_check, graph=timed_graph, expect=expect,
+                    )  # fmt: skip
+                    del layer
+                    every: list = [None] * world
+                    dist.all_gather_object(every, mine)
+                    row = _combine_ranks(t, m, path, cap, timed_graph, world, every)
+                    _check_row(row, rank)  # the same verdict on every rank: all raise or none
+                    rows.append(row)
+                    per_rank += [
+                        {"tokens": t, "mode": m, "path": path, "rank": r, **v}
+                        for r, v in enumerate(every)
+                    ]
         names: list = [None] * world
         here = torch.cuda.get_device_name(rank) if cuda else (platform.processor() or "cpu")
         dist.all_gather_object(names, here)
@@ -426,12 +577,29 @@ def _document(settings, args, names, rows, per_rank, experts) -> dict:
         "expert_bytes_per_rank": experts.nbytes(),
         "warmup": args.warmup,
         "iters": args.iters,
-        "path": "variable (max_tokens=None), eager, deterministic finalize",
+        "paths": settings["paths"],
+        "cuda_graph": settings["graph"] and "fixed" in settings["paths"],
+        "path": (
+            "variable: max_tokens=None, eager (split sizes read on the host). fixed: "
+            "max_tokens=T (per rank; 1 for T=0), every rank sends max_tokens*top_k rows to "
+            "every rank, padding included, "
+            + (
+                "timed as CUDA-graph replays (dispatch, compute, combine, forward and the "
+                "local compute each captured in a graph of its own)"
+                if settings["graph"]
+                else "eager"
+            )
+            + ". Both: deterministic finalize"
+        ),
         "timing": (
             "per rank: median over iters of each step, every rank at a barrier before each "
-            "step; rows: max over ranks. local_compute_us: the compute step on the same "
-            "received rows run alone, no collective. bytes: sent to other ranks in one call "
-            "(dispatch + combine + metadata), max over ranks"
+            "step (and before each graph capture); rows: max over ranks. local_compute_us: "
+            "the compute step on the same received rows run alone, no collective. bytes: "
+            "sent to other ranks in one call (dispatch + combine + metadata; fixed path: by "
+            "capacity, padding included), max over ranks. fixed_matches_variable: the fixed "
+            "path's forward (eager before timing, and the timed one) equals the variable "
+            "path's bitwise on every rank; null where not checked (variable rows, "
+            "w4a4-tensor)"
         ),
         "rows": rows,
         "per_rank": per_rank,
@@ -489,7 +657,7 @@ def run_ep(args: argparse.Namespace) -> dict:
 
 
 TABLE_COLS = [
-    "tokens", "mode", "dispatch_us", "compute_us", "combine_us", "total_us",
+    "tokens", "mode", "path", "cuda_graph", "dispatch_us", "compute_us", "combine_us", "total_us",
     "local_compute_us", "total_over_local", "bytes_sent", "recv_rows_max", "recv_rows_min",
 ]  # fmt: skip
 
@@ -501,7 +669,8 @@ def format_table(doc: dict) -> str:
         f"preset {doc['preset']}: {s['experts']} experts ({doc['experts_per_rank']} a rank), "
         f"top-{s['top_k']}, H {s['hidden']}, I {s['inter']}\n"
         "# tokens per rank; microseconds: max over ranks of each rank's median; bytes sent by "
-        "one rank to the others in one call"
+        "one rank to the others in one call; path fixed: max_tokens = tokens, cuda_graph: "
+        "timed as CUDA-graph replays"
     )
     lines = [head, "  ".join(f"{k:>16s}" for k in TABLE_COLS)]
     for r in doc["rows"]:
