@@ -6,14 +6,19 @@ the weight tile, decoded in registers, is the MMA's register-side operand, and t
 are the narrow dimension, so decode sizes (a handful of rows per expert) still fill a
 tile of 64+ weight rows. The same orientation serves prefill with BM = 128.
 
-Decode of NVFP4 (codes + e4m3 block scales) in registers: a nibble's sign and 3 magnitude
-bits are placed at fp16 bits 15 and 11..9, which is exactly e2m1 * 2^-14 (the e2m1
-subnormal 0.5 lands on an fp16 subnormal); times the block scale in fp16 this stays exact
-(a product of at most 6 significant bits, >= 2^-24). The 2^-14 factor of each decoded
-operand is a power of two, so the kernel multiplies the fp32 accumulator back by 2^14
-(W4A16) or 2^28 (W4A4) before the global scales, bit-identical to decoding without it.
-W4A16 converts the decoded weights to bf16 (exact) and multiplies with bf16 activations;
-W4A4 keeps both operands in fp16, where both are exact.
+Main loops (``CHUNKED``; docs/numerics.md says how each accumulates):
+
+- 2 (default): K in chunk order, for every 32 elements the 16 even (low-nibble) ones, then
+  the 16 odd ones, one dot a K tile (``decode_permuted``, ``chunk_perm``). The inline-PTX
+  decode (``_CHUNK_DECODE_ASM``) turns two nibbles into two bf16 values with three
+  instructions and one fma by the block scale; decoded values carry a factor 2^-8 that the
+  epilogue undoes. The order is the same for every config (batch invariance).
+- 3 (experimental): the order of 2 in fixed K segments summed in segment order; at small
+  sizes one program a segment (``SPLIT``) and the last program of a tile sums the fp32
+  partials, with the same bits as the in-register sums.
+- 1: the order of 2 as two K=16 dots a chunk (slow; kept for comparison, same bits as 2).
+- 0: the first loop: natural K order, the decode through fp16 bit placement
+  (e2m1 * 2^-14, times the scale in fp16: exact), W4A4 in fp16; other bits.
 """
 
 from __future__ import annotations
@@ -474,10 +479,14 @@ def moe_gemm_kernel(
             tl.store(cnt_ptr + tile, 0)  # ready for the next call (and graph replay)
             acc_g = tl.zeros((BN, BM), dtype=tl.float32)
             acc_u = tl.zeros((BN, BM), dtype=tl.float32)
-            for sg_i in range(0, NSEG):
-                acc_g = acc_g + tl.load(prow + sg_i * stride, mask=pmask, other=0.0)
+            for sg_i in range(0, NSEG):  # .cg: other SMs wrote them; read from L2, not L1
+                acc_g = acc_g + tl.load(
+                    prow + sg_i * stride, mask=pmask, other=0.0, cache_modifier=".cg"
+                )
                 if GATED:
-                    acc_u = acc_u + tl.load(prow + sg_i * stride + N, mask=pmask, other=0.0)
+                    acc_u = acc_u + tl.load(
+                        prow + sg_i * stride + N, mask=pmask, other=0.0, cache_modifier=".cg"
+                    )
         else:
             for sg_i in range(0, NSEG):
                 pg = tl.zeros((BN, BM), dtype=tl.float32)
