@@ -430,31 +430,40 @@ def format_table(doc: dict) -> str:
         "vs_naive_nvfp4",
         "unfused_over_fused",
     ]
-    lines = [head, "  ".join(f"{k:>12s}" for k in cols)]
-    for r in doc["rows"]:
+    return "\n".join([head, *table_rows(doc["rows"], cols, 12)])
+
+
+def table_rows(rows: list[dict], cols: list[str], width: int) -> list[str]:
+    """The header line and one line a row: floats with 2 decimals, None as "-"."""
+    lines = ["  ".join(f"{k:>{width}s}" for k in cols)]
+    for r in rows:
         cells = []
         for k in cols:
             v = r[k]
-            cells.append(
-                f"{'-':>12s}"
-                if v is None
-                else f"{v:12.2f}"
-                if isinstance(v, float)
-                else f"{v!s:>12s}"
-            )
+            if v is None:
+                cells.append(f"{'-':>{width}s}")
+            elif isinstance(v, float):
+                cells.append(f"{v:{width}.2f}")
+            else:
+                cells.append(f"{v!s:>{width}s}")
         lines.append("  ".join(cells))
-    return "\n".join(lines)
+    return lines
 
 
-def write_outputs(doc: dict, out: str, plot: bool = True) -> None:
+def write_json_csv(doc: dict, out: str, stem: str) -> None:
+    """``doc`` as ``out/stem.json`` and its rows as ``out/stem.csv``."""
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "bench.json"), "w") as f:
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
         json.dump(doc, f, indent=1)
     if doc["rows"]:
-        with open(os.path.join(out, "bench.csv"), "w", newline="") as f:
+        with open(os.path.join(out, f"{stem}.csv"), "w", newline="") as f:
             wr = csv.DictWriter(f, fieldnames=list(doc["rows"][0]))
             wr.writeheader()
             wr.writerows(doc["rows"])
+
+
+def write_outputs(doc: dict, out: str, plot: bool = True) -> None:
+    write_json_csv(doc, out, "bench")
     if not plot:
         return
     try:

@@ -38,7 +38,6 @@ is for tests on small shapes.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import platform
@@ -672,31 +671,15 @@ def format_table(doc: dict) -> str:
         "one rank to the others in one call; path fixed: max_tokens = tokens, cuda_graph: "
         "timed as CUDA-graph replays"
     )
-    lines = [head, "  ".join(f"{k:>16s}" for k in TABLE_COLS)]
-    for r in doc["rows"]:
-        cells = []
-        for k in TABLE_COLS:
-            v = r[k]
-            cells.append(
-                f"{'-':>16s}"
-                if v is None
-                else f"{v:16.2f}"
-                if isinstance(v, float)
-                else f"{v!s:>16s}"
-            )
-        lines.append("  ".join(cells))
-    return "\n".join(lines)
+    from .bench import table_rows
+
+    return "\n".join([head, *table_rows(doc["rows"], TABLE_COLS, 16)])
 
 
 def write_outputs(doc: dict, out: str) -> None:
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "bench-ep.json"), "w") as f:
-        json.dump(doc, f, indent=1)
-    if doc["rows"]:
-        with open(os.path.join(out, "bench-ep.csv"), "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=list(doc["rows"][0]))
-            wr.writeheader()
-            wr.writerows(doc["rows"])
+    from .bench import write_json_csv
+
+    write_json_csv(doc, out, "bench-ep")
 
 
 def main_args(args: argparse.Namespace) -> int:

@@ -406,24 +406,18 @@ def moe_gemm_kernel(
         if A_FP4:
             ca2 = a_ptr + src[:, None] * KH + tl.arange(0, BK // 2)[None, :]
             sa2 = a_scales_ptr + src[:, None] * KS + tl.arange(0, BK // 16)[None, :]
+            xp2 = ca2
         else:
             xp2 = a_ptr + src[:, None] * K + tl.arange(0, BK)[None, :]
+            ca2 = xp2
+            sa2 = xp2
+        if not GATED:
+            acc_u = acc_g
         for kb in range(0, K // BK):
-            if A_FP4:
-                ac = tl.load(ca2 + kb * (BK // 2), mask=m_mask[:, None], other=0)
-                asc = tl.load(sa2 + kb * (BK // 16), mask=m_mask[:, None], other=0.0)
-                x = tl.trans(decode_permuted(ac, asc, BM, BK, DECODE_ASM, DOT_DTYPE))
-            else:  # contiguous rows, put in chunk order in registers
-                x = tl.load(xp2 + kb * BK, mask=m_mask[:, None], other=0.0).to(DOT_DTYPE)
-                x = tl.reshape(x, (BM, BK // 32, 16, 2))
-                x = tl.trans(tl.reshape(tl.permute(x, (0, 1, 3, 2)), (BM, BK)))
-            cg = tl.load(cw2 + kb * (BK // 2), mask=n_mask[:, None], other=0)
-            sg = tl.load(sw2 + kb * (BK // 16), mask=n_mask[:, None], other=0.0)
-            acc_g = tl.dot(decode_permuted(cg, sg, BN, BK, DECODE_ASM, DOT_DTYPE), x, acc_g)
-            if GATED:
-                cu = tl.load(cw2 + N * KH + kb * (BK // 2), mask=n_mask[:, None], other=0)
-                su = tl.load(sw2 + N * KS + kb * (BK // 16), mask=n_mask[:, None], other=0.0)
-                acc_u = tl.dot(decode_permuted(cu, su, BN, BK, DECODE_ASM, DOT_DTYPE), x, acc_u)
+            acc_g, acc_u = _chunk_tile(
+                kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
+                N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
+            )  # fmt: skip
     elif CHUNKED == 3:
         # Chunk order (as 2) in fixed K segments of SEG_TILES tiles (1024 elements):
         # acc = ((0 + P_0) + P_1) + ..., each P_s a dot chain from zero over its segment.

@@ -46,6 +46,17 @@ def encode_e2m1(v):
 
 
 @triton.jit
+def _row_amax(row, C: tl.constexpr, BLOCK_C: tl.constexpr):
+    """max |x| over one bf16 row of C elements, in fp32."""
+    cols = tl.arange(0, BLOCK_C)
+    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        x = tl.load(row + c0 + cols, mask=c0 + cols < C, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    return tl.max(amax, axis=0)
+
+
+@triton.jit
 def amax_rows_kernel(
     src_ptr,  # bf16 [rows, C]
     n_rows_ptr,  # int32 pointer to the row count (COUNT_FROM_PTR)
@@ -68,13 +79,7 @@ def amax_rows_kernel(
         n = n_rows
     if i >= n:
         return
-    row = src_ptr + i.to(tl.int64) * C
-    cols = tl.arange(0, BLOCK_C)
-    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for c0 in range(0, C, BLOCK_C):
-        x = tl.load(row + c0 + cols, mask=c0 + cols < C, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    tl.atomic_max(amax_ptr, tl.max(amax, axis=0), sem="relaxed")
+    tl.atomic_max(amax_ptr, _row_amax(src_ptr + i.to(tl.int64) * C, C, BLOCK_C), sem="relaxed")
 
 
 @triton.jit
@@ -115,11 +120,7 @@ def quantize_rows_kernel(
     cols = tl.arange(0, BLOCK_C)
 
     if MODE == 0:
-        amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
-        for c0 in range(0, C, BLOCK_C):
-            x = tl.load(row + c0 + cols, mask=c0 + cols < C, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        a = tl.max(amax, axis=0)
+        a = _row_amax(row, C, BLOCK_C)
         g = tl.where(a == 0.0, 1.0, tl.math.div_rn(a, 2688.0))
     elif MODE == 1:
         g = tl.load(table_ptr + tl.load(row_expert_ptr + i))
