@@ -29,6 +29,9 @@ tests)
     step kernels 300 python3 -m pytest -m gpu --device cuda tests/test_kernels.py -q
     step others 240 python3 -m pytest -m gpu --device cuda -q \
         tests/test_runner.py tests/test_phases.py tests/test_hf_gpu.py
+    step memcheck 240 compute-sanitizer --tool memcheck python3 -m pytest -m gpu \
+        --device cuda -q tests/test_kernels.py -k "test_moe_gpu_shapes and 64-qwen3 or \
+        test_segmented_loop_gpu and w4a16"
     ;;
 sweep)
     step sweep 540 python3 benchmarks/sweep_decode.py --tokens 1 16 64 256 1024 8192 \
