@@ -1,0 +1,36 @@
+"""benchmarks/sass_report.py compiles the grouped GEMM for sm_90 on a machine without a
+GPU (Triton's bundled ptxas) and reads its SASS: the tool the perf notes rely on. It runs
+in a subprocess: this test process has the kernels imported for the interpreter."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+TOOL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks",
+                    "sass_report.py")  # fmt: skip
+
+
+def _run(*args: str) -> list[list[str]]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True,
+                         env=env, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    return [line.split() for line in out.stdout.splitlines()]
+
+
+def test_sass_report_reads_the_main_loop():
+    pytest.importorskip("triton")
+    rows = _run("--preset", "qwen3-30b-a3b", "--gemm", "fc1", "--loop", "0", "2",
+                "--config", "16,64,128,4,1")  # fmt: skip
+    assert rows[0][:4] == ["gemm", "loop", "config", "regs"]
+    by_loop = {r[1]: r for r in rows[1:]}
+    assert set(by_loop) == {"0", "2"}
+    for r in by_loop.values():
+        regs, spill, ipw = int(r[3]), int(r[4]), float(r[5])
+        assert 32 <= regs <= 255 and spill == 0
+        assert 2.0 < ipw < 20.0
+    # The chunk-ordered loop with the inline-PTX decode needs fewer instructions a weight.
+    assert float(by_loop["2"][5]) < float(by_loop["0"][5])
+    assert any(t.startswith("HMUL2:") for t in by_loop["2"][8:])  # the bf16x2 scale fma
