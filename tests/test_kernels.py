@@ -531,3 +531,37 @@ def test_gemm_configs_valid_for_every_preset(loop, monkeypatch):
                     assert k % cfg.block_k == 0
                     if loop:
                         assert cfg.block_k % 32 == 0 and SEGMENT % cfg.block_k == 0
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("mode", [("w4a16", "per_token"), ("w4a4", "static")], ids=_mode_id)
+@pytest.mark.parametrize("t,k,e,h,i,masked,one", CPU_CASES)
+def test_segmented_split_edges(interpret, device, monkeypatch, mode, t, k, e, h, i, masked, one):
+    """Loop 3 with split K at the edge sizes (T 1, masked, empty experts, one expert, all
+    masked): poisoned workspaces, within tolerance of the reference, all-masked tokens 0,
+    and the same bits as without the split."""
+    if device != "cpu":
+        pytest.skip("interpreter case; test_segmented_loop_gpu runs on the GPU")
+    from fp4moe.kernels import launch
+    from fp4moe.kernels.gemm import GemmConfig
+
+    monkeypatch.setattr(launch, "SEGMENT", 32)  # every 32 elements of K its own segment
+    experts = _experts(e, h, i, seed=e + h, device=device)
+    x = _x(t, h, seed=t, device=device)
+    ids, w = _routes(t, k, e, seed=t * 7, device=device, masked=masked, one_expert=one)
+    if t > 12 and e == 6:
+        ids = torch.where(ids >= 4, -1, ids)
+    m, sc = mode
+    cfg = GemmConfig(16, 32, 32, num_stages=1)
+    outs = [
+        moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                   options=TritonOptions(fc1=cfg, fc2=cfg, chunked=3, split_k=s, poison=True))
+        for s in (True, False)
+    ]  # fmt: skip
+    assert torch.equal(outs[0], outs[1])
+    assert not torch.isnan(outs[0]).any()
+    if bool((ids >= 0).any()):
+        ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
+        assert rel_err(outs[0], ref) <= TOL[m]
+    else:
+        assert torch.equal(outs[0], torch.zeros_like(outs[0]))

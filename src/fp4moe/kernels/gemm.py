@@ -442,20 +442,18 @@ def moe_gemm_kernel(
             acc_u = acc_g
         if SPLIT:
             s_id = tl.program_id(2)
-            if REM == 0:
-                for kb in range(s_id * SEG_TILES, s_id * SEG_TILES + SEG_TILES):
+            for j in range(0, SEG_TILES):
+                kb = s_id * SEG_TILES + j
+                if REM == 0:  # noqa: SIM114 (a constexpr: no runtime bound check when full)
                     acc_g, acc_u = _chunk_tile(
                         kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
                         N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
                     )  # fmt: skip
-            else:
-                for j in range(0, SEG_TILES):
-                    kb = s_id * SEG_TILES + j
-                    if kb < KB:
-                        acc_g, acc_u = _chunk_tile(
-                            kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
-                            N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
-                        )  # fmt: skip
+                elif kb < KB:
+                    acc_g, acc_u = _chunk_tile(
+                        kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
+                        N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
+                    )  # fmt: skip
             if GATED:
                 gn: tl.constexpr = 2 * N
             else:
