@@ -66,6 +66,8 @@ def main() -> None:
                 "c3": TritonOptions(chunked=3),  # fixed K segments; split at decode sizes
                 "c3-nosplit": TritonOptions(chunked=3, split_k=False),
             }
+            if sc == "per_tensor":  # the amaxes on the device against torch ops
+                variants["c2-device-amax"] = TritonOptions(device_amax=True)
             for c in SMALL if t <= 256 else LARGE:
                 g = GemmConfig(*c)
                 variants[f"c2{c}"] = TritonOptions(fc1=g, fc2=g)
@@ -76,7 +78,7 @@ def main() -> None:
                     torch.cuda.synchronize()
                     err = float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
                     same = None
-                    if name.startswith("c2"):  # loop 2: every config the same bits
+                    if name.startswith("c2"):  # loop 2: every config (and amax) the same bits
                         if first is None:
                             first = out
                         same = bool(torch.equal(out, first))

@@ -565,3 +565,37 @@ def test_segmented_split_edges(interpret, device, monkeypatch, mode, t, k, e, h,
         assert rel_err(outs[0], ref) <= TOL[m]
     else:
         assert torch.equal(outs[0], torch.zeros_like(outs[0]))
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("t,masked", [(1, 0.0), (9, 0.3), (5, 1.0)])
+def test_device_amax_same_bits(interpret, device, t, masked):
+    """Per-tensor W4A4 with its amaxes on the device (TritonOptions.device_amax) gives the
+    bits of the torch-op path, masked routes and all-masked batches included."""
+    if device != "cpu":
+        pytest.skip("interpreter case; test_device_amax_gpu runs on the GPU")
+    experts = _experts(4, 64, 64, seed=51, device=device)
+    x = _x(t, 64, seed=51, device=device)
+    ids, w = _routes(t, 2, 4, seed=51, device=device, masked=masked)
+    outs = [
+        moe_triton(x, ids, w, experts, mode="w4a4", act_scale="per_tensor",
+                   options=TritonOptions(device_amax=d, poison=True))
+        for d in (False, True)
+    ]  # fmt: skip
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16, 300, 4096])
+def test_device_amax_gpu(gpu_experts, t):
+    """On the GPU, per-tensor W4A4 with device amaxes gives the torch-op path's bits."""
+    e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
+    experts = gpu_experts("deepseek-v3-ep8")
+    x = _x(t, h, seed=t, device="cuda")
+    ids, w = _gpu_routes(t, k, e, e_total, seed=t)
+    outs = [
+        moe_triton(x, ids, w, experts, mode="w4a4", act_scale="per_tensor",
+                   options=TritonOptions(device_amax=d, poison=True))
+        for d in (False, True)
+    ]  # fmt: skip
+    assert torch.equal(outs[0], outs[1])

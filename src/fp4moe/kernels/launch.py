@@ -18,11 +18,13 @@ import triton
 import triton.language as tl
 
 from ..experts import PreparedExperts
+from ..nvfp4 import global_from_amax
 from .finalize import finalize_block_h, finalize_kernel
 from .gemm import GemmConfig, choose_gemm_config, moe_gemm_kernel
 from .quantize import (
     MODE_FROM_AMAX,
     MODE_PER_ROW,
+    MODE_SCALAR,
     MODE_STATIC,
     amax_rows_kernel,
     quantize_rows_kernel,
@@ -68,6 +70,9 @@ class TritonOptions:
         Each loop is batch invariant: its summation order does not depend on the config.
     split_k: loop 3 only: one program a K segment, partials summed by the last program
         of a tile (None: when an expert averages at most 16 rows). Same bits either way.
+    device_amax: per-tensor W4A4 takes its amaxes with one Triton kernel each (an atomic
+        max) instead of torch ops; the same bits (interpreter). Off until checked on the
+        GPU (``test_device_amax_gpu``).
     fc1_nvfp4_out: static W4A4 only: FC1 writes the activation as NVFP4 directly (no
         bf16 round trip, no second quantize kernel); bit-identical to the two-step path
         (tested in the interpreter and on the H200), so on by default.
@@ -81,6 +86,7 @@ class TritonOptions:
     decode_asm: bool = True
     chunked: int = 2
     split_k: bool | None = None
+    device_amax: bool = False
     poison: bool = False
     fc1_nvfp4_out: bool = True
 
@@ -234,6 +240,29 @@ def _gemm(
     )  # fmt: skip
 
 
+def _per_tensor_table(src, rows, count, opt, pdl, amax_reduce):
+    """Quantize mode and table for a per-tensor global over the first ``rows`` rows of
+    ``src`` (``count``: a device scalar limiting them): the amax on the device
+    (``device_amax``) or with torch ops; ``amax_reduce`` maps the amax (expert parallelism:
+    an all-reduce max over the ranks)."""
+    if opt.device_amax:
+        amax = amax_rows(src, rows, count=count, pdl=pdl)
+        if amax_reduce is not None:
+            amax = amax_reduce(amax.reshape(())).reshape(1)
+        return MODE_FROM_AMAX, amax
+    vals = src[:rows].abs()
+    if count is not None:
+        live = (torch.arange(rows, device=src.device) < count)[:, None]
+        vals = torch.where(live, vals, 0)
+    if rows:
+        amax = vals.amax().float()
+    else:
+        amax = torch.zeros((), dtype=torch.float32, device=src.device)
+    if amax_reduce is not None:
+        amax = amax_reduce(amax)
+    return MODE_SCALAR, global_from_amax(amax).reshape(1)
+
+
 def gemm_configs(
     n_routes: int, experts: PreparedExperts, mode: str, options: TritonOptions
 ) -> tuple[GemmConfig, GemmConfig]:
@@ -326,11 +355,9 @@ def expert_gemms(
                 act, n_routes, mode=MODE_PER_ROW, count=n_valid, pdl=pdl, poison=opt.poison
             )
         elif act_scale == "per_tensor":
-            amax = amax_rows(act, n_routes, count=n_valid, pdl=pdl)
-            if amax_reduce is not None:
-                amax = amax_reduce(amax.reshape(())).reshape(1)
+            qmode, table = _per_tensor_table(act, n_routes, n_valid, opt, pdl, amax_reduce)
             b_src, b_scales, b_global = quantize_rows(
-                act, n_routes, mode=MODE_FROM_AMAX, count=n_valid, table=amax, pdl=pdl,
+                act, n_routes, mode=qmode, count=n_valid, table=table, pdl=pdl,
                 poison=opt.poison,
             )  # fmt: skip
         elif fc1_fp4:
@@ -395,9 +422,9 @@ def moe_triton(
                 x, t, mode=MODE_PER_ROW, pdl=pdl, poison=opt.poison
             )
         elif act_scale == "per_tensor":
-            amax = amax_rows(x, t, pdl=pdl)
+            qmode, table = _per_tensor_table(x, t, None, opt, pdl, None)
             a_src, a_scales, a_global = quantize_rows(
-                x, t, mode=MODE_FROM_AMAX, table=amax, pdl=pdl, poison=opt.poison
+                x, t, mode=qmode, table=table, pdl=pdl, poison=opt.poison
             )
         else:  # static: global of the route's expert, so quantize each sorted row
             a_src, a_scales, a_global = quantize_rows(
