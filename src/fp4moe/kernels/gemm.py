@@ -9,7 +9,7 @@ tile of 64+ weight rows. The same orientation serves prefill with BM = 128.
 Main loops (``CHUNKED``; docs/numerics.md says how each accumulates):
 
 - 2 (default): K in chunk order, for every 32 elements the 16 even (low-nibble) ones, then
-  the 16 odd ones, one dot a K tile (``decode_permuted``, ``chunk_perm``). The inline-PTX
+  the 16 odd ones, one dot a K tile (``decode_permuted``). The inline-PTX
   decode (``_CHUNK_DECODE_ASM``) turns two nibbles into two bf16 values with three
   instructions and one fma by the block scale; decoded values carry a factor 2^-8 that the
   epilogue undoes. The order is the same for every config (batch invariance).
@@ -239,17 +239,29 @@ def decode_permuted(
     codes, scales, R: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr
 ):
     """codes [R, C/2] and scales [R, C/16] to [R, C] in chunk order: for each chunk of 32
-    elements its 16 even elements, then its 16 odd ones (the order of ``chunk_perm``)."""
+    elements its 16 even elements, then its 16 odd ones: position p holds element
+    (p // 32) * 32 + 2 * (p % 16) + (p // 16) % 2."""
     lo, hi = decode_lohi(codes, scales, R, C, ASM, OUT)
     v = tl.join(tl.reshape(lo, (R, C // 32, 16)), tl.reshape(hi, (R, C // 32, 16)))
     return tl.reshape(tl.permute(v, (0, 1, 3, 2)), (R, C))
 
 
 @triton.jit
-def chunk_perm(C: tl.constexpr):
-    """K index of each position of a ``decode_permuted`` tile of C elements."""
-    p = tl.arange(0, C)
-    return (p // 32) * 32 + 2 * (p % 16) + (p // 16) % 2
+def _chunk_ptrs(a_ptr, a_scales_ptr, w_codes_ptr, w_scales_ptr, row_g, src,
+                K: tl.constexpr, BK: tl.constexpr, A_FP4: tl.constexpr):  # fmt: skip
+    """Pointers of the first K tile for ``_chunk_tile``: weight codes and scales of the
+    rows ``row_g``; activation codes and scales (W4A4) or bf16 rows (W4A16) of ``src``."""
+    cw2 = w_codes_ptr + row_g[:, None] * (K // 2) + tl.arange(0, BK // 2)[None, :]
+    sw2 = w_scales_ptr + row_g[:, None] * (K // 16) + tl.arange(0, BK // 16)[None, :]
+    if A_FP4:
+        ca2 = a_ptr + src[:, None] * (K // 2) + tl.arange(0, BK // 2)[None, :]
+        sa2 = a_scales_ptr + src[:, None] * (K // 16) + tl.arange(0, BK // 16)[None, :]
+        xp2 = ca2
+    else:
+        xp2 = a_ptr + src[:, None] * K + tl.arange(0, BK)[None, :]
+        ca2 = xp2
+        sa2 = xp2
+    return cw2, sw2, xp2, ca2, sa2
 
 
 @triton.jit
@@ -401,16 +413,9 @@ def moe_gemm_kernel(
                     acc_u = tl.dot(ue, xe, acc_u)
                     acc_u = tl.dot(uo, xo, acc_u)
     elif CHUNKED == 2:
-        cw2 = w_codes_ptr + row_g[:, None] * KH + tl.arange(0, BK // 2)[None, :]
-        sw2 = w_scales_ptr + row_g[:, None] * KS + tl.arange(0, BK // 16)[None, :]
-        if A_FP4:
-            ca2 = a_ptr + src[:, None] * KH + tl.arange(0, BK // 2)[None, :]
-            sa2 = a_scales_ptr + src[:, None] * KS + tl.arange(0, BK // 16)[None, :]
-            xp2 = ca2
-        else:
-            xp2 = a_ptr + src[:, None] * K + tl.arange(0, BK)[None, :]
-            ca2 = xp2
-            sa2 = xp2
+        cw2, sw2, xp2, ca2, sa2 = _chunk_ptrs(
+            a_ptr, a_scales_ptr, w_codes_ptr, w_scales_ptr, row_g, src, K, BK, A_FP4
+        )
         if not GATED:
             acc_u = acc_g
         for kb in range(0, K // BK):
@@ -424,16 +429,9 @@ def moe_gemm_kernel(
         # SPLIT: one program a segment writes P_s, and the last to finish a tile sums the
         # partials in segment order: the same operations, so the same bits, as the
         # in-register sums of a program that runs every segment.
-        cw2 = w_codes_ptr + row_g[:, None] * KH + tl.arange(0, BK // 2)[None, :]
-        sw2 = w_scales_ptr + row_g[:, None] * KS + tl.arange(0, BK // 16)[None, :]
-        if A_FP4:
-            ca2 = a_ptr + src[:, None] * KH + tl.arange(0, BK // 2)[None, :]
-            sa2 = a_scales_ptr + src[:, None] * KS + tl.arange(0, BK // 16)[None, :]
-            xp2 = ca2
-        else:
-            xp2 = a_ptr + src[:, None] * K + tl.arange(0, BK)[None, :]
-            ca2 = xp2
-            sa2 = xp2
+        cw2, sw2, xp2, ca2, sa2 = _chunk_ptrs(
+            a_ptr, a_scales_ptr, w_codes_ptr, w_scales_ptr, row_g, src, K, BK, A_FP4
+        )
         KB: tl.constexpr = K // BK
         NFULL: tl.constexpr = KB // SEG_TILES  # full segments, then REM tiles in a last one
         REM: tl.constexpr = KB % SEG_TILES

@@ -46,6 +46,15 @@ def encode_e2m1(v):
 
 
 @triton.jit
+def _row_count(n_rows_ptr, n_rows, COUNT_FROM_PTR: tl.constexpr):
+    """Rows to process: ``*n_rows_ptr`` (a device count) or ``n_rows``."""
+    if COUNT_FROM_PTR:
+        return tl.load(n_rows_ptr)
+    else:
+        return n_rows
+
+
+@triton.jit
 def _row_amax(row, C: tl.constexpr, BLOCK_C: tl.constexpr):
     """max |x| over one bf16 row of C elements, in fp32."""
     cols = tl.arange(0, BLOCK_C)
@@ -73,11 +82,7 @@ def amax_rows_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if COUNT_FROM_PTR:
-        n = tl.load(n_rows_ptr)
-    else:
-        n = n_rows
-    if i >= n:
+    if i >= _row_count(n_rows_ptr, n_rows, COUNT_FROM_PTR):
         return
     tl.atomic_max(amax_ptr, _row_amax(src_ptr + i.to(tl.int64) * C, C, BLOCK_C), sem="relaxed")
 
@@ -106,11 +111,7 @@ def quantize_rows_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if COUNT_FROM_PTR:
-        n = tl.load(n_rows_ptr)
-    else:
-        n = n_rows
-    if i >= n:
+    if i >= _row_count(n_rows_ptr, n_rows, COUNT_FROM_PTR):
         return
     if GATHER:
         src = (tl.load(src_index_ptr + i) // DIV).to(tl.int64)
