@@ -115,14 +115,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------------------- timing
 
 
-def time_us(fn, *, graph: bool, warmup: int, iters: int, reps: int = 1) -> float:
-    """Median microseconds of one ``fn()`` call (``reps`` calls a sample)."""
+def warm_up(fn, warmup: int) -> None:
+    """``warmup`` (at least 1) calls on a side stream, so a CUDA-graph capture after them
+    finds the kernels compiled and the allocator warm; the current stream waits for them."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(max(warmup, 1)):
             fn()
     torch.cuda.current_stream().wait_stream(s)
+
+
+def time_us(fn, *, graph: bool, warmup: int, iters: int, reps: int = 1) -> float:
+    """Median microseconds of one ``fn()`` call (``reps`` calls a sample)."""
+    warm_up(fn, warmup)
     if graph:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):

@@ -215,13 +215,10 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _warm_side_stream(fn, warmup: int) -> None:
-    """Warm-up calls on a side stream before a capture (as ``bench.time_us`` does)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(max(warmup, 1)):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
+    """Warm-up calls on a side stream before a capture (``bench.warm_up``), then a sync."""
+    from .bench import warm_up
+
+    warm_up(fn, warmup)
     torch.cuda.synchronize()
 
 
