@@ -29,6 +29,19 @@ LARGE = [
     (128, 64, 32, 4, 4),
     (64, 64, 64, 4, 3),
 ]
+C3_SMALL = [
+    (16, 64, 256, 4, 2),
+    (16, 128, 128, 4, 2),
+    (16, 64, 128, 4, 3),
+    (32, 64, 128, 4, 2),
+]
+C3_LARGE = [
+    (128, 64, 64, 4, 3),
+    (128, 128, 64, 8, 2),
+    (64, 128, 32, 4, 4),
+    (64, 128, 64, 4, 3),
+    (64, 64, 64, 4, 3),
+]
 
 
 def main() -> None:
@@ -38,6 +51,13 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["w4a16", "w4a4-token"])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="sweep.json")
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["c2", "old", "c3", "c3-nosplit", "c2-torch-amax", "configs"],
+        help="which variants to time; 'configs' is every loop-2 config of SMALL or LARGE, "
+        "'c3configs' every loop-3 config of C3_SMALL or C3_LARGE",
+    )
     a = ap.parse_args()
     ceil = card_ceilings()
     tbs, tfl = ceil["copy_bytes_per_s"] / 1e12, ceil["bf16_matmul_flops"] / 1e12
@@ -65,13 +85,28 @@ def main() -> None:
                 "old": TritonOptions(chunked=0, decode_asm=False),
                 "c3": TritonOptions(chunked=3),  # fixed K segments; split at decode sizes
                 "c3-nosplit": TritonOptions(chunked=3, split_k=False),
+                "c3-split": TritonOptions(chunked=3, split_k=True),
             }
             if sc == "per_tensor":  # the amaxes on the device against torch ops
-                variants["c2-device-amax"] = TritonOptions(device_amax=True)
-            for c in SMALL if t <= 256 else LARGE:
-                g = GemmConfig(*c)
-                variants[f"c2{c}"] = TritonOptions(fc1=g, fc2=g)
-            first = None
+                variants["c2-torch-amax"] = TritonOptions(device_amax=False)
+            if "configs" in a.variants:
+                for c in SMALL if t <= 256 else LARGE:
+                    g = GemmConfig(*c)
+                    variants[f"c2{c}"] = TritonOptions(fc1=g, fc2=g)
+            if "c3configs" in a.variants:  # loop 3's own configs, with split K and without
+                for c in C3_SMALL if t <= 256 else C3_LARGE:
+                    g = GemmConfig(*c)
+                    for split in (True, False) if t <= 1024 else (False,):
+                        tag = "s" if split else ""
+                        variants[f"c3{tag}{c}"] = TritonOptions(
+                            chunked=3, split_k=split, fc1=g, fc2=g
+                        )
+            variants = {
+                k: v
+                for k, v in variants.items()
+                if k in a.variants or k.startswith(("c2(", "c3(", "c3s("))
+            }
+            first = first3 = None
             for name, opt in variants.items():
                 try:
                     out = moe_triton(x, ids, w, ex, mode=m, act_scale=sc, options=opt)
@@ -82,8 +117,8 @@ def main() -> None:
                         if first is None:
                             first = out
                         same = bool(torch.equal(out, first))
-                    elif name.startswith("c3"):  # loop 3: split or not, the same bits
-                        if name == "c3":
+                    elif name.startswith("c3"):  # loop 3: any config, split or not, same bits
+                        if first3 is None:
                             first3 = out
                         same = bool(torch.equal(out, first3))
                     us = time_us(

@@ -498,8 +498,9 @@ def test_workspace_bytes_counts_segment_partials():
     """Loop 3 with split K adds fp32 partials of every segment of both GEMMs."""
     from fp4moe.kernels.launch import SEGMENT, workspace_bytes
 
-    base = workspace_bytes(16, 8, 7168, 2048, 32)
+    base = workspace_bytes(16, 8, 7168, 2048, 32, options=TritonOptions(chunked=2))
     seg = workspace_bytes(16, 8, 7168, 2048, 32, options=TritonOptions(chunked=3))
+    assert workspace_bytes(16, 8, 7168, 2048, 32) == seg  # loop 3 is the default
     n = 16 * 8
     assert seg - base == (7168 // SEGMENT) * n * 4096 * 4 + (2048 // SEGMENT) * n * 7168 * 4
     off = workspace_bytes(16, 8, 7168, 2048, 32, options=TritonOptions(chunked=3, split_k=False))

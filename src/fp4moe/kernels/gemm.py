@@ -61,7 +61,7 @@ def choose_gemm_config(
     gated: bool,
     interpret: bool = False,
     a_fp4: bool = False,
-    loop: int = 2,
+    loop: int = 3,
 ) -> GemmConfig:
     """Tile shapes from the average rows an expert receives (no autotuning).
 
@@ -71,6 +71,18 @@ def choose_gemm_config(
     """
     if interpret:
         return GemmConfig(16, 32, _largest_pow2_dividing(k, 64), num_warps=4, num_stages=1)
+    if loop == 3:
+        # Measured on the H200 with the segmented loop after its pipelining fix
+        # (docs/perf-notes.md, benchmarks/sweep_decode.py --variants c3configs, DeepSeek-V3
+        # EP8, W4A16): 1 / 16 / 64 tokens split K (16, 64, 128, 3 stages) 71 / 96 / 385 us;
+        # 256 tokens (same, not split) 589 us; 1024 and 4096 tokens (64, 128, 64, 3 stages)
+        # 1043 and 2269 us; 8192 tokens 4138 us (W4A16) and, for W4A4, (128, 64, 64)
+        # 3995 us against 4404 us.
+        if rows_per_expert <= 64:
+            return GemmConfig(16, 64, _largest_pow2_dividing(k, 128), 4, 3)
+        if rows_per_expert > 512 and a_fp4:
+            return GemmConfig(128, 64, _largest_pow2_dividing(k, 64), 4, 3)
+        return GemmConfig(64, 128, _largest_pow2_dividing(k, 64), 4, 3)
     if loop:
         # Measured on the H200 with the chunk-ordered loop (docs/perf-notes.md,
         # benchmarks/sweep_decode.py, DeepSeek-V3 EP8): 16 tokens (4 rows an expert)
@@ -81,8 +93,6 @@ def choose_gemm_config(
             return GemmConfig(16, 64, _largest_pow2_dividing(k, 256), 4, 2)
         if rows_per_expert <= 64:
             return GemmConfig(16, 128, _largest_pow2_dividing(k, 128), 4, 2)
-        if loop == 3 and rows_per_expert > 64:  # segment sums double the accumulators
-            return GemmConfig(64, 64, _largest_pow2_dividing(k, 64), 4, 3)
         if rows_per_expert <= 512:
             return GemmConfig(64, 128, 32, 4, 4)
         return GemmConfig(128, 64, _largest_pow2_dividing(k, 64), 4, 3)
@@ -478,16 +488,28 @@ def moe_gemm_kernel(
                         prow + sg_i * stride + N, mask=pmask, other=0.0, cache_modifier=".cg"
                     )
         else:
-            for sg_i in range(0, NSEG):
+            # Full segments, then the REM tiles of a last one: constexpr trip counts and no
+            # branch in the inner loop, which the software pipeliner needs (a `kb < KB`
+            # test there cost 15% to 30% at prefill sizes on the H200).
+            for sg_i in range(0, NFULL):
                 pg = tl.zeros((BN, BM), dtype=tl.float32)
                 pu = tl.zeros((BN, BM), dtype=tl.float32)
                 for j in range(0, SEG_TILES):
-                    kb = sg_i * SEG_TILES + j
-                    if kb < KB:
-                        pg, pu = _chunk_tile(
-                            kb, pg, pu, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
-                            N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
-                        )  # fmt: skip
+                    pg, pu = _chunk_tile(
+                        sg_i * SEG_TILES + j, pg, pu, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
+                        N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
+                    )  # fmt: skip
+                acc_g = acc_g + pg
+                if GATED:
+                    acc_u = acc_u + pu
+            if REM > 0:
+                pg = tl.zeros((BN, BM), dtype=tl.float32)
+                pu = tl.zeros((BN, BM), dtype=tl.float32)
+                for j in range(0, REM):
+                    pg, pu = _chunk_tile(
+                        NFULL * SEG_TILES + j, pg, pu, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
+                        N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
+                    )  # fmt: skip
                 acc_g = acc_g + pg
                 if GATED:
                     acc_u = acc_u + pu

@@ -60,19 +60,22 @@ class TritonOptions:
     decode_asm: decode NVFP4 operands with inline PTX (GPU only; the interpreter always
         uses the plain Triton decode, which gives the same values). On by default: 1.4x
         to 1.6x faster than the plain decode at decode sizes (docs/perf-notes.md).
-    chunked: the GEMM main loop. 2 (default): K in chunk order (for each 32 elements,
-        the 16 even then the 16 odd ones, ``gemm.decode_permuted``), one dot a K tile;
-        1: the same order as two K=16 dots a chunk (slow, kept for comparison: it gives
-        the same bits as 2); 0: the first loop (natural K order, other bits); 3
-        (experimental, NOT YET RUN ON A GPU): chunk order in fixed K segments of
-        ``SEGMENT`` elements summed in segment order, so that K can be split over
-        programs at decode sizes (``split_k``) with the same bits as at prefill sizes.
-        Each loop is batch invariant: its summation order does not depend on the config.
+    chunked: the GEMM main loop. 3 (default): K in chunk order (for each 32 elements,
+        the 16 even then the 16 odd ones, ``gemm.decode_permuted``) in fixed K segments
+        of ``SEGMENT`` elements summed in segment order, so that K can be split over
+        programs at decode sizes (``split_k``) with the same bits as at prefill sizes;
+        on the H200 1.4x to 1.6x faster than loop 2 at 1 to 16 tokens, up to 13% slower
+        at 8192 (docs/perf-notes.md). 2: the same chunk order in one segment, one dot a
+        K tile; 1: loop 2's order as two K=16 dots a chunk (slow, kept for comparison);
+        0: the first loop (natural K order). Loops 0, 2 and 3 give different bits; each
+        is batch invariant: its summation order does not depend on the config.
     split_k: loop 3 only: one program a K segment, partials summed by the last program
-        of a tile (None: when an expert averages at most 16 rows). Same bits either way.
+        of a tile (None: when an expert averages at most 16 rows, counting every route
+        of the call). Same bits either way.
     device_amax: per-tensor W4A4 takes its amaxes with one Triton kernel each (an atomic
-        max) instead of torch ops; the same bits (interpreter). Off until checked on the
-        GPU (``test_device_amax_gpu``).
+        max) instead of 8 to 12 torch ops; the same bits (interpreter and H200,
+        ``test_device_amax_gpu``), 14% to 20% faster on the H200 (docs/perf-notes.md), so
+        on by default; False keeps the torch-op path for comparison.
     fc1_nvfp4_out: static W4A4 only: FC1 writes the activation as NVFP4 directly (no
         bf16 round trip, no second quantize kernel); bit-identical to the two-step path
         (tested in the interpreter and on the H200), so on by default.
@@ -84,9 +87,9 @@ class TritonOptions:
     fc1: GemmConfig | None = None
     fc2: GemmConfig | None = None
     decode_asm: bool = True
-    chunked: int = 2
+    chunked: int = 3
     split_k: bool | None = None
-    device_amax: bool = False
+    device_amax: bool = True
     poison: bool = False
     fc1_nvfp4_out: bool = True
 
@@ -190,7 +193,7 @@ def _gemm(
     pdl: bool,
     decode_asm: bool = True,
     out_fp4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    chunked: int = 2,
+    chunked: int = 3,
     split: bool = False,
 ) -> None:
     """One grouped GEMM. ``out_fp4`` = (scales, globals, static table): ``out`` receives
