@@ -34,10 +34,13 @@ tests)
         test_segmented_loop_gpu and w4a16"
     ;;
 sweep)
+    # Loop 3 (default) and its configs against loop 2, with bitwise checks; the per-tensor
+    # amax on the device against torch ops (c2-torch-amax rows).
     step sweep 420 python3 benchmarks/sweep_decode.py --tokens 1 16 64 256 1024 8192 \
-        --iters 15 --out "$out/sweep.json"
+        --variants c2 c3 c3configs --iters 15 --out "$out/sweep.json"
     step sweep_tensor 150 python3 benchmarks/sweep_decode.py --tokens 1 16 64 256 \
-        --modes w4a4-tensor --iters 15 --out "$out/sweep-tensor.json"
+        --modes w4a4-tensor --variants c3 c2 c2-torch-amax --iters 15 \
+        --out "$out/sweep-tensor.json"
     ;;
 bench)
     common=(--num-tokens 1 8 16 32 64 128 256 1024 4096 8192 16384 --iters 10)

@@ -3,6 +3,12 @@ check of every variant (against the reference, and chunked configs bitwise again
 other: one summation order for every config is what keeps batch invariance).
 
     PYTHONPATH=src python3 benchmarks/sweep_decode.py --out sweep.json
+    PYTHONPATH=src python3 benchmarks/sweep_decode.py --variants c2 c3 c3configs
+
+Variants: c2 (loop 2), old (loop 0), c3 (loop 3, the default, its own configs), c3-split /
+c3-nosplit (split K forced), c2-torch-amax (per-tensor amaxes with torch ops), configs
+(loop 2 at each config of SMALL or LARGE), c3configs (loop 3 at each of C3_SMALL or
+C3_LARGE, split and not).
 """
 
 from __future__ import annotations
@@ -81,18 +87,18 @@ def main() -> None:
             m, sc = MODES[mode]
             ref = moe_reference(x, ids, w, ex, mode=m, act_scale=sc).float()
             variants = {
-                "c2": TritonOptions(),
+                "c2": TritonOptions(chunked=2),
                 "old": TritonOptions(chunked=0, decode_asm=False),
                 "c3": TritonOptions(chunked=3),  # fixed K segments; split at decode sizes
                 "c3-nosplit": TritonOptions(chunked=3, split_k=False),
                 "c3-split": TritonOptions(chunked=3, split_k=True),
             }
             if sc == "per_tensor":  # the amaxes on the device against torch ops
-                variants["c2-torch-amax"] = TritonOptions(device_amax=False)
+                variants["c2-torch-amax"] = TritonOptions(chunked=2, device_amax=False)
             if "configs" in a.variants:
                 for c in SMALL if t <= 256 else LARGE:
                     g = GemmConfig(*c)
-                    variants[f"c2{c}"] = TritonOptions(fc1=g, fc2=g)
+                    variants[f"c2{c}"] = TritonOptions(chunked=2, fc1=g, fc2=g)
             if "c3configs" in a.variants:  # loop 3's own configs, with split K and without
                 for c in C3_SMALL if t <= 256 else C3_LARGE:
                     g = GemmConfig(*c)

@@ -74,7 +74,7 @@ class TritonOptions:
         of the call). Same bits either way.
     device_amax: per-tensor W4A4 takes its amaxes with one Triton kernel each (an atomic
         max) instead of 8 to 12 torch ops; the same bits (interpreter and H200,
-        ``test_device_amax_gpu``), 14% to 20% faster on the H200 (docs/perf-notes.md), so
+        ``test_device_amax_gpu``), 9% to 21% faster on the H200 (docs/perf-notes.md), so
         on by default; False keeps the torch-op path for comparison.
     fc1_nvfp4_out: static W4A4 only: FC1 writes the activation as NVFP4 directly (no
         bf16 round trip, no second quantize kernel); bit-identical to the two-step path
