@@ -38,7 +38,15 @@ DEFAULT_CONFIGS = ["16,64,256,4,2", "16,128,128,4,2", "64,128,32,4,4", "128,64,6
 
 
 def compile_gemm(
-    *, n: int, k: int, gated: bool, a_fp4: bool, loop: int, cfg: tuple[int, ...], split: bool
+    *,
+    n: int,
+    k: int,
+    gated: bool,
+    a_fp4: bool,
+    loop: int,
+    cfg: tuple[int, ...],
+    split: bool,
+    dense: bool = False,
 ):
     """Compile one ``moe_gemm_kernel`` specialization for sm_90; returns the compiled kernel."""
     import triton
@@ -76,7 +84,10 @@ def compile_gemm(
         OUT_SCALE=1.0, BM=bm, BN=bn, BK=bk, DOT_DTYPE=dot, W_DTYPE=dot, USE_PDL=True,
         INTERPRET=False, DECODE_ASM=chunked, PREFETCH=False, OUT_FP4=False, CHUNKED=loop,
         SEG_TILES=SEGMENT // bk if loop == 3 else 0, SPLIT=split and loop == 3,
+        W_DENSE=dense and loop >= 2,
     )  # fmt: skip
+    if dense and loop >= 2:  # decoded bf16 weights (dequant.dense_weights)
+        ptrs = {**ptrs, "w_codes_ptr": "*bf16"}
     names = moe_gemm_kernel.arg_names
     sig = {a: ptrs.get(a, "i32" if a == "ws_rows" else "constexpr") for a in names}
     # Pointers are 16-byte aligned at launch (Triton specializes on it); without this
@@ -150,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loop", type=int, nargs="+", default=[0, 2, 3], choices=[0, 1, 2, 3])
     p.add_argument("--config", nargs="+", default=DEFAULT_CONFIGS, help="BM,BN,BK,warps,stages")
     p.add_argument("--split", action="store_true", help="loop 3: the split-K programs")
+    p.add_argument("--dense", action="store_true", help="loops 2, 3: weights loaded decoded")
     a = p.parse_args(argv)
     h, inter = SHAPES[a.preset]
     gemms = ["fc1", "fc2"] if a.gemm == "both" else [a.gemm]
@@ -163,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 if k % cfg[2] or (loop and cfg[2] % 32):
                     continue
                 kern = compile_gemm(n=n, k=k, gated=gated, a_fp4=a.mode == "w4a4", loop=loop,
-                                    cfg=cfg, split=a.split)  # fmt: skip
+                                    cfg=cfg, split=a.split, dense=a.dense)  # fmt: skip
                 per_trip = (2 if gated else 1) * cfg[1] * cfg[2] / (cfg[3] * 32)
                 st = sass_stats(kern, per_trip)
                 ipw = st["instructions_per_weight"]

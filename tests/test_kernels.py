@@ -600,3 +600,116 @@ def test_device_amax_gpu(gpu_experts, t):
         for d in (False, True)
     ]  # fmt: skip
     assert torch.equal(outs[0], outs[1])
+
+
+# ----------------------------------------------------------------- dense prefill path
+
+
+@pytest.mark.kernel
+def test_dense_weights_match_reference(interpret, device):
+    """``dense_weights`` writes the GEMM's decoded operand (value * 2^-8, chunk order) as
+    its plain-PyTorch twin, every value: every code byte, every finite e4m3 scale."""
+    if device != "cpu":
+        pytest.skip("interpreter case; the GPU decode is covered by test_dense_path_gpu")
+    from fp4moe.kernels.dequant import dense_weights, dense_weights_reference
+
+    codes = torch.arange(256, dtype=torch.uint8).repeat(8).reshape(16, 128)
+    allv = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    finite = allv[~torch.isnan(allv.float())]
+    scales = finite[torch.arange(16 * 16) % finite.numel()].reshape(16, 16)
+    out = dense_weights(codes, scales)
+    ref = dense_weights_reference(codes, scales)
+    assert out.shape == (16, 256)
+    assert torch.equal(out.float(), ref)  # values; code 8 (-0) may keep its sign here
+    ex = _experts(3, 64, 32, seed=3, device=device)
+    assert torch.equal(
+        dense_weights(ex.w13_codes, ex.w13_scales).float(),
+        dense_weights_reference(ex.w13_codes, ex.w13_scales),
+    )
+
+
+def test_dense_weights_bad_input():
+    from fp4moe.kernels.dequant import dense_weights
+
+    codes = torch.zeros(4, 16, dtype=torch.uint8)
+    scales = torch.zeros(4, 2, dtype=torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="codes"):
+        dense_weights(codes.float(), scales)
+    with pytest.raises(TypeError, match="scales"):
+        dense_weights(codes, scales.float())
+    with pytest.raises(ValueError, match="scales"):
+        dense_weights(codes, scales[:, :1])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        dense_weights(codes[:, :8], scales[:, :1])
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+@pytest.mark.parametrize("loop", [2, 3])
+def test_dense_path_same_bits(interpret, device, mode, loop, monkeypatch):
+    """``dense_above``: GEMMs that load the decoded weights give the bits of the GEMMs that
+    decode them, fused and deterministic, split K included (loop 3, short tail segment);
+    so the dense path keeps batch invariance across its threshold."""
+    if device != "cpu":
+        pytest.skip("interpreter case; test_dense_path_gpu runs it on the GPU")
+    from fp4moe.kernels import launch
+
+    monkeypatch.setattr(launch, "SEGMENT", 64)
+    experts = _experts(4, 160, 96, seed=43, device=device)
+    x = _x(9, 160, seed=43, device=device)
+    ids, w = _routes(9, 2, 4, seed=43, device=device, masked=0.2)
+    m, sc = mode
+    ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
+    for fused in (False, True):
+        kw = dict(mode=m, act_scale=sc, fused_finalize=fused)
+        base = moe_triton(x, ids, w, experts, options=TritonOptions(chunked=loop), **kw)
+        for split in (False, True) if loop == 3 else (None,):
+            opt = TritonOptions(chunked=loop, dense_above=0, split_k=split, poison=True)
+            out = moe_triton(x, ids, w, experts, options=opt, **kw)
+            assert torch.equal(out, base)
+        assert rel_err(base, ref) <= TOL[m]
+    # the threshold: at 9 * 2 / 4 = 4.5 routes an expert, 4 takes the dense path, 5 not
+    assert launch.TritonOptions(dense_above=4).dense_above == 4
+
+
+def test_dense_path_needs_a_chunked_loop(device):
+    if device != "cpu":
+        pytest.skip("argument check")
+    import os
+
+    from fp4moe.kernels.launch import moe_triton as mt
+
+    experts = _experts(2, 64, 32, seed=1, device=device)
+    x = _x(3, 64, seed=1, device=device)
+    ids, w = _routes(3, 2, 2, seed=1, device=device, masked=0.0)
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        with pytest.raises(ValueError, match="options: dense_above"):
+            mt(x, ids, w, experts, options=TritonOptions(chunked=0, dense_above=0))
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "mode", [("w4a16", "per_token"), ("w4a4", "per_token"), ("w4a4", "static")], ids=_mode_id
+)
+@pytest.mark.parametrize("t", [64, 2048])
+def test_dense_path_gpu(gpu_experts, mode, t):
+    """On the GPU, GEMMs on the decoded weights (``dense_above``) give the bits of the
+    decoding GEMMs (loop 3, the default), and stay within tolerance of the reference."""
+    e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
+    experts = gpu_experts("deepseek-v3-ep8")
+    m, sc = mode
+    x = _x(t, h, seed=t, device="cuda")
+    ids, w = _gpu_routes(t, k, e, e_total, seed=t)
+    a = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                   options=TritonOptions(poison=True))  # fmt: skip
+    b = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                   options=TritonOptions(dense_above=0, poison=True))  # fmt: skip
+    assert torch.equal(a, b)
+    assert rel_err(b, moe_reference(x, ids, w, experts, mode=m, act_scale=sc)) <= TOL[m]

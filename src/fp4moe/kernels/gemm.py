@@ -258,10 +258,15 @@ def decode_permuted(
 
 @triton.jit
 def _chunk_ptrs(a_ptr, a_scales_ptr, w_codes_ptr, w_scales_ptr, row_g, src,
-                K: tl.constexpr, BK: tl.constexpr, A_FP4: tl.constexpr):  # fmt: skip
+                K: tl.constexpr, BK: tl.constexpr, A_FP4: tl.constexpr,
+                W_DENSE: tl.constexpr = False):  # fmt: skip
     """Pointers of the first K tile for ``_chunk_tile``: weight codes and scales of the
-    rows ``row_g``; activation codes and scales (W4A4) or bf16 rows (W4A16) of ``src``."""
-    cw2 = w_codes_ptr + row_g[:, None] * (K // 2) + tl.arange(0, BK // 2)[None, :]
+    rows ``row_g`` (W_DENSE: rows of decoded weights, ``dequant.dense_weights``);
+    activation codes and scales (W4A4) or bf16 rows (W4A16) of ``src``."""
+    if W_DENSE:
+        cw2 = w_codes_ptr + row_g[:, None] * K + tl.arange(0, BK)[None, :]
+    else:
+        cw2 = w_codes_ptr + row_g[:, None] * (K // 2) + tl.arange(0, BK // 2)[None, :]
     sw2 = w_scales_ptr + row_g[:, None] * (K // 16) + tl.arange(0, BK // 16)[None, :]
     if A_FP4:
         ca2 = a_ptr + src[:, None] * (K // 2) + tl.arange(0, BK // 2)[None, :]
@@ -279,8 +284,11 @@ def _chunk_tile(
     kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
     N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     GATED: tl.constexpr, A_FP4: tl.constexpr, DECODE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    W_DENSE: tl.constexpr = False,
 ):  # fmt: skip
-    """One K tile of the chunk-ordered loop (``CHUNKED`` 2 and 3): load, decode, dot."""
+    """One K tile of the chunk-ordered loop (``CHUNKED`` 2 and 3): load, decode, dot.
+    W_DENSE: the weight tile is loaded already decoded, in chunk order (the values
+    ``decode_permuted`` gives), so the dots see the same operands: the same bits."""
     KH: tl.constexpr = K // 2
     KS: tl.constexpr = K // 16
     if A_FP4:
@@ -291,13 +299,20 @@ def _chunk_tile(
         x = tl.load(xp2 + kb * BK, mask=m_mask[:, None], other=0.0).to(DOT_DTYPE)
         x = tl.reshape(x, (BM, BK // 32, 16, 2))
         x = tl.trans(tl.reshape(tl.permute(x, (0, 1, 3, 2)), (BM, BK)))
-    cg = tl.load(cw2 + kb * (BK // 2), mask=n_mask[:, None], other=0)
-    sg = tl.load(sw2 + kb * (BK // 16), mask=n_mask[:, None], other=0.0)
-    acc_g = tl.dot(decode_permuted(cg, sg, BN, BK, DECODE_ASM, DOT_DTYPE), x, acc_g)
-    if GATED:
-        cu = tl.load(cw2 + N * KH + kb * (BK // 2), mask=n_mask[:, None], other=0)
-        su = tl.load(sw2 + N * KS + kb * (BK // 16), mask=n_mask[:, None], other=0.0)
-        acc_u = tl.dot(decode_permuted(cu, su, BN, BK, DECODE_ASM, DOT_DTYPE), x, acc_u)
+    if W_DENSE:
+        wg = tl.load(cw2 + kb * BK, mask=n_mask[:, None], other=0.0)
+        acc_g = tl.dot(wg, x, acc_g)
+        if GATED:
+            wu = tl.load(cw2 + N * K + kb * BK, mask=n_mask[:, None], other=0.0)
+            acc_u = tl.dot(wu, x, acc_u)
+    else:
+        cg = tl.load(cw2 + kb * (BK // 2), mask=n_mask[:, None], other=0)
+        sg = tl.load(sw2 + kb * (BK // 16), mask=n_mask[:, None], other=0.0)
+        acc_g = tl.dot(decode_permuted(cg, sg, BN, BK, DECODE_ASM, DOT_DTYPE), x, acc_g)
+        if GATED:
+            cu = tl.load(cw2 + N * KH + kb * (BK // 2), mask=n_mask[:, None], other=0)
+            su = tl.load(sw2 + N * KS + kb * (BK // 16), mask=n_mask[:, None], other=0.0)
+            acc_u = tl.dot(decode_permuted(cu, su, BN, BK, DECODE_ASM, DOT_DTYPE), x, acc_u)
     return acc_g, acc_u
 
 
@@ -308,7 +323,7 @@ def moe_gemm_kernel(
     a_global_ptr,  # fp32 [rows] (A_FP4)
     sorted_routes_ptr,  # int32 [T*K]: sorted position -> flat route t*TOPK + k
     topk_w_ptr,  # fp32 [T*TOPK] (FUSED)
-    w_codes_ptr,  # uint8 [E, W_ROWS, K/2]
+    w_codes_ptr,  # uint8 [E, W_ROWS, K/2]; W_DENSE: decoded [E, W_ROWS, K] (DOT_DTYPE)
     w_scales_ptr,  # e4m3 [E, W_ROWS, K/16]
     w_global_ptr,  # fp32 [E, W_GLOBALS]
     out_ptr,  # bf16 [rows, N] (sorted order), fp32 [T, N] (FUSED) or codes [rows, N/2] (OUT_FP4)
@@ -342,9 +357,15 @@ def moe_gemm_kernel(
     CHUNKED: tl.constexpr = 0,
     SEG_TILES: tl.constexpr = 0,
     SPLIT: tl.constexpr = False,
+    W_DENSE: tl.constexpr = False,
+    M_FAST: tl.constexpr = False,
 ):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    if M_FAST:  # consecutive programs share a weight tile (L2 reuse of dense weights)
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    else:
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -424,14 +445,14 @@ def moe_gemm_kernel(
                     acc_u = tl.dot(uo, xo, acc_u)
     elif CHUNKED == 2:
         cw2, sw2, xp2, ca2, sa2 = _chunk_ptrs(
-            a_ptr, a_scales_ptr, w_codes_ptr, w_scales_ptr, row_g, src, K, BK, A_FP4
+            a_ptr, a_scales_ptr, w_codes_ptr, w_scales_ptr, row_g, src, K, BK, A_FP4, W_DENSE
         )
         if not GATED:
             acc_u = acc_g
         for kb in range(0, K // BK):
             acc_g, acc_u = _chunk_tile(
                 kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
-                N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
+                N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE,
             )  # fmt: skip
     elif CHUNKED == 3:
         # Chunk order (as 2) in fixed K segments of SEG_TILES tiles (1024 elements):
@@ -440,7 +461,7 @@ def moe_gemm_kernel(
         # partials in segment order: the same operations, so the same bits, as the
         # in-register sums of a program that runs every segment.
         cw2, sw2, xp2, ca2, sa2 = _chunk_ptrs(
-            a_ptr, a_scales_ptr, w_codes_ptr, w_scales_ptr, row_g, src, K, BK, A_FP4
+            a_ptr, a_scales_ptr, w_codes_ptr, w_scales_ptr, row_g, src, K, BK, A_FP4, W_DENSE
         )
         KB: tl.constexpr = K // BK
         NFULL: tl.constexpr = KB // SEG_TILES  # full segments, then REM tiles in a last one
@@ -455,12 +476,12 @@ def moe_gemm_kernel(
                 if REM == 0:  # noqa: SIM114 (a constexpr: no runtime bound check when full)
                     acc_g, acc_u = _chunk_tile(
                         kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
-                        N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
+                        N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE,
                     )  # fmt: skip
                 elif kb < KB:
                     acc_g, acc_u = _chunk_tile(
                         kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
-                        N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
+                        N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE,
                     )  # fmt: skip
             if GATED:
                 gn: tl.constexpr = 2 * N
@@ -472,7 +493,7 @@ def moe_gemm_kernel(
             tl.store(prow + s_id * stride, acc_g, mask=pmask)
             if GATED:
                 tl.store(prow + s_id * stride + N, acc_u, mask=pmask)
-            tile = pid_m * tl.num_programs(0) + pid_n
+            tile = pid_m * tl.cdiv(N, BN) + pid_n
             done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
             if done != NSEG - 1:
                 return
@@ -497,7 +518,7 @@ def moe_gemm_kernel(
                 for j in range(0, SEG_TILES):
                     pg, pu = _chunk_tile(
                         sg_i * SEG_TILES + j, pg, pu, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
-                        N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
+                        N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE,
                     )  # fmt: skip
                 acc_g = acc_g + pg
                 if GATED:
@@ -508,7 +529,7 @@ def moe_gemm_kernel(
                 for j in range(0, REM):
                     pg, pu = _chunk_tile(
                         NFULL * SEG_TILES + j, pg, pu, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
-                        N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
+                        N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE,
                     )  # fmt: skip
                 acc_g = acc_g + pg
                 if GATED:

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from ..experts import PreparedExperts
 from ..nvfp4 import global_from_amax
+from .dequant import dense_weights
 from .finalize import finalize_block_h, finalize_kernel
 from .gemm import GemmConfig, choose_gemm_config, moe_gemm_kernel
 from .quantize import (
@@ -79,6 +80,14 @@ class TritonOptions:
     fc1_nvfp4_out: static W4A4 only: FC1 writes the activation as NVFP4 directly (no
         bf16 round trip, no second quantize kernel); bit-identical to the two-step path
         (tested in the interpreter and on the H200), so on by default.
+    dense_above: None (default): off. An int: a call whose routes an expert (T * top-k / E,
+        masked routes counted, as for the configs) exceed it decodes each GEMM's expert
+        weights once (``dequant.dense_weights``: the loop's own operand values and order,
+        bf16) and the GEMM loads them instead of decoding in its main loop. The same
+        operands in the same order: the same bits as without it (tested), so batch
+        invariance holds across the threshold. Costs a bf16 copy of one GEMM's weights
+        (E * 2I * H * 2 bytes for FC1) during the call. Loops 2 and 3 only.
+        NOT YET RUN ON A GPU.
     poison: fill every workspace and the output with NaN (0xFF bytes for codes and
         scales) before the kernels run, so tests see any element no kernel wrote.
     """
@@ -92,6 +101,7 @@ class TritonOptions:
     device_amax: bool = True
     poison: bool = False
     fc1_nvfp4_out: bool = True
+    dense_above: int | None = None
 
 
 def use_pdl(opt: TritonOptions, device: torch.device) -> bool:
@@ -195,10 +205,16 @@ def _gemm(
     out_fp4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     chunked: int = 3,
     split: bool = False,
+    dense: bool = False,
 ) -> None:
     """One grouped GEMM. ``out_fp4`` = (scales, globals, static table): ``out`` receives
-    NVFP4 codes of the FC1 activation instead of bf16 (static W4A4)."""
+    NVFP4 codes of the FC1 activation instead of bf16 (static W4A4). ``dense``: decode
+    the weights once (``dense_weights``) and load them in the main loop (same bits)."""
     a_fp4 = a_scales is not None
+    if dense:
+        if not chunked:
+            raise ValueError("options: dense_above needs chunked=2 or 3")
+        w_codes = dense_weights(w_codes, w_scales, decode_asm=decode_asm)
     if chunked:
         # Both operands decoded (or bf16 activations) as bf16; each decoded operand carries
         # a factor 2^-8 (gemm.decode_chunk), undone on the fp32 accumulator.
@@ -215,6 +231,8 @@ def _gemm(
             dot, wdt = tl.bfloat16, tl.bfloat16
         out_scale = 2.0**28 if a_fp4 else (1.0 if decode_asm else 2.0**14)
     grid = (triton.cdiv(n, cfg.block_n), sort.num_blocks)
+    if dense:  # M blocks fastest: a bf16 weight tile is read from HBM once, then from L2
+        grid = (sort.num_blocks, grid[0])
     dummy = w_global
     seg_tiles = SEGMENT // cfg.block_k if int(chunked) == 3 else 0
     nseg = -(-(k // cfg.block_k) // seg_tiles) if seg_tiles else 1
@@ -238,7 +256,7 @@ def _gemm(
         OUT_SCALE=out_scale, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         DOT_DTYPE=dot, W_DTYPE=wdt, INTERPRET=interpreting(), DECODE_ASM=decode_asm,
         PREFETCH=cfg.prefetch, OUT_FP4=out_fp4 is not None, CHUNKED=int(chunked),
-        SEG_TILES=seg_tiles, SPLIT=split,
+        SEG_TILES=seg_tiles, SPLIT=split, W_DENSE=dense, M_FAST=dense,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -328,6 +346,7 @@ def expert_gemms(
     # Segmented loop: split K segments over programs when few rows an expert leave too few
     # programs to fill the GPU (same bits either way).
     split = opt.split_k if opt.split_k is not None else n_routes / e_count <= 16
+    dense = opt.dense_above is not None and n_routes / e_count > opt.dense_above
     h, inter = experts.hidden_size, experts.intermediate_size
     dev = a.device
     n_valid = sort.expert_offsets[e_count:]
@@ -348,6 +367,7 @@ def expert_gemms(
         experts.w13_codes, experts.w13_scales, experts.w13_global, act, route_weights,
         n=inter, k=h, topk=topk, gated=True, a_gather=a_gather, fused=False, pdl=pdl,
         decode_asm=opt.decode_asm, out_fp4=out_fp4, chunked=opt.chunked, split=split,
+        dense=dense,
     )  # fmt: skip
 
     # FC2 input.
@@ -379,7 +399,7 @@ def expert_gemms(
         cfg2, sort, b_src, b_scales, b_global,
         experts.w2_codes, experts.w2_scales, experts.w2_global, dest, route_weights,
         n=h, k=inter, topk=topk, gated=False, a_gather=False, fused=fused_into is not None,
-        pdl=pdl, decode_asm=opt.decode_asm, chunked=opt.chunked, split=split,
+        pdl=pdl, decode_asm=opt.decode_asm, chunked=opt.chunked, split=split, dense=dense,
     )  # fmt: skip
     return dest
 

@@ -1,0 +1,98 @@
+"""Expert weights decoded once a call for the dense prefill path (``TritonOptions.
+dense_above``): NVFP4 rows to the very operand values the chunk-ordered GEMM loops decode
+in registers, stored in the same chunk order, so that the GEMM can load them instead of
+decoding them (``moe_gemm_kernel`` with ``W_DENSE``) and give the same bits.
+
+Values: e2m1 code times its e4m3 block scale times 2^-8 (``gemm.decode_lohi``), exact in
+bf16 (at most 6 significant bits, 2^-18 to 10.5). Order: for each chunk of 32 elements of
+K, its 16 even elements, then its 16 odd ones (``gemm.decode_permuted``).
+``dense_weights_reference`` is the reference twin in plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..nvfp4 import dequantize_blocks
+from .gemm import decode_permuted
+
+__all__ = ["dense_weights", "dense_weights_kernel", "dense_weights_reference"]
+
+
+@triton.jit
+def dense_weights_kernel(
+    codes_ptr,  # uint8 [R, K/2]
+    scales_ptr,  # float8_e4m3fn [R, K/16]
+    out_ptr,  # DOT_DTYPE [R, K], chunk order
+    R,
+    K: tl.constexpr,
+    BR: tl.constexpr,
+    BK: tl.constexpr,
+    DECODE_ASM: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = rows < R
+    r64 = rows.to(tl.int64)
+    kb = tl.program_id(1)
+    cq = kb * (BK // 2) + tl.arange(0, BK // 2)
+    cs = kb * (BK // 16) + tl.arange(0, BK // 16)
+    codes = tl.load(codes_ptr + r64[:, None] * (K // 2) + cq[None, :], mask=rmask[:, None], other=0)
+    scales = tl.load(
+        scales_ptr + r64[:, None] * (K // 16) + cs[None, :], mask=rmask[:, None], other=0.0
+    )
+    w = decode_permuted(codes, scales, BR, BK, DECODE_ASM, DOT_DTYPE)
+    kk = kb * BK + tl.arange(0, BK)
+    tl.store(out_ptr + r64[:, None] * K + kk[None, :], w, mask=rmask[:, None])
+
+
+def dense_weights(codes: torch.Tensor, scales: torch.Tensor, *, decode_asm: bool = True):
+    """The decoded GEMM operand of NVFP4 weight rows (see the module docstring).
+
+    Args:
+        codes: uint8 [..., K/2], two e2m1 codes a byte (the low nibble the even element).
+        scales: float8_e4m3fn [..., K/16]. K a multiple of 32.
+        decode_asm: the inline-PTX decode (GPU), as the GEMM it feeds uses.
+
+    Returns:
+        [..., K] bf16 on a GPU, fp32 in the interpreter (the GEMM's operand dtype).
+    """
+    from .launch import interpreting  # (launch imports this module)
+
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"codes: expected torch.uint8, got {codes.dtype}")
+    if scales.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"scales: expected torch.float8_e4m3fn, got {scales.dtype}")
+    k = codes.shape[-1] * 2
+    if k % 32 or tuple(scales.shape) != (*codes.shape[:-1], k // 16):
+        raise ValueError(
+            f"scales: expected {[*codes.shape[:-1], k // 16]} for codes {list(codes.shape)} "
+            f"(K = {k}, a multiple of 32), got {list(scales.shape)}"
+        )
+    interp = interpreting()
+    lead = codes.shape[:-1]
+    c2 = codes.reshape(-1, k // 2).contiguous()
+    s2 = scales.reshape(-1, k // 16).contiguous()
+    r = c2.shape[0]
+    dtype = torch.float32 if interp else torch.bfloat16
+    out = torch.empty((r, k), dtype=dtype, device=codes.device)
+    if r:
+        bk = 32
+        while bk < 128 and k % (bk * 2) == 0:
+            bk *= 2
+        br = 16 if interp else 64
+        dense_weights_kernel[(triton.cdiv(r, br), k // bk)](
+            c2, s2, out, r, K=k, BR=br, BK=bk, DECODE_ASM=decode_asm and not interp,
+            DOT_DTYPE=tl.float32 if interp else tl.bfloat16,
+        )  # fmt: skip
+    return out.reshape(*lead, k)
+
+
+def dense_weights_reference(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., K]: ``dense_weights`` in plain PyTorch (value * 2^-8, chunk order)."""
+    v = dequantize_blocks(codes, scales) * 2.0**-8
+    k = v.shape[-1]
+    v = v.reshape(*v.shape[:-1], k // 32, 16, 2).transpose(-1, -2)
+    return v.reshape(*v.shape[:-3], k)
