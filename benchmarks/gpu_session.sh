@@ -4,6 +4,7 @@
 #
 #   bash benchmarks/gpu_session.sh tests      # every GPU test (about 4 min on an H200)
 #   bash benchmarks/gpu_session.sh sweep      # main loops and configs (sweep_decode.py)
+#   bash benchmarks/gpu_session.sh dense      # the dense prefill path: test and sweeps
 #   bash benchmarks/gpu_session.sh bench      # fp4moe bench: DeepSeek-V3, Qwen3, Mixtral
 #   bash benchmarks/gpu_session.sh ep         # two GPUs: NCCL tests, bench --ep, example
 #
@@ -11,7 +12,7 @@
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|sweep|bench|ep}"
+part="${1:?usage: gpu_session.sh tests|sweep|dense|bench|ep}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -42,6 +43,17 @@ sweep)
         --modes w4a4-tensor --variants c3 c2 c2-torch-amax --iters 15 \
         --out "$out/sweep-tensor.json"
     ;;
+dense)
+    # The dense prefill path (TritonOptions.dense_above): bitwise against loop 3 and timed
+    # per config, DeepSeek-V3 and Mixtral (then `fp4moe bench --dense-above R` with the best R).
+    step dense_test 200 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py \
+        -k "dense_path_gpu"
+    step sweep_dense 240 python3 benchmarks/sweep_decode.py --tokens 1024 4096 8192 \
+        --variants c3 c3-dense c3configs --iters 10 --out "$out/sweep-dense.json"
+    step sweep_dense_mixtral 200 python3 benchmarks/sweep_decode.py --preset mixtral-8x7b \
+        --tokens 64 256 1024 8192 --variants c3 c3-dense c3configs --iters 8 \
+        --out "$out/sweep-dense-mixtral.json"
+    ;;
 bench)
     common=(--num-tokens 1 8 16 32 64 128 256 1024 4096 8192 16384 --iters 10)
     step deepseek 240 python3 -m fp4moe bench "${common[@]}" --out "$out/deepseek"
@@ -62,7 +74,7 @@ ep)
     step disaggregated 90 python3 examples/disaggregated.py --device cuda
     ;;
 *)
-    echo "unknown part $part (tests, sweep, bench or ep)"
+    echo "unknown part $part (tests, sweep, dense, bench or ep)"
     exit 2
     ;;
 esac

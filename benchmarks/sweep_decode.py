@@ -6,9 +6,10 @@ other: one summation order for every config is what keeps batch invariance).
     PYTHONPATH=src python3 benchmarks/sweep_decode.py --variants c2 c3 c3configs
 
 Variants: c2 (loop 2), old (loop 0), c3 (loop 3, the default, its own configs), c3-split /
-c3-nosplit (split K forced), c2-torch-amax (per-tensor amaxes with torch ops), configs
+c3-nosplit (split K forced), c3-dense (loop 3 on weights decoded once, dense_above=0; the
+same bits as c3), c2-torch-amax (per-tensor amaxes with torch ops), configs
 (loop 2 at each config of SMALL or LARGE), c3configs (loop 3 at each of C3_SMALL or
-C3_LARGE, split and not).
+C3_LARGE, split and not, and dense above 256 tokens).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def main() -> None:
                 "c3": TritonOptions(chunked=3),  # fixed K segments; split at decode sizes
                 "c3-nosplit": TritonOptions(chunked=3, split_k=False),
                 "c3-split": TritonOptions(chunked=3, split_k=True),
+                "c3-dense": TritonOptions(chunked=3, dense_above=0),  # decoded weights loaded
             }
             if sc == "per_tensor":  # the amaxes on the device against torch ops
                 variants["c2-torch-amax"] = TritonOptions(chunked=2, device_amax=False)
@@ -107,10 +109,14 @@ def main() -> None:
                         variants[f"c3{tag}{c}"] = TritonOptions(
                             chunked=3, split_k=split, fc1=g, fc2=g
                         )
+                    if t > 256:  # the dense path at prefill sizes
+                        variants[f"c3d{c}"] = TritonOptions(
+                            chunked=3, split_k=False, fc1=g, fc2=g, dense_above=0
+                        )
             variants = {
                 k: v
                 for k, v in variants.items()
-                if k in a.variants or k.startswith(("c2(", "c3(", "c3s("))
+                if k in a.variants or k.startswith(("c2(", "c3(", "c3s(", "c3d("))
             }
             first = first3 = None
             for name, opt in variants.items():

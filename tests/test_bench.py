@@ -71,3 +71,10 @@ def test_bench_without_gpu_fails_clearly(capsys):
         pytest.skip("has a GPU")
     assert bench.main(["--num-tokens", "1"]) == 1
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_dense_above_flag():
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    assert p.parse_args([]).dense_above is None
+    assert p.parse_args(["--dense-above", "512"]).dense_above == 512

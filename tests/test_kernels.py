@@ -505,6 +505,11 @@ def test_workspace_bytes_counts_segment_partials():
     assert seg - base == (7168 // SEGMENT) * n * 4096 * 4 + (2048 // SEGMENT) * n * 7168 * 4
     off = workspace_bytes(16, 8, 7168, 2048, 32, options=TritonOptions(chunked=3, split_k=False))
     assert off == base
+    # the dense path holds FC1's decoded weights (bf16) above its threshold only
+    big = workspace_bytes(4096, 8, 7168, 2048, 32)
+    dense = workspace_bytes(4096, 8, 7168, 2048, 32, options=TritonOptions(dense_above=512))
+    assert dense - big == 32 * 2 * 2048 * 7168 * 2
+    assert workspace_bytes(16, 8, 7168, 2048, 32, options=TritonOptions(dense_above=512)) == seg
 
 
 @pytest.mark.parametrize("loop", [0, 2, 3])
@@ -644,8 +649,11 @@ def test_dense_weights_bad_input():
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
-@pytest.mark.parametrize("loop", [2, 3])
+@pytest.mark.parametrize(
+    "loop, mode",
+    [(3, m) for m in MODES] + [(2, ("w4a16", "per_token")), (2, ("w4a4", "per_token"))],
+    ids=lambda v: str(v) if isinstance(v, int) else _mode_id(v),
+)
 def test_dense_path_same_bits(interpret, device, mode, loop, monkeypatch):
     """``dense_above``: GEMMs that load the decoded weights give the bits of the GEMMs that
     decode them, fused and deterministic, split K included (loop 3, short tail segment);
@@ -655,43 +663,27 @@ def test_dense_path_same_bits(interpret, device, mode, loop, monkeypatch):
     from fp4moe.kernels import launch
 
     monkeypatch.setattr(launch, "SEGMENT", 64)
-    experts = _experts(4, 160, 96, seed=43, device=device)
-    x = _x(9, 160, seed=43, device=device)
+    experts = _experts(4, 96, 64, seed=43, device=device)
+    x = _x(9, 96, seed=43, device=device)
     ids, w = _routes(9, 2, 4, seed=43, device=device, masked=0.2)
     m, sc = mode
     ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
     for fused in (False, True):
         kw = dict(mode=m, act_scale=sc, fused_finalize=fused)
         base = moe_triton(x, ids, w, experts, options=TritonOptions(chunked=loop), **kw)
-        for split in (False, True) if loop == 3 else (None,):
+        splits = (False, True) if loop == 3 and not fused else (None,)
+        for split in splits:
             opt = TritonOptions(chunked=loop, dense_above=0, split_k=split, poison=True)
-            out = moe_triton(x, ids, w, experts, options=opt, **kw)
-            assert torch.equal(out, base)
+            assert torch.equal(moe_triton(x, ids, w, experts, options=opt, **kw), base)
         assert rel_err(base, ref) <= TOL[m]
-    # the threshold: at 9 * 2 / 4 = 4.5 routes an expert, 4 takes the dense path, 5 not
-    assert launch.TritonOptions(dense_above=4).dense_above == 4
 
 
-def test_dense_path_needs_a_chunked_loop(device):
-    if device != "cpu":
-        pytest.skip("argument check")
-    import os
-
-    from fp4moe.kernels.launch import moe_triton as mt
-
+def test_dense_path_needs_a_chunked_loop(interpret, device):
     experts = _experts(2, 64, 32, seed=1, device=device)
     x = _x(3, 64, seed=1, device=device)
     ids, w = _routes(3, 2, 2, seed=1, device=device, masked=0.0)
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        with pytest.raises(ValueError, match="options: dense_above"):
-            mt(x, ids, w, experts, options=TritonOptions(chunked=0, dense_above=0))
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+    with pytest.raises(ValueError, match="options: dense_above"):
+        moe_triton(x, ids, w, experts, options=TritonOptions(chunked=0, dense_above=0))
 
 
 @pytest.mark.gpu

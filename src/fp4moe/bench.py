@@ -73,6 +73,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graph", action="store_true", help="time eager calls")
     p.add_argument("--no-pdl", action="store_true", help="programmatic dependent launch off")
     p.add_argument(
+        "--dense-above",
+        type=int,
+        default=None,
+        metavar="R",
+        help="TritonOptions.dense_above: above R routes an expert, the GEMMs load weights "
+        "decoded once a call instead of decoding them (same bits); default off",
+    )
+    p.add_argument(
         "--cold-l2",
         action="store_true",
         help="rotate several copies of the experts so weights never sit in L2",
@@ -299,7 +307,9 @@ def run(args: argparse.Namespace) -> dict:
     if not args.no_baseline:
         w13d, w2d = experts.dequantize(torch.bfloat16)
         base = (w13d.transpose(1, 2), w2d.transpose(1, 2))
-    opt = TritonOptions(pdl=not args.no_pdl)
+    if args.dense_above is not None and args.dense_above < 0:
+        raise SystemExit(f"--dense-above: expected a count >= 0, got {args.dense_above}")
+    opt = TritonOptions(pdl=not args.no_pdl, dense_above=args.dense_above)
     graph = not args.no_cuda_graph
     rows = []
     doc = {  # rows fill in as they are timed; written after each token count
@@ -315,6 +325,7 @@ def run(args: argparse.Namespace) -> dict:
         "cuda_graph": graph,
         "pdl": not args.no_pdl,
         "cold_l2": args.cold_l2,
+        "dense_above": args.dense_above,
         "rows": rows,
     }
     plan = [(t, m, f) for t in args.num_tokens for m in args.modes for f in finals]

@@ -521,7 +521,8 @@ def workspace_bytes(
     """Bytes ``moe_triton`` allocates for one call of ``num_tokens`` tokens (freed after the
     call, or held by a CUDA graph's pool): route sort and schedule, activations between
     the GEMMs, W4A4 quantized inputs, route rows or the fp32 accumulator, the output, and
-    (loop 3 with split K) the fp32 segment partials. Tile counters and the per-tensor amax
+    (loop 3 with split K) the fp32 segment partials, (``dense_above``) the decoded
+    weights of FC1. Tile counters and the per-tensor amax
     scalar (a few KB) are left out."""
     opt = options or TritonOptions()
     t, k, h, i = num_tokens, top_k, hidden, inter
@@ -537,6 +538,8 @@ def workspace_bytes(
         total += n * (i // 2 + i // 16 + 4)  # a as NVFP4 + globals
     total += t * h * 4 if fused_finalize else n * h * 2  # fp32 accumulator or route rows
     total += t * h * 2  # output, bf16
+    if opt.dense_above is not None and n and n / num_experts > opt.dense_above:
+        total += num_experts * 2 * i * h * 2  # FC1's decoded bf16 weights (FC2's are half)
     split = opt.split_k if opt.split_k is not None else n / num_experts <= 16
     if int(opt.chunked) == 3 and split and n:
         # Segments of each GEMM (at least 32-element tiles: SEGMENT is a multiple of any BK).
