@@ -49,9 +49,9 @@ dense)
     step dense_test 200 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py \
         -k "dense_path_gpu"
     step sweep_dense 240 python3 benchmarks/sweep_decode.py --tokens 1024 4096 8192 \
-        --variants c3 c3-dense c3configs --iters 10 --out "$out/sweep-dense.json"
+        --variants c3 c3-dense c3dense --iters 10 --out "$out/sweep-dense.json"
     step sweep_dense_mixtral 200 python3 benchmarks/sweep_decode.py --preset mixtral-8x7b \
-        --tokens 64 256 1024 8192 --variants c3 c3-dense c3configs --iters 8 \
+        --tokens 1024 8192 --variants c3 c3-dense c3dense --iters 8 \
         --out "$out/sweep-dense-mixtral.json"
     ;;
 bench)

@@ -87,7 +87,7 @@ def compile_gemm(
         W_DENSE=dense and loop >= 2,
     )  # fmt: skip
     if dense and loop >= 2:  # decoded bf16 weights (dequant.dense_weights)
-        ptrs = {**ptrs, "w_codes_ptr": "*bf16"}
+        ptrs = {**ptrs, "w_codes_ptr": "*bf16", "a_ptr": "*bf16"}
     names = moe_gemm_kernel.arg_names
     sig = {a: ptrs.get(a, "i32" if a == "ws_rows" else "constexpr") for a in names}
     # Pointers are 16-byte aligned at launch (Triton specializes on it); without this

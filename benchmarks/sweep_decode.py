@@ -9,7 +9,7 @@ Variants: c2 (loop 2), old (loop 0), c3 (loop 3, the default, its own configs), 
 c3-nosplit (split K forced), c3-dense (loop 3 on weights decoded once, dense_above=0; the
 same bits as c3), c2-torch-amax (per-tensor amaxes with torch ops), configs
 (loop 2 at each config of SMALL or LARGE), c3configs (loop 3 at each of C3_SMALL or
-C3_LARGE, split and not, and dense above 256 tokens).
+C3_LARGE, split and not), c3dense (above 256 tokens, dense at each of C3_DENSE).
 """
 
 from __future__ import annotations
@@ -50,6 +50,14 @@ C3_LARGE = [
     (64, 64, 64, 4, 3),
 ]
 
+C3_DENSE = [  # the dense path: both operands from shared memory, bigger tiles pay
+    (64, 128, 64, 4, 3),
+    (64, 128, 64, 4, 4),
+    (128, 64, 64, 4, 3),
+    (128, 128, 64, 8, 3),
+    (64, 256, 64, 8, 3),
+]
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -63,7 +71,8 @@ def main() -> None:
         nargs="+",
         default=["c2", "old", "c3", "c3-nosplit", "c2-torch-amax", "configs"],
         help="which variants to time; 'configs' is every loop-2 config of SMALL or LARGE, "
-        "'c3configs' every loop-3 config of C3_SMALL or C3_LARGE",
+        "'c3configs' every loop-3 config of C3_SMALL or C3_LARGE, 'c3dense' every dense "
+        "config of C3_DENSE (above 256 tokens)",
     )
     a = ap.parse_args()
     ceil = card_ceilings()
@@ -109,10 +118,12 @@ def main() -> None:
                         variants[f"c3{tag}{c}"] = TritonOptions(
                             chunked=3, split_k=split, fc1=g, fc2=g
                         )
-                    if t > 256:  # the dense path at prefill sizes
-                        variants[f"c3d{c}"] = TritonOptions(
-                            chunked=3, split_k=False, fc1=g, fc2=g, dense_above=0
-                        )
+            if "c3dense" in a.variants and t > 256:  # the dense path at prefill sizes
+                for c in C3_DENSE:
+                    g = GemmConfig(*c)
+                    variants[f"c3d{c}"] = TritonOptions(
+                        chunked=3, split_k=False, fc1=g, fc2=g, dense_above=0
+                    )
             variants = {
                 k: v
                 for k, v in variants.items()

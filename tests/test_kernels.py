@@ -508,7 +508,7 @@ def test_workspace_bytes_counts_segment_partials():
     # the dense path holds FC1's decoded weights (bf16) above its threshold only
     big = workspace_bytes(4096, 8, 7168, 2048, 32)
     dense = workspace_bytes(4096, 8, 7168, 2048, 32, options=TritonOptions(dense_above=512))
-    assert dense - big == 32 * 2 * 2048 * 7168 * 2
+    assert dense - big == 32 * 2 * 2048 * 7168 * 2 + 4096 * 7168 * 2 + 4096 * 8 * 2048 * 2
     assert workspace_bytes(16, 8, 7168, 2048, 32, options=TritonOptions(dense_above=512)) == seg
 
 

@@ -1,4 +1,4 @@
-"""Expert weights decoded once a call for the dense prefill path (``TritonOptions.
+"""Operands decoded once a call for the dense prefill path (``TritonOptions.
 dense_above``): NVFP4 rows to the very operand values the chunk-ordered GEMM loops decode
 in registers, stored in the same chunk order, so that the GEMM can load them instead of
 decoding them (``moe_gemm_kernel`` with ``W_DENSE``) and give the same bits.
@@ -18,7 +18,12 @@ import triton.language as tl
 from ..nvfp4 import dequantize_blocks
 from .gemm import decode_permuted
 
-__all__ = ["dense_weights", "dense_weights_kernel", "dense_weights_reference"]
+__all__ = [
+    "chunk_order",
+    "dense_weights",
+    "dense_weights_kernel",
+    "dense_weights_reference",
+]
 
 
 @triton.jit
@@ -90,9 +95,14 @@ def dense_weights(codes: torch.Tensor, scales: torch.Tensor, *, decode_asm: bool
     return out.reshape(*lead, k)
 
 
+def chunk_order(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., K] -> [..., K] of ``dtype``: each chunk of 32 elements as its 16 even, then
+    its 16 odd elements (the order the GEMM loops multiply in); values unchanged."""
+    k = x.shape[-1]
+    v = x.reshape(*x.shape[:-1], k // 32, 16, 2).transpose(-1, -2)
+    return v.reshape(*x.shape[:-1], k).to(dtype)
+
+
 def dense_weights_reference(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """fp32 [..., K]: ``dense_weights`` in plain PyTorch (value * 2^-8, chunk order)."""
-    v = dequantize_blocks(codes, scales) * 2.0**-8
-    k = v.shape[-1]
-    v = v.reshape(*v.shape[:-1], k // 32, 16, 2).transpose(-1, -2)
-    return v.reshape(*v.shape[:-3], k)
+    return chunk_order(dequantize_blocks(codes, scales) * 2.0**-8, torch.float32)

@@ -262,13 +262,14 @@ def _chunk_ptrs(a_ptr, a_scales_ptr, w_codes_ptr, w_scales_ptr, row_g, src,
                 W_DENSE: tl.constexpr = False):  # fmt: skip
     """Pointers of the first K tile for ``_chunk_tile``: weight codes and scales of the
     rows ``row_g`` (W_DENSE: rows of decoded weights, ``dequant.dense_weights``);
-    activation codes and scales (W4A4) or bf16 rows (W4A16) of ``src``."""
+    activation codes and scales (W4A4) or bf16 rows (W4A16) of ``src`` (W_DENSE: rows of
+    the activation operand already in chunk order, decoded for W4A4)."""
     if W_DENSE:
         cw2 = w_codes_ptr + row_g[:, None] * K + tl.arange(0, BK)[None, :]
     else:
         cw2 = w_codes_ptr + row_g[:, None] * (K // 2) + tl.arange(0, BK // 2)[None, :]
     sw2 = w_scales_ptr + row_g[:, None] * (K // 16) + tl.arange(0, BK // 16)[None, :]
-    if A_FP4:
+    if A_FP4 and not W_DENSE:
         ca2 = a_ptr + src[:, None] * (K // 2) + tl.arange(0, BK // 2)[None, :]
         sa2 = a_scales_ptr + src[:, None] * (K // 16) + tl.arange(0, BK // 16)[None, :]
         xp2 = ca2
@@ -287,11 +288,14 @@ def _chunk_tile(
     W_DENSE: tl.constexpr = False,
 ):  # fmt: skip
     """One K tile of the chunk-ordered loop (``CHUNKED`` 2 and 3): load, decode, dot.
-    W_DENSE: the weight tile is loaded already decoded, in chunk order (the values
-    ``decode_permuted`` gives), so the dots see the same operands: the same bits."""
+    W_DENSE: both operand tiles are loaded already decoded and in chunk order (the values
+    ``decode_permuted`` and the register permutation give), so the dots see the same
+    operands: the same bits."""
     KH: tl.constexpr = K // 2
     KS: tl.constexpr = K // 16
-    if A_FP4:
+    if W_DENSE:  # the activation operand, already in chunk order (and decoded)
+        x = tl.trans(tl.load(xp2 + kb * BK, mask=m_mask[:, None], other=0.0))
+    elif A_FP4:
         ac = tl.load(ca2 + kb * (BK // 2), mask=m_mask[:, None], other=0)
         asc = tl.load(sa2 + kb * (BK // 16), mask=m_mask[:, None], other=0.0)
         x = tl.trans(decode_permuted(ac, asc, BM, BK, DECODE_ASM, DOT_DTYPE))
@@ -318,7 +322,7 @@ def _chunk_tile(
 
 @triton.jit
 def moe_gemm_kernel(
-    a_ptr,  # bf16 [rows, K] or NVFP4 codes uint8 [rows, K/2]
+    a_ptr,  # bf16 [rows, K] or NVFP4 codes uint8 [rows, K/2]; W_DENSE: [rows, K] chunk order
     a_scales_ptr,  # e4m3 [rows, K/16] (A_FP4)
     a_global_ptr,  # fp32 [rows] (A_FP4)
     sorted_routes_ptr,  # int32 [T*K]: sorted position -> flat route t*TOPK + k

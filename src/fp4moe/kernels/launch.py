@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..experts import PreparedExperts
 from ..nvfp4 import global_from_amax
-from .dequant import dense_weights
+from .dequant import chunk_order, dense_weights
 from .finalize import finalize_block_h, finalize_kernel
 from .gemm import GemmConfig, choose_gemm_config, moe_gemm_kernel
 from .quantize import (
@@ -82,11 +82,12 @@ class TritonOptions:
         (tested in the interpreter and on the H200), so on by default.
     dense_above: None (default): off. An int: a call whose routes an expert (T * top-k / E,
         masked routes counted, as for the configs) exceed it decodes each GEMM's expert
-        weights once (``dequant.dense_weights``: the loop's own operand values and order,
-        bf16) and the GEMM loads them instead of decoding in its main loop. The same
-        operands in the same order: the same bits as without it (tested), so batch
-        invariance holds across the threshold. Costs a bf16 copy of one GEMM's weights
-        (E * 2I * H * 2 bytes for FC1) during the call. Loops 2 and 3 only.
+        weights and W4A4 activations once (``dequant.dense_weights``: the loop's own
+        operand values and order, bf16; W4A16 activations are put in that order) and the
+        GEMM loads both operands instead of decoding in its main loop. The same operands
+        in the same order: the same bits as without it (tested), so batch invariance
+        holds across the threshold. Costs a bf16 copy of one GEMM's weights (E * 2I * H *
+        2 bytes for FC1) and of the activations during the call. Loops 2 and 3 only.
         NOT YET RUN ON A GPU.
     poison: fill every workspace and the output with NaN (0xFF bytes for codes and
         scales) before the kernels run, so tests see any element no kernel wrote.
@@ -215,6 +216,10 @@ def _gemm(
         if not chunked:
             raise ValueError("options: dense_above needs chunked=2 or 3")
         w_codes = dense_weights(w_codes, w_scales, decode_asm=decode_asm)
+        if a_scales is not None:  # W4A4: the activation rows decoded once too
+            a = dense_weights(a, a_scales, decode_asm=decode_asm)
+        else:  # W4A16: the bf16 rows in chunk order (one copy instead of a register shuffle)
+            a = chunk_order(a, w_codes.dtype)
     if chunked:
         # Both operands decoded (or bf16 activations) as bf16; each decoded operand carries
         # a factor 2^-8 (gemm.decode_chunk), undone on the fp32 accumulator.
@@ -522,7 +527,7 @@ def workspace_bytes(
     call, or held by a CUDA graph's pool): route sort and schedule, activations between
     the GEMMs, W4A4 quantized inputs, route rows or the fp32 accumulator, the output, and
     (loop 3 with split K) the fp32 segment partials, (``dense_above``) the decoded
-    weights of FC1. Tile counters and the per-tensor amax
+    weights of FC1 and both GEMMs' activations in chunk order. Tile counters and the per-tensor amax
     scalar (a few KB) are left out."""
     opt = options or TritonOptions()
     t, k, h, i = num_tokens, top_k, hidden, inter
@@ -540,6 +545,8 @@ def workspace_bytes(
     total += t * h * 2  # output, bf16
     if opt.dense_above is not None and n and n / num_experts > opt.dense_above:
         total += num_experts * 2 * i * h * 2  # FC1's decoded bf16 weights (FC2's are half)
+        x_rows = n if mode == "w4a4" and act_scale == "static" else t
+        total += x_rows * h * 2 + n * i * 2  # both GEMMs' activations in chunk order, bf16
     split = opt.split_k if opt.split_k is not None else n / num_experts <= 16
     if int(opt.chunked) == 3 and split and n:
         # Segments of each GEMM (at least 32-element tiles: SEGMENT is a multiple of any BK).
