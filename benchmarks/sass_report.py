@@ -84,7 +84,7 @@ def compile_gemm(
         OUT_SCALE=1.0, BM=bm, BN=bn, BK=bk, DOT_DTYPE=dot, W_DTYPE=dot, USE_PDL=True,
         INTERPRET=False, DECODE_ASM=chunked, PREFETCH=False, OUT_FP4=False, CHUNKED=loop,
         SEG_TILES=SEGMENT // bk if loop == 3 else 0, SPLIT=split and loop == 3,
-        W_DENSE=dense and loop >= 2,
+        W_DENSE=dense and loop >= 2, GROUP_M=8 if dense and loop >= 2 else 0,
     )  # fmt: skip
     if dense and loop >= 2:  # decoded bf16 weights (dequant.dense_weights)
         ptrs = {**ptrs, "w_codes_ptr": "*bf16", "a_ptr": "*bf16"}

@@ -705,3 +705,22 @@ def test_dense_path_gpu(gpu_experts, mode, t):
                    options=TritonOptions(dense_above=0, poison=True))  # fmt: skip
     assert torch.equal(a, b)
     assert rel_err(b, moe_reference(x, ids, w, experts, mode=m, act_scale=sc)) <= TOL[m]
+
+
+@pytest.mark.kernel
+def test_dense_grouped_raster_many_blocks(interpret, device):
+    """The dense path's grouped raster (GROUP_M = 8 row blocks) covers every tile once
+    when the row blocks are not a multiple of 8 (15 blocks: one full group, one of 7),
+    split K included."""
+    if device != "cpu":
+        pytest.skip("interpreter case")
+    from fp4moe.kernels.gemm import GemmConfig
+
+    experts = _experts(3, 128, 96, seed=44, device=device)
+    x = _x(90, 128, seed=44, device=device)
+    ids, w = _routes(90, 2, 3, seed=44, device=device, masked=0.0)
+    g = GemmConfig(16, 32, 32, num_stages=1)
+    base = moe_triton(x, ids, w, experts, options=TritonOptions(fc1=g, fc2=g))
+    for split in (False, True):
+        opt = TritonOptions(fc1=g, fc2=g, dense_above=0, split_k=split, poison=True)
+        assert torch.equal(moe_triton(x, ids, w, experts, options=opt), base)

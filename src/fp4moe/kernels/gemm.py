@@ -362,11 +362,19 @@ def moe_gemm_kernel(
     SEG_TILES: tl.constexpr = 0,
     SPLIT: tl.constexpr = False,
     W_DENSE: tl.constexpr = False,
-    M_FAST: tl.constexpr = False,
+    GROUP_M: tl.constexpr = 0,
 ):
-    if M_FAST:  # consecutive programs share a weight tile (L2 reuse of dense weights)
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+    if GROUP_M:
+        # One grid axis in groups of GROUP_M tile rows: consecutive programs sweep the
+        # weight tiles of GROUP_M row blocks, so both the (dense) weight tiles and the
+        # activation rows are reused from L2 instead of read again from HBM.
+        NT: tl.constexpr = (N + BN - 1) // BN
+        p = tl.program_id(0)
+        num_m = tl.num_programs(0) // NT
+        first_m = (p // (GROUP_M * NT)) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (p % (GROUP_M * NT)) % size_m
+        pid_n = (p % (GROUP_M * NT)) // size_m
     else:
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)

@@ -236,8 +236,9 @@ def _gemm(
             dot, wdt = tl.bfloat16, tl.bfloat16
         out_scale = 2.0**28 if a_fp4 else (1.0 if decode_asm else 2.0**14)
     grid = (triton.cdiv(n, cfg.block_n), sort.num_blocks)
-    if dense:  # M blocks fastest: a bf16 weight tile is read from HBM once, then from L2
-        grid = (sort.num_blocks, grid[0])
+    group_m = 8 if dense else 0  # dense tiles: grouped raster for L2 reuse (GROUP_M)
+    if group_m:
+        grid = (grid[0] * grid[1], 1)
     dummy = w_global
     seg_tiles = SEGMENT // cfg.block_k if int(chunked) == 3 else 0
     nseg = -(-(k // cfg.block_k) // seg_tiles) if seg_tiles else 1
@@ -261,7 +262,7 @@ def _gemm(
         OUT_SCALE=out_scale, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         DOT_DTYPE=dot, W_DTYPE=wdt, INTERPRET=interpreting(), DECODE_ASM=decode_asm,
         PREFETCH=cfg.prefetch, OUT_FP4=out_fp4 is not None, CHUNKED=int(chunked),
-        SEG_TILES=seg_tiles, SPLIT=split, W_DENSE=dense, M_FAST=dense,
+        SEG_TILES=seg_tiles, SPLIT=split, W_DENSE=dense, GROUP_M=group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
