@@ -321,6 +321,29 @@ def _chunk_tile(
 
 
 @triton.jit
+def _segment(
+    first, NT: tl.constexpr, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
+    N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GATED: tl.constexpr, A_FP4: tl.constexpr, DECODE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    W_DENSE: tl.constexpr,
+):  # fmt: skip
+    """One K segment of loop 3 in registers: NT tiles from tile ``first`` summed from
+    zero (a constexpr trip count and no branch, which the software pipeliner needs),
+    then added to the running sums."""
+    pg = tl.zeros((BN, BM), dtype=tl.float32)
+    pu = tl.zeros((BN, BM), dtype=tl.float32)
+    for j in range(0, NT):
+        pg, pu = _chunk_tile(
+            first + j, pg, pu, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
+            N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE,
+        )  # fmt: skip
+    acc_g = acc_g + pg
+    if GATED:
+        acc_u = acc_u + pu
+    return acc_g, acc_u
+
+
+@triton.jit
 def moe_gemm_kernel(
     a_ptr,  # bf16 [rows, K] or NVFP4 codes uint8 [rows, K/2]; W_DENSE: [rows, K] chunk order
     a_scales_ptr,  # e4m3 [rows, K/16] (A_FP4)
@@ -525,27 +548,17 @@ def moe_gemm_kernel(
             # branch in the inner loop, which the software pipeliner needs (a `kb < KB`
             # test there cost 15% to 30% at prefill sizes on the H200).
             for sg_i in range(0, NFULL):
-                pg = tl.zeros((BN, BM), dtype=tl.float32)
-                pu = tl.zeros((BN, BM), dtype=tl.float32)
-                for j in range(0, SEG_TILES):
-                    pg, pu = _chunk_tile(
-                        sg_i * SEG_TILES + j, pg, pu, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
-                        N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE,
-                    )  # fmt: skip
-                acc_g = acc_g + pg
-                if GATED:
-                    acc_u = acc_u + pu
+                acc_g, acc_u = _segment(
+                    sg_i * SEG_TILES, SEG_TILES, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2,
+                    m_mask, n_mask, N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
+                    W_DENSE,
+                )  # fmt: skip
             if REM > 0:
-                pg = tl.zeros((BN, BM), dtype=tl.float32)
-                pu = tl.zeros((BN, BM), dtype=tl.float32)
-                for j in range(0, REM):
-                    pg, pu = _chunk_tile(
-                        NFULL * SEG_TILES + j, pg, pu, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
-                        N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE,
-                    )  # fmt: skip
-                acc_g = acc_g + pg
-                if GATED:
-                    acc_u = acc_u + pu
+                acc_g, acc_u = _segment(
+                    NFULL * SEG_TILES, REM, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2,
+                    m_mask, n_mask, N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
+                    W_DENSE,
+                )  # fmt: skip
     else:
         # Register double buffering (PREFETCH): the next tile's weight bytes are in flight while
         # this tile is decoded and multiplied.
