@@ -531,12 +531,16 @@ def test_gemm_configs_valid_for_every_preset(loop, monkeypatch):
     for p in PRESETS.values():
         for t in (1, 16, 64, 256, 1024, 8192, 16384):
             for mode in ("w4a16", "w4a4"):
-                c1, c2 = gemm_configs(t * p.top_k, _E(p), mode, TritonOptions(chunked=loop))
-                assert c1.block_m == c2.block_m
-                for cfg, k in ((c1, p.hidden), (c2, p.inter)):
-                    assert k % cfg.block_k == 0
-                    if loop:
-                        assert cfg.block_k % 32 == 0 and SEGMENT % cfg.block_k == 0
+                for dense in (None, 256) if loop else (None,):
+                    opt = TritonOptions(chunked=loop, dense_above=dense)
+                    c1, c2 = gemm_configs(t * p.top_k, _E(p), mode, opt)
+                    assert c1.block_m == c2.block_m
+                    for cfg, k in ((c1, p.hidden), (c2, p.inter)):
+                        assert k % cfg.block_k == 0
+                        if loop:
+                            assert cfg.block_k % 32 == 0 and SEGMENT % cfg.block_k == 0
+                    if dense and t * p.top_k / p.local_experts > dense:  # the dense tiles
+                        assert (c1.block_m, c1.block_n, c1.block_k) == (64, 128, 64)
 
 
 @pytest.mark.kernel

@@ -298,6 +298,14 @@ def gemm_configs(
     rows_per_expert = n_routes / experts.num_experts
     loop = int(options.chunked)
     h, inter, a_fp4 = experts.hidden_size, experts.intermediate_size, mode == "w4a4"
+    if options.dense_above is not None and rows_per_expert > options.dense_above:
+        # Dense operands: no decode in the loop, so W4A4 no longer favors 128-row tiles;
+        # (64, 128, 64) has the leanest main loop in the SASS (1.24 and 1.75 instructions a
+        # weight for FC1 and FC2, sass_report --dense). Not yet measured on a GPU.
+        dense = GemmConfig(64, 128, 64, 4, 3)
+        ok = not interpreting() and h % 64 == 0 and inter % 64 == 0
+        if ok and options.fc1 is None and options.fc2 is None:
+            return dense, dense
     cfg1 = options.fc1 or choose_gemm_config(
         rows_per_expert, inter, h, gated=True, interpret=interpreting(), a_fp4=a_fp4, loop=loop
     )
