@@ -549,7 +549,7 @@ def test_gemm_configs_valid_for_every_preset(loop, monkeypatch):
 def test_segmented_split_edges(interpret, device, monkeypatch, mode, t, k, e, h, i, masked, one):
     """Loop 3 with split K at the edge sizes (T 1, masked, empty experts, one expert, all
     masked): poisoned workspaces, within tolerance of the reference, all-masked tokens 0,
-    and the same bits as without the split."""
+    and the same bits as without the split and as the dense path (``dense_above``)."""
     if device != "cpu":
         pytest.skip("interpreter case; test_segmented_loop_gpu runs on the GPU")
     from fp4moe.kernels import launch
@@ -565,10 +565,12 @@ def test_segmented_split_edges(interpret, device, monkeypatch, mode, t, k, e, h,
     cfg = GemmConfig(16, 32, 32, num_stages=1)
     outs = [
         moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
-                   options=TritonOptions(fc1=cfg, fc2=cfg, chunked=3, split_k=s, poison=True))
-        for s in (True, False)
+                   options=TritonOptions(fc1=cfg, fc2=cfg, chunked=3, split_k=s,
+                                         dense_above=d, poison=True))
+        for s, d in ((True, None), (False, None), (False, 0))
     ]  # fmt: skip
     assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[2])
     assert not torch.isnan(outs[0]).any()
     if bool((ids >= 0).any()):
         ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
