@@ -104,6 +104,18 @@ class TritonOptions:
     fc1_nvfp4_out: bool = True
     dense_above: int | None = None
 
+    def split_for(self, n_routes: int, num_experts: int) -> bool:
+        """Whether loop 3 splits K for a call of ``n_routes`` routes over the experts."""
+        if self.split_k is not None:
+            return self.split_k
+        return n_routes / num_experts <= 16
+
+    def dense_for(self, n_routes: int, num_experts: int) -> bool:
+        """Whether a call of ``n_routes`` routes takes the dense path (``dense_above``)."""
+        if self.dense_above is None or n_routes == 0:
+            return False
+        return n_routes / num_experts > self.dense_above
+
 
 def use_pdl(opt: TritonOptions, device: torch.device) -> bool:
     """Whether the kernels of a call on ``device`` use programmatic dependent launch."""
@@ -298,7 +310,7 @@ def gemm_configs(
     rows_per_expert = n_routes / experts.num_experts
     loop = int(options.chunked)
     h, inter, a_fp4 = experts.hidden_size, experts.intermediate_size, mode == "w4a4"
-    if options.dense_above is not None and rows_per_expert > options.dense_above:
+    if options.dense_for(n_routes, experts.num_experts):
         # Dense operands: no decode in the loop, so W4A4 no longer favors 128-row tiles;
         # (64, 128, 64) has the leanest main loop in the SASS (1.24 and 1.75 instructions a
         # weight for FC1 and FC2, sass_report --dense). Not yet measured on a GPU.
@@ -359,8 +371,8 @@ def expert_gemms(
     e_count = experts.num_experts
     # Segmented loop: split K segments over programs when few rows an expert leave too few
     # programs to fill the GPU (same bits either way).
-    split = opt.split_k if opt.split_k is not None else n_routes / e_count <= 16
-    dense = opt.dense_above is not None and n_routes / e_count > opt.dense_above
+    split = opt.split_for(n_routes, e_count)
+    dense = opt.dense_for(n_routes, e_count)
     h, inter = experts.hidden_size, experts.intermediate_size
     dev = a.device
     n_valid = sort.expert_offsets[e_count:]
@@ -552,11 +564,11 @@ def workspace_bytes(
         total += n * (i // 2 + i // 16 + 4)  # a as NVFP4 + globals
     total += t * h * 4 if fused_finalize else n * h * 2  # fp32 accumulator or route rows
     total += t * h * 2  # output, bf16
-    if opt.dense_above is not None and n and n / num_experts > opt.dense_above:
+    if opt.dense_for(n, num_experts):
         total += num_experts * 2 * i * h * 2  # FC1's decoded bf16 weights (FC2's are half)
         x_rows = n if mode == "w4a4" and act_scale == "static" else t
         total += x_rows * h * 2 + n * i * 2  # both GEMMs' activations in chunk order, bf16
-    split = opt.split_k if opt.split_k is not None else n / num_experts <= 16
+    split = opt.split_for(n, num_experts)
     if int(opt.chunked) == 3 and split and n:
         # Segments of each GEMM (at least 32-element tiles: SEGMENT is a multiple of any BK).
         for kk, width in ((h, 2 * i), (i, h)):
