@@ -78,3 +78,5 @@ def test_dense_above_flag():
     bench.add_arguments(p)
     assert p.parse_args([]).dense_above is None
     assert p.parse_args(["--dense-above", "512"]).dense_above == 512
+    with pytest.raises(SystemExit):  # argparse names the argument
+        p.parse_args(["--dense-above", "-1"])

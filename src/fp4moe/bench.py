@@ -55,6 +55,14 @@ MODES = {
 DEFAULT_TOKENS = [2**i for i in range(15)]  # 1 .. 16384
 
 
+def _count(text: str) -> int:
+    """argparse type: an int >= 0."""
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a count >= 0, got {v}")
+    return v
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="deepseek-v3-ep8", choices=sorted(PRESETS))
     for name in ("hidden", "inter", "experts", "local-experts", "top-k"):
@@ -74,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pdl", action="store_true", help="programmatic dependent launch off")
     p.add_argument(
         "--dense-above",
-        type=int,
+        type=_count,
         default=None,
         metavar="R",
         help="TritonOptions.dense_above: above R routes an expert, the GEMMs load weights "
@@ -307,8 +315,6 @@ def run(args: argparse.Namespace) -> dict:
     if not args.no_baseline:
         w13d, w2d = experts.dequantize(torch.bfloat16)
         base = (w13d.transpose(1, 2), w2d.transpose(1, 2))
-    if args.dense_above is not None and args.dense_above < 0:
-        raise SystemExit(f"--dense-above: expected a count >= 0, got {args.dense_above}")
     opt = TritonOptions(pdl=not args.no_pdl, dense_above=args.dense_above)
     graph = not args.no_cuda_graph
     rows = []
