@@ -78,15 +78,16 @@ def compile_gemm(
         "cnt_ptr": "*i32",
     }
     chunked = loop > 0
+    dense = dense and loop >= 2  # the dense path exists for the chunk-ordered loops only
     dot = tl.bfloat16 if chunked or not a_fp4 else tl.float16
     const = dict(
         N=n, K=k, TOPK=8, GATED=gated, A_FP4=a_fp4, A_GATHER=gated, FUSED=False,
         OUT_SCALE=1.0, BM=bm, BN=bn, BK=bk, DOT_DTYPE=dot, W_DTYPE=dot, USE_PDL=True,
         INTERPRET=False, DECODE_ASM=chunked, PREFETCH=False, OUT_FP4=False, CHUNKED=loop,
         SEG_TILES=SEGMENT // bk if loop == 3 else 0, SPLIT=split and loop == 3,
-        W_DENSE=dense and loop >= 2, GROUP_M=8 if dense and loop >= 2 else 0,
+        W_DENSE=dense, GROUP_M=8 if dense else 0,
     )  # fmt: skip
-    if dense and loop >= 2:  # decoded bf16 weights (dequant.dense_weights)
+    if dense:  # both operands decoded, bf16 (dequant.dense_weights)
         ptrs = {**ptrs, "w_codes_ptr": "*bf16", "a_ptr": "*bf16"}
     names = moe_gemm_kernel.arg_names
     sig = {a: ptrs.get(a, "i32" if a == "ws_rows" else "constexpr") for a in names}
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loop", type=int, nargs="+", default=[0, 2, 3], choices=[0, 1, 2, 3])
     p.add_argument("--config", nargs="+", default=DEFAULT_CONFIGS, help="BM,BN,BK,warps,stages")
     p.add_argument("--split", action="store_true", help="loop 3: the split-K programs")
-    p.add_argument("--dense", action="store_true", help="loops 2, 3: weights loaded decoded")
+    p.add_argument("--dense", action="store_true", help="loops 2, 3: operands loaded decoded")
     a = p.parse_args(argv)
     h, inter = SHAPES[a.preset]
     gemms = ["fc1", "fc2"] if a.gemm == "both" else [a.gemm]
