@@ -5,9 +5,10 @@ other: one summation order for every config is what keeps batch invariance).
     PYTHONPATH=src python3 benchmarks/sweep_decode.py --out sweep.json
     PYTHONPATH=src python3 benchmarks/sweep_decode.py --variants c2 c3 c3configs
 
-Variants: c2 (loop 2), old (loop 0), c3 (loop 3, the default, its own configs), c3-split /
-c3-nosplit (split K forced), c3-dense (loop 3 on weights decoded once, dense_above=0; the
-same bits as c3), c2-torch-amax (per-tensor amaxes with torch ops), configs
+Variants: c2 (loop 2), old (loop 0), c3 (the defaults: loop 3, its own configs, the dense
+path above ``dense_above``), c3-nodense (loop 3 never dense), c3-split / c3-nosplit
+(split K forced, never dense), c3-dense (loop 3 on weights decoded once, dense_above=0;
+the same bits as c3), c2-torch-amax (per-tensor amaxes with torch ops), configs
 (loop 2 at each config of SMALL or LARGE), c3configs (loop 3 at each of C3_SMALL or
 C3_LARGE, split and not), c3dense (above 256 tokens, dense at each of C3_DENSE).
 """
@@ -97,26 +98,29 @@ def main() -> None:
             m, sc = MODES[mode]
             ref = moe_reference(x, ids, w, ex, mode=m, act_scale=sc).float()
             variants = {
-                "c2": TritonOptions(chunked=2),
+                "c2": TritonOptions(chunked=2, dense_above=None),
                 "old": TritonOptions(chunked=0, decode_asm=False),
-                "c3": TritonOptions(chunked=3),  # fixed K segments; split at decode sizes
-                "c3-nosplit": TritonOptions(chunked=3, split_k=False),
-                "c3-split": TritonOptions(chunked=3, split_k=True),
+                "c3": TritonOptions(chunked=3),  # the defaults (dense from dense_above)
+                "c3-nodense": TritonOptions(chunked=3, dense_above=None),
+                "c3-nosplit": TritonOptions(chunked=3, split_k=False, dense_above=None),
+                "c3-split": TritonOptions(chunked=3, split_k=True, dense_above=None),
                 "c3-dense": TritonOptions(chunked=3, dense_above=0),  # decoded weights loaded
             }
             if sc == "per_tensor":  # the amaxes on the device against torch ops
-                variants["c2-torch-amax"] = TritonOptions(chunked=2, device_amax=False)
+                variants["c2-torch-amax"] = TritonOptions(
+                    chunked=2, device_amax=False, dense_above=None
+                )
             if "configs" in a.variants:
                 for c in SMALL if t <= 256 else LARGE:
                     g = GemmConfig(*c)
-                    variants[f"c2{c}"] = TritonOptions(chunked=2, fc1=g, fc2=g)
+                    variants[f"c2{c}"] = TritonOptions(chunked=2, fc1=g, fc2=g, dense_above=None)
             if "c3configs" in a.variants:  # loop 3's own configs, with split K and without
                 for c in C3_SMALL if t <= 256 else C3_LARGE:
                     g = GemmConfig(*c)
                     for split in (True, False) if t <= 1024 else (False,):
                         tag = "s" if split else ""
                         variants[f"c3{tag}{c}"] = TritonOptions(
-                            chunked=3, split_k=split, fc1=g, fc2=g
+                            chunked=3, split_k=split, fc1=g, fc2=g, dense_above=None
                         )
             if "c3dense" in a.variants and t > 256:  # the dense path at prefill sizes
                 for c in C3_DENSE:

@@ -76,7 +76,8 @@ def test_bench_without_gpu_fails_clearly(capsys):
 def test_dense_above_flag():
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
-    assert p.parse_args([]).dense_above is None
+    assert p.parse_args([]).dense_above is None  # TritonOptions' own default
     assert p.parse_args(["--dense-above", "512"]).dense_above == 512
+    assert p.parse_args(["--dense-above", "off"]).dense_above == "off"
     with pytest.raises(SystemExit):  # argparse names the argument
         p.parse_args(["--dense-above", "-1"])

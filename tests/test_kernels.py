@@ -318,6 +318,14 @@ def test_backend_triton_through_moe(interpret, device):
     out = fp4moe.moe(x, ids, w, experts, mode="w4a4", backend="triton")
     ref = moe_reference(x, ids, w, experts, mode="w4a4", act_scale="per_token")
     assert rel_err(out, ref) <= TOL["w4a4"]
+    # options reach the kernels: the dense path with poisoned workspaces, the same bits
+    opt = TritonOptions(dense_above=0, valid_fraction=0.5, poison=True)
+    dense = fp4moe.moe(x, ids, w, experts, mode="w4a4", backend="triton", options=opt)
+    assert torch.equal(dense, out)
+    assert torch.equal(fp4moe.moe(x, ids, w, experts, mode="w4a4", backend="reference",
+                                  options=opt), ref)  # fmt: skip
+    with pytest.raises(TypeError, match="options"):
+        fp4moe.moe(x, ids, w, experts, backend="triton", options={"dense_above": 0})
 
 
 @pytest.mark.kernel
@@ -507,9 +515,22 @@ def test_workspace_bytes_counts_segment_partials():
     assert off == base
     # the dense path holds FC1's decoded weights (bf16) above its threshold only
     big = workspace_bytes(4096, 8, 7168, 2048, 32)
-    dense = workspace_bytes(4096, 8, 7168, 2048, 32, options=TritonOptions(dense_above=512))
+    dense = workspace_bytes(
+        4096, 8, 7168, 2048, 32, options=TritonOptions(dense_above=512, valid_fraction=1.0)
+    )
     assert dense - big == 32 * 2 * 2048 * 7168 * 2 + 4096 * 7168 * 2 + 4096 * 8 * 2048 * 2
     assert workspace_bytes(16, 8, 7168, 2048, 32, options=TritonOptions(dense_above=512)) == seg
+    # by default above 192 valid routes an expert, 1/6 of the routes taken as valid when
+    # unknown: DeepSeek-V3 EP8 at 8192 tokens (341 "valid"), not at 4096 (171)
+    off = TritonOptions(dense_above=None)
+    assert workspace_bytes(4096, 8, 7168, 2048, 32) == workspace_bytes(
+        4096, 8, 7168, 2048, 32, options=off
+    )
+    assert (
+        workspace_bytes(8192, 8, 7168, 2048, 32)
+        - workspace_bytes(8192, 8, 7168, 2048, 32, options=off)
+        == 32 * 2 * 2048 * 7168 * 2 + 8192 * 7168 * 2 + 8192 * 8 * 2048 * 2
+    )
 
 
 @pytest.mark.parametrize("loop", [0, 2, 3])
@@ -532,7 +553,7 @@ def test_gemm_configs_valid_for_every_preset(loop, monkeypatch):
         for t in (1, 16, 64, 256, 1024, 8192, 16384):
             for mode in ("w4a16", "w4a4"):
                 for dense in (None, 256) if loop else (None,):
-                    opt = TritonOptions(chunked=loop, dense_above=dense)
+                    opt = TritonOptions(chunked=loop, dense_above=dense, valid_fraction=1.0)
                     c1, c2 = gemm_configs(t * p.top_k, _E(p), mode, opt)
                     assert c1.block_m == c2.block_m
                     for cfg, k in ((c1, p.hidden), (c2, p.inter)):
@@ -540,7 +561,7 @@ def test_gemm_configs_valid_for_every_preset(loop, monkeypatch):
                         if loop:
                             assert cfg.block_k % 32 == 0 and SEGMENT % cfg.block_k == 0
                     if dense and t * p.top_k / p.local_experts > dense:  # the dense tiles
-                        assert (c1.block_m, c1.block_n, c1.block_k) == (64, 128, 64)
+                        assert (c1.block_m, c1.block_n, c1.block_k) == (128, 128, 64)
 
 
 @pytest.mark.kernel
@@ -684,12 +705,78 @@ def test_dense_path_same_bits(interpret, device, mode, loop, monkeypatch):
         assert rel_err(base, ref) <= TOL[m]
 
 
-def test_dense_path_needs_a_chunked_loop(interpret, device):
+@pytest.mark.kernel
+def test_dense_path_only_for_chunked_loops(interpret, device):
+    """Loops 0 and 1 ignore ``dense_above`` (they have no dense variant): same output."""
     experts = _experts(2, 64, 32, seed=1, device=device)
     x = _x(3, 64, seed=1, device=device)
     ids, w = _routes(3, 2, 2, seed=1, device=device, masked=0.0)
-    with pytest.raises(ValueError, match="options: dense_above"):
-        moe_triton(x, ids, w, experts, options=TritonOptions(chunked=0, dense_above=0))
+    for loop in (0, 1):
+        assert not TritonOptions(chunked=loop, dense_above=0).dense_for(6, 2)
+        outs = [
+            moe_triton(x, ids, w, experts, options=TritonOptions(chunked=loop, dense_above=d))
+            for d in (0, None)
+        ]
+        assert torch.equal(outs[0], outs[1])
+    assert TritonOptions(dense_above=0).dense_for(6, 2)
+    # the default: above 192 valid routes an expert; unknown validity counts 1/6 of them
+    assert not TritonOptions().dense_for(1152 * 2, 2)
+    assert TritonOptions().dense_for(1158 * 2, 2)
+    assert not TritonOptions(valid_fraction=1.0).dense_for(192 * 2, 2)
+    assert TritonOptions(valid_fraction=1.0).dense_for(193 * 2, 2)
+    assert not TritonOptions(valid_fraction=1 / 8).dense_for(1536 * 2, 2)
+    assert TritonOptions(valid_fraction=1 / 8).dense_for(2048 * 2, 2)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(dense_above=-1), dict(dense_above=1.5), dict(dense_above=True),
+     dict(valid_fraction=0), dict(valid_fraction=1.5), dict(valid_fraction="1")],
+    ids=str,
+)  # fmt: skip
+def test_triton_options_bad_dense_arguments(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        TritonOptions(**kw)
+
+
+@pytest.mark.kernel
+def test_dense_rows_match_reference(interpret, device):
+    """``dense_rows``: NVFP4 rows decoded as ``dense_weights``, bf16 rows in chunk order
+    (values unchanged); with a device count only the rows below it are written."""
+    if device != "cpu":
+        pytest.skip("interpreter case; test_dense_path_gpu runs it on the GPU")
+    from fp4moe.kernels.dequant import chunk_order, dense_rows, dense_weights_reference
+
+    ex = _experts(1, 96, 32, seed=5, device=device)
+    codes, scales = ex.w13_codes[0], ex.w13_scales[0]  # [64, 48], [64, 6]
+    ref = dense_weights_reference(codes, scales)
+    assert torch.equal(dense_rows(codes, scales).float(), ref)
+    x = _x(37, 96, seed=5, device=device)
+    assert torch.equal(dense_rows(x).float(), chunk_order(x, torch.float32))
+    for n in (0, 1, 17, 37):
+        count = torch.tensor([n], dtype=torch.int32)
+        out = dense_rows(x, count=count, poison=True).float()
+        assert torch.equal(out[:n], chunk_order(x[:n], torch.float32))
+        assert torch.isnan(out[n:]).all()
+        out = dense_rows(codes, scales, count=count, poison=True).float()
+        assert torch.equal(out[:n], ref[:n]) and torch.isnan(out[n:]).all()
+
+
+def test_dense_rows_bad_input():
+    from fp4moe.kernels.dequant import dense_rows
+
+    codes = torch.zeros(4, 16, dtype=torch.uint8)
+    scales = torch.zeros(4, 2, dtype=torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="src"):
+        dense_rows(codes.float(), scales)
+    with pytest.raises(TypeError, match="src"):
+        dense_rows(codes)  # codes need their scales
+    with pytest.raises(ValueError, match="scales"):
+        dense_rows(codes, scales[:, :1])
+    with pytest.raises(ValueError, match="src"):
+        dense_rows(torch.zeros(4, 48, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="count"):
+        dense_rows(codes, scales, count=torch.tensor([1, 2], dtype=torch.int32))
 
 
 @pytest.mark.gpu
@@ -706,7 +793,7 @@ def test_dense_path_gpu(gpu_experts, mode, t):
     x = _x(t, h, seed=t, device="cuda")
     ids, w = _gpu_routes(t, k, e, e_total, seed=t)
     a = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
-                   options=TritonOptions(poison=True))  # fmt: skip
+                   options=TritonOptions(dense_above=None, poison=True))  # fmt: skip
     b = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
                    options=TritonOptions(dense_above=0, poison=True))  # fmt: skip
     assert torch.equal(a, b)

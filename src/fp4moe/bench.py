@@ -19,7 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -63,6 +63,11 @@ def _count(text: str) -> int:
     return v
 
 
+def _dense_above(text: str) -> int | str:
+    """argparse type of ``--dense-above``: an int >= 0, or 'off'."""
+    return text if text == "off" else _count(text)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="deepseek-v3-ep8", choices=sorted(PRESETS))
     for name in ("hidden", "inter", "experts", "local-experts", "top-k"):
@@ -82,11 +87,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pdl", action="store_true", help="programmatic dependent launch off")
     p.add_argument(
         "--dense-above",
-        type=_count,
+        type=_dense_above,
         default=None,
         metavar="R",
-        help="TritonOptions.dense_above: above R routes an expert, the GEMMs load weights "
-        "decoded once a call instead of decoding them (same bits); default off",
+        help="TritonOptions.dense_above: above R valid routes an expert, the "
+        "GEMMs load weights decoded once a call instead of decoding them (same bits); "
+        "'off' turns it off; default: the library's default",
     )
     p.add_argument(
         "--cold-l2",
@@ -315,7 +321,11 @@ def run(args: argparse.Namespace) -> dict:
     if not args.no_baseline:
         w13d, w2d = experts.dequantize(torch.bfloat16)
         base = (w13d.transpose(1, 2), w2d.transpose(1, 2))
-    opt = TritonOptions(pdl=not args.no_pdl, dense_above=args.dense_above)
+    # The preset's share of valid routes (ranks hold local_experts of experts), as a
+    # caller that masks routes to other ranks passes it (fp4moe.moe(options=...)).
+    opt = TritonOptions(pdl=not args.no_pdl, valid_fraction=p.local_experts / p.experts)
+    if args.dense_above is not None:  # None: the library's default
+        opt = replace(opt, dense_above=None if args.dense_above == "off" else args.dense_above)
     graph = not args.no_cuda_graph
     rows = []
     doc = {  # rows fill in as they are timed; written after each token count
@@ -331,7 +341,8 @@ def run(args: argparse.Namespace) -> dict:
         "cuda_graph": graph,
         "pdl": not args.no_pdl,
         "cold_l2": args.cold_l2,
-        "dense_above": args.dense_above,
+        "dense_above": opt.dense_above,
+        "valid_fraction": opt.valid_fraction,
         "rows": rows,
     }
     plan = [(t, m, f) for t in args.num_tokens for m in args.modes for f in finals]

@@ -198,7 +198,7 @@ def _route_rows_triton(rows, row_expert, experts, mode, act_scale, amax_reduce):
         if w4a4 and act_scale == "per_tensor" and amax_reduce is not None:
             amax_reduce(torch.zeros((), dtype=torch.float32, device=dev))
         return torch.empty(0, experts.hidden_size, dtype=torch.bfloat16, device=dev)
-    opt = TritonOptions()
+    opt = TritonOptions(valid_fraction=1.0)  # every received row is a valid route
     cfg1, cfg2 = gemm_configs(n, experts, mode, opt)
     sort = sort_routes(row_expert.to(torch.int32).reshape(n, 1).contiguous(),
                        experts.num_experts, cfg1.block_m)  # fmt: skip

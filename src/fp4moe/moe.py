@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from .experts import PreparedExperts
+
+if TYPE_CHECKING:
+    from .kernels.launch import TritonOptions
 
 __all__ = ["ACT_SCALES", "BACKENDS", "MODES", "moe", "validate_moe_inputs"]
 
@@ -90,6 +93,7 @@ def moe(
     fused_finalize: bool = False,
     backend: Backend = "auto",
     validate_ids: bool = False,
+    options: TritonOptions | None = None,
 ) -> torch.Tensor:
     """One MoE layer over prepared NVFP4 experts (SPEC sections 4 to 7).
 
@@ -108,11 +112,23 @@ def moe(
             (triton on a CUDA device, the reference elsewhere).
         validate_ids: also check ids < E where that costs a host sync (CUDA tensors). On
             CPU the ids are always checked.
+        options: ``fp4moe.kernels.launch.TritonOptions`` for the triton backend (tile
+            configs, PDL, the dense prefill path; under expert parallelism by masking,
+            ``valid_fraction`` = 1 / ranks). Every option gives the same bits except the
+            main loop (``chunked``). Ignored by the reference.
 
     Returns:
         bf16 [T, H].
     """
     _choice(backend, BACKENDS, "backend")
+    if options is not None:
+        from .kernels.launch import TritonOptions
+
+        if not isinstance(options, TritonOptions):
+            raise TypeError(
+                f"options: expected fp4moe.kernels.launch.TritonOptions or None, "
+                f"got {type(options).__name__}"
+            )
     on_cuda = isinstance(x, torch.Tensor) and x.is_cuda
     validate_moe_inputs(
         x,
@@ -141,4 +157,5 @@ def moe(
         mode=mode,
         act_scale=act_scale,
         fused_finalize=fused_finalize,
+        options=options,
     )

@@ -20,6 +20,8 @@ from .gemm import decode_permuted
 
 __all__ = [
     "chunk_order",
+    "dense_rows",
+    "dense_rows_kernel",
     "dense_weights",
     "dense_weights_kernel",
     "dense_weights_reference",
@@ -106,3 +108,102 @@ def chunk_order(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def dense_weights_reference(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """fp32 [..., K]: ``dense_weights`` in plain PyTorch (value * 2^-8, chunk order)."""
     return chunk_order(dequantize_blocks(codes, scales) * 2.0**-8, torch.float32)
+
+
+@triton.jit
+def dense_rows_kernel(
+    src_ptr,  # uint8 [R, K/2] (FP4) or bf16 [R, K]
+    scales_ptr,  # float8_e4m3fn [R, K/16] (FP4)
+    count_ptr,  # int32 [1]: rows past it are left unwritten (HAS_COUNT)
+    out_ptr,  # DOT_DTYPE [R, K], chunk order
+    R,
+    K: tl.constexpr,
+    BR: tl.constexpr,
+    BK: tl.constexpr,
+    FP4: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
+    DECODE_ASM: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = rows < R
+    if HAS_COUNT:  # a block past the count loads and stores nothing
+        rmask = rmask & (rows < tl.load(count_ptr))
+    r64 = rows.to(tl.int64)
+    kb = tl.program_id(1)
+    kk = kb * BK + tl.arange(0, BK)
+    if FP4:
+        cq = kb * (BK // 2) + tl.arange(0, BK // 2)
+        cs = kb * (BK // 16) + tl.arange(0, BK // 16)
+        codes = tl.load(src_ptr + r64[:, None] * (K // 2) + cq[None, :], mask=rmask[:, None],
+                        other=0)  # fmt: skip
+        scales = tl.load(
+            scales_ptr + r64[:, None] * (K // 16) + cs[None, :], mask=rmask[:, None], other=0.0
+        )
+        v = decode_permuted(codes, scales, BR, BK, DECODE_ASM, DOT_DTYPE)
+    else:  # bf16 values, only reordered: the GEMM's register permutation, done once
+        x = tl.load(src_ptr + r64[:, None] * K + kk[None, :], mask=rmask[:, None], other=0.0)
+        x = tl.reshape(x.to(DOT_DTYPE), (BR, BK // 32, 16, 2))
+        v = tl.reshape(tl.permute(x, (0, 1, 3, 2)), (BR, BK))
+    tl.store(out_ptr + r64[:, None] * K + kk[None, :], v, mask=rmask[:, None])
+
+
+def dense_rows(
+    src: torch.Tensor,
+    scales: torch.Tensor | None = None,
+    *,
+    count: torch.Tensor | None = None,
+    decode_asm: bool = True,
+    poison: bool = False,
+) -> torch.Tensor:
+    """Activation rows as the dense GEMM loads them: NVFP4 rows decoded like
+    ``dense_weights``, or bf16 rows put in chunk order (``chunk_order``), values unchanged.
+
+    Args:
+        src: uint8 [R, K/2] NVFP4 codes (with ``scales`` float8_e4m3fn [R, K/16]) or bf16
+            [R, K]. K a multiple of 32.
+        count: int32 device tensor of one element, or None: only the first ``count`` rows
+            are written (routes in sorted order: the rest are masked routes, which the GEMM
+            never loads); read on the device, so no host synchronization.
+        poison: fill the unwritten rows with NaN (tests).
+
+    Returns:
+        [R, K] bf16 on a GPU, fp32 in the interpreter.
+    """
+    from .launch import interpreting  # (launch imports this module)
+
+    fp4 = scales is not None
+    if fp4 and src.dtype != torch.uint8:
+        raise TypeError(f"src: expected torch.uint8 codes with scales, got {src.dtype}")
+    if not fp4 and src.dtype != torch.bfloat16:
+        raise TypeError(f"src: expected torch.bfloat16 rows without scales, got {src.dtype}")
+    if src.dim() != 2:
+        raise ValueError(f"src: expected 2 dimensions [R, K], got {list(src.shape)}")
+    r = src.shape[0]
+    k = src.shape[1] * 2 if fp4 else src.shape[1]
+    if k % 32:
+        raise ValueError(f"src: K = {k} is not a multiple of 32")
+    if fp4 and tuple(scales.shape) != (r, k // 16):
+        raise ValueError(f"scales: expected {[r, k // 16]}, got {list(scales.shape)}")
+    if count is not None and (count.dtype != torch.int32 or count.numel() != 1):
+        raise ValueError(
+            f"count: expected one int32 element, got {count.dtype} {list(count.shape)}"
+        )
+    interp = interpreting()
+    dtype = torch.float32 if interp else torch.bfloat16
+    out = torch.empty((r, k), dtype=dtype, device=src.device)
+    if poison:
+        out.fill_(float("nan"))
+    if r:
+        bk = 32
+        while bk < 128 and k % (bk * 2) == 0:
+            bk *= 2
+        br = 16 if interp else 64
+        src = src.contiguous()
+        dense_rows_kernel[(triton.cdiv(r, br), k // bk)](
+            src, scales.contiguous() if fp4 else src, count if count is not None else src, out,
+            r, K=k, BR=br, BK=bk, FP4=fp4, HAS_COUNT=count is not None,
+            DECODE_ASM=decode_asm and fp4 and not interp,
+            DOT_DTYPE=tl.float32 if interp else tl.bfloat16,
+        )  # fmt: skip
+    return out

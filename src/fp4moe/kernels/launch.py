@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..experts import PreparedExperts
 from ..nvfp4 import global_from_amax
-from .dequant import chunk_order, dense_weights
+from .dequant import dense_rows, dense_weights
 from .finalize import finalize_block_h, finalize_kernel
 from .gemm import GemmConfig, choose_gemm_config, moe_gemm_kernel
 from .quantize import (
@@ -51,6 +51,9 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+UNKNOWN_VALID_FRACTION = 1 / 6  # TritonOptions.valid_fraction when not given
+
+
 @dataclass(frozen=True)
 class TritonOptions:
     """Switches of the Triton backend (tests and benchmarks pin them).
@@ -80,15 +83,25 @@ class TritonOptions:
     fc1_nvfp4_out: static W4A4 only: FC1 writes the activation as NVFP4 directly (no
         bf16 round trip, no second quantize kernel); bit-identical to the two-step path
         (tested in the interpreter and on the H200), so on by default.
-    dense_above: None (default): off. An int: a call whose routes an expert (T * top-k / E,
-        masked routes counted, as for the configs) exceed it decodes each GEMM's expert
-        weights and W4A4 activations once (``dequant.dense_weights``: the loop's own
-        operand values and order, bf16; W4A16 activations are put in that order) and the
-        GEMM loads both operands instead of decoding in its main loop. The same operands
-        in the same order: the same bits as without it (tested), so batch invariance
-        holds across the threshold. Costs a bf16 copy of one GEMM's weights (E * 2I * H *
-        2 bytes for FC1) and of the activations during the call. Loops 2 and 3 only.
-        NOT YET RUN ON A GPU.
+    dense_above: when the expected valid routes an expert (below) exceed it, each GEMM's
+        expert weights and W4A4 activations are decoded once a call
+        (``dequant.dense_weights`` / ``dense_rows``: the loop's own operand values and
+        order, bf16; W4A16 activations are put in that order) and the GEMM loads both
+        operands instead of decoding in its main loop. The same operands in the same
+        order: the same bits as without it (tested), so batch invariance holds across the
+        threshold. Costs a bf16 copy of one GEMM's weights (E * 2I * H * 2 bytes for FC1)
+        and of the activations during the call. Loops 2 and 3 only (the others ignore
+        it); None: off. Default 192, from the H200 (docs/perf-notes.md): decoding every
+        expert's weights (0.8 ms for 1.4e9 weights) pays off from about 256 valid rows an
+        expert (Qwen3-30B-A3B at 8192 tokens, 512 rows: 3.14 -> 2.25 ms; Mixtral-8x7B at
+        8192 tokens: 26.0 -> 13.5 ms; DeepSeek-V3 EP8 at 8192 tokens, 256 rows: W4A16
+        4.18 -> 3.91 ms, W4A4 3.99 -> 4.26 ms), and loses below (128 rows: DeepSeek-V3 at
+        4096 tokens 2.28 -> 2.98 ms, Qwen3 at 2048 tokens 1.08 -> 1.30 ms).
+    valid_fraction: the expected fraction of a call's routes that are valid (not masked),
+        for the dense switch: valid routes an expert = T * top-k * valid_fraction / E.
+        Expert parallelism by masking over R ranks with balanced routing: 1 / R; every
+        route valid (no masking, ``fp4moe.distributed``): 1.0. None (unknown): taken as
+        1/6, so that a call masking 7 of 8 routes does not switch where it would lose.
     poison: fill every workspace and the output with NaN (0xFF bytes for codes and
         scales) before the kernels run, so tests see any element no kernel wrote.
     """
@@ -102,7 +115,8 @@ class TritonOptions:
     device_amax: bool = True
     poison: bool = False
     fc1_nvfp4_out: bool = True
-    dense_above: int | None = None
+    dense_above: int | None = 192
+    valid_fraction: float | None = None
 
     def split_for(self, n_routes: int, num_experts: int) -> bool:
         """Whether loop 3 splits K for a call of ``n_routes`` routes over the experts."""
@@ -112,9 +126,19 @@ class TritonOptions:
 
     def dense_for(self, n_routes: int, num_experts: int) -> bool:
         """Whether a call of ``n_routes`` routes takes the dense path (``dense_above``)."""
-        if self.dense_above is None or n_routes == 0:
+        if self.dense_above is None or n_routes == 0 or int(self.chunked) not in (2, 3):
             return False
-        return n_routes / num_experts > self.dense_above
+        frac = UNKNOWN_VALID_FRACTION if self.valid_fraction is None else self.valid_fraction
+        return n_routes * frac / num_experts > self.dense_above
+
+    def __post_init__(self) -> None:
+        d, f = self.dense_above, self.valid_fraction
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 0):
+            raise ValueError(f"dense_above: expected None or an int >= 0, got {d!r}")
+        if f is not None and (
+            isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1
+        ):
+            raise ValueError(f"valid_fraction: expected None or a number in (0, 1], got {f!r}")
 
 
 def use_pdl(opt: TritonOptions, device: torch.device) -> bool:
@@ -219,19 +243,20 @@ def _gemm(
     chunked: int = 3,
     split: bool = False,
     dense: bool = False,
+    poison: bool = False,
 ) -> None:
     """One grouped GEMM. ``out_fp4`` = (scales, globals, static table): ``out`` receives
     NVFP4 codes of the FC1 activation instead of bf16 (static W4A4). ``dense``: decode
     the weights once (``dense_weights``) and load them in the main loop (same bits)."""
     a_fp4 = a_scales is not None
     if dense:
-        if not chunked:
-            raise ValueError("options: dense_above needs chunked=2 or 3")
+        assert chunked, "the dense path is a chunk-ordered loop's (TritonOptions.dense_for)"
         w_codes = dense_weights(w_codes, w_scales, decode_asm=decode_asm)
-        if a_scales is not None:  # W4A4: the activation rows decoded once too
-            a = dense_weights(a, a_scales, decode_asm=decode_asm)
-        else:  # W4A16: the bf16 rows in chunk order (one copy instead of a register shuffle)
-            a = chunk_order(a, w_codes.dtype)
+        # The activation rows once too: W4A4's decoded, W4A16's bf16 rows put in chunk
+        # order (one copy instead of a register shuffle a program). Rows in sorted order
+        # (not gathered) stop at the valid count: masked routes are never loaded.
+        count = None if a_gather else sort.expert_offsets[-1:]
+        a = dense_rows(a, a_scales, count=count, decode_asm=decode_asm, poison=poison)
     if chunked:
         # Both operands decoded (or bf16 activations) as bf16; each decoded operand carries
         # a factor 2^-8 (gemm.decode_chunk), undone on the fp32 accumulator.
@@ -311,10 +336,11 @@ def gemm_configs(
     loop = int(options.chunked)
     h, inter, a_fp4 = experts.hidden_size, experts.intermediate_size, mode == "w4a4"
     if options.dense_for(n_routes, experts.num_experts):
-        # Dense operands: no decode in the loop, so W4A4 no longer favors 128-row tiles;
-        # (64, 128, 64) has the leanest main loop in the SASS (1.24 and 1.75 instructions a
-        # weight for FC1 and FC2, sass_report --dense). Not yet measured on a GPU.
-        dense = GemmConfig(64, 128, 64, 4, 3)
+        # Dense operands, measured on the H200 (docs/perf-notes.md, sweep_decode.py
+        # --variants c3dense): (128, 128, 64, 8 warps, 3 stages) is the fastest config at
+        # 8192 tokens on Mixtral-8x7B (13.5 ms W4A16 against 15.1 to 18.4 for the others)
+        # and within 1.5% of the fastest on DeepSeek-V3 EP8.
+        dense = GemmConfig(128, 128, 64, 8, 3)
         ok = not interpreting() and h % 64 == 0 and inter % 64 == 0
         if ok and options.fc1 is None and options.fc2 is None:
             return dense, dense
@@ -393,7 +419,7 @@ def expert_gemms(
         experts.w13_codes, experts.w13_scales, experts.w13_global, act, route_weights,
         n=inter, k=h, topk=topk, gated=True, a_gather=a_gather, fused=False, pdl=pdl,
         decode_asm=opt.decode_asm, out_fp4=out_fp4, chunked=opt.chunked, split=split,
-        dense=dense,
+        dense=dense, poison=opt.poison,
     )  # fmt: skip
 
     # FC2 input.
@@ -426,6 +452,7 @@ def expert_gemms(
         experts.w2_codes, experts.w2_scales, experts.w2_global, dest, route_weights,
         n=h, k=inter, topk=topk, gated=False, a_gather=False, fused=fused_into is not None,
         pdl=pdl, decode_asm=opt.decode_asm, chunked=opt.chunked, split=split, dense=dense,
+        poison=opt.poison,
     )  # fmt: skip
     return dest
 
