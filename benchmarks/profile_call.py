@@ -2,6 +2,11 @@
 
     ncu --clock-control none -k regex:moe_gemm_kernel -c 2 \
         python3 benchmarks/profile_call.py --tokens 16 --mode w4a16
+    python3 benchmarks/profile_call.py --tokens 8192 --calls 5 --kernels   # torch.profiler
+
+``--kernels`` prints the GPU time of each kernel (torch.profiler, averaged over the
+calls) instead of leaving the profiling to an outside tool. Options as ``fp4moe bench``
+sets them (``valid_fraction`` from the preset); ``--no-dense`` turns the dense path off.
 """
 
 import argparse
@@ -18,6 +23,8 @@ p.add_argument("--tokens", type=int, default=16)
 p.add_argument("--mode", default="w4a16", choices=sorted(MODES))
 p.add_argument("--fused", action="store_true")
 p.add_argument("--calls", type=int, default=1)
+p.add_argument("--kernels", action="store_true", help="print each kernel's GPU time")
+p.add_argument("--no-dense", action="store_true")
 a = p.parse_args()
 pr = PRESETS[a.preset]
 torch.manual_seed(0)
@@ -31,16 +38,37 @@ ids, w = make_routes(pr, a.tokens, a.tokens, "cuda")
 m, sc = MODES[a.mode]
 
 
+opt = TritonOptions(valid_fraction=pr.local_experts / pr.experts)
+if a.no_dense:
+    opt = TritonOptions(valid_fraction=opt.valid_fraction, dense_above=None)
+
+
 def call():
-    return moe_triton(
-        x, ids, w, ex, mode=m, act_scale=sc, fused_finalize=a.fused, options=TritonOptions()
-    )
+    return moe_triton(x, ids, w, ex, mode=m, act_scale=sc, fused_finalize=a.fused, options=opt)
 
 
 call()
 torch.cuda.synchronize()
-torch.cuda.cudart().cudaProfilerStart()
-for _ in range(a.calls):
-    call()
-torch.cuda.synchronize()
-torch.cuda.cudart().cudaProfilerStop()
+if a.kernels:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.calls):
+            call()
+        torch.cuda.synchronize()
+    tot: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            tot.setdefault(ev.name[:60], []).append(ev.device_time_total)
+    print(f"{a.preset} T={a.tokens} {a.mode} dense={not a.no_dense}: us a call (launches)")
+    for name, ts in sorted(tot.items(), key=lambda kv: -sum(kv[1])):
+        print(f"  {sum(ts) / a.calls:9.1f}  ({len(ts) // a.calls})  {name}")
+    print(f"  {sum(sum(v) for v in tot.values()) / a.calls:9.1f}  total")
+    if not tot:  # a torch whose events carry no device type: its own table
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25))
+else:
+    torch.cuda.cudart().cudaProfilerStart()
+    for _ in range(a.calls):
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
