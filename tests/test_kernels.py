@@ -502,53 +502,6 @@ def test_per_tensor_quantize_on_device_bit_identical(interpret, device, rows, co
     assert torch.equal(glob[:n], q.global_scale.expand(n))
 
 
-@pytest.mark.kernel
-@pytest.mark.parametrize("gather", [False, True])
-def test_quantize_tile_kernel_same_bits(interpret, device, monkeypatch, gather):
-    """Many rows: ``quantize_rows`` runs QUANTIZE_TILE_ROWS rows a program; codes, scales
-    and globals are the bits of the one-row kernel in every mode (a zero row, saturating
-    and tiny values, a partial last tile, a device count, gathered rows), and per-row they
-    are ``quantize_nvfp4``'s."""
-    from fp4moe.kernels import launch
-    from fp4moe.kernels.quantize import MODE_FROM_AMAX, MODE_PER_ROW, MODE_SCALAR, MODE_STATIC
-    from fp4moe.nvfp4 import quantize_nvfp4
-
-    rows, c = 11, 160  # BLOCK_C 64 in the interpreter: a masked tail chunk
-    x = _x(rows + 3, c, seed=9, device=device)
-    x[2] = 0.0
-    x[4, :16] = 3.0e4
-    x[5, 16:32] = 1.0e-6
-    index = torch.randperm(rows * 2, generator=torch.Generator().manual_seed(9))[:rows]
-    index = index.to(torch.int32).to(device)
-    kw = dict(index=index, div=2) if gather else {}
-    src = x[(index // 2).long()] if gather else x[:rows]
-    table = torch.tensor([0.01, 0.02, 0.5], device=device)
-    row_expert = torch.tensor([i % 3 for i in range(rows)], dtype=torch.int32, device=device)
-    cases = [
-        (MODE_PER_ROW, {}),
-        (MODE_STATIC, dict(table=table, row_expert=row_expert)),
-        (MODE_SCALAR, dict(table=table[1:2])),
-        (MODE_FROM_AMAX, dict(table=torch.tensor([7.5], device=device))),
-    ]
-    for count in (None, 6):
-        cnt = None if count is None else torch.tensor([count], dtype=torch.int32, device=device)
-        n = rows if count is None else count
-        for mode, extra in cases:
-            monkeypatch.setattr(launch, "QUANTIZE_TILE_ABOVE", 10**9)
-            one = launch.quantize_rows(x, rows, mode=mode, count=cnt, poison=True, **kw, **extra)
-            monkeypatch.setattr(launch, "QUANTIZE_TILE_ABOVE", 0)
-            tile = launch.quantize_rows(x, rows, mode=mode, count=cnt, poison=True, **kw, **extra)
-            for a, b in zip(one, tile):
-                assert torch.equal(a[:n].view(torch.uint8), b[:n].view(torch.uint8))
-            if mode == MODE_PER_ROW:
-                for r in range(n):
-                    q = quantize_nvfp4(src[r : r + 1])
-                    assert torch.equal(tile[0][r : r + 1], q.codes)
-                    assert torch.equal(tile[1][r : r + 1].view(torch.uint8),
-                                       q.scales.view(torch.uint8))  # fmt: skip
-                    assert torch.equal(tile[2][r], q.global_scale.reshape(()))
-
-
 def test_workspace_bytes_counts_segment_partials():
     """Loop 3 with split K adds fp32 partials of every segment of both GEMMs."""
     from fp4moe.kernels.launch import SEGMENT, workspace_bytes

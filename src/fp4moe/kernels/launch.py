@@ -29,7 +29,6 @@ from .quantize import (
     MODE_STATIC,
     amax_rows_kernel,
     quantize_rows_kernel,
-    quantize_tile_kernel,
 )
 from .sort import RouteSort, sort_routes
 
@@ -52,10 +51,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# quantize_rows: above this many rows, QUANTIZE_TILE_ROWS rows a program (one row a
-# program is bound by latency at prefill sizes: docs/perf-notes.md); the same bits.
-QUANTIZE_TILE_ABOVE = 1024
-QUANTIZE_TILE_ROWS = 4
 UNKNOWN_VALID_FRACTION = 1 / 6  # TritonOptions.valid_fraction when not given
 
 
@@ -195,19 +190,14 @@ def quantize_rows(
         return codes, scales, glob
     dummy = glob
     block_c = min(triton.next_power_of_2(c), 64 if interpreting() else 1024)
-    args = (
+    _launch(
+        quantize_rows_kernel, (rows,), pdl,
         src, index if index is not None else dummy, count if count is not None else dummy,
         rows, codes, scales, glob,
         table if table is not None else dummy, row_expert if row_expert is not None else dummy,
-        c,
+        c, MODE=mode, GATHER=index is not None, DIV=div, COUNT_FROM_PTR=count is not None,
+        BLOCK_C=block_c, INTERPRET=interpreting(), num_warps=4,
     )  # fmt: skip
-    kw = dict(MODE=mode, GATHER=index is not None, DIV=div, COUNT_FROM_PTR=count is not None,
-              BLOCK_C=block_c, INTERPRET=interpreting(), num_warps=4)  # fmt: skip
-    if rows > QUANTIZE_TILE_ABOVE:  # many rows: QUANTIZE_TILE_ROWS a program, same bits
-        tile = QUANTIZE_TILE_ROWS
-        _launch(quantize_tile_kernel, (triton.cdiv(rows, tile),), pdl, *args, ROWS=tile, **kw)
-    else:
-        _launch(quantize_rows_kernel, (rows,), pdl, *args, **kw)
     return codes, scales, glob
 
 

@@ -2,9 +2,8 @@
 ``fp4moe.nvfp4.quantize_nvfp4``: per-row dynamic, static (a calibrated global per expert)
 or one per-tensor global, optionally gathering the rows it reads.
 
-One program a row (``quantize_tile_kernel``: ROWS rows, for many rows): an amax pass
-(per-row dynamic only), then the row in chunks of BLOCK_C: block amax, e4m3 scale (round
-to nearest even, saturating), e2m1 codes.
+One program a row: an amax pass (per-row dynamic only), then the row in chunks of
+BLOCK_C: block amax, e4m3 scale (round to nearest even, saturating), e2m1 codes.
 Divisions are ``div_rn`` so that the float operations are those of the reference.
 """
 
@@ -23,7 +22,6 @@ __all__ = [
     "amax_rows_kernel",
     "encode_e2m1",
     "quantize_rows_kernel",
-    "quantize_tile_kernel",
 ]
 
 MODE_PER_ROW = 0  # global = amax(row) / 2688 (1 where the row is 0)
@@ -135,95 +133,20 @@ def quantize_rows_kernel(
     tl.store(global_out_ptr + i, g)
 
     i64 = i.to(tl.int64)
+    six_g = 6.0 * g
     for c0 in range(0, C, BLOCK_C):
         x = tl.load(row + c0 + cols, mask=c0 + cols < C, other=0.0).to(tl.float32)
-        packed, s8 = _quantize_blocks(x.reshape(BLOCK_C // 16, 16), g, INTERPRET)
+        xb = x.reshape(BLOCK_C // 16, 16)
+        amax_b = tl.max(tl.abs(xb), axis=1)
+        s = tl.minimum(tl.math.div_rn(amax_b, tl.zeros_like(amax_b) + six_g), 448.0)
+        s8 = to_e4m3(s, INTERPRET)
+        denom = s8.to(tl.float32) * g
+        safe = tl.where(denom == 0.0, 1.0, denom)
+        v = tl.math.div_rn(xb, tl.broadcast_to(safe[:, None], (BLOCK_C // 16, 16)))
+        code = tl.where((denom == 0.0)[:, None], 0, encode_e2m1(v)).to(tl.uint8)
+        lo, hi = tl.split(code.reshape(BLOCK_C // 2, 2))
+        packed = lo | (hi << 4)
         pc = c0 // 2 + tl.arange(0, BLOCK_C // 2)
-        tl.store(codes_ptr + i64 * (C // 2) + pc, packed.reshape(BLOCK_C // 2), mask=pc < C // 2)
+        tl.store(codes_ptr + i64 * (C // 2) + pc, packed, mask=pc < C // 2)
         ps = c0 // 16 + tl.arange(0, BLOCK_C // 16)
         tl.store(scales_ptr + i64 * (C // 16) + ps, s8, mask=ps < C // 16)
-
-
-@triton.jit
-def quantize_tile_kernel(
-    src_ptr,  # bf16 [src_rows, C]
-    src_index_ptr,  # int32 [rows]: src row = src_index[i] // DIV (GATHER)
-    n_rows_ptr,  # int32 pointer to the row count (COUNT_FROM_PTR)
-    n_rows,
-    codes_ptr,  # uint8 [rows, C/2]
-    scales_ptr,  # e4m3 [rows, C/16]
-    global_out_ptr,  # fp32 [rows]
-    table_ptr,  # fp32 global table (MODE_STATIC: [E]; MODE_SCALAR: [1])
-    row_expert_ptr,  # int32 [rows] (MODE_STATIC)
-    C: tl.constexpr,
-    MODE: tl.constexpr,
-    GATHER: tl.constexpr,
-    DIV: tl.constexpr,
-    COUNT_FROM_PTR: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    ROWS: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
-    """``quantize_rows_kernel`` on ROWS rows a program (prefill sizes: one row a program
-    is bound by latency there); every element goes through the same operations, so the
-    codes, scales and globals are the same bits."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    live = rows < _row_count(n_rows_ptr, n_rows, COUNT_FROM_PTR)
-    if GATHER:
-        src = tl.load(src_index_ptr + rows, mask=live, other=0) // DIV
-    else:
-        src = rows
-    src = tl.where(live, src, 0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_C)
-    if MODE == 0:
-        amax = tl.zeros((ROWS, BLOCK_C), dtype=tl.float32)
-        for c0 in range(0, C, BLOCK_C):
-            m = live[:, None] & (c0 + cols < C)[None, :]
-            x = tl.load(src_ptr + src[:, None] * C + c0 + cols[None, :], mask=m, other=0.0)
-            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        a = tl.max(amax, axis=1)
-        g = tl.where(a == 0.0, 1.0, tl.math.div_rn(a, tl.zeros_like(a) + 2688.0))
-    elif MODE == 1:
-        e = tl.load(row_expert_ptr + rows, mask=live, other=0)
-        g = tl.load(table_ptr + e, mask=live, other=1.0)
-    elif MODE == 2:
-        g = tl.zeros((ROWS,), dtype=tl.float32) + tl.load(table_ptr)
-    else:
-        a = tl.zeros((ROWS,), dtype=tl.float32) + tl.load(table_ptr)
-        g = tl.where(a == 0.0, 1.0, tl.math.div_rn(a, tl.zeros_like(a) + 2688.0))
-    tl.store(global_out_ptr + rows, g, mask=live)
-
-    r64 = rows.to(tl.int64)
-    gb = tl.broadcast_to(g[:, None], (ROWS, BLOCK_C // 16)).reshape(ROWS * (BLOCK_C // 16))
-    for c0 in range(0, C, BLOCK_C):
-        m = live[:, None] & (c0 + cols < C)[None, :]
-        x = tl.load(src_ptr + src[:, None] * C + c0 + cols[None, :], mask=m, other=0.0)
-        xb = x.to(tl.float32).reshape(ROWS * (BLOCK_C // 16), 16)
-        packed, s8 = _quantize_blocks(xb, gb, INTERPRET)
-        pc = c0 // 2 + tl.arange(0, BLOCK_C // 2)
-        mc = live[:, None] & (pc < C // 2)[None, :]
-        tl.store(codes_ptr + r64[:, None] * (C // 2) + pc[None, :],
-                 packed.reshape(ROWS, BLOCK_C // 2), mask=mc)  # fmt: skip
-        ps = c0 // 16 + tl.arange(0, BLOCK_C // 16)
-        ms = live[:, None] & (ps < C // 16)[None, :]
-        tl.store(scales_ptr + r64[:, None] * (C // 16) + ps[None, :],
-                 s8.reshape(ROWS, BLOCK_C // 16), mask=ms)  # fmt: skip
-
-
-@triton.jit
-def _quantize_blocks(xb, g, INTERPRET: tl.constexpr):
-    """fp32 [NB, 16] blocks with their globals ``g`` (a scalar or [NB]) -> packed e2m1
-    codes uint8 [NB, 8] (low nibble the even element) and e4m3 scales [NB] (SPEC 2)."""
-    amax_b = tl.max(tl.abs(xb), axis=1)
-    s = tl.minimum(tl.math.div_rn(amax_b, tl.zeros_like(amax_b) + 6.0 * g), 448.0)
-    s8 = to_e4m3(s, INTERPRET)
-    denom = s8.to(tl.float32) * g
-    safe = tl.where(denom == 0.0, 1.0, denom)
-    v = tl.math.div_rn(xb, tl.broadcast_to(safe[:, None], xb.shape))
-    code = tl.where((denom == 0.0)[:, None], 0, encode_e2m1(v)).to(tl.uint8)
-    lo, hi = tl.split(code.reshape(xb.shape[0], 8, 2))
-    return lo | (hi << 4), s8
