@@ -660,6 +660,17 @@ def test_dense_weights_match_reference(interpret, device):
     )
 
 
+def test_decode_tile_divides_k():
+    from fp4moe.kernels.dequant import decode_tile
+
+    assert decode_tile(7168) == (16, 512, 4)  # the H200's fastest (sweep_prep.py)
+    assert decode_tile(768) == (32, 256, 4)
+    for k in (32, 96, 768, 2048, 2880, 7168, 14336):
+        for interp in (False, True):
+            br, bk, _ = decode_tile(k, interp)
+            assert k % bk == 0 and bk % 32 == 0 and br * bk <= 8192
+
+
 def test_dense_weights_bad_input():
     from fp4moe.kernels.dequant import dense_weights
 

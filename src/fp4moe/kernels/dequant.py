@@ -20,6 +20,7 @@ from .gemm import decode_permuted
 
 __all__ = [
     "chunk_order",
+    "decode_tile",
     "dense_rows",
     "dense_rows_kernel",
     "dense_weights",
@@ -55,6 +56,23 @@ def dense_weights_kernel(
     tl.store(out_ptr + r64[:, None] * K + kk[None, :], w, mask=rmask[:, None])
 
 
+def decode_tile(k: int, interpret: bool = False) -> tuple[int, int, int]:
+    """(rows, K elements, warps) a program of the decode kernels for rows of K elements:
+    the widest K tile up to 512 that divides K, 8192 elements a program (at most 64 rows).
+    Any tile gives the same values (each element is decoded on its own). Measured on the
+    H200 (benchmarks/sweep_prep.py, DeepSeek-V3 w13, 0.94e9 weights): (64, 128) 896 us,
+    (32, 256) 745 us, (16, 512) 680 us, 3.5 TB/s of bytes read and written."""
+    if interpret:
+        bk = 32
+        while bk < 128 and k % (bk * 2) == 0:
+            bk *= 2
+        return 16, bk, 4
+    bk = 32
+    while bk < 512 and k % (bk * 2) == 0:
+        bk *= 2
+    return min(64, 8192 // bk), bk, 4
+
+
 def dense_weights(codes: torch.Tensor, scales: torch.Tensor, *, decode_asm: bool = True):
     """The decoded GEMM operand of NVFP4 weight rows (see the module docstring).
 
@@ -86,13 +104,10 @@ def dense_weights(codes: torch.Tensor, scales: torch.Tensor, *, decode_asm: bool
     dtype = torch.float32 if interp else torch.bfloat16
     out = torch.empty((r, k), dtype=dtype, device=codes.device)
     if r:
-        bk = 32
-        while bk < 128 and k % (bk * 2) == 0:
-            bk *= 2
-        br = 16 if interp else 64
+        br, bk, warps = decode_tile(k, interp)
         dense_weights_kernel[(triton.cdiv(r, br), k // bk)](
             c2, s2, out, r, K=k, BR=br, BK=bk, DECODE_ASM=decode_asm and not interp,
-            DOT_DTYPE=tl.float32 if interp else tl.bfloat16,
+            DOT_DTYPE=tl.float32 if interp else tl.bfloat16, num_warps=warps,
         )  # fmt: skip
     return out.reshape(*lead, k)
 
@@ -195,15 +210,12 @@ def dense_rows(
     if poison:
         out.fill_(float("nan"))
     if r:
-        bk = 32
-        while bk < 128 and k % (bk * 2) == 0:
-            bk *= 2
-        br = 16 if interp else 64
+        br, bk, warps = decode_tile(k, interp)
         src = src.contiguous()
         dense_rows_kernel[(triton.cdiv(r, br), k // bk)](
             src, scales.contiguous() if fp4 else src, count if count is not None else src, out,
             r, K=k, BR=br, BK=bk, FP4=fp4, HAS_COUNT=count is not None,
             DECODE_ASM=decode_asm and fp4 and not interp,
-            DOT_DTYPE=tl.float32 if interp else tl.bfloat16,
+            DOT_DTYPE=tl.float32 if interp else tl.bfloat16, num_warps=warps,
         )  # fmt: skip
     return out
