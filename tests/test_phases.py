@@ -683,8 +683,19 @@ def test_memory_report_workspaces():
     rep = layer.memory_report(num_tokens=512)
     assert rep["prefill_workspace_tokens"] == 512
     assert rep["decode_workspace_tokens"] == layer.policy.decode_max_tokens
-    assert rep["prefill_workspace_bytes"] == workspace_bytes(512, 2, 64, 32, 4, mode="w4a4")
+    # the layer holds every expert: every route valid, so 512 tokens (256 rows an expert)
+    # take the dense prefill path, whose decoded weights the report counts
+    opt = layer.triton_options
+    assert opt.valid_fraction == 1.0 and opt.dense_for(512 * 2, 4)
+    prefill = workspace_bytes(512, 2, 64, 32, 4, mode="w4a4", options=opt)
+    assert (
+        rep["prefill_workspace_bytes"] == prefill > workspace_bytes(512, 2, 64, 32, 4, mode="w4a4")
+    )
     assert rep["decode_workspace_bytes"] == workspace_bytes(64, 2, 64, 32, 4, mode="w4a16")
+    # holding 4 of 32 experts (expert parallelism by masking): 1/8 of the routes valid
+    ep = fp4moe.MoELayer(ex, fp4moe.RouterConfig("softmax", 2), gate_weight=torch.randn(32, 64),
+                         expert_range=(8, 12))  # fmt: skip
+    assert ep.triton_options.valid_fraction == 4 / 32
     assert workspace_bytes(1024, 2, 64, 32, 4) > workspace_bytes(512, 2, 64, 32, 4)
 
 

@@ -327,10 +327,22 @@ class MoELayer(nn.Module):
         out = moe(
             x2d, ids, w, self.experts, mode=cfg.mode, act_scale=cfg.act_scale,
             fused_finalize=cfg.fused_finalize, backend=self.policy.backend,
+            options=self.triton_options,
         )  # fmt: skip
         self.stats.calls[name] += 1  # calls that ran: a call that raised is not counted
         self.stats.tokens[name] += t
         return out.reshape(shape)
+
+    @property
+    def triton_options(self):
+        """The Triton backend's options for this layer's calls (``TritonOptions``): the
+        share of valid routes is the share of experts it holds, ``expert_range`` over all
+        experts (routes to other ranks' experts are masked), which places the dense
+        prefill path's switch (``dense_above``) in valid rows an expert."""
+        from .kernels.launch import TritonOptions
+
+        start, stop = self.expert_range
+        return TritonOptions(valid_fraction=(stop - start) / self.num_experts_total)
 
     def memory_report(self, num_tokens: int | None = None) -> dict[str, int]:
         """Bytes of the expert weights (one prepared copy, shared by every phase), of the
@@ -346,7 +358,7 @@ class MoELayer(nn.Module):
         def ws(t: int, cfg: PhaseConfig) -> int:
             return workspace_bytes(
                 t, self.router.top_k, h, i, e, mode=cfg.mode, act_scale=cfg.act_scale,
-                fused_finalize=cfg.fused_finalize,
+                fused_finalize=cfg.fused_finalize, options=self.triton_options,
             )  # fmt: skip
 
         prefill_t = 4096 if num_tokens is None else num_tokens
