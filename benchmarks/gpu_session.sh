@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_session.sh tests      # every GPU test (about 4 min on an H200)
 #   bash benchmarks/gpu_session.sh sweep      # main loops and configs (sweep_decode.py)
 #   bash benchmarks/gpu_session.sh dense      # the dense prefill path: test and sweeps
+#   bash benchmarks/gpu_session.sh prep       # prefill passes: decode tiles, quantize, per kernel
 #   bash benchmarks/gpu_session.sh bench      # fp4moe bench: DeepSeek-V3, Qwen3, Mixtral
 #   bash benchmarks/gpu_session.sh ep         # two GPUs: NCCL tests, bench --ep, example
 #
@@ -12,7 +13,7 @@
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|sweep|dense|bench|ep}"
+part="${1:?usage: gpu_session.sh tests|sweep|dense|prep|bench|ep}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -32,7 +33,7 @@ tests)
         tests/test_runner.py tests/test_phases.py tests/test_hf_gpu.py
     step memcheck 240 compute-sanitizer --tool memcheck python3 -m pytest -m gpu \
         --device cuda -q tests/test_kernels.py -k "test_moe_gpu_shapes and 64-qwen3 or \
-        test_segmented_loop_gpu and w4a16"
+        test_segmented_loop_gpu and w4a16 or dense_path_gpu and 64"
     ;;
 sweep)
     # Loop 3 (default) and its configs against loop 2, with bitwise checks; the per-tensor
@@ -48,11 +49,19 @@ dense)
     # per config, DeepSeek-V3 and Mixtral (then `fp4moe bench --dense-above R` with the best R).
     step dense_test 200 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py \
         -k "dense_path_gpu"
-    step sweep_dense 240 python3 benchmarks/sweep_decode.py --tokens 1024 4096 8192 \
-        --variants c3 c3-dense c3dense --iters 10 --out "$out/sweep-dense.json"
+    step sweep_dense 240 python3 benchmarks/sweep_decode.py --tokens 2048 4096 8192 16384 \
+        --variants c3 c3-nodense c3-dense c3dense --iters 10 --out "$out/sweep-dense.json"
     step sweep_dense_mixtral 200 python3 benchmarks/sweep_decode.py --preset mixtral-8x7b \
-        --tokens 1024 8192 --variants c3 c3-dense c3dense --iters 8 \
+        --tokens 1024 8192 --variants c3 c3-nodense c3-dense c3dense --iters 8 \
         --out "$out/sweep-dense-mixtral.json"
+    ;;
+prep)
+    # The memory-bound passes of a prefill call, and each kernel's share of it.
+    step sweep_prep 200 python3 benchmarks/sweep_prep.py --out "$out/prep.json"
+    step kernels 200 bash -c 'for a in "--tokens 8192 --mode w4a16" \
+        "--tokens 8192 --mode w4a4-token" "--preset qwen3-30b-a3b --tokens 16384 --mode w4a4-token" \
+        "--preset mixtral-8x7b --tokens 8192 --mode w4a16"; do
+        python3 benchmarks/profile_call.py --kernels --calls 5 $a; done'
     ;;
 bench)
     common=(--num-tokens 1 8 16 32 64 128 256 1024 4096 8192 16384 --iters 10)
@@ -74,7 +83,7 @@ ep)
     step disaggregated 90 python3 examples/disaggregated.py --device cuda
     ;;
 *)
-    echo "unknown part $part (tests, sweep, dense, bench or ep)"
+    echo "unknown part $part (tests, sweep, dense, prep, bench or ep)"
     exit 2
     ;;
 esac

@@ -100,7 +100,9 @@ def main() -> None:
             variants = {
                 "c2": TritonOptions(chunked=2, dense_above=None),
                 "old": TritonOptions(chunked=0, decode_asm=False),
-                "c3": TritonOptions(chunked=3),  # the defaults (dense from dense_above)
+                # the defaults (dense above dense_above valid rows, the preset's valid share
+                # of routes as `fp4moe bench` passes it)
+                "c3": TritonOptions(chunked=3, valid_fraction=p.local_experts / p.experts),
                 "c3-nodense": TritonOptions(chunked=3, dense_above=None),
                 "c3-nosplit": TritonOptions(chunked=3, split_k=False, dense_above=None),
                 "c3-split": TritonOptions(chunked=3, split_k=True, dense_above=None),
