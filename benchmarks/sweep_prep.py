@@ -1,5 +1,5 @@
 """Time the memory-bound passes of a prefill call on the GPU: the dense path's weight
-decode (``dense_weights_kernel`` at several tile shapes, each checked bitwise against
+decode (``dense_rows_kernel`` at several tile shapes, each checked bitwise against
 ``dense_weights``) and the W4A4 activation quantize (``quantize_rows``) at prefill shapes.
 
     PYTHONPATH=src python3 benchmarks/sweep_prep.py --out prep.json
@@ -19,7 +19,7 @@ import triton.language as tl
 
 from fp4moe.bench import card_ceilings, time_us
 from fp4moe.kernels import launch
-from fp4moe.kernels.dequant import dense_weights, dense_weights_kernel
+from fp4moe.kernels.dequant import dense_rows_kernel, dense_weights
 from fp4moe.kernels.quantize import MODE_PER_ROW
 
 DECODE_TILES = [  # (rows, K elements, warps) a program; the first is dense_weights' own
@@ -46,9 +46,9 @@ def main() -> None:
         for br, bk, warps in DECODE_TILES:
 
             def run(br=br, bk=bk, warps=warps):
-                dense_weights_kernel[(triton.cdiv(r, br), k // bk)](
-                    codes, scales, out, r, K=k, BR=br, BK=bk, DECODE_ASM=True,
-                    DOT_DTYPE=tl.bfloat16, num_warps=warps,
+                dense_rows_kernel[(triton.cdiv(r, br), k // bk)](
+                    codes, scales, codes, out, r, K=k, BR=br, BK=bk, FP4=True,
+                    HAS_COUNT=False, DECODE_ASM=True, DOT_DTYPE=tl.bfloat16, num_warps=warps,
                 )  # fmt: skip
 
             us = time_us(run, graph=True, warmup=2, iters=10, reps=3)

@@ -24,36 +24,8 @@ __all__ = [
     "dense_rows",
     "dense_rows_kernel",
     "dense_weights",
-    "dense_weights_kernel",
     "dense_weights_reference",
 ]
-
-
-@triton.jit
-def dense_weights_kernel(
-    codes_ptr,  # uint8 [R, K/2]
-    scales_ptr,  # float8_e4m3fn [R, K/16]
-    out_ptr,  # DOT_DTYPE [R, K], chunk order
-    R,
-    K: tl.constexpr,
-    BR: tl.constexpr,
-    BK: tl.constexpr,
-    DECODE_ASM: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-):
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    rmask = rows < R
-    r64 = rows.to(tl.int64)
-    kb = tl.program_id(1)
-    cq = kb * (BK // 2) + tl.arange(0, BK // 2)
-    cs = kb * (BK // 16) + tl.arange(0, BK // 16)
-    codes = tl.load(codes_ptr + r64[:, None] * (K // 2) + cq[None, :], mask=rmask[:, None], other=0)
-    scales = tl.load(
-        scales_ptr + r64[:, None] * (K // 16) + cs[None, :], mask=rmask[:, None], other=0.0
-    )
-    w = decode_permuted(codes, scales, BR, BK, DECODE_ASM, DOT_DTYPE)
-    kk = kb * BK + tl.arange(0, BK)
-    tl.store(out_ptr + r64[:, None] * K + kk[None, :], w, mask=rmask[:, None])
 
 
 def decode_tile(k: int, interpret: bool = False) -> tuple[int, int, int]:
@@ -105,8 +77,9 @@ def dense_weights(codes: torch.Tensor, scales: torch.Tensor, *, decode_asm: bool
     out = torch.empty((r, k), dtype=dtype, device=codes.device)
     if r:
         br, bk, warps = decode_tile(k, interp)
-        dense_weights_kernel[(triton.cdiv(r, br), k // bk)](
-            c2, s2, out, r, K=k, BR=br, BK=bk, DECODE_ASM=decode_asm and not interp,
+        dense_rows_kernel[(triton.cdiv(r, br), k // bk)](
+            c2, s2, c2, out, r, K=k, BR=br, BK=bk, FP4=True, HAS_COUNT=False,
+            DECODE_ASM=decode_asm and not interp,
             DOT_DTYPE=tl.float32 if interp else tl.bfloat16, num_warps=warps,
         )  # fmt: skip
     return out.reshape(*lead, k)
