@@ -92,11 +92,12 @@ class TritonOptions:
         threshold. Costs a bf16 copy of one GEMM's weights (E * 2I * H * 2 bytes for FC1)
         and of the activations during the call. Loops 2 and 3 only (the others ignore
         it); None: off. Default 192, from the H200 (docs/perf-notes.md): decoding every
-        expert's weights (0.8 ms for 1.4e9 weights) pays off from about 256 valid rows an
-        expert (Qwen3-30B-A3B at 8192 tokens, 512 rows: 3.14 -> 2.25 ms; Mixtral-8x7B at
-        8192 tokens: 26.0 -> 13.5 ms; DeepSeek-V3 EP8 at 8192 tokens, 256 rows: W4A16
-        4.18 -> 3.91 ms, W4A4 3.99 -> 4.26 ms), and loses below (128 rows: DeepSeek-V3 at
-        4096 tokens 2.28 -> 2.98 ms, Qwen3 at 2048 tokens 1.08 -> 1.30 ms).
+        expert's weights (1.0 ms for 1.4e9 weights) pays off from about 256 valid rows an
+        expert (W4A16 at 8192 tokens: Qwen3-30B-A3B, 512 rows, 3.14 -> 2.14 ms;
+        Mixtral-8x7B 26.0 -> 12.2 ms; DeepSeek-V3 EP8, 256 rows, 4.18 -> 3.81 ms, W4A4
+        per-token 3.99 -> 3.94 ms), and loses below (128 rows: DeepSeek-V3 at 4096 tokens
+        2.28 -> 2.98 ms, Qwen3 at 2048 tokens 1.08 -> 1.30 ms, before the decode's wider
+        tiles).
     valid_fraction: the expected fraction of a call's routes that are valid (not masked),
         for the dense switch: valid routes an expert = T * top-k * valid_fraction / E.
         Expert parallelism by masking over R ranks with balanced routing: 1 / R; every
