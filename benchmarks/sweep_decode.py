@@ -8,8 +8,9 @@ other: one summation order for every config is what keeps batch invariance).
 Variants: c2 (loop 2), old (loop 0), c3 (the defaults: loop 3, its own configs, the dense
 path above ``dense_above``), c3-nodense (loop 3 never dense), c3-split / c3-nosplit
 (split K forced, never dense), c3-dense (loop 3 on weights decoded once, dense_above=0;
-the same bits as c3), c2-torch-amax (per-tensor amaxes with torch ops), configs
-(loop 2 at each config of SMALL or LARGE), c3configs (loop 3 at each of C3_SMALL or
+the same bits as c3), c3-qsplit (the defaults with the W4A4 quantize split into one chunk
+of a row a program up to QSPLIT_ROWS rows), c2-torch-amax (per-tensor amaxes with torch
+ops), configs (loop 2 at each config of SMALL or LARGE), c3configs (loop 3 at each of C3_SMALL or
 C3_LARGE, split and not), c3dense (above 256 tokens, dense at each of C3_DENSE).
 """
 
@@ -22,6 +23,7 @@ import torch
 
 import fp4moe
 from fp4moe.bench import MODES, PRESETS, card_ceilings, make_routes, time_us
+from fp4moe.kernels import launch
 from fp4moe.kernels.gemm import GemmConfig
 from fp4moe.kernels.launch import TritonOptions, moe_triton
 from fp4moe.reference import moe_reference
@@ -51,6 +53,8 @@ C3_LARGE = [
     (64, 64, 64, 4, 3),
 ]
 
+QSPLIT_ROWS = 1024  # c3-qsplit: launch.QUANTIZE_SPLIT_ROWS
+
 C3_DENSE = [  # the dense path: both operands from shared memory, bigger tiles pay
     (64, 128, 64, 4, 3),
     (64, 128, 64, 4, 4),
@@ -76,6 +80,7 @@ def main() -> None:
         "config of C3_DENSE (above 256 tokens)",
     )
     a = ap.parse_args()
+    qsplit0 = launch.QUANTIZE_SPLIT_ROWS
     ceil = card_ceilings()
     tbs, tfl = ceil["copy_bytes_per_s"] / 1e12, ceil["bf16_matmul_flops"] / 1e12
     print(f"copy {tbs:.2f} TB/s, bf16 {tfl:.0f} TFLOP/s")
@@ -107,6 +112,8 @@ def main() -> None:
                 "c3-nosplit": TritonOptions(chunked=3, split_k=False, dense_above=None),
                 "c3-split": TritonOptions(chunked=3, split_k=True, dense_above=None),
                 "c3-dense": TritonOptions(chunked=3, dense_above=0),  # decoded weights loaded
+                # the defaults with the chunk-a-program quantize (launch.QUANTIZE_SPLIT_ROWS)
+                "c3-qsplit": TritonOptions(chunked=3, valid_fraction=p.local_experts / p.experts),
             }
             if sc == "per_tensor":  # the amaxes on the device against torch ops
                 variants["c2-torch-amax"] = TritonOptions(
@@ -137,6 +144,7 @@ def main() -> None:
             }
             first = first3 = None
             for name, opt in variants.items():
+                launch.QUANTIZE_SPLIT_ROWS = QSPLIT_ROWS if name == "c3-qsplit" else qsplit0
                 try:
                     out = moe_triton(x, ids, w, ex, mode=m, act_scale=sc, options=opt)
                     torch.cuda.synchronize()
@@ -171,6 +179,7 @@ def main() -> None:
                 ff = f"{r['floor_fraction']:.3f}" if touched else "-"
                 print(f"T={t:5d} {mode:11s} {name:28s} {us:9.1f} us  floor {ff}", end="")
                 print(f"  err {err:.2e}  same {same}")
+    launch.QUANTIZE_SPLIT_ROWS = qsplit0
     with open(a.out, "w") as f:
         json.dump({"ceilings": ceil, "preset": a.preset, "rows": rows}, f, indent=1)
 

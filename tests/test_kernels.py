@@ -502,6 +502,72 @@ def test_per_tensor_quantize_on_device_bit_identical(interpret, device, rows, co
     assert torch.equal(glob[:n], q.global_scale.expand(n))
 
 
+def _quantize_split_cases(device, rows, c, seed):
+    """(x, kwargs) cases of ``quantize_rows`` for every mode, gathered or not, with and
+    without a device count; x has a zero row and saturating and tiny blocks."""
+    from fp4moe.kernels.quantize import MODE_FROM_AMAX, MODE_PER_ROW, MODE_SCALAR, MODE_STATIC
+
+    x = _x(2 * rows + 1, c, seed=seed, device=device)
+    x[min(2, rows - 1)] = 0.0
+    x[0, :16] = 3.0e4
+    x[0, 16:32] = 1.0e-6
+    index = torch.randperm(2 * rows, generator=torch.Generator().manual_seed(seed))[:rows]
+    index = index.to(torch.int32).to(device)
+    table = torch.tensor([0.01, 0.02, 0.5], device=device)
+    row_expert = torch.tensor([i % 3 for i in range(rows)], dtype=torch.int32, device=device)
+    modes = [
+        (MODE_PER_ROW, {}),
+        (MODE_STATIC, dict(table=table, row_expert=row_expert)),
+        (MODE_SCALAR, dict(table=table[1:2])),
+        (MODE_FROM_AMAX, dict(table=torch.tensor([7.5], device=device))),
+    ]
+    for gather in (False, True):
+        for count in (None, max(rows // 2, 1)):
+            cnt = None if count is None else torch.tensor([count], dtype=torch.int32,
+                                                          device=device)  # fmt: skip
+            for mode, extra in modes:
+                kw = dict(mode=mode, count=cnt, poison=True, **extra)
+                if gather:
+                    kw.update(index=index, div=2)
+                yield x, rows if count is None else count, kw
+
+
+def _same_quantized(a, b, n):
+    return all(torch.equal(p[:n].view(torch.uint8), q[:n].view(torch.uint8)) for p, q in zip(a, b))
+
+
+@pytest.mark.kernel
+def test_quantize_split_rows_same_bits(interpret, device, monkeypatch):
+    """``quantize_rows`` with one chunk of a row a program (``QUANTIZE_SPLIT_ROWS``) gives
+    the codes, scales and globals of one row a program, in every mode."""
+    if device != "cpu":
+        pytest.skip("interpreter case; test_quantize_split_rows_gpu runs it on the GPU")
+    from fp4moe.kernels import launch
+
+    for x, n, kw in _quantize_split_cases(device, 5, 160, seed=9):
+        monkeypatch.setattr(launch, "QUANTIZE_SPLIT_ROWS", 0)
+        one = launch.quantize_rows(x, 5, **kw)
+        monkeypatch.setattr(launch, "QUANTIZE_SPLIT_ROWS", 64)
+        split = launch.quantize_rows(x, 5, **kw)
+        assert _same_quantized(one, split, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,c", [(1, 7168), (8, 7168), (8, 2048), (64, 768)])
+def test_quantize_split_rows_gpu(device, monkeypatch, rows, c):
+    """On the GPU: the chunk-a-program quantize gives the bits of the row-a-program one."""
+    if device != "cuda":
+        pytest.skip("GPU test")
+    from fp4moe.kernels import launch
+
+    for x, n, kw in _quantize_split_cases("cuda", rows, c, seed=rows + c):
+        monkeypatch.setattr(launch, "QUANTIZE_SPLIT_ROWS", 0)
+        one = launch.quantize_rows(x, rows, **kw)
+        monkeypatch.setattr(launch, "QUANTIZE_SPLIT_ROWS", 1024)
+        split = launch.quantize_rows(x, rows, **kw)
+        assert _same_quantized(one, split, n)
+
+
 def test_workspace_bytes_counts_segment_partials():
     """Loop 3 with split K adds fp32 partials of every segment of both GEMMs."""
     from fp4moe.kernels.launch import SEGMENT, workspace_bytes

@@ -52,6 +52,12 @@ def interpreting() -> bool:
 
 
 UNKNOWN_VALID_FRACTION = 1 / 6  # TritonOptions.valid_fraction when not given
+# quantize_rows: up to QUANTIZE_SPLIT_ROWS rows, one QUANTIZE_SPLIT_C-element chunk of a row
+# a program instead of one row a program (the same bits). Off (0) until measured on a GPU
+# (benchmarks/sweep_decode.py --variants c3 c3-qsplit): predicted a few us off each W4A4
+# decode call, whose one-program-a-row quantize of a 7168-wide row walks 14 chunks in turn.
+QUANTIZE_SPLIT_ROWS = 0
+QUANTIZE_SPLIT_C = 256
 
 
 @dataclass(frozen=True)
@@ -191,13 +197,18 @@ def quantize_rows(
         return codes, scales, glob
     dummy = glob
     block_c = min(triton.next_power_of_2(c), 64 if interpreting() else 1024)
+    grid, split = (rows,), {}
+    chunk = QUANTIZE_SPLIT_C if not interpreting() else 32
+    if rows <= QUANTIZE_SPLIT_ROWS and c > chunk:  # few rows: one chunk of a row a program
+        grid, split = (rows, triton.cdiv(c, chunk)), dict(SPLIT_C=True, AMAX_C=block_c)
+        block_c = chunk
     _launch(
-        quantize_rows_kernel, (rows,), pdl,
+        quantize_rows_kernel, grid, pdl,
         src, index if index is not None else dummy, count if count is not None else dummy,
         rows, codes, scales, glob,
         table if table is not None else dummy, row_expert if row_expert is not None else dummy,
         c, MODE=mode, GATHER=index is not None, DIV=div, COUNT_FROM_PTR=count is not None,
-        BLOCK_C=block_c, INTERPRET=interpreting(), num_warps=4,
+        BLOCK_C=block_c, INTERPRET=interpreting(), num_warps=4, **split,
     )  # fmt: skip
     return codes, scales, glob
 

@@ -106,7 +106,11 @@ def quantize_rows_kernel(
     BLOCK_C: tl.constexpr,
     USE_PDL: tl.constexpr,
     INTERPRET: tl.constexpr,
+    SPLIT_C: tl.constexpr = False,
+    AMAX_C: tl.constexpr = 1024,
 ):
+    """One row a program (SPLIT_C: one BLOCK_C chunk of a row a program, grid axis 1, for
+    few rows; the per-row amax then read in AMAX_C chunks); the same bits either way."""
     i = tl.program_id(0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -121,7 +125,10 @@ def quantize_rows_kernel(
     cols = tl.arange(0, BLOCK_C)
 
     if MODE == 0:
-        a = _row_amax(row, C, BLOCK_C)
+        if SPLIT_C:  # every chunk's program reads the whole row for its amax
+            a = _row_amax(row, C, AMAX_C)
+        else:
+            a = _row_amax(row, C, BLOCK_C)
         g = tl.where(a == 0.0, 1.0, tl.math.div_rn(a, 2688.0))
     elif MODE == 1:
         g = tl.load(table_ptr + tl.load(row_expert_ptr + i))
@@ -130,11 +137,19 @@ def quantize_rows_kernel(
     else:
         a = tl.load(table_ptr)
         g = tl.where(a == 0.0, 1.0, tl.math.div_rn(a, 2688.0))
-    tl.store(global_out_ptr + i, g)
+    if SPLIT_C:  # one chunk a program (grid axis 1); the row's global stored once
+        tl.store(global_out_ptr + i, g, mask=tl.program_id(1) == 0)
+        c_off = tl.program_id(1) * BLOCK_C
+        c_span: tl.constexpr = BLOCK_C
+    else:
+        tl.store(global_out_ptr + i, g)
+        c_off = 0
+        c_span: tl.constexpr = C
 
     i64 = i.to(tl.int64)
     six_g = 6.0 * g
-    for c0 in range(0, C, BLOCK_C):
+    for cb in range(0, c_span, BLOCK_C):
+        c0 = cb + c_off
         x = tl.load(row + c0 + cols, mask=c0 + cols < C, other=0.0).to(tl.float32)
         xb = x.reshape(BLOCK_C // 16, 16)
         amax_b = tl.max(tl.abs(xb), axis=1)
