@@ -477,14 +477,21 @@ def test_segmented_loop_gpu(gpu_experts, mode):
 
 
 @pytest.mark.kernel
+@pytest.mark.parametrize("split", [False, True], ids=["row", "split"])
 @pytest.mark.parametrize("rows,count", [(6, None), (6, 4), (3, 0)])
-def test_per_tensor_quantize_on_device_bit_identical(interpret, device, rows, count):
+def test_per_tensor_quantize_on_device_bit_identical(
+    interpret, device, monkeypatch, rows, count, split
+):
     """Per-tensor W4A4 on the device (amax_rows: atomic max, then the quantize kernel takes
     the global from it): codes, scales and global bit-identical to quantize_nvfp4 on the
     counted rows; no rows (or all zero) gives amax 0 and global 1."""
+    from fp4moe.kernels import launch
     from fp4moe.kernels.launch import amax_rows, quantize_rows
     from fp4moe.kernels.quantize import MODE_FROM_AMAX
     from fp4moe.nvfp4 import quantize_nvfp4
+
+    # split: few rows, each row's amax in one wide load and a chunk of a row a program
+    monkeypatch.setattr(launch, "QUANTIZE_SPLIT_ROWS", 1024 if split else 0)
 
     x = _x(rows, 96, seed=rows, device=device)
     x[1, 5] = -7.25

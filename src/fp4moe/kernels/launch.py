@@ -56,8 +56,12 @@ UNKNOWN_VALID_FRACTION = 1 / 6  # TritonOptions.valid_fraction when not given
 # a program instead of one row a program (the same bits). Off (0) until measured on a GPU
 # (benchmarks/sweep_decode.py --variants c3 c3-qsplit): predicted a few us off each W4A4
 # decode call, whose one-program-a-row quantize of a 7168-wide row walks 14 chunks in turn.
+# Up to QUANTIZE_SPLIT_ROWS rows the amax passes (per-row in quantize_rows, per-tensor in
+# amax_rows) also read a row in one load of up to AMAX_WIDE_C elements, not in a chain of
+# 1024-element loads (max is exact in any order: the same bits).
 QUANTIZE_SPLIT_ROWS = 0
 QUANTIZE_SPLIT_C = 256
+AMAX_WIDE_C = 8192
 
 
 @dataclass(frozen=True)
@@ -200,7 +204,8 @@ def quantize_rows(
     grid, split = (rows,), {}
     chunk = QUANTIZE_SPLIT_C if not interpreting() else 32
     if rows <= QUANTIZE_SPLIT_ROWS and c > chunk:  # few rows: one chunk of a row a program
-        grid, split = (rows, triton.cdiv(c, chunk)), dict(SPLIT_C=True, AMAX_C=block_c)
+        amax_c = min(triton.next_power_of_2(c), AMAX_WIDE_C)
+        grid, split = (rows, triton.cdiv(c, chunk)), dict(SPLIT_C=True, AMAX_C=amax_c)
         block_c = chunk
     _launch(
         quantize_rows_kernel, grid, pdl,
@@ -222,7 +227,8 @@ def amax_rows(
     if rows == 0:
         return out
     c = src.shape[1]
-    block_c = min(triton.next_power_of_2(c), 64 if interpreting() else 1024)
+    cap = AMAX_WIDE_C if rows <= QUANTIZE_SPLIT_ROWS else (64 if interpreting() else 1024)
+    block_c = min(triton.next_power_of_2(c), cap)  # few rows: a whole row in one load
     _launch(
         amax_rows_kernel, (rows,), pdl,
         src, count if count is not None else out, rows, out, c,
