@@ -319,7 +319,8 @@ def test_backend_triton_through_moe(interpret, device):
     ref = moe_reference(x, ids, w, experts, mode="w4a4", act_scale="per_token")
     assert rel_err(out, ref) <= TOL["w4a4"]
     # options reach the kernels: the dense path with poisoned workspaces, the same bits
-    opt = TritonOptions(dense_above=0, valid_fraction=0.5, poison=True)
+    assert fp4moe.TritonOptions is TritonOptions
+    opt = fp4moe.TritonOptions(dense_above=0, valid_fraction=0.5, poison=True)
     dense = fp4moe.moe(x, ids, w, experts, mode="w4a4", backend="triton", options=opt)
     assert torch.equal(dense, out)
     assert torch.equal(fp4moe.moe(x, ids, w, experts, mode="w4a4", backend="reference",

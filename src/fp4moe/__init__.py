@@ -15,6 +15,16 @@ from .runner import MoERunner
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """``fp4moe.TritonOptions``, imported on first use (it imports Triton)."""
+    if name == "TritonOptions":
+        from .kernels.launch import TritonOptions
+
+        return TritonOptions
+    raise AttributeError(f"module 'fp4moe' has no attribute {name!r}")
+
+
 __all__ = [
     "EPMoELayer",
     "MoELayer",
@@ -24,6 +34,7 @@ __all__ = [
     "PhasePolicy",
     "PreparedExperts",
     "RouterConfig",
+    "TritonOptions",
     "__version__",
     "dequantize_nvfp4",
     "expert_range",

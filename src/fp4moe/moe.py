@@ -112,7 +112,7 @@ def moe(
             (triton on a CUDA device, the reference elsewhere).
         validate_ids: also check ids < E where that costs a host sync (CUDA tensors). On
             CPU the ids are always checked.
-        options: ``fp4moe.kernels.launch.TritonOptions`` for the triton backend (tile
+        options: ``fp4moe.TritonOptions`` for the triton backend (tile
             configs, PDL, the dense prefill path; under expert parallelism by masking,
             ``valid_fraction`` = 1 / ranks). Every option gives the same bits except the
             main loop (``chunked``). Ignored by the reference.
@@ -126,8 +126,7 @@ def moe(
 
         if not isinstance(options, TritonOptions):
             raise TypeError(
-                f"options: expected fp4moe.kernels.launch.TritonOptions or None, "
-                f"got {type(options).__name__}"
+                f"options: expected fp4moe.TritonOptions or None, got {type(options).__name__}"
             )
     on_cuda = isinstance(x, torch.Tensor) and x.is_cuda
     validate_moe_inputs(
