@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_session.sh sweep      # main loops and configs (sweep_decode.py)
 #   bash benchmarks/gpu_session.sh dense      # the dense prefill path: test and sweeps
 #   bash benchmarks/gpu_session.sh prep       # prefill passes: decode tiles, quantize, per kernel
+#   bash benchmarks/gpu_session.sh configs    # decode-size configs on Qwen3 and Mixtral
 #   bash benchmarks/gpu_session.sh bench      # fp4moe bench: DeepSeek-V3, Qwen3, Mixtral
 #   bash benchmarks/gpu_session.sh ep         # two GPUs: NCCL tests, bench --ep, example
 #
@@ -13,7 +14,7 @@
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|sweep|dense|prep|bench|ep}"
+part="${1:?usage: gpu_session.sh tests|sweep|dense|prep|configs|bench|ep}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -68,6 +69,15 @@ prep)
         "--preset mixtral-8x7b --tokens 8192 --mode w4a16"; do
         python3 benchmarks/profile_call.py --kernels --calls 5 $a; done'
     ;;
+configs)
+    # Loop 3's decode-size configs on the unmasked presets (every route valid), to move
+    # choose_gemm_config onto valid rows an expert (TritonOptions.valid_fraction).
+    for p in qwen3-30b-a3b mixtral-8x7b; do
+        step "configs_$p" 280 python3 benchmarks/sweep_decode.py --preset "$p" \
+            --tokens 16 64 256 1024 --modes w4a16 w4a4-token --variants c3 c3configs \
+            --iters 10 --out "$out/configs-$p.json"
+    done
+    ;;
 bench)
     common=(--num-tokens 1 8 16 32 64 128 256 1024 4096 8192 16384 --iters 10)
     step deepseek 240 python3 -m fp4moe bench "${common[@]}" --out "$out/deepseek"
@@ -88,7 +98,7 @@ ep)
     step disaggregated 90 python3 examples/disaggregated.py --device cuda
     ;;
 *)
-    echo "unknown part $part (tests, sweep, dense, prep, bench or ep)"
+    echo "unknown part $part (tests, sweep, dense, prep, configs, bench or ep)"
     exit 2
     ;;
 esac
