@@ -34,19 +34,16 @@ def decode_tile(k: int, interpret: bool = False) -> tuple[int, int, int]:
     Any tile gives the same values (each element is decoded on its own). Measured on the
     H200 (benchmarks/sweep_prep.py, DeepSeek-V3 w13, 0.94e9 weights): (64, 128) 896 us,
     (32, 256) 745 us, (16, 512) 680 us, 3.5 TB/s of bytes read and written."""
-    if interpret:
-        bk = 32
-        while bk < 128 and k % (bk * 2) == 0:
-            bk *= 2
-        return 16, bk, 4
+    widest = 128 if interpret else 512
     bk = 32
-    while bk < 512 and k % (bk * 2) == 0:
+    while bk < widest and k % (bk * 2) == 0:
         bk *= 2
-    return min(64, 8192 // bk), bk, 4
+    return (16 if interpret else min(64, 8192 // bk)), bk, 4
 
 
 def dense_weights(codes: torch.Tensor, scales: torch.Tensor, *, decode_asm: bool = True):
-    """The decoded GEMM operand of NVFP4 weight rows (see the module docstring).
+    """The decoded GEMM operand of NVFP4 weight rows (see the module docstring):
+    ``dense_rows`` over any leading dimensions.
 
     Args:
         codes: uint8 [..., K/2], two e2m1 codes a byte (the low nibble the even element).
@@ -56,8 +53,6 @@ def dense_weights(codes: torch.Tensor, scales: torch.Tensor, *, decode_asm: bool
     Returns:
         [..., K] bf16 on a GPU, fp32 in the interpreter (the GEMM's operand dtype).
     """
-    from .launch import interpreting  # (launch imports this module)
-
     if codes.dtype != torch.uint8:
         raise TypeError(f"codes: expected torch.uint8, got {codes.dtype}")
     if scales.dtype != torch.float8_e4m3fn:
@@ -68,21 +63,9 @@ def dense_weights(codes: torch.Tensor, scales: torch.Tensor, *, decode_asm: bool
             f"scales: expected {[*codes.shape[:-1], k // 16]} for codes {list(codes.shape)} "
             f"(K = {k}, a multiple of 32), got {list(scales.shape)}"
         )
-    interp = interpreting()
-    lead = codes.shape[:-1]
-    c2 = codes.reshape(-1, k // 2).contiguous()
-    s2 = scales.reshape(-1, k // 16).contiguous()
-    r = c2.shape[0]
-    dtype = torch.float32 if interp else torch.bfloat16
-    out = torch.empty((r, k), dtype=dtype, device=codes.device)
-    if r:
-        br, bk, warps = decode_tile(k, interp)
-        dense_rows_kernel[(triton.cdiv(r, br), k // bk)](
-            c2, s2, c2, out, r, K=k, BR=br, BK=bk, FP4=True, HAS_COUNT=False,
-            DECODE_ASM=decode_asm and not interp,
-            DOT_DTYPE=tl.float32 if interp else tl.bfloat16, num_warps=warps,
-        )  # fmt: skip
-    return out.reshape(*lead, k)
+    rows = dense_rows(codes.reshape(-1, k // 2), scales.reshape(-1, k // 16),
+                      decode_asm=decode_asm)  # fmt: skip
+    return rows.reshape(*codes.shape[:-1], k)
 
 
 def chunk_order(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -158,7 +141,7 @@ def dense_rows(
     Returns:
         [R, K] bf16 on a GPU, fp32 in the interpreter.
     """
-    from .launch import interpreting  # (launch imports this module)
+    from .launch import _empty, interpreting  # (launch imports this module)
 
     fp4 = scales is not None
     if fp4 and src.dtype != torch.uint8:
@@ -178,10 +161,7 @@ def dense_rows(
             f"count: expected one int32 element, got {count.dtype} {list(count.shape)}"
         )
     interp = interpreting()
-    dtype = torch.float32 if interp else torch.bfloat16
-    out = torch.empty((r, k), dtype=dtype, device=src.device)
-    if poison:
-        out.fill_(float("nan"))
+    out = _empty((r, k), torch.float32 if interp else torch.bfloat16, src.device, poison)
     if r:
         br, bk, warps = decode_tile(k, interp)
         src = src.contiguous()
