@@ -175,6 +175,14 @@ def _launch(kernel, grid, pdl: bool, *args, **kwargs):
     kernel[grid](*args, USE_PDL=pdl, **kwargs)
 
 
+def _row_block(c: int, wide: bool = False) -> int:
+    """Elements of a C-wide row a quantize or amax program loads at once: 1024 (64 in the
+    interpreter), or ``wide`` (few rows: ``QUANTIZE_SPLIT_ROWS``) a whole row up to
+    AMAX_WIDE_C."""
+    cap = AMAX_WIDE_C if wide else (64 if interpreting() else 1024)
+    return min(triton.next_power_of_2(c), cap)
+
+
 def quantize_rows(
     src: torch.Tensor,
     rows: int,
@@ -200,12 +208,12 @@ def quantize_rows(
     if rows == 0:
         return codes, scales, glob
     dummy = glob
-    block_c = min(triton.next_power_of_2(c), 64 if interpreting() else 1024)
+    block_c = _row_block(c)
+    few = rows <= QUANTIZE_SPLIT_ROWS
     grid, split = (rows,), {}
     chunk = QUANTIZE_SPLIT_C if not interpreting() else 32
-    if rows <= QUANTIZE_SPLIT_ROWS and c > chunk:  # few rows: one chunk of a row a program
-        amax_c = min(triton.next_power_of_2(c), AMAX_WIDE_C)
-        grid, split = (rows, triton.cdiv(c, chunk)), dict(SPLIT_C=True, AMAX_C=amax_c)
+    if few and c > chunk:  # few rows: one chunk of a row a program
+        grid, split = (rows, triton.cdiv(c, chunk)), dict(SPLIT_C=True)
         block_c = chunk
     _launch(
         quantize_rows_kernel, grid, pdl,
@@ -213,7 +221,8 @@ def quantize_rows(
         rows, codes, scales, glob,
         table if table is not None else dummy, row_expert if row_expert is not None else dummy,
         c, MODE=mode, GATHER=index is not None, DIV=div, COUNT_FROM_PTR=count is not None,
-        BLOCK_C=block_c, INTERPRET=interpreting(), num_warps=4, **split,
+        BLOCK_C=block_c, AMAX_C=_row_block(c, few), INTERPRET=interpreting(), num_warps=4,
+        **split,
     )  # fmt: skip
     return codes, scales, glob
 
@@ -227,12 +236,11 @@ def amax_rows(
     if rows == 0:
         return out
     c = src.shape[1]
-    cap = AMAX_WIDE_C if rows <= QUANTIZE_SPLIT_ROWS else (64 if interpreting() else 1024)
-    block_c = min(triton.next_power_of_2(c), cap)  # few rows: a whole row in one load
     _launch(
         amax_rows_kernel, (rows,), pdl,
         src, count if count is not None else out, rows, out, c,
-        COUNT_FROM_PTR=count is not None, BLOCK_C=block_c, num_warps=4,
+        COUNT_FROM_PTR=count is not None, BLOCK_C=_row_block(c, rows <= QUANTIZE_SPLIT_ROWS),
+        num_warps=4,
     )  # fmt: skip
     return out
 

@@ -106,11 +106,11 @@ def quantize_rows_kernel(
     BLOCK_C: tl.constexpr,
     USE_PDL: tl.constexpr,
     INTERPRET: tl.constexpr,
+    AMAX_C: tl.constexpr,
     SPLIT_C: tl.constexpr = False,
-    AMAX_C: tl.constexpr = 1024,
 ):
     """One row a program (SPLIT_C: one BLOCK_C chunk of a row a program, grid axis 1, for
-    few rows; the per-row amax then read in AMAX_C chunks); the same bits either way."""
+    few rows); the per-row amax reads AMAX_C elements at a time. The same bits either way."""
     i = tl.program_id(0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -125,10 +125,7 @@ def quantize_rows_kernel(
     cols = tl.arange(0, BLOCK_C)
 
     if MODE == 0:
-        if SPLIT_C:  # every chunk's program reads the whole row for its amax
-            a = _row_amax(row, C, AMAX_C)
-        else:
-            a = _row_amax(row, C, BLOCK_C)
+        a = _row_amax(row, C, AMAX_C)  # SPLIT_C: every chunk's program reads the whole row
         g = tl.where(a == 0.0, 1.0, tl.math.div_rn(a, 2688.0))
     elif MODE == 1:
         g = tl.load(table_ptr + tl.load(row_expert_ptr + i))
