@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -17,6 +19,9 @@ from torch import nn
 from .experts import PreparedExperts
 from .moe import ACT_SCALES, BACKENDS, MODES, moe
 from .routing import ROUTING_METHODS, local_expert_ids, route
+
+if TYPE_CHECKING:
+    from .kernels.launch import TritonOptions
 
 __all__ = ["PHASES", "MoELayer", "PhaseConfig", "PhasePolicy", "RouterConfig", "serving_phase"]
 
@@ -333,12 +338,13 @@ class MoELayer(nn.Module):
         self.stats.tokens[name] += t
         return out.reshape(shape)
 
-    @property
-    def triton_options(self):
-        """The Triton backend's options for this layer's calls (``TritonOptions``): the
-        share of valid routes is the share of experts it holds, ``expert_range`` over all
-        experts (routes to other ranks' experts are masked), which places the dense
-        prefill path's switch (``dense_above``) in valid rows an expert."""
+    @functools.cached_property
+    def triton_options(self) -> TritonOptions:
+        """The Triton backend's options for this layer's calls (``TritonOptions``, built on
+        first use): the share of valid routes is the share of experts it holds,
+        ``expert_range`` over all experts (routes to other ranks' experts are masked),
+        which places the dense prefill path's switch (``dense_above``) in valid rows an
+        expert."""
         from .kernels.launch import TritonOptions
 
         start, stop = self.expert_range
