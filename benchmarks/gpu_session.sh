@@ -41,8 +41,8 @@ sweep)
     # amax on the device against torch ops (c2-torch-amax rows).
     step sweep 420 python3 benchmarks/sweep_decode.py --tokens 1 16 64 256 1024 8192 \
         --variants c2 c3 c3configs --iters 15 --out "$out/sweep.json"
-    # The chunk-a-program W4A4 quantize (launch.QUANTIZE_SPLIT_ROWS, off by default):
-    # if c3-qsplit wins at decode sizes, set QUANTIZE_SPLIT_ROWS (the same bits).
+    # The chunk-a-program W4A4 quantize (launch.QUANTIZE_SPLIT_ROWS, 512 since session 6)
+    # against the sweep's 1024: the rows above 512 are unmeasured (the same bits).
     step sweep_qsplit 150 python3 benchmarks/sweep_decode.py --tokens 1 16 64 256 \
         --modes w4a4-token w4a4-tensor --variants c3 c3-qsplit --iters 15 \
         --out "$out/sweep-qsplit.json"

@@ -61,7 +61,9 @@ def _x(t, h, *, seed, device):
 # ----------------------------------------------------------------------------- sort
 
 
-@pytest.mark.parametrize("t,k,e,bm", [(0, 2, 4, 16), (1, 1, 3, 16), (37, 3, 5, 16), (50, 4, 8, 32)])
+@pytest.mark.parametrize(
+    "t,k,e,bm", [(0, 2, 4, 16), (1, 1, 3, 16), (37, 3, 5, 16), (50, 4, 8, 32), (150, 2, 40, 16)]
+)
 @pytest.mark.parametrize("masked", [0.0, 0.3, 1.0], ids=["none", "some", "all"])
 @pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "triton"])
 def test_sort_invariants(interpret, device, t, k, e, bm, masked, use_kernel):

@@ -53,13 +53,15 @@ def interpreting() -> bool:
 
 UNKNOWN_VALID_FRACTION = 1 / 6  # TritonOptions.valid_fraction when not given
 # quantize_rows: up to QUANTIZE_SPLIT_ROWS rows, one QUANTIZE_SPLIT_C-element chunk of a row
-# a program instead of one row a program (the same bits). Off (0) until measured on a GPU
-# (benchmarks/sweep_decode.py --variants c3 c3-qsplit): predicted a few us off each W4A4
-# decode call, whose one-program-a-row quantize of a 7168-wide row walks 14 chunks in turn.
-# Up to QUANTIZE_SPLIT_ROWS rows the amax passes (per-row in quantize_rows, per-tensor in
-# amax_rows) also read a row in one load of up to AMAX_WIDE_C elements, not in a chain of
-# 1024-element loads (max is exact in any order: the same bits).
-QUANTIZE_SPLIT_ROWS = 0
+# a program instead of one row a program (the same bits). Up to QUANTIZE_SPLIT_ROWS rows the
+# amax passes (per-row in quantize_rows, per-tensor in amax_rows) also read a row in one
+# load of up to AMAX_WIDE_C elements, not in a chain of 1024-element loads (max is exact in
+# any order: the same bits). Measured on the H200 (benchmarks/sweep_decode.py --variants c3
+# c3-qsplit, DeepSeek-V3 EP8, session 6): W4A4 per-token 82.2 -> 77.3 us at 1 token, per-
+# tensor 87.5 -> 82.4 (1 token) and 120.8 -> 111.4 (16 tokens), a tie at 64 tokens (x 64
+# rows, FC1 output 512). Above 512 rows each of a row's chunk programs re-reads the row
+# for its amax, so the split stays off there (unmeasured).
+QUANTIZE_SPLIT_ROWS = 512
 QUANTIZE_SPLIT_C = 256
 AMAX_WIDE_C = 8192
 
