@@ -479,6 +479,32 @@ def test_segmented_loop_gpu(gpu_experts, mode):
     assert torch.equal(out[100], a[3])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16, 64])
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_gluon_decode_gpu(gpu_experts, monkeypatch, t, asynchronous):
+    """``TritonOptions.gluon_decode``: the Gluon segment partials give loop 3's bits for
+    the whole W4A16 call (8-row tiles at 1 and 16 tokens, 16-row at 64), and the fused
+    finalize stays within the tolerance."""
+    from fp4moe.kernels import gluon_decode
+
+    monkeypatch.setattr(gluon_decode, "ASYNC_WGMMA", asynchronous)
+    e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
+    experts = gpu_experts("deepseek-v3-ep8")
+    x = _x(t, h, seed=7, device="cuda")
+    ids, w = _gpu_routes(t, k, e, e_total, seed=7)
+    for fused in (False, True):
+        a = moe_triton(x, ids, w, experts, mode="w4a16", fused_finalize=fused,
+                       options=TritonOptions(poison=True))  # fmt: skip
+        b = moe_triton(x, ids, w, experts, mode="w4a16", fused_finalize=fused,
+                       options=TritonOptions(poison=True, gluon_decode=True))  # fmt: skip
+        if fused:
+            ref = moe_reference(x, ids, w, experts, mode="w4a16")
+            assert rel_err(b, ref) <= TOL["w4a16"]
+        else:
+            assert torch.equal(a, b)
+
+
 @pytest.mark.kernel
 @pytest.mark.parametrize("split", [False, True], ids=["row", "split"])
 @pytest.mark.parametrize("rows,count", [(6, None), (6, 4), (3, 0)])

@@ -386,6 +386,7 @@ def moe_gemm_kernel(
     SPLIT: tl.constexpr = False,
     W_DENSE: tl.constexpr = False,
     GROUP_M: tl.constexpr = 0,
+    REDUCE_ONLY: tl.constexpr = False,
 ):
     if GROUP_M:
         # One grid axis in groups of GROUP_M tile rows: consecutive programs sweep the
@@ -505,19 +506,6 @@ def moe_gemm_kernel(
         if not GATED:
             acc_u = acc_g
         if SPLIT:
-            s_id = tl.program_id(2)
-            for j in range(0, SEG_TILES):
-                kb = s_id * SEG_TILES + j
-                if REM == 0:  # noqa: SIM114 (a constexpr: no runtime bound check when full)
-                    acc_g, acc_u = _chunk_tile(
-                        kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
-                        N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE,
-                    )  # fmt: skip
-                elif kb < KB:
-                    acc_g, acc_u = _chunk_tile(
-                        kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
-                        N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE,
-                    )  # fmt: skip
             if GATED:
                 gn: tl.constexpr = 2 * N
             else:
@@ -525,14 +513,28 @@ def moe_gemm_kernel(
             pmask = n_mask[:, None] & m_mask[None, :]
             prow = part_ptr + offs_m.to(tl.int64)[None, :] * gn + offs_n[:, None]
             stride = ws_rows.to(tl.int64) * gn
-            tl.store(prow + s_id * stride, acc_g, mask=pmask)
-            if GATED:
-                tl.store(prow + s_id * stride + N, acc_u, mask=pmask)
-            tile = pid_m * tl.cdiv(N, BN) + pid_n
-            done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-            if done != NSEG - 1:
-                return
-            tl.store(cnt_ptr + tile, 0)  # ready for the next call (and graph replay)
+            if not REDUCE_ONLY:  # REDUCE_ONLY: another kernel wrote every P_s (gluon_decode)
+                s_id = tl.program_id(2)
+                for j in range(0, SEG_TILES):
+                    kb = s_id * SEG_TILES + j
+                    if REM == 0:  # noqa: SIM114 (a constexpr: no runtime bound check when full)
+                        acc_g, acc_u = _chunk_tile(
+                            kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
+                            N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE,
+                        )  # fmt: skip
+                    elif kb < KB:
+                        acc_g, acc_u = _chunk_tile(
+                            kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
+                            N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE,
+                        )  # fmt: skip
+                tl.store(prow + s_id * stride, acc_g, mask=pmask)
+                if GATED:
+                    tl.store(prow + s_id * stride + N, acc_u, mask=pmask)
+                tile = pid_m * tl.cdiv(N, BN) + pid_n
+                done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+                if done != NSEG - 1:
+                    return
+                tl.store(cnt_ptr + tile, 0)  # ready for the next call (and graph replay)
             acc_g = tl.zeros((BN, BM), dtype=tl.float32)
             acc_u = tl.zeros((BN, BM), dtype=tl.float32)
             for sg_i in range(0, NSEG):  # .cg: other SMs wrote them; read from L2, not L1

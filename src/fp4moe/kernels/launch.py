@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -117,6 +117,12 @@ class TritonOptions:
         1/6, so that a call masking 7 of 8 routes does not switch where it would lose.
     poison: fill every workspace and the output with NaN (0xFF bytes for codes and
         scales) before the kernels run, so tests see any element no kernel wrote.
+    gluon_decode: W4A16 split-K calls (``split_for``) compute the segment partials with
+        the Gluon kernel of ``kernels.gluon_decode`` (the weight codes loaded straight into
+        the wgmma register fragment: 4.3 SASS instructions a weight against 5.6), then the
+        split kernel only sums them and runs the epilogue. The same operands, order and
+        sums as loop 3's split programs: the same bits. Needs K a multiple of 1024 (the
+        others stay on loop 3) and a CUDA device (Gluon has no interpreter).
     """
 
     pdl: bool | None = None
@@ -130,6 +136,7 @@ class TritonOptions:
     fc1_nvfp4_out: bool = True
     dense_above: int | None = 192
     valid_fraction: float | None = None
+    gluon_decode: bool = False
 
     def split_for(self, n_routes: int, num_experts: int) -> bool:
         """Whether loop 3 splits K for a call of ``n_routes`` routes over the experts."""
@@ -247,6 +254,12 @@ def amax_rows(
     return out
 
 
+def gluon_applies(k: int, a_fp4: bool, cfg: GemmConfig) -> bool:
+    """Whether a split-K GEMM can take its partials from ``gluon_decode``: W4A16, whole
+    1024-element segments, 8 or 16 rows a tile, a CUDA device (not the interpreter)."""
+    return not interpreting() and not a_fp4 and k % SEGMENT == 0 and cfg.block_m in (8, 16)
+
+
 def _gemm(
     cfg: GemmConfig,
     sort: RouteSort,
@@ -272,6 +285,7 @@ def _gemm(
     split: bool = False,
     dense: bool = False,
     poison: bool = False,
+    gluon: bool = False,
 ) -> None:
     """One grouped GEMM. ``out_fp4`` = (scales, globals, static table): ``out`` receives
     NVFP4 codes of the FC1 activation instead of bf16 (static W4A4). ``dense``: decode
@@ -309,12 +323,22 @@ def _gemm(
     nseg = -(-(k // cfg.block_k) // seg_tiles) if seg_tiles else 1
     split = split and nseg > 1
     part, cnt, ws_rows = dummy, dummy, 0
+    gluon = gluon and split and gluon_applies(k, a_fp4, cfg)
     if split:  # one program a K segment; fp32 partials, summed by the last one of a tile
         ws_rows = sort.sorted_routes.shape[0]
         part = torch.empty(nseg * ws_rows * (2 * n if gated else n), dtype=torch.float32,
                            device=a.device)  # fmt: skip
-        cnt = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=a.device)
-        grid = (*grid, nseg)
+        if gluon:  # the partials from the Gluon kernel; the split kernel only sums them
+            from .gluon_decode import split_partials
+
+            split_partials(
+                a, sort.sorted_routes, w_codes, w_scales, sort.block_expert,
+                sort.block_start, sort.block_end, part, n=n, topk=topk, gated=gated,
+                gather=a_gather, block_m=cfg.block_m, seg=SEGMENT, ws_rows=ws_rows,
+            )  # fmt: skip
+        else:
+            cnt = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=a.device)
+            grid = (*grid, nseg)
     _launch(
         moe_gemm_kernel, grid, pdl,
         a, a_scales if a_fp4 else dummy, a_global if a_fp4 else dummy,
@@ -327,7 +351,7 @@ def _gemm(
         OUT_SCALE=out_scale, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         DOT_DTYPE=dot, W_DTYPE=wdt, INTERPRET=interpreting(), DECODE_ASM=decode_asm,
         PREFETCH=cfg.prefetch, OUT_FP4=out_fp4 is not None, CHUNKED=int(chunked),
-        SEG_TILES=seg_tiles, SPLIT=split, W_DENSE=dense, GROUP_M=group_m,
+        SEG_TILES=seg_tiles, SPLIT=split, W_DENSE=dense, GROUP_M=group_m, REDUCE_ONLY=gluon,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -378,6 +402,19 @@ def gemm_configs(
     cfg2 = options.fc2 or choose_gemm_config(
         rows_per_expert, h, inter, gated=False, interpret=interpreting(), a_fp4=a_fp4, loop=loop
     )
+    if (
+        options.gluon_decode
+        and options.fc1 is None
+        and options.fc2 is None
+        and loop == 3
+        and options.split_for(n_routes, experts.num_experts)
+        and rows_per_expert <= 8
+        and gluon_applies(h, a_fp4, cfg1)
+    ):
+        # The Gluon partials take 8-row tiles (the wgmma N): half the activation staging
+        # of 16 (measured: benchmarks/gluon_experiment.py). Any block_m gives the same bits.
+        cfg1 = replace(cfg1, block_m=8)
+        cfg2 = replace(cfg2, block_m=8)
     if cfg1.block_m != cfg2.block_m:
         raise ValueError("options: fc1 and fc2 configs must share block_m (one tile schedule)")
     return cfg1, cfg2
@@ -447,7 +484,7 @@ def expert_gemms(
         experts.w13_codes, experts.w13_scales, experts.w13_global, act, route_weights,
         n=inter, k=h, topk=topk, gated=True, a_gather=a_gather, fused=False, pdl=pdl,
         decode_asm=opt.decode_asm, out_fp4=out_fp4, chunked=opt.chunked, split=split,
-        dense=dense, poison=opt.poison,
+        dense=dense, poison=opt.poison, gluon=opt.gluon_decode,
     )  # fmt: skip
 
     # FC2 input.
@@ -480,7 +517,7 @@ def expert_gemms(
         experts.w2_codes, experts.w2_scales, experts.w2_global, dest, route_weights,
         n=h, k=inter, topk=topk, gated=False, a_gather=False, fused=fused_into is not None,
         pdl=pdl, decode_asm=opt.decode_asm, chunked=opt.chunked, split=split, dense=dense,
-        poison=opt.poison,
+        poison=opt.poison, gluon=opt.gluon_decode,
     )  # fmt: skip
     return dest
 

@@ -1,0 +1,124 @@
+"""The Gluon decode-size kernel (fp4moe.kernels.gluon_decode) against loop 3's split GEMMs.
+
+    PYTHONPATH=src python3 benchmarks/gluon_experiment.py --tokens 1 16 64 256
+
+DeepSeek-V3 EP8 shapes and routes of ``fp4moe bench``, W4A16. For each token count:
+each GEMM (FC1 gathered and gated, FC2 on sorted rows) with 8- and 16-row tiles, loop 3's
+split GEMM against the Gluon partials plus the split kernel's sum and epilogue
+(``TritonOptions.gluon_decode``), bitwise compared and timed with CUDA events over
+CUDA-graph replays; then the whole call both ways.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+import fp4moe
+from fp4moe.bench import PRESETS, make_routes
+from fp4moe.kernels import gluon_decode
+from fp4moe.kernels.gemm import GemmConfig
+from fp4moe.kernels.launch import TritonOptions, _gemm, moe_triton
+from fp4moe.kernels.sort import sort_routes
+
+
+def timed(fn, iters: int = 20) -> float:
+    """Median us of one call: a CUDA graph of the call, replayed ``iters`` times."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1000)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--out", default=None)
+    p.add_argument("--async-wgmma", action="store_true", help="gluon_decode.ASYNC_WGMMA")
+    a = p.parse_args()
+    gluon_decode.ASYNC_WGMMA = a.async_wgmma
+    pr = PRESETS["deepseek-v3-ep8"]
+    dev = "cuda"
+    torch.manual_seed(0)
+    e, h, inter, topk = pr.local_experts, pr.hidden, pr.inter, pr.top_k
+    w13 = torch.randn(e, 2 * inter, h, device=dev, dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(e, h, inter, device=dev, dtype=torch.bfloat16) * 0.02
+    ex = fp4moe.prepare_experts(w13, w2)
+    del w13, w2
+    rows = []
+    for t in a.tokens:
+        ids, wts = make_routes(pr, t, t, dev)
+        nr = ids.numel()
+        x = torch.randn(t, h, device=dev).to(torch.bfloat16)
+        # 1. Each GEMM alone: Gluon partials + sum against loop 3's split GEMM, bitwise.
+        for bm in (8, 16):
+            sort = sort_routes(ids, e, bm)
+            a2 = torch.randn(nr, inter, device=dev).to(torch.bfloat16)
+            for name, (src, codes, scales, glob, n, k, gated, gather) in {
+                "fc1": (x, ex.w13_codes, ex.w13_scales, ex.w13_global, inter, h, True, True),
+                "fc2": (a2, ex.w2_codes, ex.w2_scales, ex.w2_global, h, inter, False, False),
+            }.items():
+                outs = {}
+                us = {}
+                for g in (False, True):
+                    out = torch.full((nr, n), float("nan"), device=dev, dtype=torch.bfloat16)
+
+                    def call(g=g, out=out):
+                        _gemm(GemmConfig(bm, 64, 128, 4, 3), sort, src, None, None, codes,
+                              scales, glob, out, wts.reshape(-1), n=n, k=k, topk=topk,
+                              gated=gated, a_gather=gather, fused=False, pdl=False,
+                              split=True, gluon=g)  # fmt: skip
+
+                    call()
+                    torch.cuda.synchronize()
+                    outs[g] = out.clone()
+                    us[g] = timed(call)
+                nv = int(sort.expert_offsets[-1])
+                same = bool(torch.equal(outs[False][:nv], outs[True][:nv]))
+                row = dict(tokens=t, gemm=name, block_m=bm, valid_rows=nv, same=same,
+                           loop3_split_us=us[False], gluon_us=us[True])  # fmt: skip
+                rows.append(row)
+                print(f"T={t:5d} {name} bm {bm:2d} rows {nv:4d} same {same}  loop3 split "
+                      f"{us[False]:7.1f} us  gluon+sum {us[True]:7.1f} us", flush=True)  # fmt: skip
+        # 2. The whole call (W4A16, deterministic finalize, PDL, CUDA graph).
+        res = {}
+        for g in (False, True):
+            opt = TritonOptions(valid_fraction=pr.local_experts / pr.experts, gluon_decode=g)
+
+            def whole(opt=opt):
+                return moe_triton(x, ids, wts, ex, mode="w4a16",
+                                  fused_finalize=False, options=opt)  # fmt: skip
+
+            y = whole()
+            torch.cuda.synchronize()
+            res[g] = (y.clone(), timed(whole))
+        same = bool(torch.equal(res[False][0], res[True][0]))
+        rows.append(dict(tokens=t, gemm="call", same=same, loop3_us=res[False][1],
+                         gluon_us=res[True][1]))  # fmt: skip
+        print(f"T={t:5d} whole call same {same}  loop 3 {res[False][1]:7.1f} us  with gluon "
+              f"{res[True][1]:7.1f} us", flush=True)  # fmt: skip
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
