@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_session.sh dense      # the dense prefill path: test and sweeps
 #   bash benchmarks/gpu_session.sh prep       # prefill passes: decode tiles, quantize, per kernel
 #   bash benchmarks/gpu_session.sh configs    # decode-size configs on Qwen3 and Mixtral
+#   bash benchmarks/gpu_session.sh gluon      # the Gluon split partials: bits and time
 #   bash benchmarks/gpu_session.sh bench      # fp4moe bench: DeepSeek-V3, Qwen3, Mixtral
 #   bash benchmarks/gpu_session.sh ep         # two GPUs: NCCL tests, bench --ep, example
 #
@@ -14,7 +15,7 @@
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|sweep|dense|prep|configs|bench|ep}"
+part="${1:?usage: gpu_session.sh tests|sweep|dense|prep|configs|gluon|bench|ep}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -78,6 +79,16 @@ configs)
             --iters 10 --out "$out/configs-$p.json"
     done
     ;;
+gluon)
+    # TritonOptions.gluon_decode: bitwise against loop 3 (test), then each GEMM and the
+    # whole call timed both ways, synchronous and asynchronous main loop.
+    step gluon_test 200 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py \
+        -k "gluon_decode_gpu"
+    step gluon_sync 200 python3 benchmarks/gluon_experiment.py --tokens 1 16 64 \
+        --out "$out/gluon-sync.json"
+    step gluon_async 200 python3 benchmarks/gluon_experiment.py --tokens 1 16 64 \
+        --async-wgmma --out "$out/gluon-async.json"
+    ;;
 bench)
     common=(--num-tokens 1 8 16 32 64 128 256 1024 4096 8192 16384 --iters 10)
     step deepseek 240 python3 -m fp4moe bench "${common[@]}" --out "$out/deepseek"
@@ -98,7 +109,7 @@ ep)
     step disaggregated 90 python3 examples/disaggregated.py --device cuda
     ;;
 *)
-    echo "unknown part $part (tests, sweep, dense, prep, configs, bench or ep)"
+    echo "unknown part $part (tests, sweep, dense, prep, configs, gluon, bench or ep)"
     exit 2
     ;;
 esac
