@@ -70,7 +70,9 @@ def test_sort_invariants(interpret, device, t, k, e, bm, masked, use_kernel):
     if use_kernel and t == 0:
         pytest.skip("T = 0 never reaches the sort")
     ids, _ = _routes(t, k, e, seed=t + k, device=device, masked=masked)
-    s = sort_routes(ids, e, bm, use_kernel=use_kernel)
+    zero = torch.full((1000,), 7, dtype=torch.int32, device=device)  # split-K counters
+    s = sort_routes(ids, e, bm, use_kernel=use_kernel, zero=zero)
+    assert bool((zero == 0).all())
     s = type(s)(**{f: (v.cpu() if isinstance(v, torch.Tensor) else v) for f, v in vars(s).items()})
     ids = ids.cpu()
     ref = sort_routes_reference(ids, e, bm)

@@ -30,7 +30,7 @@ from .quantize import (
     amax_rows_kernel,
     quantize_rows_kernel,
 )
-from .sort import RouteSort, sort_routes
+from .sort import RouteSort, max_blocks, sort_routes
 
 SEGMENT = 1024  # K elements a segment of the segmented loop (chunked=3), fixed for all sizes
 
@@ -286,6 +286,7 @@ def _gemm(
     dense: bool = False,
     poison: bool = False,
     gluon: bool = False,
+    counters: torch.Tensor | None = None,
 ) -> None:
     """One grouped GEMM. ``out_fp4`` = (scales, globals, static table): ``out`` receives
     NVFP4 codes of the FC1 activation instead of bf16 (static W4A4). ``dense``: decode
@@ -336,8 +337,10 @@ def _gemm(
                 sort.block_start, sort.block_end, part, n=n, topk=topk, gated=gated,
                 gather=a_gather, block_m=cfg.block_m, seg=SEGMENT, ws_rows=ws_rows,
             )  # fmt: skip
-        else:
-            cnt = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=a.device)
+        else:  # tile counters: zeroed by the sort kernel (``counters``) or here
+            cnt = counters
+            if cnt is None or cnt.numel() < grid[0] * grid[1]:
+                cnt = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=a.device)
             grid = (*grid, nseg)
     _launch(
         moe_gemm_kernel, grid, pdl,
@@ -438,6 +441,7 @@ def expert_gemms(
     amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     options: TritonOptions | None = None,
     pdl: bool = False,
+    counters: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The expert work of a call, on routes already sorted (``sort``): FC1 with SwiGLU,
     for W4A4 the quantization of FC1's output, and FC2.
@@ -452,6 +456,8 @@ def expert_gemms(
             atomics (fused finalize). None: FC2 writes route rows.
         amax_reduce: W4A4 per-tensor: maps the fp32 amax of FC1's valid output rows to the
             amax its global scale is taken from (expert parallelism: an all-reduce max).
+        counters: int32 zeros for the split GEMMs' tile counters (FC1's, FC2's), e.g. from
+            ``sort_routes(zero=...)``; None: each split GEMM zeroes its own.
 
     Returns:
         bf16 [T * topk, H] route rows in sorted order (rows past the valid count
@@ -485,6 +491,7 @@ def expert_gemms(
         n=inter, k=h, topk=topk, gated=True, a_gather=a_gather, fused=False, pdl=pdl,
         decode_asm=opt.decode_asm, out_fp4=out_fp4, chunked=opt.chunked, split=split,
         dense=dense, poison=opt.poison, gluon=opt.gluon_decode,
+        counters=counters[0] if counters else None,
     )  # fmt: skip
 
     # FC2 input.
@@ -518,6 +525,7 @@ def expert_gemms(
         n=h, k=inter, topk=topk, gated=False, a_gather=False, fused=fused_into is not None,
         pdl=pdl, decode_asm=opt.decode_asm, chunked=opt.chunked, split=split, dense=dense,
         poison=opt.poison, gluon=opt.gluon_decode,
+        counters=counters[1] if counters else None,
     )  # fmt: skip
     return dest
 
@@ -551,7 +559,16 @@ def moe_triton(
     w_flat = topk_weights.contiguous().reshape(-1)
 
     cfg1, cfg2 = gemm_configs(n_routes, experts, mode, opt)
-    sort = sort_routes(ids, e_count, cfg1.block_m)
+    counters = zero = None
+    if opt.split_for(n_routes, e_count) and not opt.dense_for(n_routes, e_count):
+        # The split GEMMs' tile counters, zeroed by the sort kernel (no memset node in a
+        # CUDA graph of the call; the last program of a tile leaves its counter at zero).
+        nb = max_blocks(n_routes, e_count, cfg1.block_m)
+        t1 = triton.cdiv(experts.intermediate_size, cfg1.block_n) * nb
+        t2 = triton.cdiv(h, cfg2.block_n) * nb
+        zero = torch.empty(t1 + t2, dtype=torch.int32, device=dev)
+        counters = (zero[:t1], zero[t1:])
+    sort = sort_routes(ids, e_count, cfg1.block_m, zero=zero)
     n_valid = sort.expert_offsets[e_count:]  # device scalar: rows in sorted order
 
     # FC1 input.
@@ -580,7 +597,7 @@ def moe_triton(
     dest = expert_gemms(
         sort, a_src, a_scales, a_global, experts, cfg1=cfg1, cfg2=cfg2, mode=mode,
         act_scale=act_scale, topk=topk, a_gather=a_gather, route_weights=w_flat,
-        fused_into=fused, options=opt, pdl=pdl,
+        fused_into=fused, options=opt, pdl=pdl, counters=counters,
     )  # fmt: skip
     if fused_finalize:
         return dest.to(torch.bfloat16)

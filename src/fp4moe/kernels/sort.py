@@ -60,7 +60,12 @@ def max_blocks(num_routes: int, num_experts: int, block_m: int) -> int:
 
 
 def sort_routes(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, *, use_kernel: bool | None = None
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    *,
+    use_kernel: bool | None = None,
+    zero: torch.Tensor | None = None,
 ) -> RouteSort:
     """Sort routes by expert and build the tile schedule (see module docstring).
 
@@ -69,6 +74,9 @@ def sort_routes(
         num_experts: E. block_m: rows per GEMM tile.
         use_kernel: force the Triton kernel (True) or torch ops (False); None picks the
             kernel for at most ``SMALL_ROUTES`` routes on CUDA or in the interpreter.
+        zero: int32 [.] set to 0 on the way (the split GEMMs' tile counters): the sort
+            kernel zeroes it, so a CUDA graph of the call has no memset node between
+            kernels (which would stand between programmatic dependent launches).
     """
     import os
 
@@ -77,7 +85,9 @@ def sort_routes(
         kernel_ok = topk_ids.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
         use_kernel = kernel_ok and 0 < n <= SMALL_ROUTES
     if use_kernel:
-        return _sort_routes_triton(topk_ids, num_experts, block_m)
+        return _sort_routes_triton(topk_ids, num_experts, block_m, zero)
+    if zero is not None:
+        zero.zero_()
     return _sort_routes_torch(topk_ids, num_experts, block_m)
 
 
@@ -138,19 +148,26 @@ def sort_routes_kernel(
     block_expert_ptr,
     block_start_ptr,
     block_end_ptr,  # int32 [NB]
+    zero_ptr,  # int32 [NZ]: set to 0
     N,
     NB,
+    NZ,
+    ZPER,  # elements of zero_ptr each program clears
     E: tl.constexpr,
     EP: tl.constexpr,  # power of two > E (bin E collects masked routes and padding)
     NP: tl.constexpr,  # power of two >= N
     BM: tl.constexpr,
     CHUNK: tl.constexpr,
+    ZB: tl.constexpr,  # power of two >= ZPER
 ):
     """Program p places routes [p*CHUNK, (p+1)*CHUNK) and writes blocks [p*CHUNK, ...).
 
     Every program histograms all N keys itself (N <= SMALL_ROUTES: cheap), so the
     programs are independent; program 0 also writes the counts and offsets."""
     pid = tl.program_id(0)
+    zr = tl.arange(0, ZB)  # this program's share of zero_ptr
+    zmask = (zr < ZPER) & (pid * ZPER + zr < NZ)
+    tl.store(zero_ptr + pid * ZPER + zr, tl.zeros_like(zr), mask=zmask)
     r = tl.arange(0, NP)
     ids = tl.load(ids_ptr + r, mask=r < N, other=-1)
     key = tl.where(ids < 0, E, ids)
@@ -186,7 +203,9 @@ def sort_routes_kernel(
     tl.store(block_end_ptr + b, tl.where(valid, tl.minimum(start + BM, stop), 0), mask=m)
 
 
-def _sort_routes_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> RouteSort:
+def _sort_routes_triton(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, zero: torch.Tensor | None = None
+) -> RouteSort:
     dev = topk_ids.device
     n = topk_ids.numel()
     nb = max_blocks(n, num_experts, block_m)
@@ -200,12 +219,17 @@ def _sort_routes_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) 
         )
     }  # fmt: skip
     chunk = 16
-    sort_routes_kernel[(triton.cdiv(max(n, nb), chunk),)](
+    grid = triton.cdiv(max(n, nb), chunk)
+    nz = 0 if zero is None else zero.numel()
+    zper = triton.cdiv(nz, grid)
+    sort_routes_kernel[(grid,)](
         topk_ids.contiguous(), out["sorted_routes"], out["route_pos"], out["sorted_expert"],
         out["expert_counts"], out["expert_offsets"],
         out["block_expert"], out["block_start"], out["block_end"],
-        n, nb, E=num_experts, EP=triton.next_power_of_2(num_experts + 1),
-        NP=triton.next_power_of_2(n), BM=block_m, CHUNK=chunk, num_warps=4,
+        zero if zero is not None else out["block_end"], n, nb, nz, zper,
+        E=num_experts, EP=triton.next_power_of_2(num_experts + 1),
+        NP=triton.next_power_of_2(n), BM=block_m, CHUNK=chunk,
+        ZB=triton.next_power_of_2(max(zper, 1)), num_warps=4,
     )  # fmt: skip
     return RouteSort(block_m=block_m, **out)
 
