@@ -55,7 +55,7 @@ def compile_gemm(
     from triton.compiler import ASTSource
 
     from fp4moe.kernels.gemm import moe_gemm_kernel
-    from fp4moe.kernels.launch import SEGMENT
+    from fp4moe.kernels.launch import SEGMENT, k_order
 
     bm, bn, bk, warps, stages = cfg
     ptrs = {
@@ -85,7 +85,7 @@ def compile_gemm(
         OUT_SCALE=1.0, BM=bm, BN=bn, BK=bk, DOT_DTYPE=dot, W_DTYPE=dot, USE_PDL=True,
         INTERPRET=False, DECODE_ASM=chunked, PREFETCH=False, OUT_FP4=False, CHUNKED=loop,
         SEG_TILES=SEGMENT // bk if loop == 3 else 0, SPLIT=split and loop == 3,
-        W_DENSE=dense, GROUP_M=8 if dense else 0,
+        W_DENSE=dense, GROUP_M=8 if dense else 0, ORDER=k_order(loop, k, bk),
     )  # fmt: skip
     if dense:  # both operands decoded, bf16 (dequant.dense_weights)
         ptrs = {**ptrs, "w_codes_ptr": "*bf16", "a_ptr": "*bf16"}

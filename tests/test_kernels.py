@@ -742,9 +742,11 @@ def test_device_amax_gpu(gpu_experts, t):
 
 
 @pytest.mark.kernel
-def test_dense_weights_match_reference(interpret, device):
-    """``dense_weights`` writes the GEMM's decoded operand (value * 2^-8, chunk order) as
-    its plain-PyTorch twin, every value: every code byte, every finite e4m3 scale."""
+@pytest.mark.parametrize("order", [32, 64])
+def test_dense_weights_match_reference(interpret, device, order):
+    """``dense_weights`` writes the GEMM's decoded operand (value * 2^-8, K in the chunk
+    or the unit order) as its plain-PyTorch twin, every value: every code byte, every
+    finite e4m3 scale."""
     if device != "cpu":
         pytest.skip("interpreter case; the GPU decode is covered by test_dense_path_gpu")
     from fp4moe.kernels.dequant import dense_weights, dense_weights_reference
@@ -753,15 +755,34 @@ def test_dense_weights_match_reference(interpret, device):
     allv = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     finite = allv[~torch.isnan(allv.float())]
     scales = finite[torch.arange(16 * 16) % finite.numel()].reshape(16, 16)
-    out = dense_weights(codes, scales)
-    ref = dense_weights_reference(codes, scales)
+    out = dense_weights(codes, scales, order=order)
+    ref = dense_weights_reference(codes, scales, order)
     assert out.shape == (16, 256)
     assert torch.equal(out.float(), ref)  # values; code 8 (-0) may keep its sign here
     ex = _experts(3, 64, 32, seed=3, device=device)
     assert torch.equal(
-        dense_weights(ex.w13_codes, ex.w13_scales).float(),
-        dense_weights_reference(ex.w13_codes, ex.w13_scales),
+        dense_weights(ex.w13_codes, ex.w13_scales, order=order).float(),
+        dense_weights_reference(ex.w13_codes, ex.w13_scales, order),
     )
+
+
+def test_k_orders_are_the_documented_permutations():
+    """``chunk_order``: the chunk order (32) and the unit order (64) place element
+    e(p) at position p as documented (gemm.decode_permuted); ``k_order`` picks the unit
+    order for loop 3 when K and the K tile allow it."""
+    from fp4moe.kernels.dequant import chunk_order
+    from fp4moe.kernels.launch import k_order
+
+    p = torch.arange(256)
+    e32 = (p // 32) * 32 + 2 * (p % 16) + (p // 16) % 2
+    r = p % 64
+    e64 = (p // 64) * 64 + 16 * ((r // 2) % 4) + 4 * (r // 16) + 2 * (r % 2) + (r // 8) % 2
+    x = torch.arange(256.0).reshape(1, 256)
+    assert torch.equal(chunk_order(x, torch.float32, 32)[0].long(), e32)
+    assert torch.equal(chunk_order(x, torch.float32, 64)[0].long(), e64)
+    assert sorted(e64.tolist()) == list(range(256))
+    assert k_order(3, 7168, 128) == 64 and k_order(3, 2880, 64) == 64
+    assert k_order(3, 96, 32) == 32 and k_order(3, 7168, 32) == 32 and k_order(2, 7168, 64) == 32
 
 
 def test_decode_tile_divides_k():
@@ -855,25 +876,27 @@ def test_triton_options_bad_dense_arguments(kw):
 
 
 @pytest.mark.kernel
-def test_dense_rows_match_reference(interpret, device):
-    """``dense_rows``: NVFP4 rows decoded as ``dense_weights``, bf16 rows in chunk order
-    (values unchanged); with a device count only the rows below it are written."""
+@pytest.mark.parametrize("order,h", [(32, 96), (64, 128)])
+def test_dense_rows_match_reference(interpret, device, order, h):
+    """``dense_rows``: NVFP4 rows decoded as ``dense_weights``, bf16 rows in the chunk or
+    unit order (values unchanged); with a device count only the rows below it are
+    written."""
     if device != "cpu":
         pytest.skip("interpreter case; test_dense_path_gpu runs it on the GPU")
     from fp4moe.kernels.dequant import chunk_order, dense_rows, dense_weights_reference
 
-    ex = _experts(1, 96, 32, seed=5, device=device)
-    codes, scales = ex.w13_codes[0], ex.w13_scales[0]  # [64, 48], [64, 6]
-    ref = dense_weights_reference(codes, scales)
-    assert torch.equal(dense_rows(codes, scales).float(), ref)
-    x = _x(37, 96, seed=5, device=device)
-    assert torch.equal(dense_rows(x).float(), chunk_order(x, torch.float32))
+    ex = _experts(1, h, 32, seed=5, device=device)
+    codes, scales = ex.w13_codes[0], ex.w13_scales[0]  # [64, h / 2], [64, h / 16]
+    ref = dense_weights_reference(codes, scales, order)
+    assert torch.equal(dense_rows(codes, scales, order=order).float(), ref)
+    x = _x(37, h, seed=5, device=device)
+    assert torch.equal(dense_rows(x, order=order).float(), chunk_order(x, torch.float32, order))
     for n in (0, 1, 17, 37):
         count = torch.tensor([n], dtype=torch.int32)
-        out = dense_rows(x, count=count, poison=True).float()
-        assert torch.equal(out[:n], chunk_order(x[:n], torch.float32))
+        out = dense_rows(x, count=count, poison=True, order=order).float()
+        assert torch.equal(out[:n], chunk_order(x[:n], torch.float32, order))
         assert torch.isnan(out[n:]).all()
-        out = dense_rows(codes, scales, count=count, poison=True).float()
+        out = dense_rows(codes, scales, count=count, poison=True, order=order).float()
         assert torch.equal(out[:n], ref[:n]) and torch.isnan(out[n:]).all()
 
 
@@ -892,6 +915,10 @@ def test_dense_rows_bad_input():
         dense_rows(torch.zeros(4, 48, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="count"):
         dense_rows(codes, scales, count=torch.tensor([1, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="order"):
+        dense_rows(codes, scales, order=48)
+    with pytest.raises(ValueError, match="src"):
+        dense_rows(codes, scales, order=64)  # K = 32
 
 
 @pytest.mark.gpu

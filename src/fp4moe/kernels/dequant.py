@@ -1,11 +1,12 @@
 """Operands decoded once a call for the dense prefill path (``TritonOptions.
 dense_above``): NVFP4 rows to the very operand values the chunk-ordered GEMM loops decode
-in registers, stored in the same chunk order, so that the GEMM can load them instead of
+in registers, stored in the same K order, so that the GEMM can load them instead of
 decoding them (``moe_gemm_kernel`` with ``W_DENSE``) and give the same bits.
 
 Values: e2m1 code times its e4m3 block scale times 2^-8 (``gemm.decode_lohi``), exact in
-bf16 (at most 6 significant bits, 2^-18 to 10.5). Order: for each chunk of 32 elements of
-K, its 16 even elements, then its 16 odd ones (``gemm.decode_permuted``).
+bf16 (at most 6 significant bits, 2^-18 to 10.5). Order (``order``, as the GEMM's
+``ORDER``): 32, for each chunk of 32 elements of K its 16 even elements, then its 16 odd
+ones; 64, the unit order of loop 3 (``gemm.decode_permuted``).
 ``dense_weights_reference`` is the reference twin in plain PyTorch.
 """
 
@@ -16,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..nvfp4 import dequantize_blocks
-from .gemm import decode_permuted
+from .gemm import decode_permuted, order_rows
 
 __all__ = [
     "chunk_order",
@@ -41,7 +42,9 @@ def decode_tile(k: int, interpret: bool = False) -> tuple[int, int, int]:
     return (16 if interpret else min(64, 8192 // bk)), bk, 4
 
 
-def dense_weights(codes: torch.Tensor, scales: torch.Tensor, *, decode_asm: bool = True):
+def dense_weights(
+    codes: torch.Tensor, scales: torch.Tensor, *, decode_asm: bool = True, order: int = 32
+):
     """The decoded GEMM operand of NVFP4 weight rows (see the module docstring):
     ``dense_rows`` over any leading dimensions.
 
@@ -49,6 +52,7 @@ def dense_weights(codes: torch.Tensor, scales: torch.Tensor, *, decode_asm: bool
         codes: uint8 [..., K/2], two e2m1 codes a byte (the low nibble the even element).
         scales: float8_e4m3fn [..., K/16]. K a multiple of 32.
         decode_asm: the inline-PTX decode (GPU), as the GEMM it feeds uses.
+        order: the K order, 32 or 64 (K a multiple of it), as the GEMM's ``ORDER``.
 
     Returns:
         [..., K] bf16 on a GPU, fp32 in the interpreter (the GEMM's operand dtype).
@@ -64,21 +68,31 @@ def dense_weights(codes: torch.Tensor, scales: torch.Tensor, *, decode_asm: bool
             f"(K = {k}, a multiple of 32), got {list(scales.shape)}"
         )
     rows = dense_rows(codes.reshape(-1, k // 2), scales.reshape(-1, k // 16),
-                      decode_asm=decode_asm)  # fmt: skip
+                      decode_asm=decode_asm, order=order)  # fmt: skip
     return rows.reshape(*codes.shape[:-1], k)
 
 
-def chunk_order(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[..., K] -> [..., K] of ``dtype``: each chunk of 32 elements as its 16 even, then
-    its 16 odd elements (the order the GEMM loops multiply in); values unchanged."""
+def chunk_order(x: torch.Tensor, dtype: torch.dtype, order: int = 32) -> torch.Tensor:
+    """[..., K] -> [..., K] of ``dtype`` in the K order the GEMM loops multiply in; values
+    unchanged. ``order`` 32: each chunk of 32 elements as its 16 even, then its 16 odd
+    elements; 64: in each unit of 64, position 16 s + 8 b + 2 q + a holds element
+    16 q + 4 s + 2 a + b (``gemm.decode_permuted``)."""
     k = x.shape[-1]
-    v = x.reshape(*x.shape[:-1], k // 32, 16, 2).transpose(-1, -2)
-    return v.reshape(*x.shape[:-1], k).to(dtype)
+    lead = x.shape[:-1]
+    if order == 64:
+        n = len(lead)
+        v = x.reshape(*lead, k // 64, 4, 4, 2, 2)  # [..., u, q, s, a, b]
+        v = v.permute(*range(n + 1), n + 2, n + 4, n + 1, n + 3)  # [..., u, s, b, q, a]
+    else:
+        v = x.reshape(*lead, k // 32, 16, 2).transpose(-1, -2)
+    return v.reshape(*lead, k).to(dtype)
 
 
-def dense_weights_reference(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """fp32 [..., K]: ``dense_weights`` in plain PyTorch (value * 2^-8, chunk order)."""
-    return chunk_order(dequantize_blocks(codes, scales) * 2.0**-8, torch.float32)
+def dense_weights_reference(
+    codes: torch.Tensor, scales: torch.Tensor, order: int = 32
+) -> torch.Tensor:
+    """fp32 [..., K]: ``dense_weights`` in plain PyTorch (value * 2^-8, K in ``order``)."""
+    return chunk_order(dequantize_blocks(codes, scales) * 2.0**-8, torch.float32, order)
 
 
 @triton.jit
@@ -95,6 +109,7 @@ def dense_rows_kernel(
     HAS_COUNT: tl.constexpr,
     DECODE_ASM: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    ORDER: tl.constexpr = 32,
 ):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = rows < R
@@ -111,11 +126,10 @@ def dense_rows_kernel(
         scales = tl.load(
             scales_ptr + r64[:, None] * (K // 16) + cs[None, :], mask=rmask[:, None], other=0.0
         )
-        v = decode_permuted(codes, scales, BR, BK, DECODE_ASM, DOT_DTYPE)
+        v = decode_permuted(codes, scales, BR, BK, DECODE_ASM, DOT_DTYPE, ORDER)
     else:  # bf16 values, only reordered: the GEMM's register permutation, done once
         x = tl.load(src_ptr + r64[:, None] * K + kk[None, :], mask=rmask[:, None], other=0.0)
-        x = tl.reshape(x.to(DOT_DTYPE), (BR, BK // 32, 16, 2))
-        v = tl.reshape(tl.permute(x, (0, 1, 3, 2)), (BR, BK))
+        v = order_rows(x.to(DOT_DTYPE), BR, BK, ORDER)
     tl.store(out_ptr + r64[:, None] * K + kk[None, :], v, mask=rmask[:, None])
 
 
@@ -126,6 +140,7 @@ def dense_rows(
     count: torch.Tensor | None = None,
     decode_asm: bool = True,
     poison: bool = False,
+    order: int = 32,
 ) -> torch.Tensor:
     """Activation rows as the dense GEMM loads them: NVFP4 rows decoded like
     ``dense_weights``, or bf16 rows put in chunk order (``chunk_order``), values unchanged.
@@ -137,6 +152,7 @@ def dense_rows(
             are written (routes in sorted order: the rest are masked routes, which the GEMM
             never loads); read on the device, so no host synchronization.
         poison: fill the unwritten rows with NaN (tests).
+        order: the K order, 32 or 64 (K a multiple of it), as the GEMM's ``ORDER``.
 
     Returns:
         [R, K] bf16 on a GPU, fp32 in the interpreter.
@@ -152,8 +168,10 @@ def dense_rows(
         raise ValueError(f"src: expected 2 dimensions [R, K], got {list(src.shape)}")
     r = src.shape[0]
     k = src.shape[1] * 2 if fp4 else src.shape[1]
-    if k % 32:
-        raise ValueError(f"src: K = {k} is not a multiple of 32")
+    if order not in (32, 64):
+        raise ValueError(f"order: expected 32 or 64, got {order!r}")
+    if k % order:
+        raise ValueError(f"src: K = {k} is not a multiple of {order} (order)")
     if fp4 and tuple(scales.shape) != (r, k // 16):
         raise ValueError(f"scales: expected {[r, k // 16]}, got {list(scales.shape)}")
     if count is not None and (count.dtype != torch.int32 or count.numel() != 1):
@@ -169,6 +187,6 @@ def dense_rows(
             src, scales.contiguous() if fp4 else src, count if count is not None else src, out,
             r, K=k, BR=br, BK=bk, FP4=fp4, HAS_COUNT=count is not None,
             DECODE_ASM=decode_asm and fp4 and not interp,
-            DOT_DTYPE=tl.float32 if interp else tl.bfloat16, num_warps=warps,
+            DOT_DTYPE=tl.float32 if interp else tl.bfloat16, ORDER=order, num_warps=warps,
         )  # fmt: skip
     return out

@@ -246,14 +246,40 @@ def decode_chunk(codes, scales, R: tl.constexpr, ASM: tl.constexpr, OUT: tl.cons
 
 @triton.jit
 def decode_permuted(
-    codes, scales, R: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr
+    codes,
+    scales,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    ASM: tl.constexpr,
+    OUT: tl.constexpr,
+    ORDER: tl.constexpr = 32,
 ):
-    """codes [R, C/2] and scales [R, C/16] to [R, C] in chunk order: for each chunk of 32
-    elements its 16 even elements, then its 16 odd ones: position p holds element
-    (p // 32) * 32 + 2 * (p % 16) + (p // 16) % 2."""
+    """codes [R, C/2] and scales [R, C/16] to [R, C] in the loop's K order (``ORDER``):
+
+    - 32, the chunk order: for each chunk of 32 elements its 16 even elements, then its
+      16 odd ones: position p holds element (p // 32) * 32 + 2 * (p % 16) + (p // 16) % 2;
+    - 64, the unit order: in each unit of 64 elements, position 16 s + 8 b + 2 q + a holds
+      element 16 q + 4 s + 2 a + b (s, q < 4; a, b < 2): what the decode asm's output
+      registers hold when one thread decodes 8 consecutive code bytes, so the move into
+      the wgmma fragment is almost free (5.6 -> 3.7 SASS instructions a weight, FC1)."""
     lo, hi = decode_lohi(codes, scales, R, C, ASM, OUT)
-    v = tl.join(tl.reshape(lo, (R, C // 32, 16)), tl.reshape(hi, (R, C // 32, 16)))
-    return tl.reshape(tl.permute(v, (0, 1, 3, 2)), (R, C))
+    if ORDER == 64:
+        v = tl.reshape(tl.join(lo, hi), (R, C // 64, 4, 4, 2, 2))  # [r, u, q, s, a, b]
+        return tl.reshape(tl.permute(v, (0, 1, 3, 5, 2, 4)), (R, C))  # [r, u, s, b, q, a]
+    else:
+        v = tl.join(tl.reshape(lo, (R, C // 32, 16)), tl.reshape(hi, (R, C // 32, 16)))
+        return tl.reshape(tl.permute(v, (0, 1, 3, 2)), (R, C))
+
+
+@triton.jit
+def order_rows(x, R: tl.constexpr, C: tl.constexpr, ORDER: tl.constexpr):
+    """Values [R, C] in natural K order to the loop's K order (``decode_permuted``)."""
+    if ORDER == 64:
+        v = tl.reshape(x, (R, C // 64, 4, 4, 2, 2))
+        return tl.reshape(tl.permute(v, (0, 1, 3, 5, 2, 4)), (R, C))
+    else:
+        v = tl.reshape(x, (R, C // 32, 16, 2))
+        return tl.reshape(tl.permute(v, (0, 1, 3, 2)), (R, C))
 
 
 @triton.jit
@@ -285,7 +311,7 @@ def _chunk_tile(
     kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
     N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     GATED: tl.constexpr, A_FP4: tl.constexpr, DECODE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    W_DENSE: tl.constexpr = False,
+    W_DENSE: tl.constexpr = False, ORDER: tl.constexpr = 32,
 ):  # fmt: skip
     """One K tile of the chunk-ordered loop (``CHUNKED`` 2 and 3): load, decode, dot.
     W_DENSE: both operand tiles are loaded already decoded and in chunk order (the values
@@ -298,11 +324,10 @@ def _chunk_tile(
     elif A_FP4:
         ac = tl.load(ca2 + kb * (BK // 2), mask=m_mask[:, None], other=0)
         asc = tl.load(sa2 + kb * (BK // 16), mask=m_mask[:, None], other=0.0)
-        x = tl.trans(decode_permuted(ac, asc, BM, BK, DECODE_ASM, DOT_DTYPE))
-    else:  # contiguous rows, put in chunk order in registers
+        x = tl.trans(decode_permuted(ac, asc, BM, BK, DECODE_ASM, DOT_DTYPE, ORDER))
+    else:  # contiguous rows, put in the loop's order in registers
         x = tl.load(xp2 + kb * BK, mask=m_mask[:, None], other=0.0).to(DOT_DTYPE)
-        x = tl.reshape(x, (BM, BK // 32, 16, 2))
-        x = tl.trans(tl.reshape(tl.permute(x, (0, 1, 3, 2)), (BM, BK)))
+        x = tl.trans(order_rows(x, BM, BK, ORDER))
     if W_DENSE:
         wg = tl.load(cw2 + kb * BK, mask=n_mask[:, None], other=0.0)
         acc_g = tl.dot(wg, x, acc_g)
@@ -312,11 +337,11 @@ def _chunk_tile(
     else:
         cg = tl.load(cw2 + kb * (BK // 2), mask=n_mask[:, None], other=0)
         sg = tl.load(sw2 + kb * (BK // 16), mask=n_mask[:, None], other=0.0)
-        acc_g = tl.dot(decode_permuted(cg, sg, BN, BK, DECODE_ASM, DOT_DTYPE), x, acc_g)
+        acc_g = tl.dot(decode_permuted(cg, sg, BN, BK, DECODE_ASM, DOT_DTYPE, ORDER), x, acc_g)
         if GATED:
             cu = tl.load(cw2 + N * KH + kb * (BK // 2), mask=n_mask[:, None], other=0)
             su = tl.load(sw2 + N * KS + kb * (BK // 16), mask=n_mask[:, None], other=0.0)
-            acc_u = tl.dot(decode_permuted(cu, su, BN, BK, DECODE_ASM, DOT_DTYPE), x, acc_u)
+            acc_u = tl.dot(decode_permuted(cu, su, BN, BK, DECODE_ASM, DOT_DTYPE, ORDER), x, acc_u)
     return acc_g, acc_u
 
 
@@ -325,7 +350,7 @@ def _segment(
     first, NT: tl.constexpr, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
     N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     GATED: tl.constexpr, A_FP4: tl.constexpr, DECODE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    W_DENSE: tl.constexpr,
+    W_DENSE: tl.constexpr, ORDER: tl.constexpr,
 ):  # fmt: skip
     """One K segment of loop 3 in registers: NT tiles from tile ``first`` summed from
     zero (a constexpr trip count and no branch, which the software pipeliner needs),
@@ -335,7 +360,7 @@ def _segment(
     for j in range(0, NT):
         pg, pu = _chunk_tile(
             first + j, pg, pu, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
-            N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE,
+            N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE, ORDER,
         )  # fmt: skip
     acc_g = acc_g + pg
     if GATED:
@@ -387,6 +412,7 @@ def moe_gemm_kernel(
     W_DENSE: tl.constexpr = False,
     GROUP_M: tl.constexpr = 0,
     REDUCE_ONLY: tl.constexpr = False,
+    ORDER: tl.constexpr = 32,
 ):
     if GROUP_M:
         # One grid axis in groups of GROUP_M tile rows: consecutive programs sweep the
@@ -521,11 +547,13 @@ def moe_gemm_kernel(
                         acc_g, acc_u = _chunk_tile(
                             kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
                             N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE,
+                            ORDER,
                         )  # fmt: skip
                     elif kb < KB:
                         acc_g, acc_u = _chunk_tile(
                             kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
                             N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE,
+                            ORDER,
                         )  # fmt: skip
                 tl.store(prow + s_id * stride, acc_g, mask=pmask)
                 if GATED:
@@ -553,13 +581,13 @@ def moe_gemm_kernel(
                 acc_g, acc_u = _segment(
                     sg_i * SEG_TILES, SEG_TILES, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2,
                     m_mask, n_mask, N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
-                    W_DENSE,
+                    W_DENSE, ORDER,
                 )  # fmt: skip
             if REM > 0:
                 acc_g, acc_u = _segment(
                     NFULL * SEG_TILES, REM, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2,
                     m_mask, n_mask, N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
-                    W_DENSE,
+                    W_DENSE, ORDER,
                 )  # fmt: skip
     else:
         # Register double buffering (PREFETCH): the next tile's weight bytes are in flight while

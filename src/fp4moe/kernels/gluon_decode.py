@@ -5,25 +5,21 @@ here; the split kernel (``moe_gemm_kernel(REDUCE_ONLY=True)``) then sums them an
 epilogue. Same operands, order and sums as loop 3's split programs: the same bits
 (``test_gluon_decode_gpu``, on the H200).
 
-Why: loop 3's split programs spend 5.6 SASS instructions a weight, of which the decode is
-2; the rest moves decoded values from the layout Triton loads a tile in to the wgmma
-register fragment (docs/perf-notes.md). Here the codes are loaded straight into the
-fragment's own layout (``_CL``), so every layout conversion is trivial (asserted when
-compiling):
+The codes are loaded straight into the wgmma register fragment's own layout (``_CL``);
+every layout conversion is asserted trivial when compiling:
 
 - the weights are the wgmma A operand (64 rows a warpgroup, from registers); lane
   ``4 i + q`` of warp ``w`` holds rows ``16 w + i`` and ``16 w + i + 8``;
-- in loop 3's chunk order (each 32 elements of K: the 16 even ones, then the 16 odd
-  ones), thread ``q`` needs code bytes ``2 q, 2 q + 1, 2 q + 8, 2 q + 9`` of each 16-byte
-  chunk; loop 3's decode asm turns four such bytes into the thread's four fragment
-  registers of the chunk's two k16 steps;
-- the activations (wgmma B) go through shared memory in the same order.
+- loop 3's unit order (``launch.k_order``): thread ``q`` loads the 8 code bytes
+  ``8 q .. 8 q + 7`` of a row's 32-byte unit (one 8-byte load: elements ``16 q ..
+  16 q + 15``, one scale block); the decode asm's 8 output registers are its fragment
+  registers of the unit's four k16 steps;
+- the activations (wgmma B) go through shared memory in the same order, staged by each
+  program.
 
-Measured (docs/perf-notes.md, session 6): bit-exact, 4.3 instructions a weight, but not
-faster than loop 3 (the 2-byte code loads and four scale conversions a thread and unit).
-A "unit order" (thread q owning 16 consecutive elements: one 8-byte load, one scale) was
-12% to 25% faster than loop 3 for the partials, but changes the bits, so every path
-(loop 3 in registers, the dense path) would have to take that order too.
+Measured (docs/perf-notes.md, session 6): with 8-row tiles its partials were 12% to 25%
+faster than loop 3's split GEMM in the chunk order; loop 3 itself in the unit order
+compiles to 3.7 instructions a weight (5.6 before), which this kernel must now beat.
 """
 
 from __future__ import annotations
@@ -41,41 +37,41 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 ASYNC_WGMMA = False  # split_partials' default for the asynchronous main loop
 UNIT = gl.constexpr(64)  # K elements a main-loop step (two chunks, four k16 wgmma steps)
 
-# The decode of loop 3 (gemm._CHUNK_DECODE_ASM, the same operations and bits) four code
-# bytes at a time: bytes (b0, b1) and (b2, b3) with their scales (bf16 times 2^118) to two
-# bf16 pairs of low-nibble values and two of high-nibble values, each times 2^-8.
+# The decode of loop 3 (gemm._CHUNK_DECODE_ASM, the same operations and bits): 8 code
+# bytes and their scales (bf16 times 2^118) to the 8 low-nibble and the 8 high-nibble
+# values, each times 2^-8, in bf16 pairs of consecutive bytes.
 _DECODE_ASM = gl.constexpr(
     "{\n.reg .b32 t, u, z;\nmov.b32 z, 0x80008000;\n"
     + "".join(
-        f"prmt.b32 t, $4, 0, {'0x4342' if j else '0x4140'};\n"
+        f"prmt.b32 t, ${8 + j // 2}, 0, {'0x4342' if j % 2 else '0x4140'};\n"
         f"and.b32 u, t, 0x000F000F;\nmul.lo.u32 u, u, 0x1040;\nand.b32 u, u, 0x81C081C0;\n"
-        f"fma.rn.bf16x2 ${j}, u, ${5 + j}, z;\n"
+        f"fma.rn.bf16x2 ${j}, u, ${10 + j}, z;\n"
         f"and.b32 u, t, 0x00F000F0;\nmul.lo.u32 u, u, 0x104;\nand.b32 u, u, 0x81C081C0;\n"
-        f"fma.rn.bf16x2 ${2 + j}, u, ${5 + j}, z;\n"
-        for j in range(2)
+        f"fma.rn.bf16x2 ${4 + j}, u, ${10 + j}, z;\n"
+        for j in range(4)
     )
     + "}"
 )
 
 
-# The codes of one unit ([64 rows, 32 bytes]: two 32-element chunks): registers hold bytes
-# 2 q, 2 q + 1, 2 q + 8 and 2 q + 9 of each chunk of a row, and of the row 8 below; lane
-# 4 i + q holds row i; warps 16 rows each.
+# The codes of one unit ([64 rows, 32 bytes]): registers hold 8 consecutive bytes of a
+# row (bytes 8 q .. 8 q + 7: elements 16 q .. 16 q + 15, one scale block) and of the row 8
+# below; lane 4 i + q holds row i; warps 16 rows each.
 _CL = gl.constexpr(
     gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 8], [0, 16], [8, 0]],
-        lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+        reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
+        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[16, 0], [32, 0]],
         block_bases=[],
         shape=[64, 32],
     )
 )
-# The same as [64 rows, 4 scale blocks, 8 bytes], whose slice along the bytes is the
-# layout of the unit's [64, 4] scales (a thread holds all four of its two rows).
+# The same as [64 rows, 4 blocks (q), 8 bytes], whose slice along the bytes is the layout
+# of the unit's [64, 4] scales (one scale a thread and row).
 _L3 = gl.constexpr(
     gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 1, 0], [0, 2, 0], [8, 0, 0]],
-        lane_bases=[[0, 0, 2], [0, 0, 4], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
         warp_bases=[[16, 0, 0], [32, 0, 0]],
         block_bases=[],
         shape=[64, 4, 8],
@@ -99,14 +95,14 @@ def _decode_unit(codes, sc, A_L: gl.constexpr):
     codes = gl.convert_layout(gl.reshape(codes, [64, 32]), _CL, assert_trivial=True)
     sb = gl.convert_layout(gl.reshape(sb, [64, 32]), _CL, assert_trivial=True)
     lo, hi = gl.inline_asm_elementwise(
-        _DECODE_ASM, "=r,=r,=r,=r,r,r,r", [codes, sb],
-        dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4,
+        _DECODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [codes, sb],
+        dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=8,
     )  # fmt: skip
-    # byte 16 c + 8 v + 2 q + a, nibble h holds element 32 c + 16 v + 4 q + 2 a + h, which
-    # sits at position 32 c + 16 h + 8 v + 2 q + a of the chunk order
-    w = gl.join(lo, hi)  # [64, 32 bytes (c, v, q, a), 2 (h)]
-    w = gl.reshape(w, [64, 2, 2, 4, 2, 2])  # [row, c, v, q, a, h]
-    w = gl.permute(w, [0, 1, 5, 2, 3, 4])  # [row, c, h, v, q, a]
+    # byte 8 q + 2 s + a, nibble b holds element 16 q + 4 s + 2 a + b, at position
+    # 16 s + 8 b + 2 q + a of the unit order
+    w = gl.join(lo, hi)  # [64, 32 bytes (q, s, a), 2 (b)]
+    w = gl.reshape(w, [64, 4, 4, 2, 2])  # [row, q, s, a, b]
+    w = gl.permute(w, [0, 2, 4, 1, 3])  # [row, s, b, q, a]
     w = gl.reshape(w, [64, UNIT])
     return gl.convert_layout(w, A_L, assert_trivial=True)
 
@@ -142,7 +138,7 @@ def gluon_split_kernel(
         NU: gl.constexpr = SEG // UNIT
         k0 = s_id * SEG
 
-        # ---- activations of the segment, in chunk order, into shared memory [NU * BM, 64]
+        # ---- activations of the segment, in unit order, into shared memory [NU * BM, 64]
         XM: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
         offs_m = start + gl.arange(0, BM, layout=gl.SliceLayout(1, XM))
         m_ok = offs_m < end
@@ -154,8 +150,8 @@ def gluon_split_kernel(
         src = gl.where(m_ok, src, 0).to(gl.int64)
         kk = gl.arange(0, SEG, layout=gl.SliceLayout(0, XM))
         x = gl.load(x_ptr + src[:, None] * K + k0 + kk[None, :], mask=m_ok[:, None], other=0.0)
-        x = gl.reshape(x, [BM, NU, 2, 16, 2])  # [m, unit, c, j, h]: element 32 c + 2 j + h
-        x = gl.permute(x, [1, 0, 2, 4, 3])  # [unit, m, c, h, j]
+        x = gl.reshape(x, [BM, NU, 4, 4, 2, 2])  # [m, unit, q, s, a, b]
+        x = gl.permute(x, [1, 0, 3, 5, 2, 4])  # [unit, m, s, b, q, a]
         x = gl.reshape(x, [NU * BM, UNIT])
         XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
         xs = gl.allocate_shared_memory(gl.bfloat16, [NU * BM, UNIT], XS)
@@ -170,7 +166,7 @@ def gluon_split_kernel(
         A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         L3: gl.constexpr = _L3
         r1 = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-        b1 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        b1 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))  # q
         j1 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
         n = pid_n * 64 + r1
         if GATED:

@@ -76,15 +76,17 @@ class TritonOptions:
     decode_asm: decode NVFP4 operands with inline PTX (GPU only; the interpreter always
         uses the plain Triton decode, which gives the same values). On by default: 1.4x
         to 1.6x faster than the plain decode at decode sizes (docs/perf-notes.md).
-    chunked: the GEMM main loop. 3 (default): K in chunk order (for each 32 elements,
-        the 16 even then the 16 odd ones, ``gemm.decode_permuted``) in fixed K segments
-        of ``SEGMENT`` elements summed in segment order, so that K can be split over
-        programs at decode sizes (``split_k``) with the same bits as at prefill sizes;
-        on the H200 1.4x to 1.6x faster than loop 2 at 1 to 16 tokens, up to 13% slower
-        at 8192 (docs/perf-notes.md). 2: the same chunk order in one segment, one dot a
-        K tile; 1: loop 2's order as two K=16 dots a chunk (slow, kept for comparison);
-        0: the first loop (natural K order). Loops 0, 2 and 3 give different bits; each
-        is batch invariant: its summation order does not depend on the config.
+    chunked: the GEMM main loop. 3 (default): K in the unit order (``k_order``: in each
+        64 elements, position 16 s + 8 b + 2 q + a holds element 16 q + 4 s + 2 a + b;
+        ``gemm.decode_permuted``; the chunk order below when 64 does not divide K) in
+        fixed K segments of ``SEGMENT`` elements summed in segment order, so that K can
+        be split over programs at decode sizes (``split_k``) with the same bits as at
+        prefill sizes (docs/perf-notes.md). 2: the chunk order (for each 32 elements,
+        the 16 even then the 16 odd ones) in one segment, one dot a K tile; 1: loop 2's
+        order as two K=16 dots a chunk (slow, kept for comparison); 0: the first loop
+        (natural K order). Loops 0, 2 and 3 give different bits; each is batch
+        invariant: its summation order does not depend on the config (loop 3: on any
+        config whose K tile is a multiple of 64, which every default one is).
     split_k: loop 3 only: one program a K segment, partials summed by the last program
         of a tile (None: when an expert averages at most 16 rows, counting every route
         of the call). Same bits either way.
@@ -254,6 +256,15 @@ def amax_rows(
     return out
 
 
+def k_order(loop: int, k: int, block_k: int) -> int:
+    """The K order a GEMM multiplies in (``gemm.decode_permuted``): loop 3 takes the unit
+    order (64) whenever K and the K tile are multiples of 64, which every default config
+    of a K with 64 | K is, so the order (and the bits) depend on the shape only, not on
+    the token count; otherwise (and loop 2) the chunk order (32). Measured on the SASS of
+    DeepSeek-V3's FC1 at (16, 64, 128): 3.73 instructions a weight against 5.64."""
+    return 64 if loop == 3 and k % 64 == 0 and block_k % 64 == 0 else 32
+
+
 def gluon_applies(k: int, a_fp4: bool, cfg: GemmConfig) -> bool:
     """Whether a split-K GEMM can take its partials from ``gluon_decode``: W4A16, whole
     1024-element segments, 8 or 16 rows a tile, a CUDA device (not the interpreter)."""
@@ -292,14 +303,16 @@ def _gemm(
     NVFP4 codes of the FC1 activation instead of bf16 (static W4A4). ``dense``: decode
     the weights once (``dense_weights``) and load them in the main loop (same bits)."""
     a_fp4 = a_scales is not None
+    order = k_order(int(chunked), k, cfg.block_k)
     if dense:
         assert chunked, "the dense path is a chunk-ordered loop's (TritonOptions.dense_for)"
-        w_codes = dense_weights(w_codes, w_scales, decode_asm=decode_asm)
+        w_codes = dense_weights(w_codes, w_scales, decode_asm=decode_asm, order=order)
         # The activation rows once too: W4A4's decoded, W4A16's bf16 rows put in chunk
         # order (one copy instead of a register shuffle a program). Rows in sorted order
         # (not gathered) stop at the valid count: masked routes are never loaded.
         count = None if a_gather else sort.expert_offsets[-1:]
-        a = dense_rows(a, a_scales, count=count, decode_asm=decode_asm, poison=poison)
+        a = dense_rows(a, a_scales, count=count, decode_asm=decode_asm, poison=poison,
+                       order=order)  # fmt: skip
     if chunked:
         # Both operands decoded (or bf16 activations) as bf16; each decoded operand carries
         # a factor 2^-8 (gemm.decode_chunk), undone on the fp32 accumulator.
@@ -324,7 +337,7 @@ def _gemm(
     nseg = -(-(k // cfg.block_k) // seg_tiles) if seg_tiles else 1
     split = split and nseg > 1
     part, cnt, ws_rows = dummy, dummy, 0
-    gluon = gluon and split and gluon_applies(k, a_fp4, cfg)
+    gluon = gluon and split and order == 64 and gluon_applies(k, a_fp4, cfg)
     if split:  # one program a K segment; fp32 partials, summed by the last one of a tile
         ws_rows = sort.sorted_routes.shape[0]
         part = torch.empty(nseg * ws_rows * (2 * n if gated else n), dtype=torch.float32,
@@ -355,6 +368,7 @@ def _gemm(
         DOT_DTYPE=dot, W_DTYPE=wdt, INTERPRET=interpreting(), DECODE_ASM=decode_asm,
         PREFETCH=cfg.prefetch, OUT_FP4=out_fp4 is not None, CHUNKED=int(chunked),
         SEG_TILES=seg_tiles, SPLIT=split, W_DENSE=dense, GROUP_M=group_m, REDUCE_ONLY=gluon,
+        ORDER=order,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
