@@ -8,17 +8,20 @@ tile of 64+ weight rows. The same orientation serves prefill with BM = 128.
 
 Main loops (``CHUNKED``; docs/numerics.md says how each accumulates):
 
-- 2 (default): K in chunk order, for every 32 elements the 16 even (low-nibble) ones, then
-  the 16 odd ones, one dot a K tile (``decode_permuted``). The inline-PTX
-  decode (``_CHUNK_DECODE_ASM``) turns two nibbles into two bf16 values with three
-  instructions and one fma by the block scale; decoded values carry a factor 2^-8 that the
-  epilogue undoes. The order is the same for every config (batch invariance).
-- 3 (experimental): the order of 2 in fixed K segments summed in segment order; at small
-  sizes one program a segment (``SPLIT``) and the last program of a tile sums the fp32
-  partials, with the same bits as the in-register sums.
+- 3 (default): K in fixed segments summed in segment order; at small sizes one program a
+  segment (``SPLIT``) and the last program of a tile sums the fp32 partials, with the
+  same bits as the in-register sums. Within a segment K is in the unit order (``ORDER``
+  64, ``launch.k_order``: what one thread's decode of 8 consecutive code bytes leaves in
+  the wgmma register fragment), or the chunk order below where 64 does not divide K.
+- 2: the chunk order, for every 32 elements the 16 even (low-nibble) ones, then the 16
+  odd ones, one dot a K tile (``decode_permuted``), in one chain over K.
 - 1: the order of 2 as two K=16 dots a chunk (slow; kept for comparison, same bits as 2).
 - 0: the first loop: natural K order, the decode through fp16 bit placement
   (e2m1 * 2^-14, times the scale in fp16: exact), W4A4 in fp16; other bits.
+
+The inline-PTX decode (``_CHUNK_DECODE_ASM``) turns two nibbles into two bf16 values with
+three instructions and one fma by the block scale; decoded values carry a factor 2^-8
+that the epilogue undoes. A loop's order is the same for every config (batch invariance).
 """
 
 from __future__ import annotations
