@@ -44,6 +44,11 @@ C3_SMALL = [
     (16, 128, 128, 4, 2),
     (16, 64, 128, 4, 3),
     (32, 64, 128, 4, 2),
+    # after the unit order (88 registers at (16, 64, 128) instead of 124): deeper
+    # pipelines and two warpgroups a program
+    (16, 64, 128, 4, 4),
+    (16, 64, 64, 4, 4),
+    (16, 128, 128, 8, 3),
 ]
 C3_LARGE = [
     (128, 64, 64, 4, 3),
