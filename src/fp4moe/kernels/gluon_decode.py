@@ -34,24 +34,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .gemm import _CHUNK_DECODE_ASM
+
 ASYNC_WGMMA = False  # split_partials' default for the asynchronous main loop
 UNIT = gl.constexpr(64)  # K elements a main-loop step (two chunks, four k16 wgmma steps)
 
-# The decode of loop 3 (gemm._CHUNK_DECODE_ASM, the same operations and bits): 8 code
-# bytes and their scales (bf16 times 2^118) to the 8 low-nibble and the 8 high-nibble
-# values, each times 2^-8, in bf16 pairs of consecutive bytes.
-_DECODE_ASM = gl.constexpr(
-    "{\n.reg .b32 t, u, z;\nmov.b32 z, 0x80008000;\n"
-    + "".join(
-        f"prmt.b32 t, ${8 + j // 2}, 0, {'0x4342' if j % 2 else '0x4140'};\n"
-        f"and.b32 u, t, 0x000F000F;\nmul.lo.u32 u, u, 0x1040;\nand.b32 u, u, 0x81C081C0;\n"
-        f"fma.rn.bf16x2 ${j}, u, ${10 + j}, z;\n"
-        f"and.b32 u, t, 0x00F000F0;\nmul.lo.u32 u, u, 0x104;\nand.b32 u, u, 0x81C081C0;\n"
-        f"fma.rn.bf16x2 ${4 + j}, u, ${10 + j}, z;\n"
-        for j in range(4)
-    )
-    + "}"
-)
+# The decode of loop 3, the same operations and bits: 8 code bytes and their scales (bf16
+# times 2^118) to the 8 low-nibble and the 8 high-nibble values, each times 2^-8, in bf16
+# pairs of consecutive bytes.
+_DECODE_ASM = _CHUNK_DECODE_ASM
 
 
 # The codes of one unit ([64 rows, 32 bytes]): registers hold 8 consecutive bytes of a
