@@ -959,3 +959,25 @@ def test_dense_grouped_raster_many_blocks(interpret, device):
     for split in (False, True):
         opt = TritonOptions(fc1=g, fc2=g, dense_above=0, split_k=split, poison=True)
         assert torch.equal(moe_triton(x, ids, w, experts, options=opt), base)
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_k_order_does_not_depend_on_the_token_count(monkeypatch, mode):
+    """Loop 3's K order (``k_order``) follows the K tile of the config, and the config
+    follows the token count: every default GPU config of a preset shape must give the same
+    order at every token count, or a token's bits would change with the batch (SPEC 7)."""
+    from types import SimpleNamespace
+
+    from fp4moe.kernels.launch import TritonOptions, gemm_configs, k_order
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the GPU's configs
+    shapes = [(7168, 2048, 32), (2048, 768, 128), (4096, 14336, 8), (2880, 2880, 128)]
+    for h, inter, e in shapes:
+        ex = SimpleNamespace(hidden_size=h, intermediate_size=inter, num_experts=e)
+        for frac in (None, 1.0, 1 / 8):
+            opt = TritonOptions(valid_fraction=frac)
+            orders = set()
+            for t in (1, 2, 3, 8, 16, 64, 100, 256, 1000, 4096, 8192, 16384, 65536):
+                cfg1, cfg2 = gemm_configs(t * 8, ex, mode, opt)
+                orders.add((k_order(3, h, cfg1.block_k), k_order(3, inter, cfg2.block_k)))
+            assert orders == {(64, 64)}, (h, inter, frac, orders)
