@@ -766,6 +766,20 @@ def test_dense_weights_match_reference(interpret, device, order):
     )
 
 
+def test_sort_zero_bad_input():
+    """``sort_routes(zero=...)`` rejects a buffer it could not zero as int32 counters,
+    without touching it."""
+    ids = torch.zeros(2, 2, dtype=torch.int32)
+    for bad in (
+        torch.full((8,), 3, dtype=torch.int64),
+        torch.full((8, 2), 3, dtype=torch.int32).t(),
+    ):
+        before = bad.clone()
+        with pytest.raises(ValueError, match="zero"):
+            sort_routes(ids, 4, 16, zero=bad)
+        assert torch.equal(bad, before)
+
+
 def test_k_orders_are_the_documented_permutations():
     """``chunk_order``: the chunk order (32) and the unit order (64) place element
     e(p) at position p as documented (gemm.decode_permuted); ``k_order`` picks the unit

@@ -80,6 +80,13 @@ def sort_routes(
     """
     import os
 
+    if zero is not None and (
+        zero.dtype != torch.int32 or zero.device != topk_ids.device or not zero.is_contiguous()
+    ):
+        raise ValueError(
+            f"zero: expected a contiguous torch.int32 tensor on {topk_ids.device}, got "
+            f"{zero.dtype} on {zero.device}"
+        )
     n = topk_ids.numel()
     if use_kernel is None:
         kernel_ok = topk_ids.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
