@@ -47,6 +47,7 @@ def compile_gemm(
     cfg: tuple[int, ...],
     split: bool,
     dense: bool = False,
+    maxnreg: int | None = None,
 ):
     """Compile one ``moe_gemm_kernel`` specialization for sm_90; returns the compiled kernel."""
     import triton
@@ -98,9 +99,10 @@ def compile_gemm(
         moe_gemm_kernel, sig, constexprs={(names.index(a),): v for a, v in const.items()},
         attrs=attrs,
     )  # fmt: skip
-    return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages)
-    )
+    opts = dict(num_warps=warps, num_stages=stages)
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
 def _tool(name: str) -> str:
@@ -163,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", nargs="+", default=DEFAULT_CONFIGS, help="BM,BN,BK,warps,stages")
     p.add_argument("--split", action="store_true", help="loop 3: the split-K programs")
     p.add_argument("--dense", action="store_true", help="loops 2, 3: operands loaded decoded")
+    p.add_argument("--maxnreg", type=int, default=None, help="register cap (GemmConfig.maxnreg)")
     a = p.parse_args(argv)
     h, inter = SHAPES[a.preset]
     gemms = ["fc1", "fc2"] if a.gemm == "both" else [a.gemm]
@@ -176,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                 if k % cfg[2] or (loop and cfg[2] % 32):
                     continue
                 kern = compile_gemm(n=n, k=k, gated=gated, a_fp4=a.mode == "w4a4", loop=loop,
-                                    cfg=cfg, split=a.split, dense=a.dense)  # fmt: skip
+                                    cfg=cfg, split=a.split, dense=a.dense,
+                                    maxnreg=a.maxnreg)  # fmt: skip
                 per_trip = (2 if gated else 1) * cfg[1] * cfg[2] / (cfg[3] * 32)
                 st = sass_stats(kern, per_trip)
                 ipw = st["instructions_per_weight"]

@@ -49,6 +49,13 @@ C3_SMALL = [
     (16, 64, 128, 4, 4),
     (16, 64, 64, 4, 4),
     (16, 128, 128, 8, 3),
+    # register caps (GemmConfig.maxnreg): FC1 fits 80 registers with no spill and the same
+    # 3.73 instructions a weight, 6 programs an SM instead of 5; 64 registers, 4.23 a
+    # weight, 7 (shared memory) -- so 1 and 16 tokens' FC1 programs (672, 896 valid) fit
+    # one wave (perf-notes, session 6, item 11)
+    (16, 64, 128, 4, 3, False, 80),
+    (16, 64, 128, 4, 3, False, 64),
+    (16, 64, 128, 4, 2, False, 64),
 ]
 C3_LARGE = [
     (128, 64, 64, 4, 3),

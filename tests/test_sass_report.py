@@ -57,3 +57,19 @@ def test_gluon_decode_compiles_for_sm90():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, timeout=600)  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_unit_order_loop_and_register_cap():
+    """Loop 3's split FC1 at the default decode config (DeepSeek-V3 shapes): the unit order
+    keeps it under 4.5 SASS instructions a weight (5.64 in the chunk order), and a
+    register cap of 80 (GemmConfig.maxnreg) holds with no spill."""
+    pytest.importorskip("triton")
+    for cap in (None, 80):
+        args = ["--gemm", "fc1", "--loop", "3", "--split", "--config", "16,64,128,4,3"]
+        if cap:
+            args += ["--maxnreg", str(cap)]
+        rows = _run(*args)
+        regs, spill, ipw = int(rows[1][3]), int(rows[1][4]), float(rows[1][5])
+        assert spill == 0 and ipw < 4.5, rows[1]
+        if cap:
+            assert regs <= cap, rows[1]

@@ -47,6 +47,9 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     prefetch: bool = False  # load the next K tile's weight bytes before decoding this one
+    # Cap on registers a thread (ptxas): more programs resident an SM. The same bits (the
+    # arithmetic does not change). None: the compiler's choice.
+    maxnreg: int | None = None
 
 
 def _largest_pow2_dividing(k: int, cap: int) -> int:

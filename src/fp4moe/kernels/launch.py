@@ -370,6 +370,7 @@ def _gemm(
         SEG_TILES=seg_tiles, SPLIT=split, W_DENSE=dense, GROUP_M=group_m, REDUCE_ONLY=gluon,
         ORDER=order,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpreting() else {}),
     )  # fmt: skip
 
 
