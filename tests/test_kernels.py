@@ -995,3 +995,25 @@ def test_k_order_does_not_depend_on_the_token_count(monkeypatch, mode):
                 cfg1, cfg2 = gemm_configs(t * 8, ex, mode, opt)
                 orders.add((k_order(3, h, cfg1.block_k), k_order(3, inter, cfg2.block_k)))
             assert orders == {(64, 64)}, (h, inter, frac, orders)
+
+
+def test_gluon_decode_configs(monkeypatch):
+    """``gluon_decode`` takes 8-row tiles only when both GEMMs can take the Gluon
+    partials (K a multiple of 1024): a GEMM left on loop 3 must keep 16-row tiles, whose
+    dots give loop 3's bits. Pinned configs below 16 rows are refused."""
+    from types import SimpleNamespace
+
+    from fp4moe.kernels.gemm import GemmConfig
+    from fp4moe.kernels.launch import TritonOptions, gemm_configs
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    opt = TritonOptions(gluon_decode=True)
+    deepseek = SimpleNamespace(hidden_size=7168, intermediate_size=2048, num_experts=32)
+    qwen3 = SimpleNamespace(hidden_size=2048, intermediate_size=768, num_experts=128)
+    assert {c.block_m for c in gemm_configs(16 * 8, deepseek, "w4a16", opt)} == {8}
+    assert {c.block_m for c in gemm_configs(16 * 8, deepseek, "w4a4", opt)} == {16}
+    assert {c.block_m for c in gemm_configs(16 * 8, qwen3, "w4a16", opt)} == {16}
+    assert {c.block_m for c in gemm_configs(16 * 8, deepseek, "w4a16", TritonOptions())} == {16}
+    small = GemmConfig(8, 64, 128)
+    with pytest.raises(ValueError, match=r"options\.fc1"):
+        gemm_configs(16, deepseek, "w4a16", TritonOptions(fc1=small, fc2=small))

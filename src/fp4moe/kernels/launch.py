@@ -428,11 +428,16 @@ def gemm_configs(
         and options.split_for(n_routes, experts.num_experts)
         and rows_per_expert <= 8
         and gluon_applies(h, a_fp4, cfg1)
+        and gluon_applies(inter, a_fp4, cfg2)
     ):
         # The Gluon partials take 8-row tiles (the wgmma N): half the activation staging
         # of 16 (measured: benchmarks/gluon_experiment.py). Any block_m gives the same bits.
         cfg1 = replace(cfg1, block_m=8)
         cfg2 = replace(cfg2, block_m=8)
+    for name, cfg in (("fc1", options.fc1), ("fc2", options.fc2)):
+        if cfg is not None and cfg.block_m < 16:
+            # Triton's dot at 8 token columns is not loop 3's wgmma: other bits.
+            raise ValueError(f"options.{name}: block_m must be at least 16, got {cfg.block_m}")
     if cfg1.block_m != cfg2.block_m:
         raise ValueError("options: fc1 and fc2 configs must share block_m (one tile schedule)")
     return cfg1, cfg2
