@@ -187,7 +187,13 @@ def _route_rows_triton(rows, row_expert, experts, mode, act_scale, amax_reduce):
 
     Every received row is a one-route token; FC1 gathers it (bf16, or pre-quantized NVFP4
     codes, scales and per-row global). Rows come back in the order they came in."""
-    from .kernels.launch import TritonOptions, expert_gemms, gemm_configs, use_pdl
+    from .kernels.launch import (
+        TritonOptions,
+        expert_gemms,
+        gemm_configs,
+        split_counters,
+        use_pdl,
+    )
     from .kernels.sort import sort_routes
 
     w4a4 = mode == "w4a4"
@@ -200,15 +206,16 @@ def _route_rows_triton(rows, row_expert, experts, mode, act_scale, amax_reduce):
         return torch.empty(0, experts.hidden_size, dtype=torch.bfloat16, device=dev)
     opt = TritonOptions(valid_fraction=1.0)  # every received row is a valid route
     cfg1, cfg2 = gemm_configs(n, experts, mode, opt)
+    zero, counters = split_counters(n, experts, cfg1, cfg2, opt, dev)
     sort = sort_routes(row_expert.to(torch.int32).reshape(n, 1).contiguous(),
-                       experts.num_experts, cfg1.block_m)  # fmt: skip
+                       experts.num_experts, cfg1.block_m, zero=zero)  # fmt: skip
     y = expert_gemms(
         sort, a_src.contiguous(),
         rows.scales.contiguous() if w4a4 else None,
         rows.global_scale.contiguous() if w4a4 else None,
         experts, cfg1=cfg1, cfg2=cfg2, mode=mode, act_scale=act_scale, topk=1, a_gather=True,
         route_weights=torch.ones(n, dtype=torch.float32, device=dev),
-        amax_reduce=amax_reduce, options=opt, pdl=use_pdl(opt, dev),
+        amax_reduce=amax_reduce, options=opt, pdl=use_pdl(opt, dev), counters=counters,
     )  # fmt: skip
     return y[sort.route_pos.long()]
 

@@ -443,6 +443,28 @@ def gemm_configs(
     return cfg1, cfg2
 
 
+def split_counters(
+    n_routes: int,
+    experts: PreparedExperts,
+    cfg1: GemmConfig,
+    cfg2: GemmConfig,
+    opt: TritonOptions,
+    device: torch.device,
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The split GEMMs' tile counters of a call, for ``sort_routes(zero=...)`` to zero (no
+    memset node in a CUDA graph of the call; the last program of a tile leaves its
+    counter at zero) and ``expert_gemms(counters=...)``: (buffer, (FC1's, FC2's)), or
+    (None, None) when the call does not split K."""
+    e = experts.num_experts
+    if not opt.split_for(n_routes, e) or opt.dense_for(n_routes, e):
+        return None, None
+    nb = max_blocks(n_routes, e, cfg1.block_m)
+    t1 = triton.cdiv(experts.intermediate_size, cfg1.block_n) * nb
+    t2 = triton.cdiv(experts.hidden_size, cfg2.block_n) * nb
+    zero = torch.empty(t1 + t2, dtype=torch.int32, device=device)
+    return zero, (zero[:t1], zero[t1:])
+
+
 def expert_gemms(
     sort: RouteSort,
     a: torch.Tensor,
@@ -579,15 +601,7 @@ def moe_triton(
     w_flat = topk_weights.contiguous().reshape(-1)
 
     cfg1, cfg2 = gemm_configs(n_routes, experts, mode, opt)
-    counters = zero = None
-    if opt.split_for(n_routes, e_count) and not opt.dense_for(n_routes, e_count):
-        # The split GEMMs' tile counters, zeroed by the sort kernel (no memset node in a
-        # CUDA graph of the call; the last program of a tile leaves its counter at zero).
-        nb = max_blocks(n_routes, e_count, cfg1.block_m)
-        t1 = triton.cdiv(experts.intermediate_size, cfg1.block_n) * nb
-        t2 = triton.cdiv(h, cfg2.block_n) * nb
-        zero = torch.empty(t1 + t2, dtype=torch.int32, device=dev)
-        counters = (zero[:t1], zero[t1:])
+    zero, counters = split_counters(n_routes, experts, cfg1, cfg2, opt, dev)
     sort = sort_routes(ids, e_count, cfg1.block_m, zero=zero)
     n_valid = sort.expert_offsets[e_count:]  # device scalar: rows in sorted order
 
