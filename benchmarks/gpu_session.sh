@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_session.sh prep       # prefill passes: decode tiles, quantize, per kernel
 #   bash benchmarks/gpu_session.sh configs    # decode-size configs on Qwen3 and Mixtral
 #   bash benchmarks/gpu_session.sh gluon      # the Gluon split partials: bits and time
+#   bash benchmarks/gpu_session.sh decode     # decode configs: register caps, FC2 pairs
 #   bash benchmarks/gpu_session.sh bench      # fp4moe bench: DeepSeek-V3, Qwen3, Mixtral
 #   bash benchmarks/gpu_session.sh ep         # two GPUs: NCCL tests, bench --ep, example
 #
@@ -15,7 +16,7 @@
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|sweep|dense|prep|configs|gluon|bench|ep}"
+part="${1:?usage: gpu_session.sh tests|sweep|dense|prep|configs|gluon|decode|bench|ep}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -79,6 +80,18 @@ configs)
             --iters 10 --out "$out/configs-$p.json"
     done
     ;;
+decode)
+    # Session 6's open questions (perf-notes items 8 to 11): register caps
+    # (GemmConfig.maxnreg) against the wave quantization at 1 and 16 tokens, FC2 configs
+    # of its own, and the W4A4 prefill configs measured in the chunk order only.
+    step decode_w4a16 200 python3 benchmarks/sweep_decode.py --tokens 1 16 64 256 \
+        --modes w4a16 --variants c3 c3configs c3pairs --iters 8 --out "$out/decode-w4a16.json"
+    step decode_w4a4 150 python3 benchmarks/sweep_decode.py --tokens 1 16 64 \
+        --modes w4a4-token w4a4-tensor --variants c3 c3pairs --iters 8 \
+        --out "$out/decode-w4a4.json"
+    step prefill_w4a4 200 python3 benchmarks/sweep_decode.py --tokens 1024 4096 \
+        --modes w4a4-token --variants c3 c3configs --iters 6 --out "$out/prefill-w4a4.json"
+    ;;
 gluon)
     # TritonOptions.gluon_decode: bitwise against loop 3 (test), then each GEMM and the
     # whole call timed both ways, synchronous and asynchronous main loop.
@@ -109,7 +122,7 @@ ep)
     step disaggregated 90 python3 examples/disaggregated.py --device cuda
     ;;
 *)
-    echo "unknown part $part (tests, sweep, dense, prep, configs, gluon, bench or ep)"
+    echo "unknown part $part (tests, sweep, dense, prep, configs, gluon, decode, bench or ep)"
     exit 2
     ;;
 esac

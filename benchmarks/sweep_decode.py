@@ -11,7 +11,8 @@ path above ``dense_above``), c3-nodense (loop 3 never dense), c3-split / c3-nosp
 the same bits as c3), c3-qsplit (the defaults with the W4A4 quantize split into one chunk
 of a row a program up to QSPLIT_ROWS rows), c2-torch-amax (per-tensor amaxes with torch
 ops), configs (loop 2 at each config of SMALL or LARGE), c3configs (loop 3 at each of C3_SMALL or
-C3_LARGE, split and not), c3dense (above 256 tokens, dense at each of C3_DENSE).
+C3_LARGE, split and not), c3pairs (FC1 and FC2 configs of their own, C3_PAIRS), c3dense
+(above 256 tokens, dense at each of C3_DENSE).
 """
 
 from __future__ import annotations
@@ -65,6 +66,15 @@ C3_LARGE = [
     (64, 64, 64, 4, 3),
 ]
 
+# c3pairs: FC1 and FC2 configs of their own at decode sizes. FC2 (not gated) amortizes the
+# activation permutation over half the weights of FC1: 4.30 SASS instructions a weight at
+# (16, 64, 128) against 3.56 at (16, 128, 128), whose 127 registers fit fewer programs.
+C3_PAIRS = [
+    ((16, 64, 128, 4, 3), (16, 128, 128, 4, 3)),
+    ((16, 64, 128, 4, 3, False, 80), (16, 128, 128, 4, 3)),
+    ((16, 64, 128, 4, 3, False, 80), (16, 64, 128, 4, 3)),
+]
+
 QSPLIT_ROWS = 1024  # c3-qsplit: launch.QUANTIZE_SPLIT_ROWS
 
 C3_DENSE = [  # the dense path: both operands from shared memory, bigger tiles pay
@@ -88,8 +98,9 @@ def main() -> None:
         nargs="+",
         default=["c2", "old", "c3", "c3-nosplit", "c2-torch-amax", "configs"],
         help="which variants to time; 'configs' is every loop-2 config of SMALL or LARGE, "
-        "'c3configs' every loop-3 config of C3_SMALL or C3_LARGE, 'c3dense' every dense "
-        "config of C3_DENSE (above 256 tokens)",
+        "'c3configs' every loop-3 config of C3_SMALL or C3_LARGE, 'c3pairs' the FC1 and "
+        "FC2 pairs of C3_PAIRS (up to 256 tokens), 'c3dense' every dense config of "
+        "C3_DENSE (above 256 tokens)",
     )
     a = ap.parse_args()
     qsplit0 = launch.QUANTIZE_SPLIT_ROWS
@@ -142,6 +153,14 @@ def main() -> None:
                         tag = "s" if split else ""
                         variants[f"c3{tag}{c}"] = TritonOptions(
                             chunked=3, split_k=split, fc1=g, fc2=g, dense_above=None
+                        )
+            if "c3pairs" in a.variants and t <= 256:  # FC1 and FC2 configs of their own
+                for c1, c2 in C3_PAIRS:
+                    g1, g2 = GemmConfig(*c1), GemmConfig(*c2)
+                    for split in (True, False):
+                        tag = "s" if split else ""
+                        variants[f"c3{tag}({c1}, {c2})"] = TritonOptions(
+                            chunked=3, split_k=split, fc1=g1, fc2=g2, dense_above=None
                         )
             if "c3dense" in a.variants and t > 256:  # the dense path at prefill sizes
                 for c in C3_DENSE:
