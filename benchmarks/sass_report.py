@@ -50,11 +50,9 @@ def compile_gemm(
     maxnreg: int | None = None,
 ):
     """Compile one ``moe_gemm_kernel`` specialization for sm_90; returns the compiled kernel."""
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
+    from fp4moe.kernels.common import compile_sm90
     from fp4moe.kernels.gemm import moe_gemm_kernel
     from fp4moe.kernels.launch import SEGMENT, k_order
 
@@ -90,19 +88,10 @@ def compile_gemm(
     )  # fmt: skip
     if dense:  # both operands decoded, bf16 (dequant.dense_weights)
         ptrs = {**ptrs, "w_codes_ptr": "*bf16", "a_ptr": "*bf16"}
-    names = moe_gemm_kernel.arg_names
-    sig = {a: ptrs.get(a, "i32" if a == "ws_rows" else "constexpr") for a in names}
-    # Pointers are 16-byte aligned at launch (Triton specializes on it); without this
-    # attribute every load compiles to byte loads.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a in ptrs}
-    src = ASTSource(
-        moe_gemm_kernel, sig, constexprs={(names.index(a),): v for a, v in const.items()},
-        attrs=attrs,
-    )  # fmt: skip
     opts = dict(num_warps=warps, num_stages=stages)
     if maxnreg:
         opts["maxnreg"] = maxnreg
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    return compile_sm90(moe_gemm_kernel, ptrs, const, ints=("ws_rows",), **opts)
 
 
 def _tool(name: str) -> str:

@@ -34,15 +34,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .common import compile_sm90 as common_compile_sm90
 from .gemm import _CHUNK_DECODE_ASM
 
 ASYNC_WGMMA = False  # split_partials' default for the asynchronous main loop
 UNIT = gl.constexpr(64)  # K elements a main-loop step (two chunks, four k16 wgmma steps)
-
-# The decode of loop 3, the same operations and bits: 8 code bytes and their scales (bf16
-# times 2^118) to the 8 low-nibble and the 8 high-nibble values, each times 2^-8, in bf16
-# pairs of consecutive bytes.
-_DECODE_ASM = _CHUNK_DECODE_ASM
 
 
 # The codes of one unit ([64 rows, 32 bytes]): registers hold 8 consecutive bytes of a
@@ -85,8 +81,10 @@ def _decode_unit(codes, sc, A_L: gl.constexpr):
     sb, codes = gl.broadcast(gl.expand_dims(sb, 2), codes)
     codes = gl.convert_layout(gl.reshape(codes, [64, 32]), _CL, assert_trivial=True)
     sb = gl.convert_layout(gl.reshape(sb, [64, 32]), _CL, assert_trivial=True)
+    # loop 3's decode (the same operations and bits): 8 code bytes and their scales (bf16
+    # times 2^118) to 8 low-nibble and 8 high-nibble values times 2^-8, bf16 pairs
     lo, hi = gl.inline_asm_elementwise(
-        _DECODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [codes, sb],
+        _CHUNK_DECODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [codes, sb],
         dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=8,
     )  # fmt: skip
     # byte 8 q + 2 s + a, nibble b holds element 16 q + 4 s + 2 a + b, at position
@@ -278,13 +276,8 @@ def split_partials(
 
 
 def compile_sm90(*, n: int, k: int, gated: bool, block_m: int, asynchronous: bool = False):
-    """Compile one specialization for sm_90 without a GPU (Triton's bundled ptxas): the
+    """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``): the
     layout conversions are asserted trivial at compile time. Returns the compiled kernel."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    fn = gluon_split_kernel
-    names = fn.arg_names
     ptrs = {
         "x_ptr": "*bf16", "sorted_routes_ptr": "*i32", "w_codes_ptr": "*u8",
         "w_scales_ptr": "*fp8e4nv", "block_expert_ptr": "*i32", "block_start_ptr": "*i32",
@@ -292,9 +285,6 @@ def compile_sm90(*, n: int, k: int, gated: bool, block_m: int, asynchronous: boo
     }  # fmt: skip
     const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated, BM=block_m, SEG=1024,
                  ASYNC=asynchronous)  # fmt: skip
-    sig = {a: ptrs.get(a, "i32" if a == "ws_rows" else "constexpr") for a in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a in ptrs}
-    src = GluonASTSource(
-        fn, sig, constexprs={(names.index(a),): v for a, v in const.items()}, attrs=attrs
+    return common_compile_sm90(
+        gluon_split_kernel, ptrs, const, ints=("ws_rows",), gluon=True, num_warps=4
     )
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))

@@ -267,8 +267,15 @@ def k_order(loop: int, k: int, block_k: int) -> int:
 
 def gluon_applies(k: int, a_fp4: bool, cfg: GemmConfig) -> bool:
     """Whether a split-K GEMM can take its partials from ``gluon_decode``: W4A16, whole
-    1024-element segments, 8 or 16 rows a tile, a CUDA device (not the interpreter)."""
-    return not interpreting() and not a_fp4 and k % SEGMENT == 0 and cfg.block_m in (8, 16)
+    1024-element segments in loop 3's unit order (``k_order``), 8 or 16 rows a tile, a
+    CUDA device (not the interpreter)."""
+    return (
+        not interpreting()
+        and not a_fp4
+        and k % SEGMENT == 0
+        and k_order(3, k, cfg.block_k) == 64
+        and cfg.block_m in (8, 16)
+    )
 
 
 def _gemm(
@@ -337,7 +344,7 @@ def _gemm(
     nseg = -(-(k // cfg.block_k) // seg_tiles) if seg_tiles else 1
     split = split and nseg > 1
     part, cnt, ws_rows = dummy, dummy, 0
-    gluon = gluon and split and order == 64 and gluon_applies(k, a_fp4, cfg)
+    gluon = gluon and split and gluon_applies(k, a_fp4, cfg)
     if split:  # one program a K segment; fp32 partials, summed by the last one of a tile
         ws_rows = sort.sorted_routes.shape[0]
         part = torch.empty(nseg * ws_rows * (2 * n if gated else n), dtype=torch.float32,
@@ -456,7 +463,7 @@ def split_counters(
     counter at zero) and ``expert_gemms(counters=...)``: (buffer, (FC1's, FC2's)), or
     (None, None) when the call does not split K."""
     e = experts.num_experts
-    if not opt.split_for(n_routes, e) or opt.dense_for(n_routes, e):
+    if not opt.split_for(n_routes, e):
         return None, None
     nb = max_blocks(n_routes, e, cfg1.block_m)
     t1 = triton.cdiv(experts.intermediate_size, cfg1.block_n) * nb
