@@ -269,9 +269,8 @@ def decode_permuted(
       registers hold when one thread decodes 8 consecutive code bytes, so the move into
       the wgmma fragment is almost free (5.6 -> 3.7 SASS instructions a weight, FC1)."""
     lo, hi = decode_lohi(codes, scales, R, C, ASM, OUT)
-    if ORDER == 64:
-        v = tl.reshape(tl.join(lo, hi), (R, C // 64, 4, 4, 2, 2))  # [r, u, q, s, a, b]
-        return tl.reshape(tl.permute(v, (0, 1, 3, 5, 2, 4)), (R, C))  # [r, u, s, b, q, a]
+    if ORDER == 64:  # join(lo, hi) is the tile in natural order
+        return order_rows(tl.reshape(tl.join(lo, hi), (R, C)), R, C, ORDER)
     else:
         v = tl.join(tl.reshape(lo, (R, C // 32, 16)), tl.reshape(hi, (R, C // 32, 16)))
         return tl.reshape(tl.permute(v, (0, 1, 3, 2)), (R, C))
@@ -281,8 +280,8 @@ def decode_permuted(
 def order_rows(x, R: tl.constexpr, C: tl.constexpr, ORDER: tl.constexpr):
     """Values [R, C] in natural K order to the loop's K order (``decode_permuted``)."""
     if ORDER == 64:
-        v = tl.reshape(x, (R, C // 64, 4, 4, 2, 2))
-        return tl.reshape(tl.permute(v, (0, 1, 3, 5, 2, 4)), (R, C))
+        v = tl.reshape(x, (R, C // 64, 4, 4, 2, 2))  # [r, u, q, s, a, b]
+        return tl.reshape(tl.permute(v, (0, 1, 3, 5, 2, 4)), (R, C))  # [r, u, s, b, q, a]
     else:
         v = tl.reshape(x, (R, C // 32, 16, 2))
         return tl.reshape(tl.permute(v, (0, 1, 3, 2)), (R, C))
