@@ -1017,3 +1017,21 @@ def test_gluon_decode_configs(monkeypatch):
     small = GemmConfig(8, 64, 128)
     with pytest.raises(ValueError, match=r"options\.fc1"):
         gemm_configs(16, deepseek, "w4a16", TritonOptions(fc1=small, fc2=small))
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_moe_triton_no_tokens(interpret, device, mode):
+    """T = 0 straight into the Triton path (not only through ``fp4moe.moe``): every mode,
+    fused or not, split K or not (the split counters of a call with no route), poisoned
+    workspaces: an empty [0, H] output."""
+    experts = _experts(4, 64, 32, seed=2, device=device)
+    x = _x(0, 64, seed=2, device=device)
+    ids, w = _routes(0, 2, 4, seed=2, device=device)
+    m, sc = mode
+    for fused in (False, True):
+        for split in (False, True):
+            opt = TritonOptions(poison=True, split_k=split)
+            out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused,
+                             options=opt)  # fmt: skip
+            assert out.shape == (0, 64) and out.dtype == torch.bfloat16

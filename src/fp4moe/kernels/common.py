@@ -1,4 +1,5 @@
-"""Small Triton helpers shared by the kernel families."""
+"""Small Triton helpers shared by the kernel families, and ``compile_sm90`` (compile a
+kernel for the H200 on a machine without a GPU)."""
 
 from __future__ import annotations
 
