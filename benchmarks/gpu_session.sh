@@ -11,12 +11,13 @@
 #   bash benchmarks/gpu_session.sh decode     # decode configs: register caps, FC2 pairs
 #   bash benchmarks/gpu_session.sh bench      # fp4moe bench: DeepSeek-V3, Qwen3, Mixtral
 #   bash benchmarks/gpu_session.sh ep         # two GPUs: NCCL tests, bench --ep, example
+#   bash benchmarks/gpu_session.sh pair       # two GPUs: bench | memcheck, then NCCL tests
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|sweep|dense|prep|configs|gluon|decode|bench|ep}"
+part="${1:?usage: gpu_session.sh tests|sweep|dense|prep|configs|gluon|decode|bench|ep|pair}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -83,13 +84,15 @@ configs)
 decode)
     # Session 6's open questions (perf-notes items 8 to 11): register caps
     # (GemmConfig.maxnreg) against the wave quantization at 1 and 16 tokens, FC2 configs
-    # of its own, and the W4A4 prefill configs measured in the chunk order only.
-    step decode_w4a16 200 python3 benchmarks/sweep_decode.py --tokens 1 16 64 256 \
-        --modes w4a16 --variants c3 c3configs c3pairs --iters 8 --out "$out/decode-w4a16.json"
-    step decode_w4a4 150 python3 benchmarks/sweep_decode.py --tokens 1 16 64 \
+    # of its own, other K segments (launch.SEGMENT: the split programs' wave count), and the
+    # W4A4 prefill configs measured in the chunk order only.
+    step decode_w4a16 270 python3 benchmarks/sweep_decode.py --tokens 1 16 64 256 \
+        --modes w4a16 --variants c3 c3-seg512 c3-seg2048 c3configs c3pairs --iters 8 \
+        --out "$out/decode-w4a16.json"
+    step decode_w4a4 120 python3 benchmarks/sweep_decode.py --tokens 1 16 64 \
         --modes w4a4-token w4a4-tensor --variants c3 c3pairs --iters 8 \
         --out "$out/decode-w4a4.json"
-    step prefill_w4a4 200 python3 benchmarks/sweep_decode.py --tokens 1024 4096 \
+    step prefill_w4a4 180 python3 benchmarks/sweep_decode.py --tokens 1024 4096 \
         --modes w4a4-token --variants c3 c3configs --iters 6 --out "$out/prefill-w4a4.json"
     ;;
 gluon)
@@ -110,6 +113,31 @@ bench)
     step mixtral 180 python3 -m fp4moe bench --preset mixtral-8x7b "${common[@]}" \
         --out "$out/mixtral"
     ;;
+pair)
+    # Two GPUs in one call: fp4moe bench on GPU 0 while memcheck runs on GPU 1, then the
+    # NCCL tests on both (the bench's token counts trimmed for Qwen3 and Mixtral to fit).
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        step memcheck 420 compute-sanitizer --tool memcheck python3 -m pytest -m gpu \
+            --device cuda -q tests/test_kernels.py -k "test_moe_gpu_shapes and 64-qwen3 or \
+            test_segmented_loop_gpu and w4a16 or dense_path_gpu and 64"
+    ) &
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        step deepseek 220 python3 -m fp4moe bench --num-tokens 1 8 16 32 64 128 256 1024 \
+            4096 8192 16384 --iters 10 --out "$out/deepseek"
+        short=(--num-tokens 1 16 64 256 1024 8192 --iters 10)
+        step qwen3 90 python3 -m fp4moe bench --preset qwen3-30b-a3b "${short[@]}" \
+            --out "$out/qwen3"
+        step mixtral 110 python3 -m fp4moe bench --preset mixtral-8x7b "${short[@]}" \
+            --out "$out/mixtral"
+        step profile 40 bash -c 'for t in 1 16 64; do python3 benchmarks/profile_call.py \
+            --kernels --calls 5 --tokens $t; done'
+    )
+    wait
+    step nccl_tests 130 python3 -m pytest -m gpu --device cuda -q \
+        tests/test_distributed.py tests/test_bench_ep.py
+    ;;
 ep)
     step nccl_tests 150 python3 -m pytest -m gpu --device cuda -q \
         tests/test_distributed.py tests/test_bench_ep.py
@@ -122,7 +150,7 @@ ep)
     step disaggregated 90 python3 examples/disaggregated.py --device cuda
     ;;
 *)
-    echo "unknown part $part (tests, sweep, dense, prep, configs, gluon, decode, bench or ep)"
+    echo "unknown part $part (tests, sweep, dense, prep, configs, gluon, decode, bench, ep or pair)"
     exit 2
     ;;
 esac

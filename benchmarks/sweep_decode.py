@@ -12,7 +12,8 @@ the same bits as c3), c3-qsplit (the defaults with the W4A4 quantize split into 
 of a row a program up to QSPLIT_ROWS rows), c2-torch-amax (per-tensor amaxes with torch
 ops), configs (loop 2 at each config of SMALL or LARGE), c3configs (loop 3 at each of C3_SMALL or
 C3_LARGE, split and not), c3pairs (FC1 and FC2 configs of their own, C3_PAIRS), c3dense
-(above 256 tokens, dense at each of C3_DENSE).
+(above 256 tokens, dense at each of C3_DENSE), c3-seg512 / c3-seg2048 (the defaults with
+other K segments, launch.SEGMENT: other bits, checked against the reference only).
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ C3_PAIRS = [
     ((16, 64, 128, 4, 3, False, 80), (16, 64, 128, 4, 3)),
 ]
 
+# c3-segN: loop 3 with K segments of N elements (launch.SEGMENT, 1024): more or fewer split
+# programs (the wave count at 1 and 16 tokens, perf-notes session 7); other bits
+SEGMENTS = (512, 2048)
+
 QSPLIT_ROWS = 1024  # c3-qsplit: launch.QUANTIZE_SPLIT_ROWS
 
 C3_DENSE = [  # the dense path: both operands from shared memory, bigger tiles pay
@@ -103,7 +108,7 @@ def main() -> None:
         "C3_DENSE (above 256 tokens)",
     )
     a = ap.parse_args()
-    qsplit0 = launch.QUANTIZE_SPLIT_ROWS
+    qsplit0, segment0 = launch.QUANTIZE_SPLIT_ROWS, launch.SEGMENT
     ceil = card_ceilings()
     tbs, tfl = ceil["copy_bytes_per_s"] / 1e12, ceil["bf16_matmul_flops"] / 1e12
     print(f"copy {tbs:.2f} TB/s, bf16 {tfl:.0f} TFLOP/s")
@@ -138,6 +143,10 @@ def main() -> None:
                 # the defaults with the chunk-a-program quantize (launch.QUANTIZE_SPLIT_ROWS)
                 "c3-qsplit": TritonOptions(chunked=3, valid_fraction=p.local_experts / p.experts),
             }
+            for seg in SEGMENTS:  # another K segment (launch.SEGMENT): other bits
+                variants[f"c3-seg{seg}"] = TritonOptions(
+                    chunked=3, valid_fraction=p.local_experts / p.experts
+                )
             if sc == "per_tensor":  # the amaxes on the device against torch ops
                 variants["c2-torch-amax"] = TritonOptions(
                     chunked=2, device_amax=False, dense_above=None
@@ -176,6 +185,7 @@ def main() -> None:
             first = first3 = None
             for name, opt in variants.items():
                 launch.QUANTIZE_SPLIT_ROWS = QSPLIT_ROWS if name == "c3-qsplit" else qsplit0
+                launch.SEGMENT = int(name[6:]) if name.startswith("c3-seg") else segment0
                 try:
                     out = moe_triton(x, ids, w, ex, mode=m, act_scale=sc, options=opt)
                     torch.cuda.synchronize()
@@ -185,7 +195,8 @@ def main() -> None:
                         if first is None:
                             first = out
                         same = bool(torch.equal(out, first))
-                    elif name.startswith("c3"):  # loop 3: any config, split or not, same bits
+                    elif name.startswith("c3") and not name.startswith("c3-seg"):
+                        # loop 3: any config, split or not, the same bits
                         if first3 is None:
                             first3 = out
                         same = bool(torch.equal(out, first3))
@@ -210,9 +221,10 @@ def main() -> None:
                 ff = f"{r['floor_fraction']:.3f}" if touched else "-"
                 print(f"T={t:5d} {mode:11s} {name:28s} {us:9.1f} us  floor {ff}", end="")
                 print(f"  err {err:.2e}  same {same}")
+                with open(a.out, "w") as f:  # after every row: a time limit keeps the rest
+                    json.dump({"ceilings": ceil, "preset": a.preset, "rows": rows}, f, indent=1)
     launch.QUANTIZE_SPLIT_ROWS = qsplit0
-    with open(a.out, "w") as f:
-        json.dump({"ceilings": ceil, "preset": a.preset, "rows": rows}, f, indent=1)
+    launch.SEGMENT = segment0
 
 
 if __name__ == "__main__":

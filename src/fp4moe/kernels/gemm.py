@@ -84,9 +84,17 @@ def choose_gemm_config(
         # 256 tokens (same, not split) 589 us; 1024 and 4096 tokens (64, 128, 64, 3 stages)
         # 1043 and 2269 us; 8192 tokens 4138 us (W4A16) and, for W4A4, (128, 64, 64)
         # 3995 us against 4404 us.
+        # In the unit order (session 7, `sweep_decode.py --variants c3configs c3pairs`;
+        # docs/bench/decode-session7-*.json, prefill-w4a4-session7.json): FC2 (not gated)
+        # with 128-row weight tiles from 16 rows an expert, 64 tokens 284.7 -> 268.4 us
+        # and 256 tokens 498.0 -> 474.6 (W4A16; W4A4 per-token at 64 tokens 309.4 ->
+        # 293.9), but not at 1 and 16 tokens (55.7 -> 57.4, 76.6 -> 77.7). W4A4 at 4096
+        # tokens (1024 rows an expert, below the dense path) (64, 128, 64) 1959.8 us
+        # against (128, 64, 64) 2119.3.
         if rows_per_expert <= 64:
-            return GemmConfig(16, 64, _largest_pow2_dividing(k, 128), 4, 3)
-        if rows_per_expert > 512 and a_fp4:
+            bn = 128 if rows_per_expert > 8 and not gated else 64
+            return GemmConfig(16, bn, _largest_pow2_dividing(k, 128), 4, 3)
+        if rows_per_expert > 1024 and a_fp4:
             return GemmConfig(128, 64, _largest_pow2_dividing(k, 64), 4, 3)
         return GemmConfig(64, 128, _largest_pow2_dividing(k, 64), 4, 3)
     if loop:
