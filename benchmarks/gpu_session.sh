@@ -6,18 +6,19 @@
 #   bash benchmarks/gpu_session.sh sweep      # main loops and configs (sweep_decode.py)
 #   bash benchmarks/gpu_session.sh dense      # the dense prefill path: test and sweeps
 #   bash benchmarks/gpu_session.sh prep       # prefill passes: decode tiles, quantize, per kernel
-#   bash benchmarks/gpu_session.sh configs    # decode-size configs on Qwen3 and Mixtral
+#   bash benchmarks/gpu_session.sh configs    # configs and K segments on Qwen3 and Mixtral
 #   bash benchmarks/gpu_session.sh gluon      # the Gluon split partials: bits and time
 #   bash benchmarks/gpu_session.sh decode     # decode configs: register caps, FC2 pairs
 #   bash benchmarks/gpu_session.sh bench      # fp4moe bench: DeepSeek-V3, Qwen3, Mixtral
 #   bash benchmarks/gpu_session.sh ep         # two GPUs: NCCL tests, bench --ep, example
 #   bash benchmarks/gpu_session.sh pair       # two GPUs: bench | memcheck, then NCCL tests
+#   bash benchmarks/gpu_session.sh splits     # per-GEMM split: GPU tests, Qwen3 and Mixtral
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|sweep|dense|prep|configs|gluon|decode|bench|ep|pair}"
+part="${1:?usage: gpu_session.sh tests|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -73,13 +74,17 @@ prep)
         python3 benchmarks/profile_call.py --kernels --calls 5 $a; done'
     ;;
 configs)
-    # Loop 3's decode-size configs on the unmasked presets (every route valid), to move
-    # choose_gemm_config onto valid rows an expert (TritonOptions.valid_fraction).
-    for p in qwen3-30b-a3b mixtral-8x7b; do
-        step "configs_$p" 280 python3 benchmarks/sweep_decode.py --preset "$p" \
-            --tokens 16 64 256 1024 --modes w4a16 w4a4-token --variants c3 c3configs \
-            --iters 10 --out "$out/configs-$p.json"
-    done
+    # Loop 3's configs on the unmasked presets (every route valid), to move
+    # choose_gemm_config onto valid rows an expert (TritonOptions.valid_fraction), and
+    # shorter K segments (launch.SEGMENT) for Qwen3's small experts at decode sizes
+    # (8 experts x 12 row tiles x 2 segments = 192 FC1 programs at 1 token) and prefill.
+    step configs_qwen3 200 python3 benchmarks/sweep_decode.py --preset qwen3-30b-a3b \
+        --tokens 1 16 64 256 1024 8192 --modes w4a16 --variants c3 c3-seg256 c3-seg512 \
+        c3configs --segments 256 512 --small-upto 256 --large-above 16 --iters 8 \
+        --out "$out/configs-qwen3.json"
+    step configs_mixtral 200 python3 benchmarks/sweep_decode.py --preset mixtral-8x7b \
+        --tokens 16 64 256 1024 --modes w4a16 --variants c3 c3configs --small-upto 64 \
+        --large-above 16 --iters 6 --out "$out/configs-mixtral.json"
     ;;
 decode)
     # Session 6's open questions (perf-notes items 8 to 11): register caps
@@ -138,6 +143,18 @@ pair)
     step nccl_tests 130 python3 -m pytest -m gpu --device cuda -q \
         tests/test_distributed.py tests/test_bench_ep.py
     ;;
+splits)
+    # Session 7's per-GEMM split (TritonOptions.gemm_splits) and 64-row tiles at 64 valid
+    # rows an expert: the GPU tests that cover splits and configs, then the two presets
+    # the change touches (every route valid).
+    step tests 200 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py \
+        -k "gpu_shapes or segmented or invariance or dense_path_gpu"
+    short=(--num-tokens 1 16 64 256 1024 8192 --iters 10)
+    step qwen3 100 python3 -m fp4moe bench --preset qwen3-30b-a3b "${short[@]}" \
+        --out "$out/qwen3"
+    step mixtral 130 python3 -m fp4moe bench --preset mixtral-8x7b "${short[@]}" \
+        --out "$out/mixtral"
+    ;;
 ep)
     step nccl_tests 150 python3 -m pytest -m gpu --device cuda -q \
         tests/test_distributed.py tests/test_bench_ep.py
@@ -150,7 +167,7 @@ ep)
     step disaggregated 90 python3 examples/disaggregated.py --device cuda
     ;;
 *)
-    echo "unknown part $part (tests, sweep, dense, prep, configs, gluon, decode, bench, ep or pair)"
+    echo "unknown part $part (tests, sweep, dense, prep, configs, gluon, decode, bench, ep, pair or splits)"
     exit 2
     ;;
 esac

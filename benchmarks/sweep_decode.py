@@ -12,8 +12,9 @@ the same bits as c3), c3-qsplit (the defaults with the W4A4 quantize split into 
 of a row a program up to QSPLIT_ROWS rows), c2-torch-amax (per-tensor amaxes with torch
 ops), configs (loop 2 at each config of SMALL or LARGE), c3configs (loop 3 at each of C3_SMALL or
 C3_LARGE, split and not), c3pairs (FC1 and FC2 configs of their own, C3_PAIRS), c3dense
-(above 256 tokens, dense at each of C3_DENSE), c3-seg512 / c3-seg2048 (the defaults with
-other K segments, launch.SEGMENT: other bits, checked against the reference only).
+(above 256 tokens, dense at each of C3_DENSE), c3-segN for each N of --segments (the
+defaults with K segments of N elements, launch.SEGMENT: more or fewer split programs;
+other bits, checked against the reference only).
 """
 
 from __future__ import annotations
@@ -76,10 +77,6 @@ C3_PAIRS = [
     ((16, 64, 128, 4, 3, False, 80), (16, 64, 128, 4, 3)),
 ]
 
-# c3-segN: loop 3 with K segments of N elements (launch.SEGMENT, 1024): more or fewer split
-# programs (the wave count at 1 and 16 tokens, perf-notes session 7); other bits
-SEGMENTS = (512, 2048)
-
 QSPLIT_ROWS = 1024  # c3-qsplit: launch.QUANTIZE_SPLIT_ROWS
 
 C3_DENSE = [  # the dense path: both operands from shared memory, bigger tiles pay
@@ -106,6 +103,25 @@ def main() -> None:
         "'c3configs' every loop-3 config of C3_SMALL or C3_LARGE, 'c3pairs' the FC1 and "
         "FC2 pairs of C3_PAIRS (up to 256 tokens), 'c3dense' every dense config of "
         "C3_DENSE (above 256 tokens)",
+    )
+    ap.add_argument(
+        "--segments",
+        type=int,
+        nargs="+",
+        default=[512, 2048],
+        help="K segments of the c3-segN variants (name them in --variants)",
+    )
+    ap.add_argument(
+        "--small-upto",
+        type=int,
+        default=256,
+        help="c3configs: C3_SMALL's configs up to this many tokens",
+    )
+    ap.add_argument(
+        "--large-above",
+        type=int,
+        default=256,
+        help="c3configs: C3_LARGE's configs above this many tokens",
     )
     a = ap.parse_args()
     qsplit0, segment0 = launch.QUANTIZE_SPLIT_ROWS, launch.SEGMENT
@@ -143,7 +159,7 @@ def main() -> None:
                 # the defaults with the chunk-a-program quantize (launch.QUANTIZE_SPLIT_ROWS)
                 "c3-qsplit": TritonOptions(chunked=3, valid_fraction=p.local_experts / p.experts),
             }
-            for seg in SEGMENTS:  # another K segment (launch.SEGMENT): other bits
+            for seg in a.segments:  # another K segment (launch.SEGMENT): other bits
                 variants[f"c3-seg{seg}"] = TritonOptions(
                     chunked=3, valid_fraction=p.local_experts / p.experts
                 )
@@ -156,7 +172,10 @@ def main() -> None:
                     g = GemmConfig(*c)
                     variants[f"c2{c}"] = TritonOptions(chunked=2, fc1=g, fc2=g, dense_above=None)
             if "c3configs" in a.variants:  # loop 3's own configs, with split K and without
-                for c in C3_SMALL if t <= 256 else C3_LARGE:
+                lists = (C3_SMALL if t <= a.small_upto else []) + (
+                    C3_LARGE if t > a.large_above else []
+                )
+                for c in lists:
                     g = GemmConfig(*c)
                     for split in (True, False) if t <= 1024 else (False,):
                         tag = "s" if split else ""

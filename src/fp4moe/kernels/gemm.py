@@ -68,12 +68,15 @@ def choose_gemm_config(
     interpret: bool = False,
     a_fp4: bool = False,
     loop: int = 3,
+    valid_rows: float | None = None,
 ) -> GemmConfig:
     """Tile shapes from the average rows an expert receives (no autotuning).
 
     Small row counts: 16 token columns and narrow weight tiles, so weight rows are split
     over many programs (bytes in flight on every SM). Large: 64 to 128 token columns.
     ``loop`` is the main loop (``TritonOptions.chunked``) the config is for.
+    ``rows_per_expert`` counts every route of the call; ``valid_rows`` (loop 3) is the
+    expected valid (unmasked) routes an expert, None when not known.
     """
     if interpret:
         return GemmConfig(16, 32, _largest_pow2_dividing(k, 64), num_warps=4, num_stages=1)
@@ -91,7 +94,11 @@ def choose_gemm_config(
         # 293.9), but not at 1 and 16 tokens (55.7 -> 57.4, 76.6 -> 77.7). W4A4 at 4096
         # tokens (1024 rows an expert, below the dense path) (64, 128, 64) 1959.8 us
         # against (128, 64, 64) 2119.3.
-        if rows_per_expert <= 64:
+        # 64 valid rows an expert take 64-row tiles (each weight decoded once), measured
+        # with every route valid (session 7, docs/bench/configs-session7-*.json): Mixtral-
+        # 8x7B at 256 tokens (64, 128, 64) 1020 us against 1430 for (16, 64, 128), Qwen3-
+        # 30B-A3B at 1024 tokens 614 against 780 (both with K split).
+        if rows_per_expert <= 64 and (valid_rows is None or valid_rows < 64):
             bn = 128 if rows_per_expert > 8 and not gated else 64
             return GemmConfig(16, bn, _largest_pow2_dividing(k, 128), 4, 3)
         if rows_per_expert > 1024 and a_fp4:

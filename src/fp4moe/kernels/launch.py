@@ -9,6 +9,7 @@ dependents right after, and the finalize kernel reads routing metadata before it
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -39,6 +40,7 @@ __all__ = [
     "expert_gemms",
     "finalize_rows",
     "gemm_configs",
+    "gemm_configs_for",
     "interpreting",
     "moe_triton",
     "quantize_rows",
@@ -52,6 +54,13 @@ def interpreting() -> bool:
 
 
 UNKNOWN_VALID_FRACTION = 1 / 6  # TritonOptions.valid_fraction when not given
+# Above 8 rows an expert, loop 3 splits K of a GEMM whose expected programs without the
+# split are fewer than this (``TritonOptions.gemm_splits``): Mixtral-8x7B's FC2 (32 row
+# tiles x 8 experts = 256 programs of K = 14336) on an H200's 132 SMs. Measured there
+# (session 7, docs/bench/configs-session7-*.json): Mixtral at 256 tokens split 1020 us
+# against 1158 not; DeepSeek-V3 EP8 at 64 to 1024 tokens (512 to 1557 programs a GEMM)
+# and Qwen3-30B-A3B at 256 tokens (1536) lose 3% to 7% to the split.
+SPLIT_BELOW_PROGRAMS = 384
 # quantize_rows: up to QUANTIZE_SPLIT_ROWS rows, one QUANTIZE_SPLIT_C-element chunk of a row
 # a program instead of one row a program (the same bits). Up to QUANTIZE_SPLIT_ROWS rows the
 # amax passes (per-row in quantize_rows, per-tensor in amax_rows) also read a row in one
@@ -88,8 +97,9 @@ class TritonOptions:
         invariant: its summation order does not depend on the config (loop 3: on any
         config whose K tile is a multiple of 64, which every default one is).
     split_k: loop 3 only: one program a K segment, partials summed by the last program
-        of a tile (None: when an expert averages at most 8 rows, counting every route
-        of the call). Same bits either way.
+        of a tile (None: ``gemm_splits`` decides each GEMM: both when an expert averages
+        at most 8 rows counting every route of the call, else a GEMM whose expected
+        programs are too few to fill the GPU). Same bits either way.
     device_amax: per-tensor W4A4 takes its amaxes with one Triton kernel each (an atomic
         max) instead of 8 to 12 torch ops; the same bits (interpreter and H200,
         ``test_device_amax_gpu``), 9% to 21% faster on the H200 (docs/perf-notes.md), so
@@ -149,12 +159,44 @@ class TritonOptions:
         # (session 7); splitting wins by far at 4 rows (16 tokens: 76.6 against 94.0).
         return n_routes / num_experts <= 8
 
+    def valid_rows(self, n_routes: int, num_experts: int) -> float:
+        """Expected valid routes an expert (``valid_fraction``, or 1/6 when unknown)."""
+        frac = UNKNOWN_VALID_FRACTION if self.valid_fraction is None else self.valid_fraction
+        return n_routes * frac / num_experts
+
+    def gemm_splits(
+        self,
+        n_routes: int,
+        num_experts: int,
+        hidden: int,
+        inter: int,
+        cfg1: GemmConfig,
+        cfg2: GemmConfig,
+    ) -> tuple[bool, bool]:
+        """Whether loop 3 splits K of FC1 and of FC2 (``split_k``): both at decode sizes
+        (``split_for``), else a GEMM of more than one K segment whose expected programs
+        (row tiles x experts touched x row blocks an expert, valid routes spread evenly
+        over the experts) are fewer than ``SPLIT_BELOW_PROGRAMS``. Same bits either way."""
+        if self.split_k is not None or self.split_for(n_routes, num_experts):
+            s = self.split_for(n_routes, num_experts)
+            return s, s
+        valid = self.valid_rows(n_routes, num_experts) * num_experts
+        if valid <= 0:
+            return False, False
+        touched = num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** valid)
+        rows = valid / max(touched, 1.0)
+        out = []
+        for n, k, cfg in ((inter, hidden, cfg1), (hidden, inter, cfg2)):
+            blocks = math.ceil(rows / cfg.block_m - 1e-6)  # 16.000001 rows: one 16-row block
+            programs = triton.cdiv(n, cfg.block_n) * touched * blocks
+            out.append(k > SEGMENT and programs < SPLIT_BELOW_PROGRAMS)
+        return out[0], out[1]
+
     def dense_for(self, n_routes: int, num_experts: int) -> bool:
         """Whether a call of ``n_routes`` routes takes the dense path (``dense_above``)."""
         if self.dense_above is None or n_routes == 0 or int(self.chunked) not in (2, 3):
             return False
-        frac = UNKNOWN_VALID_FRACTION if self.valid_fraction is None else self.valid_fraction
-        return n_routes * frac / num_experts > self.dense_above
+        return self.valid_rows(n_routes, num_experts) > self.dense_above
 
     def __post_init__(self) -> None:
         d, f = self.dense_above, self.valid_fraction
@@ -412,10 +454,22 @@ def gemm_configs(
 ) -> tuple[GemmConfig, GemmConfig]:
     """FC1 and FC2 configs for ``n_routes`` rows over ``experts`` (pinned ones from
     ``options`` win). Any config gives the same bits (one summation order a loop)."""
-    rows_per_expert = n_routes / experts.num_experts
+    return gemm_configs_for(
+        n_routes, experts.num_experts, experts.hidden_size, experts.intermediate_size, mode,
+        options,
+    )  # fmt: skip
+
+
+def gemm_configs_for(
+    n_routes: int, num_experts: int, h: int, inter: int, mode: str, options: TritonOptions
+) -> tuple[GemmConfig, GemmConfig]:
+    """``gemm_configs`` from the shape alone: ``num_experts`` experts of hidden size ``h``
+    and intermediate size ``inter``."""
+    rows_per_expert = n_routes / num_experts
+    valid_rows = options.valid_rows(n_routes, num_experts)
     loop = int(options.chunked)
-    h, inter, a_fp4 = experts.hidden_size, experts.intermediate_size, mode == "w4a4"
-    if options.dense_for(n_routes, experts.num_experts):
+    a_fp4 = mode == "w4a4"
+    if options.dense_for(n_routes, num_experts):
         # Dense operands, measured on the H200 (docs/perf-notes.md, sweep_decode.py
         # --variants c3dense): (128, 128, 64, 8 warps, 3 stages) is the fastest config at
         # 8192 tokens on Mixtral-8x7B (13.5 ms W4A16 against 15.1 to 18.4 for the others)
@@ -425,17 +479,19 @@ def gemm_configs(
         if ok and options.fc1 is None and options.fc2 is None:
             return dense, dense
     cfg1 = options.fc1 or choose_gemm_config(
-        rows_per_expert, inter, h, gated=True, interpret=interpreting(), a_fp4=a_fp4, loop=loop
-    )
+        rows_per_expert, inter, h, gated=True, interpret=interpreting(), a_fp4=a_fp4,
+        loop=loop, valid_rows=valid_rows,
+    )  # fmt: skip
     cfg2 = options.fc2 or choose_gemm_config(
-        rows_per_expert, h, inter, gated=False, interpret=interpreting(), a_fp4=a_fp4, loop=loop
-    )
+        rows_per_expert, h, inter, gated=False, interpret=interpreting(), a_fp4=a_fp4,
+        loop=loop, valid_rows=valid_rows,
+    )  # fmt: skip
     if (
         options.gluon_decode
         and options.fc1 is None
         and options.fc2 is None
         and loop == 3
-        and options.split_for(n_routes, experts.num_experts)
+        and options.split_for(n_routes, num_experts)
         and rows_per_expert <= 8
         and gluon_applies(h, a_fp4, cfg1)
         and gluon_applies(inter, a_fp4, cfg2)
@@ -463,14 +519,16 @@ def split_counters(
 ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """The split GEMMs' tile counters of a call, for ``sort_routes(zero=...)`` to zero (no
     memset node in a CUDA graph of the call; the last program of a tile leaves its
-    counter at zero) and ``expert_gemms(counters=...)``: (buffer, (FC1's, FC2's)), or
-    (None, None) when the call does not split K."""
-    e = experts.num_experts
-    if not opt.split_for(n_routes, e):
+    counter at zero) and ``expert_gemms(counters=...)``: (buffer, (FC1's, FC2's); a GEMM
+    that does not split gets an empty one), or (None, None) when neither GEMM splits K
+    (``TritonOptions.gemm_splits``)."""
+    e, h, inter = experts.num_experts, experts.hidden_size, experts.intermediate_size
+    s1, s2 = opt.gemm_splits(n_routes, e, h, inter, cfg1, cfg2)
+    if not (s1 or s2):
         return None, None
     nb = max_blocks(n_routes, e, cfg1.block_m)
-    t1 = triton.cdiv(experts.intermediate_size, cfg1.block_n) * nb
-    t2 = triton.cdiv(experts.hidden_size, cfg2.block_n) * nb
+    t1 = triton.cdiv(inter, cfg1.block_n) * nb if s1 else 0
+    t2 = triton.cdiv(h, cfg2.block_n) * nb if s2 else 0
     zero = torch.empty(t1 + t2, dtype=torch.int32, device=device)
     return zero, (zero[:t1], zero[t1:])
 
@@ -518,11 +576,11 @@ def expert_gemms(
     opt = options or TritonOptions()
     n_routes = sort.sorted_routes.shape[0]
     e_count = experts.num_experts
+    h, inter = experts.hidden_size, experts.intermediate_size
     # Segmented loop: split K segments over programs when few rows an expert leave too few
     # programs to fill the GPU (same bits either way).
-    split = opt.split_for(n_routes, e_count)
+    split1, split2 = opt.gemm_splits(n_routes, e_count, h, inter, cfg1, cfg2)
     dense = opt.dense_for(n_routes, e_count)
-    h, inter = experts.hidden_size, experts.intermediate_size
     dev = a.device
     n_valid = sort.expert_offsets[e_count:]
     w4a4 = mode == "w4a4"
@@ -541,7 +599,7 @@ def expert_gemms(
         cfg1, sort, a, a_scales, a_global,
         experts.w13_codes, experts.w13_scales, experts.w13_global, act, route_weights,
         n=inter, k=h, topk=topk, gated=True, a_gather=a_gather, fused=False, pdl=pdl,
-        decode_asm=opt.decode_asm, out_fp4=out_fp4, chunked=opt.chunked, split=split,
+        decode_asm=opt.decode_asm, out_fp4=out_fp4, chunked=opt.chunked, split=split1,
         dense=dense, poison=opt.poison, gluon=opt.gluon_decode,
         counters=counters[0] if counters else None,
     )  # fmt: skip
@@ -575,7 +633,7 @@ def expert_gemms(
         cfg2, sort, b_src, b_scales, b_global,
         experts.w2_codes, experts.w2_scales, experts.w2_global, dest, route_weights,
         n=h, k=inter, topk=topk, gated=False, a_gather=False, fused=fused_into is not None,
-        pdl=pdl, decode_asm=opt.decode_asm, chunked=opt.chunked, split=split, dense=dense,
+        pdl=pdl, decode_asm=opt.decode_asm, chunked=opt.chunked, split=split2, dense=dense,
         poison=opt.poison, gluon=opt.gluon_decode,
         counters=counters[1] if counters else None,
     )  # fmt: skip
@@ -721,11 +779,13 @@ def workspace_bytes(
         total += num_experts * 2 * i * h * 2  # FC1's decoded bf16 weights (FC2's are half)
         x_rows = n if mode == "w4a4" and act_scale == "static" else t
         total += x_rows * h * 2 + n * i * 2  # both GEMMs' activations in chunk order, bf16
-    split = opt.split_for(n, num_experts)
-    if int(opt.chunked) == 3 and split and n:
-        # Segments of each GEMM (at least 32-element tiles: SEGMENT is a multiple of any BK).
-        for kk, width in ((h, 2 * i), (i, h)):
+    if int(opt.chunked) == 3 and n:
+        # Segments of each split GEMM (at least 32-element tiles: SEGMENT is a multiple of
+        # any BK), with the configs the call would take (``gemm_configs``).
+        cfgs = gemm_configs_for(n, num_experts, h, i, mode, opt)
+        splits = opt.gemm_splits(n, num_experts, h, i, *cfgs)
+        for kk, width, split in ((h, 2 * i, splits[0]), (i, h, splits[1])):
             nseg = -(-kk // SEGMENT)
-            if nseg > 1:
+            if split and nseg > 1:
                 total += nseg * n * width * 4
     return total
