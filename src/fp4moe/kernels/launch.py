@@ -755,37 +755,52 @@ def workspace_bytes(
     block_m: int = 16,
     options: TritonOptions | None = None,
 ) -> int:
-    """Bytes ``moe_triton`` allocates for one call of ``num_tokens`` tokens (freed after the
-    call, or held by a CUDA graph's pool): route sort and schedule, activations between
-    the GEMMs, W4A4 quantized inputs, route rows or the fp32 accumulator, the output, and
-    (loop 3 with split K) the fp32 segment partials, (``dense_above``) the decoded
-    weights of FC1 and both GEMMs' activations in chunk order. Tile counters and the per-tensor amax
-    scalar (a few KB) are left out."""
+    """Peak bytes ``moe_triton`` holds during one call of ``num_tokens`` tokens (freed
+    after the call, or held by a CUDA graph's pool), as the largest of its three phases:
+
+    - FC1: route sort and schedule, W4A4 quantized inputs, the fp32 accumulator (fused
+      finalize), FC1's output, and FC1's temporaries: its fp32 segment partials (loop 3
+      with split K) or, on the dense path (``dense_above``), its decoded bf16 weights and
+      activation rows in the loop's order;
+    - FC2: the same less FC1's temporaries, plus FC2's W4A4 input, the route rows
+      (deterministic finalize) and FC2's own temporaries;
+    - finalize: the sort, inputs, route rows or accumulator, and the bf16 output.
+
+    Tile counters and the per-tensor amax scalar (a few KB) are left out."""
     opt = options or TritonOptions()
     t, k, h, i = num_tokens, top_k, hidden, inter
     n = t * k
     nb = -(-n // block_m) + min(num_experts, n)
-    total = 4 * (3 * n + 2 * num_experts + 1 + 3 * nb)  # sort outputs (int32)
-    fc1_fp4 = mode == "w4a4" and act_scale == "static" and opt.fc1_nvfp4_out
-    if not fc1_fp4:
-        total += n * i * 2  # FC1 output a, bf16
-    if mode == "w4a4":
+    common = 4 * (3 * n + 2 * num_experts + 1 + 3 * nb)  # sort outputs (int32)
+    w4a4 = mode == "w4a4"
+    fc1_fp4 = w4a4 and act_scale == "static" and opt.fc1_nvfp4_out
+    act = n * (i // 2 + i // 16 + 4) if fc1_fp4 else n * i * 2  # FC1 output a
+    b_in = 0
+    if w4a4:
         rows = n if act_scale == "static" else t
-        total += rows * (h // 2 + h // 16 + 4)  # x as NVFP4 + globals
-        total += n * (i // 2 + i // 16 + 4)  # a as NVFP4 + globals
-    total += t * h * 4 if fused_finalize else n * h * 2  # fp32 accumulator or route rows
-    total += t * h * 2  # output, bf16
+        common += rows * (h // 2 + h // 16 + 4)  # x as NVFP4 + globals
+        if not fc1_fp4:
+            b_in = n * (i // 2 + i // 16 + 4)  # a quantized for FC2
+    if fused_finalize:
+        common += t * h * 4  # fp32 accumulator, zeroed before FC1
+        rows_out = 0
+    else:
+        rows_out = n * h * 2  # route rows, bf16
+    tmp1 = tmp2 = 0
     if opt.dense_for(n, num_experts):
-        total += num_experts * 2 * i * h * 2  # FC1's decoded bf16 weights (FC2's are half)
-        x_rows = n if mode == "w4a4" and act_scale == "static" else t
-        total += x_rows * h * 2 + n * i * 2  # both GEMMs' activations in chunk order, bf16
+        x_rows = n if w4a4 and act_scale == "static" else t
+        tmp1 = num_experts * 2 * i * h * 2 + x_rows * h * 2  # decoded weights, rows
+        tmp2 = num_experts * h * i * 2 + n * i * 2
     if int(opt.chunked) == 3 and n:
-        # Segments of each split GEMM (at least 32-element tiles: SEGMENT is a multiple of
-        # any BK), with the configs the call would take (``gemm_configs``).
+        # Segment partials of each split GEMM (at least 32-element tiles: SEGMENT is a
+        # multiple of any BK), with the configs the call would take (``gemm_configs``).
         cfgs = gemm_configs_for(n, num_experts, h, i, mode, opt)
-        splits = opt.gemm_splits(n, num_experts, h, i, *cfgs)
-        for kk, width, split in ((h, 2 * i, splits[0]), (i, h, splits[1])):
-            nseg = -(-kk // SEGMENT)
-            if split and nseg > 1:
-                total += nseg * n * width * 4
-    return total
+        s1, s2 = opt.gemm_splits(n, num_experts, h, i, *cfgs)
+        if s1 and h > SEGMENT:
+            tmp1 += -(-h // SEGMENT) * n * 2 * i * 4
+        if s2 and i > SEGMENT:
+            tmp2 += -(-i // SEGMENT) * n * h * 4
+    fc1 = common + act + tmp1
+    fc2 = common + act + b_in + rows_out + tmp2
+    fin = common + rows_out + t * h * 2  # the bf16 output
+    return max(fc1, fc2, fin)
