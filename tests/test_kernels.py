@@ -651,6 +651,82 @@ def test_workspace_bytes_counts_segment_partials(monkeypatch):
     assert one - no == 2 * 4096 * 1024 * 4 - 4096 * 2048 * 2
 
 
+def test_gemm_splits_by_expected_programs(monkeypatch):
+    """Loop 3 splits both GEMMs at decode sizes (at most 8 routes an expert), above that
+    only a GEMM whose expected programs are too few (Mixtral-8x7B's FC2: 32 row tiles x 8
+    experts); 64 valid rows an expert take 64-row tiles; split_k pins both."""
+    from types import SimpleNamespace
+
+    from fp4moe.kernels import launch
+    from fp4moe.kernels.launch import gemm_configs_for, split_counters
+
+    monkeypatch.setattr(launch, "interpreting", lambda: False)  # the GPU's table
+
+    def splits(t, k, e, h, i, frac, **kw):
+        opt = TritonOptions(valid_fraction=frac, **kw)
+        c1, c2 = gemm_configs_for(t * k, e, h, i, "w4a16", opt)
+        return opt.gemm_splits(t * k, e, h, i, c1, c2), c1
+
+    deepseek, mixtral, qwen3 = (8, 32, 7168, 2048, 1 / 8), (2, 8, 4096, 14336, 1.0), (
+        8, 128, 2048, 768, 1.0)  # fmt: skip
+    for t, want in ((1, (True, True)), (32, (True, True)), (64, (False, False)),
+                    (256, (False, False)), (1024, (False, False))):  # fmt: skip
+        assert splits(t, *deepseek)[0] == want, t
+    for t, want in ((16, (True, True)), (64, (False, True)), (256, (False, True))):
+        assert splits(t, *mixtral)[0] == want, t
+    for t in (256, 1024):
+        assert splits(t, *qwen3)[0] == (False, False)
+    assert splits(256, *mixtral)[1].block_m == 64  # 64 valid rows an expert
+    assert splits(1024, *qwen3)[1].block_m == 64
+    assert splits(256, *deepseek)[1].block_m == 16  # 64 routes, 8 valid
+    assert splits(64, *mixtral, split_k=False)[0] == (False, False)
+    assert splits(1024, *deepseek, split_k=True)[0] == (True, True)
+    # the counters of the split GEMM only
+    ex = SimpleNamespace(num_experts=8, hidden_size=4096, intermediate_size=14336)
+    opt = TritonOptions(valid_fraction=1.0)
+    c1, c2 = gemm_configs_for(128, 8, 4096, 14336, "w4a16", opt)
+    zero, (n1, n2) = split_counters(128, ex, c1, c2, opt, torch.device("cpu"))
+    assert n1.numel() == 0 and n2.numel() == zero.numel() == 4096 // c2.block_n * (128 // 16 + 8)
+    ex = SimpleNamespace(num_experts=32, hidden_size=7168, intermediate_size=2048)
+    opt = TritonOptions(valid_fraction=1 / 8)  # DeepSeek-V3 EP8 at 1024 tokens: neither
+    c1, c2 = gemm_configs_for(8192, 32, 7168, 2048, "w4a16", opt)
+    assert split_counters(8192, ex, c1, c2, opt, torch.device("cpu")) == (None, None)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("mode", [("w4a16", "per_token"), ("w4a4", "static")], ids=_mode_id)
+def test_split_one_gemm_same_bits(interpret, device, monkeypatch, mode):
+    """One GEMM split and the other not (``TritonOptions.gemm_splits``: here FC2, whose
+    expected programs are fewer): the bits of neither split and of both, poisoned
+    workspaces, fused finalize within tolerance."""
+    if device != "cpu":
+        pytest.skip("interpreter case; test_moe_gpu_shapes runs the default splits on the GPU")
+    from fp4moe.kernels import launch
+    from fp4moe.kernels.launch import gemm_configs_for
+
+    monkeypatch.setattr(launch, "SEGMENT", 64)
+    monkeypatch.setattr(launch, "SPLIT_BELOW_PROGRAMS", 12)  # FC1 16 programs, FC2 8
+    t, k, e, h, i = 24, 2, 4, 64, 128
+    experts = _experts(e, h, i, seed=61, device=device)
+    x = _x(t, h, seed=61, device=device)
+    ids, w = _routes(t, k, e, seed=61, device=device)
+    m, sc = mode
+    opt = TritonOptions(valid_fraction=1.0, poison=True)
+    assert opt.gemm_splits(t * k, e, h, i, *gemm_configs_for(t * k, e, h, i, m, opt)) == (
+        False, True)  # fmt: skip
+    outs = [
+        moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                   options=TritonOptions(valid_fraction=1.0, split_k=s, poison=True))
+        for s in (None, False, True)
+    ]  # fmt: skip
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
+    assert rel_err(outs[0], ref) <= TOL[m]
+    fused = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=opt,
+                       fused_finalize=True)  # fmt: skip
+    assert rel_err(fused, ref) <= TOL[m]
+
+
 @pytest.mark.parametrize("loop", [0, 2, 3])
 def test_gemm_configs_valid_for_every_preset(loop, monkeypatch):
     """Every preset and token count gets GPU FC1/FC2 configs sharing block_m, with BK a
