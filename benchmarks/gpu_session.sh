@@ -14,12 +14,13 @@
 #   bash benchmarks/gpu_session.sh ep         # two GPUs: NCCL tests, bench --ep, example
 #   bash benchmarks/gpu_session.sh pair       # two GPUs: bench | memcheck, then NCCL tests
 #   bash benchmarks/gpu_session.sh splits     # per-GEMM split: GPU tests, Qwen3 and Mixtral
+#   bash benchmarks/gpu_session.sh famax      # per-tensor amax fused into FC1: bits, time
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits}"
+part="${1:?usage: gpu_session.sh tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -147,6 +148,14 @@ pair)
     step nccl_tests 130 python3 -m pytest -m gpu --device cuda -q \
         tests/test_distributed.py tests/test_bench_ep.py
     ;;
+famax)
+    # TritonOptions.fused_amax (session 7, built on the CPU): bits on the GPU, then time
+    # per-tensor W4A4 with and without it (c3 and c3-famax must be bitwise equal).
+    step famax_test 150 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py \
+        -k "fused_amax or device_amax"
+    step famax_sweep 200 python3 benchmarks/sweep_decode.py --tokens 1 16 64 256 1024 \
+        --modes w4a4-tensor --variants c3 c3-famax --iters 15 --out "$out/famax.json"
+    ;;
 splits)
     # Session 7's per-GEMM split (TritonOptions.gemm_splits) and 64-row tiles at 64 valid
     # rows an expert: the GPU tests that cover splits and configs, then the two presets
@@ -171,7 +180,7 @@ ep)
     step disaggregated 90 python3 examples/disaggregated.py --device cuda
     ;;
 *)
-    echo "unknown part $part (tests, memcheck, sweep, dense, prep, configs, gluon, decode, bench, ep, pair or splits)"
+    echo "unknown part $part (tests, memcheck, sweep, dense, prep, configs, gluon, decode, bench, ep, pair, splits or famax)"
     exit 2
     ;;
 esac

@@ -48,8 +48,10 @@ def compile_gemm(
     split: bool,
     dense: bool = False,
     maxnreg: int | None = None,
+    out_amax: bool = False,
 ):
-    """Compile one ``moe_gemm_kernel`` specialization for sm_90; returns the compiled kernel."""
+    """Compile one ``moe_gemm_kernel`` specialization for sm_90; returns the compiled kernel.
+    ``out_amax``: the epilogue's per-tensor amax of the output (``OUT_AMAX``)."""
     import triton.language as tl
 
     from fp4moe.kernels.common import compile_sm90
@@ -75,6 +77,7 @@ def compile_gemm(
         "block_end_ptr": "*i32",
         "part_ptr": "*fp32",
         "cnt_ptr": "*i32",
+        "amax_ptr": "*fp32",
     }
     chunked = loop > 0
     dense = dense and loop >= 2  # the dense path exists for the chunk-ordered loops only
@@ -85,6 +88,7 @@ def compile_gemm(
         INTERPRET=False, DECODE_ASM=chunked, PREFETCH=False, OUT_FP4=False, CHUNKED=loop,
         SEG_TILES=SEGMENT // bk if loop == 3 else 0, SPLIT=split and loop == 3,
         W_DENSE=dense, GROUP_M=8 if dense else 0, ORDER=k_order(loop, k, bk),
+        OUT_AMAX=out_amax,
     )  # fmt: skip
     if dense:  # both operands decoded, bf16 (dequant.dense_weights)
         ptrs = {**ptrs, "w_codes_ptr": "*bf16", "a_ptr": "*bf16"}
@@ -155,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", action="store_true", help="loop 3: the split-K programs")
     p.add_argument("--dense", action="store_true", help="loops 2, 3: operands loaded decoded")
     p.add_argument("--maxnreg", type=int, default=None, help="register cap (GemmConfig.maxnreg)")
+    p.add_argument(
+        "--out-amax",
+        action="store_true",
+        help="the epilogue's per-tensor amax (TritonOptions.fused_amax)",
+    )
     a = p.parse_args(argv)
     h, inter = SHAPES[a.preset]
     gemms = ["fc1", "fc2"] if a.gemm == "both" else [a.gemm]
@@ -169,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 kern = compile_gemm(n=n, k=k, gated=gated, a_fp4=a.mode == "w4a4", loop=loop,
                                     cfg=cfg, split=a.split, dense=a.dense,
-                                    maxnreg=a.maxnreg)  # fmt: skip
+                                    maxnreg=a.maxnreg, out_amax=a.out_amax)  # fmt: skip
                 per_trip = (2 if gated else 1) * cfg[1] * cfg[2] / (cfg[3] * 32)
                 st = sass_stats(kern, per_trip)
                 ipw = st["instructions_per_weight"]

@@ -14,7 +14,8 @@ ops), configs (loop 2 at each config of SMALL or LARGE), c3configs (loop 3 at ea
 C3_LARGE, split and not), c3pairs (FC1 and FC2 configs of their own, C3_PAIRS), c3dense
 (above 256 tokens, dense at each of C3_DENSE), c3-segN for each N of --segments (the
 defaults with K segments of N elements, launch.SEGMENT: more or fewer split programs;
-other bits, checked against the reference only).
+other bits, checked against the reference only), c3-famax (the defaults with
+TritonOptions.fused_amax: per-tensor W4A4's second amax in FC1's epilogue; the same bits).
 """
 
 from __future__ import annotations
@@ -158,6 +159,10 @@ def main() -> None:
                 "c3-dense": TritonOptions(chunked=3, dense_above=0),  # decoded weights loaded
                 # the defaults with the chunk-a-program quantize (launch.QUANTIZE_SPLIT_ROWS)
                 "c3-qsplit": TritonOptions(chunked=3, valid_fraction=p.local_experts / p.experts),
+                # per-tensor W4A4's FC1-output amax in FC1's epilogue (the same bits)
+                "c3-famax": TritonOptions(
+                    chunked=3, valid_fraction=p.local_experts / p.experts, fused_amax=True
+                ),
             }
             for seg in a.segments:  # another K segment (launch.SEGMENT): other bits
                 variants[f"c3-seg{seg}"] = TritonOptions(

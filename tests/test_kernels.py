@@ -812,6 +812,50 @@ def test_device_amax_same_bits(interpret, device, t, masked):
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.kernel
+@pytest.mark.parametrize(
+    "t,masked,split,dense", [(1, 0.0, None, None), (9, 0.3, True, None),
+                             (9, 0.3, False, 0), (5, 1.0, None, None), (0, 0.0, None, None)]
+)  # fmt: skip
+def test_fused_amax_same_bits(interpret, device, t, masked, split, dense):
+    """Per-tensor W4A4 with FC1's epilogue taking the amax of its output
+    (TritonOptions.fused_amax, its zero from the sort kernel) gives the bits of the
+    separate amax kernel: split K, the dense path, masked routes, all-masked and empty
+    batches, fused finalize."""
+    if device != "cpu":
+        pytest.skip("interpreter case; test_fused_amax_gpu runs on the GPU")
+    experts = _experts(4, 64, 64, seed=53, device=device)
+    x = _x(t, 64, seed=53, device=device)
+    ids, w = _routes(t, 2, 4, seed=53, device=device, masked=masked)
+    for fused in (False, True):
+        outs = [
+            moe_triton(x, ids, w, experts, mode="w4a4", act_scale="per_tensor",
+                       fused_finalize=fused,
+                       options=TritonOptions(fused_amax=f, split_k=split, dense_above=dense,
+                                             poison=True))
+            for f in (False, True)
+        ]  # fmt: skip
+        assert torch.equal(outs[0], outs[1])
+        assert not torch.isnan(outs[0]).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16, 300, 4096])
+def test_fused_amax_gpu(gpu_experts, t):
+    """On the GPU, per-tensor W4A4 with the amax fused into FC1's epilogue gives the bits
+    of the separate amax kernel."""
+    e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
+    experts = gpu_experts("deepseek-v3-ep8")
+    x = _x(t, h, seed=t, device="cuda")
+    ids, w = _gpu_routes(t, k, e, e_total, seed=t)
+    outs = [
+        moe_triton(x, ids, w, experts, mode="w4a4", act_scale="per_tensor",
+                   options=TritonOptions(fused_amax=f, poison=True))
+        for f in (False, True)
+    ]  # fmt: skip
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 16, 300, 4096])
 def test_device_amax_gpu(gpu_experts, t):

@@ -189,6 +189,7 @@ def _route_rows_triton(rows, row_expert, experts, mode, act_scale, amax_reduce):
     codes, scales and per-row global). Rows come back in the order they came in."""
     from .kernels.launch import (
         TritonOptions,
+        amax_slot,
         expert_gemms,
         gemm_configs,
         split_counters,
@@ -207,6 +208,9 @@ def _route_rows_triton(rows, row_expert, experts, mode, act_scale, amax_reduce):
     opt = TritonOptions(valid_fraction=1.0)  # every received row is a valid route
     cfg1, cfg2 = gemm_configs(n, experts, mode, opt)
     zero, counters = split_counters(n, experts, cfg1, cfg2, opt, dev)
+    amax_zero = None
+    if w4a4 and act_scale == "per_tensor" and opt.fused_amax:
+        zero, counters, amax_zero = amax_slot(zero, counters, dev)
     sort = sort_routes(row_expert.to(torch.int32).reshape(n, 1).contiguous(),
                        experts.num_experts, cfg1.block_m, zero=zero)  # fmt: skip
     y = expert_gemms(
@@ -216,6 +220,7 @@ def _route_rows_triton(rows, row_expert, experts, mode, act_scale, amax_reduce):
         experts, cfg1=cfg1, cfg2=cfg2, mode=mode, act_scale=act_scale, topk=1, a_gather=True,
         route_weights=torch.ones(n, dtype=torch.float32, device=dev),
         amax_reduce=amax_reduce, options=opt, pdl=use_pdl(opt, dev), counters=counters,
+        amax_zero=amax_zero,
     )  # fmt: skip
     return y[sort.route_pos.long()]
 

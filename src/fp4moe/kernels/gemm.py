@@ -408,6 +408,7 @@ def moe_gemm_kernel(
     part_ptr,  # fp32 [segments, ws_rows, (2 if GATED) * N] segment partials (SPLIT)
     cnt_ptr,  # int32 [tiles]: segments finished per output tile, reset by the last (SPLIT)
     ws_rows,
+    amax_ptr,  # fp32 [1], zeroed before the call: max |out| over the valid rows (OUT_AMAX)
     N: tl.constexpr,
     K: tl.constexpr,
     TOPK: tl.constexpr,
@@ -433,6 +434,7 @@ def moe_gemm_kernel(
     GROUP_M: tl.constexpr = 0,
     REDUCE_ONLY: tl.constexpr = False,
     ORDER: tl.constexpr = 32,
+    OUT_AMAX: tl.constexpr = False,
 ):
     if GROUP_M:
         # One grid axis in groups of GROUP_M tile rows: consecutive programs sweep the
@@ -702,3 +704,6 @@ def moe_gemm_kernel(
             tl.store(out_global_ptr + offs_m, tl.zeros_like(offs_m).to(tl.float32) + g, mask=m_mask)
     else:
         tl.store(out_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None], y, mask=mask)
+        if OUT_AMAX:  # the per-tensor amax of this output for W4A4 (exact in any order)
+            tile_max = tl.max(tl.max(tl.where(mask, tl.abs(y.to(tl.float32)), 0.0), axis=1))
+            tl.atomic_max(amax_ptr, tile_max, sem="relaxed")

@@ -37,6 +37,7 @@ SEGMENT = 1024  # K elements a segment of the segmented loop (chunked=3), fixed 
 
 __all__ = [
     "TritonOptions",
+    "amax_slot",
     "expert_gemms",
     "finalize_rows",
     "gemm_configs",
@@ -129,6 +130,11 @@ class TritonOptions:
         1/6, so that a call masking 7 of 8 routes does not switch where it would lose.
     poison: fill every workspace and the output with NaN (0xFF bytes for codes and
         scales) before the kernels run, so tests see any element no kernel wrote.
+    fused_amax: per-tensor W4A4: FC1's epilogue takes the amax of its output (an atomic max
+        of each tile's max |a| over the valid rows, exact in any order) instead of a
+        separate ``amax_rows`` kernel, its zero from the sort kernel's buffer: the same
+        global scale, the same bits, one kernel and one memset fewer a call. Off until
+        measured on the GPU (``sweep_decode.py --variants c3-famax``).
     gluon_decode: W4A16 split-K calls (``split_for``) compute the segment partials with
         the Gluon kernel of ``kernels.gluon_decode`` (the weight codes loaded straight into
         the wgmma register fragment: 4.3 SASS instructions a weight against 5.6), then the
@@ -149,6 +155,7 @@ class TritonOptions:
     dense_above: int | None = 192
     valid_fraction: float | None = None
     gluon_decode: bool = False
+    fused_amax: bool = False
 
     def split_for(self, n_routes: int, num_experts: int) -> bool:
         """Whether loop 3 splits K for a call of ``n_routes`` routes over the experts."""
@@ -350,10 +357,13 @@ def _gemm(
     poison: bool = False,
     gluon: bool = False,
     counters: torch.Tensor | None = None,
+    amax_out: torch.Tensor | None = None,
 ) -> None:
     """One grouped GEMM. ``out_fp4`` = (scales, globals, static table): ``out`` receives
     NVFP4 codes of the FC1 activation instead of bf16 (static W4A4). ``dense``: decode
-    the weights once (``dense_weights``) and load them in the main loop (same bits)."""
+    the weights once (``dense_weights``) and load them in the main loop (same bits).
+    ``amax_out``: fp32 [1] zeros; the epilogue atomically maxes |out| of the valid rows
+    into it (bf16 route rows only)."""
     a_fp4 = a_scales is not None
     order = k_order(int(chunked), k, cfg.block_k)
     if dense:
@@ -414,13 +424,14 @@ def _gemm(
         w_codes, w_scales, w_global, out,
         *(out_fp4 if out_fp4 is not None else (dummy, dummy, dummy)),
         sort.block_expert, sort.block_start, sort.block_end, part, cnt, ws_rows,
+        amax_out if amax_out is not None else dummy,
         n, k,
         TOPK=topk, GATED=gated, A_FP4=a_fp4, A_GATHER=a_gather, FUSED=fused,
         OUT_SCALE=out_scale, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         DOT_DTYPE=dot, W_DTYPE=wdt, INTERPRET=interpreting(), DECODE_ASM=decode_asm,
         PREFETCH=cfg.prefetch, OUT_FP4=out_fp4 is not None, CHUNKED=int(chunked),
         SEG_TILES=seg_tiles, SPLIT=split, W_DENSE=dense, GROUP_M=group_m, REDUCE_ONLY=gluon,
-        ORDER=order,
+        ORDER=order, OUT_AMAX=amax_out is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpreting() else {}),
     )  # fmt: skip
@@ -533,6 +544,22 @@ def split_counters(
     return zero, (zero[:t1], zero[t1:])
 
 
+def amax_slot(
+    zero: torch.Tensor | None,
+    counters: tuple[torch.Tensor, torch.Tensor] | None,
+    device: torch.device,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor]:
+    """``split_counters``' buffer with one more int32 slot at its end, for the fused
+    per-tensor amax of FC1's output (``TritonOptions.fused_amax``): (buffer for
+    ``sort_routes(zero=...)``, the counters as views of it, the slot as fp32 [1]; all
+    zero bits = 0.0 once the sort kernel ran)."""
+    t1 = counters[0].numel() if counters else 0
+    t2 = counters[1].numel() if counters else 0
+    buf = torch.empty(t1 + t2 + 1, dtype=torch.int32, device=device)
+    views = (buf[:t1], buf[t1 : t1 + t2]) if counters else None
+    return buf, views, buf[t1 + t2 :].view(torch.float32)
+
+
 def expert_gemms(
     sort: RouteSort,
     a: torch.Tensor,
@@ -552,6 +579,7 @@ def expert_gemms(
     options: TritonOptions | None = None,
     pdl: bool = False,
     counters: tuple[torch.Tensor, torch.Tensor] | None = None,
+    amax_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The expert work of a call, on routes already sorted (``sort``): FC1 with SwiGLU,
     for W4A4 the quantization of FC1's output, and FC2.
@@ -568,6 +596,8 @@ def expert_gemms(
             amax its global scale is taken from (expert parallelism: an all-reduce max).
         counters: int32 zeros for the split GEMMs' tile counters (FC1's, FC2's), e.g. from
             ``sort_routes(zero=...)``; None: each split GEMM zeroes its own.
+        amax_zero: fp32 [1] zero for the fused per-tensor amax (``amax_slot``), used when
+            ``options.fused_amax`` and W4A4 per-tensor; None: a zeroed tensor of its own.
 
     Returns:
         bf16 [T * topk, H] route rows in sorted order (rows past the valid count
@@ -595,13 +625,16 @@ def expert_gemms(
         )
     else:
         act = _empty((n_routes, inter), torch.bfloat16, dev, opt.poison)
+    famax = None
+    if w4a4 and act_scale == "per_tensor" and opt.fused_amax:
+        famax = amax_zero if amax_zero is not None else torch.zeros(1, device=dev)
     _gemm(
         cfg1, sort, a, a_scales, a_global,
         experts.w13_codes, experts.w13_scales, experts.w13_global, act, route_weights,
         n=inter, k=h, topk=topk, gated=True, a_gather=a_gather, fused=False, pdl=pdl,
         decode_asm=opt.decode_asm, out_fp4=out_fp4, chunked=opt.chunked, split=split1,
         dense=dense, poison=opt.poison, gluon=opt.gluon_decode,
-        counters=counters[0] if counters else None,
+        counters=counters[0] if counters else None, amax_out=famax,
     )  # fmt: skip
 
     # FC2 input.
@@ -612,7 +645,11 @@ def expert_gemms(
                 act, n_routes, mode=MODE_PER_ROW, count=n_valid, pdl=pdl, poison=opt.poison
             )
         elif act_scale == "per_tensor":
-            qmode, table = _per_tensor_table(act, n_routes, n_valid, opt, pdl, amax_reduce)
+            if famax is not None:  # FC1's epilogue took the amax of its valid rows
+                table = famax if amax_reduce is None else amax_reduce(famax.reshape(()))
+                qmode, table = MODE_FROM_AMAX, table.reshape(1)
+            else:
+                qmode, table = _per_tensor_table(act, n_routes, n_valid, opt, pdl, amax_reduce)
             b_src, b_scales, b_global = quantize_rows(
                 act, n_routes, mode=qmode, count=n_valid, table=table, pdl=pdl,
                 poison=opt.poison,
@@ -670,6 +707,9 @@ def moe_triton(
 
     cfg1, cfg2 = gemm_configs(n_routes, experts, mode, opt)
     zero, counters = split_counters(n_routes, experts, cfg1, cfg2, opt, dev)
+    amax_zero = None
+    if mode == "w4a4" and act_scale == "per_tensor" and opt.fused_amax:
+        zero, counters, amax_zero = amax_slot(zero, counters, dev)
     sort = sort_routes(ids, e_count, cfg1.block_m, zero=zero)
     n_valid = sort.expert_offsets[e_count:]  # device scalar: rows in sorted order
 
@@ -699,7 +739,7 @@ def moe_triton(
     dest = expert_gemms(
         sort, a_src, a_scales, a_global, experts, cfg1=cfg1, cfg2=cfg2, mode=mode,
         act_scale=act_scale, topk=topk, a_gather=a_gather, route_weights=w_flat,
-        fused_into=fused, options=opt, pdl=pdl, counters=counters,
+        fused_into=fused, options=opt, pdl=pdl, counters=counters, amax_zero=amax_zero,
     )  # fmt: skip
     if fused_finalize:
         return dest.to(torch.bfloat16)
