@@ -823,7 +823,7 @@ def test_fused_amax_same_bits(interpret, device, t, masked, split, dense):
     separate amax kernel: split K, the dense path, masked routes, all-masked and empty
     batches, fused finalize."""
     if device != "cpu":
-        pytest.skip("interpreter case; test_fused_amax_gpu runs on the GPU")
+        pytest.skip("interpreter case; test_device_amax_gpu runs it on the GPU")
     experts = _experts(4, 64, 64, seed=53, device=device)
     x = _x(t, 64, seed=53, device=device)
     ids, w = _routes(t, 2, 4, seed=53, device=device, masked=masked)
@@ -840,34 +840,20 @@ def test_fused_amax_same_bits(interpret, device, t, masked, split, dense):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("option", ["device_amax", "fused_amax"])
 @pytest.mark.parametrize("t", [1, 16, 300, 4096])
-def test_fused_amax_gpu(gpu_experts, t):
-    """On the GPU, per-tensor W4A4 with the amax fused into FC1's epilogue gives the bits
-    of the separate amax kernel."""
+def test_device_amax_gpu(gpu_experts, t, option):
+    """On the GPU, per-tensor W4A4 gives the same bits with the option off and on:
+    device amaxes (``device_amax``) against torch ops, and the second amax fused into
+    FC1's epilogue (``fused_amax``) against its own kernel."""
     e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
     experts = gpu_experts("deepseek-v3-ep8")
     x = _x(t, h, seed=t, device="cuda")
     ids, w = _gpu_routes(t, k, e, e_total, seed=t)
     outs = [
         moe_triton(x, ids, w, experts, mode="w4a4", act_scale="per_tensor",
-                   options=TritonOptions(fused_amax=f, poison=True))
-        for f in (False, True)
-    ]  # fmt: skip
-    assert torch.equal(outs[0], outs[1])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 16, 300, 4096])
-def test_device_amax_gpu(gpu_experts, t):
-    """On the GPU, per-tensor W4A4 with device amaxes gives the torch-op path's bits."""
-    e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
-    experts = gpu_experts("deepseek-v3-ep8")
-    x = _x(t, h, seed=t, device="cuda")
-    ids, w = _gpu_routes(t, k, e, e_total, seed=t)
-    outs = [
-        moe_triton(x, ids, w, experts, mode="w4a4", act_scale="per_tensor",
-                   options=TritonOptions(device_amax=d, poison=True))
-        for d in (False, True)
+                   options=TritonOptions(poison=True, **{option: on}))
+        for on in (False, True)
     ]  # fmt: skip
     assert torch.equal(outs[0], outs[1])
 
