@@ -685,12 +685,17 @@ def test_gemm_splits_by_expected_programs(monkeypatch):
     ex = SimpleNamespace(num_experts=8, hidden_size=4096, intermediate_size=14336)
     opt = TritonOptions(valid_fraction=1.0)
     c1, c2 = gemm_configs_for(128, 8, 4096, 14336, "w4a16", opt)
-    zero, (n1, n2) = split_counters(128, ex, c1, c2, opt, torch.device("cpu"))
+    zero, (n1, n2), slot = split_counters(128, ex, c1, c2, opt, torch.device("cpu"))
+    assert slot is None
     assert n1.numel() == 0 and n2.numel() == zero.numel() == 4096 // c2.block_n * (128 // 16 + 8)
     ex = SimpleNamespace(num_experts=32, hidden_size=7168, intermediate_size=2048)
     opt = TritonOptions(valid_fraction=1 / 8)  # DeepSeek-V3 EP8 at 1024 tokens: neither
     c1, c2 = gemm_configs_for(8192, 32, 7168, 2048, "w4a16", opt)
-    assert split_counters(8192, ex, c1, c2, opt, torch.device("cpu")) == (None, None)
+    assert split_counters(8192, ex, c1, c2, opt, torch.device("cpu")) == (None, None, None)
+    # the per-tensor amax slot alone (fused_amax): one int32 zero, seen as fp32
+    zero, counters, slot = split_counters(8192, ex, c1, c2, opt, torch.device("cpu"), amax=True)
+    assert counters is None and zero.numel() == 1 and slot.dtype == torch.float32
+    assert slot.data_ptr() == zero.data_ptr()
 
 
 @pytest.mark.kernel

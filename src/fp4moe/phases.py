@@ -343,8 +343,8 @@ class MoELayer(nn.Module):
         """The Triton backend's options for this layer's calls (``TritonOptions``, built on
         first use): the share of valid routes is the share of experts it holds,
         ``expert_range`` over all experts (routes to other ranks' experts are masked),
-        which places the dense prefill path's switch (``dense_above``) in valid rows an
-        expert."""
+        which puts the tile configs, the K splits and the dense prefill path's switch
+        (``dense_above``) on valid rows an expert."""
         from .kernels.launch import TritonOptions
 
         start, stop = self.expert_range

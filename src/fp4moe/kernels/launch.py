@@ -37,7 +37,6 @@ SEGMENT = 1024  # K elements a segment of the segmented loop (chunked=3), fixed 
 
 __all__ = [
     "TritonOptions",
-    "amax_slot",
     "expert_gemms",
     "finalize_rows",
     "gemm_configs",
@@ -132,7 +131,8 @@ class TritonOptions:
         scales) before the kernels run, so tests see any element no kernel wrote.
     fused_amax: per-tensor W4A4: FC1's epilogue takes the amax of its output (an atomic max
         of each tile's max |a| over the valid rows, exact in any order) instead of a
-        separate ``amax_rows`` kernel, its zero from the sort kernel's buffer: the same
+        separate ``amax_rows`` kernel, its zero from the sort kernel's buffer
+        (``split_counters(amax=...)``): the same
         global scale, the same bits, one kernel and one memset fewer a call. Off until
         measured on the GPU (``sweep_decode.py --variants c3-famax``).
     gluon_decode: W4A16 split-K calls (``split_for``) compute the segment partials with
@@ -165,6 +165,11 @@ class TritonOptions:
         # order: 284.7 against 292.9 us, 268.4 against 278.0 with FC2's 128-row tiles
         # (session 7); splitting wins by far at 4 rows (16 tokens: 76.6 against 94.0).
         return n_routes / num_experts <= 8
+
+    def amax_in_fc1(self, mode: str, act_scale: str) -> bool:
+        """Whether FC1's epilogue takes the per-tensor amax of its output (``fused_amax``,
+        W4A4 per-tensor only)."""
+        return self.fused_amax and mode == "w4a4" and act_scale == "per_tensor"
 
     def valid_rows(self, n_routes: int, num_experts: int) -> float:
         """Expected valid routes an expert (``valid_fraction``, or 1/6 when unknown)."""
@@ -527,37 +532,28 @@ def split_counters(
     cfg2: GemmConfig,
     opt: TritonOptions,
     device: torch.device,
-) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
-    """The split GEMMs' tile counters of a call, for ``sort_routes(zero=...)`` to zero (no
-    memset node in a CUDA graph of the call; the last program of a tile leaves its
-    counter at zero) and ``expert_gemms(counters=...)``: (buffer, (FC1's, FC2's); a GEMM
-    that does not split gets an empty one), or (None, None) when neither GEMM splits K
-    (``TritonOptions.gemm_splits``)."""
+    *,
+    amax: bool = False,
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | None]:
+    """The zeros a call needs, in one buffer for ``sort_routes(zero=...)`` to clear (no
+    memset node in a CUDA graph of the call): the split GEMMs' tile counters (the last
+    program of a tile leaves its counter at zero) for ``expert_gemms(counters=...)``, and
+    with ``amax`` (``TritonOptions.amax_in_fc1``) one fp32 slot for FC1's per-tensor amax,
+    ``expert_gemms(amax_zero=...)`` (zero bits are 0.0). Returns (buffer, (FC1's, FC2's)
+    counters or None when neither GEMM splits K (``TritonOptions.gemm_splits``; a GEMM
+    that does not split gets an empty one), the slot or None); all None when there is
+    nothing to zero."""
     e, h, inter = experts.num_experts, experts.hidden_size, experts.intermediate_size
     s1, s2 = opt.gemm_splits(n_routes, e, h, inter, cfg1, cfg2)
-    if not (s1 or s2):
-        return None, None
+    if not (s1 or s2 or amax):
+        return None, None, None
     nb = max_blocks(n_routes, e, cfg1.block_m)
     t1 = triton.cdiv(inter, cfg1.block_n) * nb if s1 else 0
     t2 = triton.cdiv(h, cfg2.block_n) * nb if s2 else 0
-    zero = torch.empty(t1 + t2, dtype=torch.int32, device=device)
-    return zero, (zero[:t1], zero[t1:])
-
-
-def amax_slot(
-    zero: torch.Tensor | None,
-    counters: tuple[torch.Tensor, torch.Tensor] | None,
-    device: torch.device,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor]:
-    """``split_counters``' buffer with one more int32 slot at its end, for the fused
-    per-tensor amax of FC1's output (``TritonOptions.fused_amax``): (buffer for
-    ``sort_routes(zero=...)``, the counters as views of it, the slot as fp32 [1]; all
-    zero bits = 0.0 once the sort kernel ran)."""
-    t1 = counters[0].numel() if counters else 0
-    t2 = counters[1].numel() if counters else 0
-    buf = torch.empty(t1 + t2 + 1, dtype=torch.int32, device=device)
-    views = (buf[:t1], buf[t1 : t1 + t2]) if counters else None
-    return buf, views, buf[t1 + t2 :].view(torch.float32)
+    zero = torch.empty(t1 + t2 + int(amax), dtype=torch.int32, device=device)
+    counters = (zero[:t1], zero[t1 : t1 + t2]) if s1 or s2 else None
+    slot = zero[t1 + t2 :].view(torch.float32) if amax else None
+    return zero, counters, slot
 
 
 def expert_gemms(
@@ -596,8 +592,8 @@ def expert_gemms(
             amax its global scale is taken from (expert parallelism: an all-reduce max).
         counters: int32 zeros for the split GEMMs' tile counters (FC1's, FC2's), e.g. from
             ``sort_routes(zero=...)``; None: each split GEMM zeroes its own.
-        amax_zero: fp32 [1] zero for the fused per-tensor amax (``amax_slot``), used when
-            ``options.fused_amax`` and W4A4 per-tensor; None: a zeroed tensor of its own.
+        amax_zero: fp32 [1] zero for the fused per-tensor amax (``split_counters(amax=...)``),
+            used when ``options.amax_in_fc1``; None: a zeroed tensor of its own.
 
     Returns:
         bf16 [T * topk, H] route rows in sorted order (rows past the valid count
@@ -626,7 +622,7 @@ def expert_gemms(
     else:
         act = _empty((n_routes, inter), torch.bfloat16, dev, opt.poison)
     famax = None
-    if w4a4 and act_scale == "per_tensor" and opt.fused_amax:
+    if opt.amax_in_fc1(mode, act_scale):
         famax = amax_zero if amax_zero is not None else torch.zeros(1, device=dev)
     _gemm(
         cfg1, sort, a, a_scales, a_global,
@@ -706,10 +702,9 @@ def moe_triton(
     w_flat = topk_weights.contiguous().reshape(-1)
 
     cfg1, cfg2 = gemm_configs(n_routes, experts, mode, opt)
-    zero, counters = split_counters(n_routes, experts, cfg1, cfg2, opt, dev)
-    amax_zero = None
-    if mode == "w4a4" and act_scale == "per_tensor" and opt.fused_amax:
-        zero, counters, amax_zero = amax_slot(zero, counters, dev)
+    zero, counters, amax_zero = split_counters(
+        n_routes, experts, cfg1, cfg2, opt, dev, amax=opt.amax_in_fc1(mode, act_scale)
+    )
     sort = sort_routes(ids, e_count, cfg1.block_m, zero=zero)
     n_valid = sort.expert_offsets[e_count:]  # device scalar: rows in sorted order
 
