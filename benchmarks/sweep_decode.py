@@ -15,7 +15,9 @@ C3_LARGE, split and not), c3pairs (FC1 and FC2 configs of their own, C3_PAIRS), 
 (above 256 tokens, dense at each of C3_DENSE), c3-segN for each N of --segments (the
 defaults with K segments of N elements, launch.SEGMENT: more or fewer split programs;
 other bits, checked against the reference only), c3-famax (the defaults with
-TritonOptions.fused_amax: per-tensor W4A4's second amax in FC1's epilogue; the same bits).
+TritonOptions.fused_amax: per-tensor W4A4's second amax in FC1's epilogue; the same bits),
+c3-persist (the defaults with persistent_split: split K over the valid units only),
+c3-ordx (ordered_x: W4A16 activation rows in the unit order), c3-ordx-persist (both).
 """
 
 from __future__ import annotations
@@ -159,6 +161,20 @@ def main() -> None:
                 "c3-dense": TritonOptions(chunked=3, dense_above=0),  # decoded weights loaded
                 # the defaults with the chunk-a-program quantize (launch.QUANTIZE_SPLIT_ROWS)
                 "c3-qsplit": TritonOptions(chunked=3, valid_fraction=p.local_experts / p.experts),
+                # split K over the valid units only (persistent_split; the same bits)
+                "c3-persist": TritonOptions(
+                    chunked=3, valid_fraction=p.local_experts / p.experts, persistent_split=True
+                ),
+                # W4A16 activation rows in the unit order (ordered_x; the same bits)
+                "c3-ordx": TritonOptions(
+                    chunked=3, valid_fraction=p.local_experts / p.experts, ordered_x=True
+                ),
+                "c3-ordx-persist": TritonOptions(
+                    chunked=3,
+                    valid_fraction=p.local_experts / p.experts,
+                    ordered_x=True,
+                    persistent_split=True,
+                ),
                 # per-tensor W4A4's FC1-output amax in FC1's epilogue (the same bits)
                 "c3-famax": TritonOptions(
                     chunked=3, valid_fraction=p.local_experts / p.experts, fused_amax=True

@@ -92,6 +92,7 @@ def test_sort_invariants(interpret, device, t, k, e, bm, masked, use_kernel):
     ]
     assert tiles == ref["tiles"]
     assert all(int(a) == -1 for a in s.block_expert[len(tiles) :])
+    assert s.valid_blocks.tolist() == [len(tiles)]
     sorted_ids = ids.reshape(-1)[s.sorted_routes.long()]
     assert torch.equal(s.sorted_expert[:n_valid], sorted_ids[:n_valid])
     assert bool((s.sorted_expert[n_valid:] == 0).all())
@@ -444,8 +445,12 @@ def test_segmented_loop_split_and_in_register_same_bits(interpret, device, mode,
     ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
     outs = []
     a, b = GemmConfig(16, 32, 32, num_stages=1), GemmConfig(16, 64, 32, num_stages=1)
-    for split, cfg in ((False, a), (True, a), (True, b)):
-        opt = TritonOptions(fc1=cfg, fc2=cfg, chunked=3, split_k=split, poison=True)
+    # split K on the worst-case 3-D grid, and persistent (the valid units walked by 3
+    # programs, the interpreter's default, or by 1 or 2)
+    for split, cfg, pp in ((False, a, None), (True, a, 0), (True, a, None), (True, b, None),
+                           (True, b, 1), (True, a, 2)):  # fmt: skip
+        opt = TritonOptions(fc1=cfg, fc2=cfg, chunked=3, split_k=split, poison=True,
+                            persistent_split=pp != 0, persistent_programs=pp or None)  # fmt: skip
         outs.append(moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=opt))
     fused = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=opt,
                        fused_finalize=True)  # fmt: skip
@@ -479,6 +484,26 @@ def test_segmented_loop_gpu(gpu_experts, mode):
     out = moe_triton(big, bids, bw, experts, mode=m, act_scale=sc,
                      options=TritonOptions(chunked=3))  # fmt: skip
     assert torch.equal(out[100], a[3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["deepseek-v3-ep8", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("t", [1, 16, 64, 1000])
+def test_ordered_x_gpu(gpu_experts, shape, t):
+    """W4A16 with ordered activation rows (``TritonOptions.ordered_x``) on the H200: the
+    bits of the default path (split K at decode sizes, in registers above), fused
+    finalize within tolerance, a poisoned call with no NaN; persistent split too."""
+    e, h, _, k, e_total = GPU_SHAPES[shape]
+    experts = gpu_experts(shape)
+    x = _x(t, h, seed=t + 3, device="cuda")
+    ids, w = _gpu_routes(t, k, e, e_total, seed=t + 3)
+    base = moe_triton(x, ids, w, experts, options=TritonOptions(poison=True))
+    for opt in (TritonOptions(ordered_x=True, poison=True),
+                TritonOptions(ordered_x=True, persistent_split=True, poison=True)):  # fmt: skip
+        assert torch.equal(moe_triton(x, ids, w, experts, options=opt), base)
+    fused = moe_triton(x, ids, w, experts, options=TritonOptions(ordered_x=True),
+                       fused_finalize=True)  # fmt: skip
+    assert rel_err(fused, moe_reference(x, ids, w, experts)) <= TOL["w4a16"]
 
 
 @pytest.mark.gpu
@@ -732,6 +757,81 @@ def test_split_one_gemm_same_bits(interpret, device, monkeypatch, mode):
     assert rel_err(fused, ref) <= TOL[m]
 
 
+@pytest.mark.kernel
+@pytest.mark.parametrize("programs", [1, 2, 5])
+def test_persistent_split_leaves_counters_zero(interpret, device, monkeypatch, programs):
+    """The persistent split GEMMs (``TritonOptions.persistent_split``) leave their tile
+    and unit counters at zero, so a second call on the same counters, not zeroed again
+    (a caller's own buffer, a CUDA-graph replay), gives the same bits; and they match the
+    worst-case 3-D grid."""
+    if device != "cpu":
+        pytest.skip("interpreter case; the GPU tests run the persistent split by default")
+    from fp4moe.kernels import launch
+    from fp4moe.kernels.launch import expert_gemms, gemm_configs, split_counters
+
+    monkeypatch.setattr(launch, "SEGMENT", 64)
+    t, k, e, h, i = 5, 2, 4, 128, 128
+    experts = _experts(e, h, i, seed=71, device=device)
+    x = _x(t, h, seed=71, device=device)
+    ids, w = _routes(t, k, e, seed=71, device=device, masked=0.3)
+    opt = TritonOptions(
+        split_k=True, poison=True, persistent_split=True, persistent_programs=programs
+    )
+    cfg1, cfg2 = gemm_configs(t * k, experts, "w4a16", opt)
+    zero, counters, _ = split_counters(t * k, experts, cfg1, cfg2, opt, x.device)
+    s = sort_routes(ids, e, cfg1.block_m, zero=zero)
+    n_valid = int(s.expert_offsets[-1])
+
+    def rows(o, c):
+        return expert_gemms(
+            s, x, None, None, experts, cfg1=cfg1, cfg2=cfg2, mode="w4a16",
+            act_scale="per_token", topk=k, a_gather=True, route_weights=w.reshape(-1),
+            options=o, counters=c,
+        )[:n_valid].clone()  # fmt: skip
+
+    first = rows(opt, counters)
+    assert bool((zero == 0).all())
+    assert torch.equal(rows(opt, counters), first)
+    grid = rows(TritonOptions(split_k=True, poison=True, persistent_split=False), None)
+    assert torch.equal(grid, first)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("split", [True, False], ids=["split", "in-register"])
+@pytest.mark.parametrize("fused", [False, True], ids=["rows", "fused"])
+@pytest.mark.parametrize("t,masked", [(9, 0.3), (1, 0.0), (4, 1.0)])
+def test_ordered_x_same_bits(interpret, device, monkeypatch, split, fused, t, masked):
+    """W4A16 with the activation rows in the unit order (``TritonOptions.ordered_x``: FC1's
+    input reordered once, FC2's written so by FC1's epilogue) gives the bits of the
+    register permutation, split K or not, fused finalize or not, with poisoned
+    workspaces; and the option applies only where it can."""
+    if device != "cpu":
+        pytest.skip("interpreter case; test_ordered_x_gpu runs it on the GPU")
+    from fp4moe.kernels import launch
+    from fp4moe.kernels.gemm import GemmConfig
+
+    monkeypatch.setattr(launch, "SEGMENT", 64)
+    e, h, i, k = 4, 128, 192, 2
+    experts = _experts(e, h, i, seed=81, device=device)
+    x = _x(t, h, seed=81 + t, device=device)
+    ids, w = _routes(t, k, e, seed=81 + t, device=device, masked=masked)
+    cfg = GemmConfig(16, 64, 64, num_stages=1)
+    opts = [TritonOptions(fc1=cfg, fc2=cfg, split_k=split, poison=True, ordered_x=o)
+            for o in (False, True)]  # fmt: skip
+    assert opts[1].ordered_for("w4a16", t * k, e, h, i, cfg, cfg)
+    outs = [moe_triton(x, ids, w, experts, options=o, fused_finalize=fused) for o in opts]
+    assert torch.equal(outs[0], outs[1])
+    if not fused:
+        assert not torch.isnan(outs[1]).any()
+    on = opts[1]
+    assert not on.ordered_for("w4a4", t * k, e, h, i, cfg, cfg)  # decoded activations
+    assert not on.ordered_for("w4a16", t * k, e, h, 160, cfg, cfg)  # 64 does not divide I
+    c32 = GemmConfig(16, 64, 32, num_stages=1)
+    assert not on.ordered_for("w4a16", t * k, e, h, i, c32, cfg)  # the chunk order
+    dense = TritonOptions(fc1=cfg, fc2=cfg, ordered_x=True, dense_above=0)
+    assert not dense.ordered_for("w4a16", t * k, e, h, i, cfg, cfg)
+
+
 @pytest.mark.parametrize("loop", [0, 2, 3])
 def test_gemm_configs_valid_for_every_preset(loop, monkeypatch):
     """Every preset and token count gets GPU FC1/FC2 configs sharing block_m, with BK a
@@ -789,8 +889,12 @@ def test_segmented_split_edges(interpret, device, monkeypatch, mode, t, k, e, h,
                                          dense_above=d, poison=True))
         for s, d in ((True, None), (False, None), (False, 0))
     ]  # fmt: skip
+    outs.append(moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                           options=TritonOptions(fc1=cfg, fc2=cfg, chunked=3, split_k=True,
+                                                 persistent_split=True, poison=True)))  # fmt: skip
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(outs[0], outs[2])
+    assert torch.equal(outs[0], outs[3])  # split over the valid units only (persistent)
     assert not torch.isnan(outs[0]).any()
     if bool((ids >= 0).any()):
         ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)

@@ -331,16 +331,18 @@ def _chunk_tile(
     kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
     N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     GATED: tl.constexpr, A_FP4: tl.constexpr, DECODE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    W_DENSE: tl.constexpr = False, ORDER: tl.constexpr = 32,
+    W_DENSE: tl.constexpr = False, ORDER: tl.constexpr = 32, A_ORDERED: tl.constexpr = False,
 ):  # fmt: skip
     """One K tile of the chunk-ordered loop (``CHUNKED`` 2 and 3): load, decode, dot.
     W_DENSE: both operand tiles are loaded already decoded and in chunk order (the values
     ``decode_permuted`` and the register permutation give), so the dots see the same
-    operands: the same bits."""
+    operands: the same bits. A_ORDERED: only the bf16 activation rows are (W4A16)."""
     KH: tl.constexpr = K // 2
     KS: tl.constexpr = K // 16
     if W_DENSE:  # the activation operand, already in chunk order (and decoded)
         x = tl.trans(tl.load(xp2 + kb * BK, mask=m_mask[:, None], other=0.0))
+    elif A_ORDERED:  # bf16 rows already in the loop's order
+        x = tl.trans(tl.load(xp2 + kb * BK, mask=m_mask[:, None], other=0.0).to(DOT_DTYPE))
     elif A_FP4:
         ac = tl.load(ca2 + kb * (BK // 2), mask=m_mask[:, None], other=0)
         asc = tl.load(sa2 + kb * (BK // 16), mask=m_mask[:, None], other=0.0)
@@ -370,7 +372,7 @@ def _segment(
     first, NT: tl.constexpr, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
     N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     GATED: tl.constexpr, A_FP4: tl.constexpr, DECODE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    W_DENSE: tl.constexpr, ORDER: tl.constexpr,
+    W_DENSE: tl.constexpr, ORDER: tl.constexpr, A_ORDERED: tl.constexpr = False,
 ):  # fmt: skip
     """One K segment of loop 3 in registers: NT tiles from tile ``first`` summed from
     zero (a constexpr trip count and no branch, which the software pipeliner needs),
@@ -380,12 +382,119 @@ def _segment(
     for j in range(0, NT):
         pg, pu = _chunk_tile(
             first + j, pg, pu, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
-            N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE, ORDER,
+            N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE, ORDER, A_ORDERED,
         )  # fmt: skip
     acc_g = acc_g + pg
     if GATED:
         acc_u = acc_u + pu
     return acc_g, acc_u
+
+
+@triton.jit
+def _block_rows(
+    pid_m, block_start_ptr, block_end_ptr, sorted_routes_ptr, BM: tl.constexpr,
+    TOPK: tl.constexpr, A_GATHER: tl.constexpr, FUSED: tl.constexpr,
+):  # fmt: skip
+    """Rows of row block ``pid_m``: sorted positions, their mask, their flat routes (read
+    when gathered or fused; else the positions) and the activation rows they read."""
+    start = tl.load(block_start_ptr + pid_m)
+    end = tl.load(block_end_ptr + pid_m)
+    offs_m = start + tl.arange(0, BM)
+    m_mask = offs_m < end
+    if A_GATHER or FUSED:
+        route = tl.load(sorted_routes_ptr + offs_m, mask=m_mask, other=0)
+    else:
+        route = offs_m
+    if A_GATHER:
+        src = route // TOPK
+    else:
+        src = offs_m
+    src = tl.where(m_mask, src, 0).to(tl.int64)
+    return offs_m, m_mask, route, src
+
+
+@triton.jit
+def _split_unit(
+    pid_m, pid_n, s_id, a_ptr, a_scales_ptr, a_global_ptr, sorted_routes_ptr, topk_w_ptr,
+    w_codes_ptr, w_scales_ptr, w_global_ptr, out_ptr, out_scales_ptr, out_global_ptr,
+    out_table_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, part_ptr, cnt_ptr,
+    ws_rows, amax_ptr,
+    N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, GATED: tl.constexpr,
+    A_FP4: tl.constexpr, A_GATHER: tl.constexpr, FUSED: tl.constexpr,
+    OUT_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr, DECODE_ASM: tl.constexpr,
+    OUT_FP4: tl.constexpr, SEG_TILES: tl.constexpr, W_DENSE: tl.constexpr,
+    REDUCE_ONLY: tl.constexpr, ORDER: tl.constexpr, OUT_AMAX: tl.constexpr,
+    A_ORDERED: tl.constexpr = False, OUT_ORDERED: tl.constexpr = False,
+):  # fmt: skip
+    """Loop 3 with split K, one unit: K segment ``s_id`` of the tile (row block ``pid_m``,
+    weight rows ``pid_n``), a dot chain from zero written as the fp32 partial P_s; the
+    last unit of a tile to finish sums the partials in segment order and runs the
+    epilogue: the same operations, so the same bits, as the in-register loop's
+    ((0 + P_0) + P_1) + .... REDUCE_ONLY: another kernel wrote every P_s (gluon_decode)."""
+    e64 = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_m, m_mask, route, src = _block_rows(
+        pid_m, block_start_ptr, block_end_ptr, sorted_routes_ptr, BM, TOPK, A_GATHER, FUSED
+    )
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_mask = offs_n < N
+    if GATED:
+        gn: tl.constexpr = 2 * N
+    else:
+        gn: tl.constexpr = N
+    KB: tl.constexpr = K // BK
+    REM: tl.constexpr = KB % SEG_TILES
+    NSEG: tl.constexpr = KB // SEG_TILES + (REM > 0)
+    pmask = n_mask[:, None] & m_mask[None, :]
+    prow = part_ptr + offs_m.to(tl.int64)[None, :] * gn + offs_n[:, None]
+    stride = ws_rows.to(tl.int64) * gn
+    last = True
+    if not REDUCE_ONLY:
+        cw2, sw2, xp2, ca2, sa2 = _chunk_ptrs(
+            a_ptr, a_scales_ptr, w_codes_ptr, w_scales_ptr, e64 * gn + offs_n, src, K, BK,
+            A_FP4, W_DENSE,
+        )  # fmt: skip
+        acc_g = tl.zeros((BN, BM), dtype=tl.float32)
+        acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+        for j in range(0, SEG_TILES):
+            kb = s_id * SEG_TILES + j
+            if REM == 0:  # noqa: SIM114 (a constexpr: no runtime bound check when full)
+                acc_g, acc_u = _chunk_tile(
+                    kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
+                    N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE, ORDER,
+                    A_ORDERED,
+                )  # fmt: skip
+            elif kb < KB:
+                acc_g, acc_u = _chunk_tile(
+                    kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
+                    N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE, ORDER,
+                    A_ORDERED,
+                )  # fmt: skip
+        tl.store(prow + s_id * stride, acc_g, mask=pmask)
+        if GATED:
+            tl.store(prow + s_id * stride + N, acc_u, mask=pmask)
+        tile = pid_m * tl.cdiv(N, BN) + pid_n
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        last = done == NSEG - 1
+        if last:
+            tl.store(cnt_ptr + tile, 0)  # ready for the next call (and graph replay)
+    if last:
+        acc_g = tl.zeros((BN, BM), dtype=tl.float32)
+        acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+        for sg_i in range(0, NSEG):  # .cg: other SMs wrote them; read from L2, not L1
+            acc_g = acc_g + tl.load(
+                prow + sg_i * stride, mask=pmask, other=0.0, cache_modifier=".cg"
+            )
+            if GATED:
+                acc_u = acc_u + tl.load(
+                    prow + sg_i * stride + N, mask=pmask, other=0.0, cache_modifier=".cg"
+                )
+        _epilogue(
+            acc_g, acc_u, e64, offs_m, m_mask, route, src, offs_n, n_mask, pid_n,
+            a_global_ptr, w_global_ptr, topk_w_ptr, out_ptr, out_scales_ptr, out_global_ptr,
+            out_table_ptr, amax_ptr, N, TOPK, GATED, A_FP4, FUSED, OUT_FP4, OUT_AMAX,
+            OUT_SCALE, BM, BN, INTERPRET, OUT_ORDERED,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -409,6 +518,8 @@ def moe_gemm_kernel(
     cnt_ptr,  # int32 [tiles]: segments finished per output tile, reset by the last (SPLIT)
     ws_rows,
     amax_ptr,  # fp32 [1], zeroed before the call: max |out| over the valid rows (OUT_AMAX)
+    nvb_ptr,  # int32 [1]: the schedule's valid row blocks, which come first (PERSISTENT)
+    grab_ptr,  # int32 [1], zero: the next unit to take (PERSISTENT; left at zero)
     N: tl.constexpr,
     K: tl.constexpr,
     TOPK: tl.constexpr,
@@ -435,7 +546,52 @@ def moe_gemm_kernel(
     REDUCE_ONLY: tl.constexpr = False,
     ORDER: tl.constexpr = 32,
     OUT_AMAX: tl.constexpr = False,
+    PERSISTENT: tl.constexpr = False,
+    A_ORDERED: tl.constexpr = False,
+    OUT_ORDERED: tl.constexpr = False,
 ):
+    if PERSISTENT:
+        # Split K over a grid sized for the valid work, not the worst case: the programs
+        # take the units (K segment, row block, weight tile) of the *valid* row blocks
+        # (their count from the sort, on the device) in the order the 3-D grid would
+        # launch them. The host bounds row blocks by every route in an expert of its own,
+        # which at 16 tokens of DeepSeek-V3 EP8 is 40 against about 4 valid: 8064 of
+        # FC1's 8960 programs would only wait, read an expert of -1 and exit.
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        NTL: tl.constexpr = (N + BN - 1) // BN
+        NSEG_P: tl.constexpr = (K // BK + SEG_TILES - 1) // SEG_TILES
+        per_seg = tl.load(nvb_ptr) * NTL
+        total = per_seg * NSEG_P
+        # Program p runs unit p; when there are more units than programs, the rest are
+        # taken from a counter (zero at the call's start), so a program that finishes
+        # early takes the next one, as the hardware hands out a grid's programs (a fixed
+        # share a program lost 2% to 5% at 32 tokens on the H200; an atomic take before
+        # the first unit cost 4 us at 1 token). Then each program ends on one failed
+        # take; the last of those (P of them) puts the counter back to 0.
+        nprog = tl.num_programs(0)
+        u = tl.program_id(0)
+        while u < total:  # (a `for` over a loaded bound fails in the interpreter)
+            s_id = u // per_seg
+            pid_m = (u - s_id * per_seg) // NTL
+            pid_n = u - s_id * per_seg - pid_m * NTL
+            _split_unit(
+                pid_m, pid_n, s_id, a_ptr, a_scales_ptr, a_global_ptr, sorted_routes_ptr,
+                topk_w_ptr, w_codes_ptr, w_scales_ptr, w_global_ptr, out_ptr, out_scales_ptr,
+                out_global_ptr, out_table_ptr, block_expert_ptr, block_start_ptr,
+                block_end_ptr, part_ptr, cnt_ptr, ws_rows, amax_ptr, N, K, TOPK, GATED,
+                A_FP4, A_GATHER, FUSED, OUT_SCALE, BM, BN, BK, DOT_DTYPE, INTERPRET,
+                DECODE_ASM, OUT_FP4, SEG_TILES, W_DENSE, False, ORDER, OUT_AMAX, A_ORDERED,
+                OUT_ORDERED,
+            )  # fmt: skip
+            if total > nprog:
+                u = nprog + tl.atomic_add(grab_ptr, 1, sem="relaxed")
+            else:
+                u = total
+        if u == total + nprog - 1:  # the last failed take (only when total > nprog)
+            tl.store(grab_ptr, 0)
+        return
     if GROUP_M:
         # One grid axis in groups of GROUP_M tile rows: consecutive programs sweep the
         # weight tiles of GROUP_M row blocks, so both the (dense) weight tiles and the
@@ -456,19 +612,20 @@ def moe_gemm_kernel(
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
         return
-    start = tl.load(block_start_ptr + pid_m)
-    end = tl.load(block_end_ptr + pid_m)
+    if SPLIT and CHUNKED == 3:  # one K segment of one tile (program_id 2; 0 if REDUCE_ONLY)
+        _split_unit(
+            pid_m, pid_n, tl.program_id(2), a_ptr, a_scales_ptr, a_global_ptr,
+            sorted_routes_ptr, topk_w_ptr, w_codes_ptr, w_scales_ptr, w_global_ptr, out_ptr,
+            out_scales_ptr, out_global_ptr, out_table_ptr, block_expert_ptr, block_start_ptr,
+            block_end_ptr, part_ptr, cnt_ptr, ws_rows, amax_ptr, N, K, TOPK, GATED, A_FP4,
+            A_GATHER, FUSED, OUT_SCALE, BM, BN, BK, DOT_DTYPE, INTERPRET, DECODE_ASM, OUT_FP4,
+            SEG_TILES, W_DENSE, REDUCE_ONLY, ORDER, OUT_AMAX, A_ORDERED, OUT_ORDERED,
+        )  # fmt: skip
+        return
     e64 = e.to(tl.int64)
-
-    offs_m = start + tl.arange(0, BM)
-    m_mask = offs_m < end
-    if A_GATHER or FUSED:
-        route = tl.load(sorted_routes_ptr + offs_m, mask=m_mask, other=0)
-    if A_GATHER:
-        src = route // TOPK
-    else:
-        src = offs_m
-    src = tl.where(m_mask, src, 0).to(tl.int64)
+    offs_m, m_mask, route, src = _block_rows(
+        pid_m, block_start_ptr, block_end_ptr, sorted_routes_ptr, BM, TOPK, A_GATHER, FUSED
+    )
 
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_mask = offs_n < N
@@ -491,8 +648,7 @@ def moe_gemm_kernel(
         x_ptrs = a_ptr + src[None, :] * K + tl.arange(0, BK)[:, None]
 
     acc_g = tl.zeros((BN, BM), dtype=tl.float32)
-    if GATED:
-        acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+    acc_u = tl.zeros((BN, BM), dtype=tl.float32)  # (not GATED: unused)
     if CHUNKED == 1:
         q16 = tl.arange(0, 16)
         q2 = tl.arange(0, 2)
@@ -550,67 +706,23 @@ def moe_gemm_kernel(
         KB: tl.constexpr = K // BK
         NFULL: tl.constexpr = KB // SEG_TILES  # full segments, then REM tiles in a last one
         REM: tl.constexpr = KB % SEG_TILES
-        NSEG: tl.constexpr = NFULL + (REM > 0)
         if not GATED:
             acc_u = acc_g
-        if SPLIT:
-            if GATED:
-                gn: tl.constexpr = 2 * N
-            else:
-                gn: tl.constexpr = N
-            pmask = n_mask[:, None] & m_mask[None, :]
-            prow = part_ptr + offs_m.to(tl.int64)[None, :] * gn + offs_n[:, None]
-            stride = ws_rows.to(tl.int64) * gn
-            if not REDUCE_ONLY:  # REDUCE_ONLY: another kernel wrote every P_s (gluon_decode)
-                s_id = tl.program_id(2)
-                for j in range(0, SEG_TILES):
-                    kb = s_id * SEG_TILES + j
-                    if REM == 0:  # noqa: SIM114 (a constexpr: no runtime bound check when full)
-                        acc_g, acc_u = _chunk_tile(
-                            kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
-                            N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE,
-                            ORDER,
-                        )  # fmt: skip
-                    elif kb < KB:
-                        acc_g, acc_u = _chunk_tile(
-                            kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
-                            N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE,
-                            ORDER,
-                        )  # fmt: skip
-                tl.store(prow + s_id * stride, acc_g, mask=pmask)
-                if GATED:
-                    tl.store(prow + s_id * stride + N, acc_u, mask=pmask)
-                tile = pid_m * tl.cdiv(N, BN) + pid_n
-                done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-                if done != NSEG - 1:
-                    return
-                tl.store(cnt_ptr + tile, 0)  # ready for the next call (and graph replay)
-            acc_g = tl.zeros((BN, BM), dtype=tl.float32)
-            acc_u = tl.zeros((BN, BM), dtype=tl.float32)
-            for sg_i in range(0, NSEG):  # .cg: other SMs wrote them; read from L2, not L1
-                acc_g = acc_g + tl.load(
-                    prow + sg_i * stride, mask=pmask, other=0.0, cache_modifier=".cg"
-                )
-                if GATED:
-                    acc_u = acc_u + tl.load(
-                        prow + sg_i * stride + N, mask=pmask, other=0.0, cache_modifier=".cg"
-                    )
-        else:
-            # Full segments, then the REM tiles of a last one: constexpr trip counts and no
-            # branch in the inner loop, which the software pipeliner needs (a `kb < KB`
-            # test there cost 15% to 30% at prefill sizes on the H200).
-            for sg_i in range(0, NFULL):
-                acc_g, acc_u = _segment(
-                    sg_i * SEG_TILES, SEG_TILES, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2,
-                    m_mask, n_mask, N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
-                    W_DENSE, ORDER,
-                )  # fmt: skip
-            if REM > 0:
-                acc_g, acc_u = _segment(
-                    NFULL * SEG_TILES, REM, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2,
-                    m_mask, n_mask, N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
-                    W_DENSE, ORDER,
-                )  # fmt: skip
+        # Full segments, then the REM tiles of a last one: constexpr trip counts and no
+        # branch in the inner loop, which the software pipeliner needs (a `kb < KB` test
+        # there cost 15% to 30% at prefill sizes on the H200).
+        for sg_i in range(0, NFULL):
+            acc_g, acc_u = _segment(
+                sg_i * SEG_TILES, SEG_TILES, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2,
+                m_mask, n_mask, N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
+                W_DENSE, ORDER, A_ORDERED,
+            )  # fmt: skip
+        if REM > 0:
+            acc_g, acc_u = _segment(
+                NFULL * SEG_TILES, REM, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2,
+                m_mask, n_mask, N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
+                W_DENSE, ORDER, A_ORDERED,
+            )  # fmt: skip
     else:
         # Register double buffering (PREFETCH): the next tile's weight bytes are in flight while
         # this tile is decoded and multiplied.
@@ -654,7 +766,28 @@ def moe_gemm_kernel(
                 else:
                     wu = decode_nvfp4_tile(cu_cur, su_cur, BN, BK, W_DTYPE).to(DOT_DTYPE)
                 acc_u = tl.dot(wu, x, acc_u)
+    _epilogue(
+        acc_g, acc_u, e64, offs_m, m_mask, route, src, offs_n, n_mask, pid_n,
+        a_global_ptr, w_global_ptr, topk_w_ptr, out_ptr, out_scales_ptr, out_global_ptr,
+        out_table_ptr, amax_ptr, N, TOPK, GATED, A_FP4, FUSED, OUT_FP4, OUT_AMAX, OUT_SCALE,
+        BM, BN, INTERPRET, OUT_ORDERED,
+    )  # fmt: skip
 
+
+@triton.jit
+def _epilogue(
+    acc_g, acc_u, e64, offs_m, m_mask, route, src, offs_n, n_mask, pid_n,
+    a_global_ptr, w_global_ptr, topk_w_ptr, out_ptr, out_scales_ptr, out_global_ptr,
+    out_table_ptr, amax_ptr,
+    N: tl.constexpr, TOPK: tl.constexpr, GATED: tl.constexpr, A_FP4: tl.constexpr,
+    FUSED: tl.constexpr, OUT_FP4: tl.constexpr, OUT_AMAX: tl.constexpr,
+    OUT_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, INTERPRET: tl.constexpr,
+    OUT_ORDERED: tl.constexpr = False,
+):  # fmt: skip
+    """The output of one tile [BN, BM] from its fp32 sums: global scales, SwiGLU (FC1),
+    then bf16 rows, NVFP4 rows (OUT_FP4) or the router-weighted atomic add (FUSED).
+    OUT_ORDERED: bf16 rows with each 64 columns in the unit order (``order_rows``), as
+    the next GEMM's A_ORDERED loads them."""
     # Epilogue: h = acc * g_x * g_w (SPEC section 5), after undoing the decode's 2^-14s.
     h = acc_g * OUT_SCALE
     if A_FP4:
@@ -703,7 +836,11 @@ def moe_gemm_kernel(
         if pid_n == 0:
             tl.store(out_global_ptr + offs_m, tl.zeros_like(offs_m).to(tl.float32) + g, mask=m_mask)
     else:
-        tl.store(out_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None], y, mask=mask)
+        cols = offs_n
+        if OUT_ORDERED:  # element 16 q + 4 s + 2 a + b of 64 to position 16 s + 8 b + 2 q + a
+            c = offs_n % 64
+            cols = offs_n - c + 16 * ((c >> 2) & 3) + 8 * (c & 1) + 2 * (c >> 4) + ((c >> 1) & 1)
+        tl.store(out_ptr + offs_m.to(tl.int64)[None, :] * N + cols[:, None], y, mask=mask)
         if OUT_AMAX:  # the per-tensor amax of this output for W4A4 (exact in any order)
             tile_max = tl.max(tl.max(tl.where(mask, tl.abs(y.to(tl.float32)), 0.0), axis=1))
             tl.atomic_max(amax_ptr, tile_max, sem="relaxed")

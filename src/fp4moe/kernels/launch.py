@@ -9,6 +9,7 @@ dependents right after, and the finalize kernel reads routing metadata before it
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -73,6 +74,11 @@ SPLIT_BELOW_PROGRAMS = 384
 QUANTIZE_SPLIT_ROWS = 512
 QUANTIZE_SPLIT_C = 256
 AMAX_WIDE_C = 8192
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,22 @@ class TritonOptions:
         split kernel only sums them and runs the epilogue. The same operands, order and
         sums as loop 3's split programs: the same bits. Needs K a multiple of 1024 (the
         others stay on loop 3) and a CUDA device (Gluon has no interpreter).
+    persistent_split: split-K GEMMs launch a grid sized for the valid work: the programs
+        take the units (K segment, row block, weight tile) of the valid row blocks, whose
+        count the sort leaves on the device (``RouteSort.valid_blocks``), one at a time
+        from an atomic counter, instead of a 3-D grid over the host's worst-case row
+        blocks where most programs only exit.
+        The same units and sums: the same bits. Measured on the H200 (session 8,
+        benchmarks/grid_experiment.py): the empty programs of 16 tokens' GEMMs cost 10 us
+        of 73 (DeepSeek-V3 EP8).
+    persistent_programs: the persistent grid's size, at most (None: 8 programs an SM on
+        CUDA; 3 in the interpreter, so tests see programs take several units).
+    ordered_x: W4A16 with both GEMMs in loop 3's unit order (``k_order`` 64, not dense,
+        not ``gluon_decode``): the GEMMs load activation rows already in that order, so
+        the A operand goes from global to shared memory to the wgmma with no register
+        permutation, shared-memory round trip or fence each K tile. FC1's input is put in
+        that order once a call (``dequant.dense_rows``), FC2's is written so by FC1's
+        epilogue (``OUT_ORDERED``). The same operands in the same order: the same bits.
     """
 
     pdl: bool | None = None
@@ -156,6 +178,9 @@ class TritonOptions:
     valid_fraction: float | None = None
     gluon_decode: bool = False
     fused_amax: bool = False
+    persistent_split: bool = False
+    persistent_programs: int | None = None
+    ordered_x: bool = False
 
     def split_for(self, n_routes: int, num_experts: int) -> bool:
         """Whether loop 3 splits K for a call of ``n_routes`` routes over the experts."""
@@ -165,6 +190,31 @@ class TritonOptions:
         # order: 284.7 against 292.9 us, 268.4 against 278.0 with FC2's 128-row tiles
         # (session 7); splitting wins by far at 4 rows (16 tokens: 76.6 against 94.0).
         return n_routes / num_experts <= 8
+
+    def persistent_grid(self, device: torch.device) -> int:
+        """Programs of a persistent split GEMM on ``device`` (0: ``persistent_split`` off)."""
+        if not self.persistent_split:
+            return 0
+        if self.persistent_programs is not None:
+            return self.persistent_programs
+        if interpreting() or device.type != "cuda":
+            return 3
+        return 8 * _sm_count(device)
+
+    def ordered_for(
+        self, mode: str, n_routes: int, num_experts: int, hidden: int, inter: int,
+        cfg1: GemmConfig, cfg2: GemmConfig,
+    ) -> bool:  # fmt: skip
+        """Whether a call's GEMMs load activation rows in the unit order (``ordered_x``)."""
+        return (
+            self.ordered_x
+            and mode == "w4a16"
+            and int(self.chunked) == 3
+            and not self.gluon_decode
+            and not self.dense_for(n_routes, num_experts)
+            and k_order(3, hidden, cfg1.block_k) == 64
+            and k_order(3, inter, cfg2.block_k) == 64
+        )
 
     def amax_in_fc1(self, mode: str, act_scale: str) -> bool:
         """Whether FC1's epilogue takes the per-tensor amax of its output (``fused_amax``,
@@ -212,6 +262,9 @@ class TritonOptions:
 
     def __post_init__(self) -> None:
         d, f = self.dense_above, self.valid_fraction
+        pp = self.persistent_programs
+        if pp is not None and (isinstance(pp, bool) or not isinstance(pp, int) or pp < 1):
+            raise ValueError(f"persistent_programs: expected None or an int >= 1, got {pp!r}")
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 0):
             raise ValueError(f"dense_above: expected None or an int >= 0, got {d!r}")
         if f is not None and (
@@ -363,12 +416,18 @@ def _gemm(
     gluon: bool = False,
     counters: torch.Tensor | None = None,
     amax_out: torch.Tensor | None = None,
+    persistent: int = 0,
+    a_ordered: bool = False,
+    out_ordered: bool = False,
 ) -> None:
     """One grouped GEMM. ``out_fp4`` = (scales, globals, static table): ``out`` receives
     NVFP4 codes of the FC1 activation instead of bf16 (static W4A4). ``dense``: decode
     the weights once (``dense_weights``) and load them in the main loop (same bits).
     ``amax_out``: fp32 [1] zeros; the epilogue atomically maxes |out| of the valid rows
-    into it (bf16 route rows only)."""
+    into it (bf16 route rows only). ``persistent``: a split GEMM walks the valid units
+    with at most this many programs (0: one program a unit of the worst-case grid).
+    ``a_ordered``: ``a`` holds bf16 rows in the unit order; ``out_ordered``: write ``out``
+    (bf16 rows) in it (``TritonOptions.ordered_x``)."""
     a_fp4 = a_scales is not None
     order = k_order(int(chunked), k, cfg.block_k)
     if dense:
@@ -403,7 +462,7 @@ def _gemm(
     seg_tiles = SEGMENT // cfg.block_k if int(chunked) == 3 else 0
     nseg = -(-(k // cfg.block_k) // seg_tiles) if seg_tiles else 1
     split = split and nseg > 1
-    part, cnt, ws_rows = dummy, dummy, 0
+    part, cnt, ws_rows, grab = dummy, dummy, 0, dummy
     gluon = gluon and split and gluon_applies(k, a_fp4, cfg)
     if split:  # one program a K segment; fp32 partials, summed by the last one of a tile
         ws_rows = sort.sorted_routes.shape[0]
@@ -418,28 +477,69 @@ def _gemm(
                 gather=a_gather, block_m=cfg.block_m, seg=SEGMENT, ws_rows=ws_rows,
             )  # fmt: skip
         else:  # tile counters: zeroed by the sort kernel (``counters``) or here
+            # (persistent: one more, the unit counter, after the tile counters)
+            need = grid[0] * grid[1] + (1 if persistent else 0)
             cnt = counters
-            if cnt is None or cnt.numel() < grid[0] * grid[1]:
-                cnt = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=a.device)
-            grid = (*grid, nseg)
-    _launch(
-        moe_gemm_kernel, grid, pdl,
+            if cnt is None or cnt.numel() < need:
+                cnt = torch.zeros(need, dtype=torch.int32, device=a.device)
+            if persistent:  # the valid units only, taken by at most `persistent` programs
+                grab = cnt[need - 1 : need]
+                grid = (min(grid[0] * grid[1] * nseg, persistent),)
+            else:
+                grid = (*grid, nseg)
+    persistent = bool(persistent) and split and not gluon
+    args = (
         a, a_scales if a_fp4 else dummy, a_global if a_fp4 else dummy,
         sort.sorted_routes, topk_w,
         w_codes, w_scales, w_global, out,
         *(out_fp4 if out_fp4 is not None else (dummy, dummy, dummy)),
         sort.block_expert, sort.block_start, sort.block_end, part, cnt, ws_rows,
         amax_out if amax_out is not None else dummy,
+        sort.valid_blocks if persistent else dummy, grab,
         n, k,
+    )  # fmt: skip
+    kw = dict(
         TOPK=topk, GATED=gated, A_FP4=a_fp4, A_GATHER=a_gather, FUSED=fused,
         OUT_SCALE=out_scale, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         DOT_DTYPE=dot, W_DTYPE=wdt, INTERPRET=interpreting(), DECODE_ASM=decode_asm,
         PREFETCH=cfg.prefetch, OUT_FP4=out_fp4 is not None, CHUNKED=int(chunked),
         SEG_TILES=seg_tiles, SPLIT=split, W_DENSE=dense, GROUP_M=group_m, REDUCE_ONLY=gluon,
-        ORDER=order, OUT_AMAX=amax_out is not None,
+        ORDER=order, OUT_AMAX=amax_out is not None, PERSISTENT=persistent,
+        A_ORDERED=a_ordered, OUT_ORDERED=out_ordered,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpreting() else {}),
     )  # fmt: skip
+    if not interpreting():
+        if cfg.maxnreg:
+            kw["maxnreg"] = cfg.maxnreg
+        elif persistent:  # the 3-D grid kernel's registers (see _grid_kernel_registers)
+            regs = _grid_kernel_registers(args, {**kw, "USE_PDL": pdl})
+            if regs:
+                kw["maxnreg"] = regs
+    _launch(moe_gemm_kernel, grid, pdl, *args, **kw)
+
+
+_GRID_REGS: dict = {}
+
+
+def _grid_kernel_registers(args: tuple, kw: dict) -> int | None:
+    """Registers of the split GEMM launched on the 3-D grid, for the same arguments: the
+    cap for its persistent twin. The persistent loop keeps the epilogue's loop invariants
+    live across the main loop (FC1 of DeepSeek-V3 at (16, 64, 128): 128 registers against
+    88, so 4 programs an SM instead of 5); capped at 88, ptxas rematerializes them with no
+    spill and the same main loop (``sass_report.py --split --persistent --maxnreg 88``).
+    One compile a specialization, cached; None if Triton's API for it fails."""
+    key = (
+        tuple(str(x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__ for x in args),
+        tuple(sorted((k, str(v)) for k, v in kw.items())),
+    )
+    if key not in _GRID_REGS:
+        try:
+            compiled = moe_gemm_kernel.warmup(*args, grid=(1,), **{**kw, "PERSISTENT": False})
+            compiled._init_handles()
+            _GRID_REGS[key] = int(compiled.n_regs) or None
+        except Exception:  # a private API: run uncapped rather than fail
+            _GRID_REGS[key] = None
+    return _GRID_REGS[key]
 
 
 def _per_tensor_table(src, rows, count, opt, pdl, amax_reduce):
@@ -537,7 +637,8 @@ def split_counters(
 ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | None]:
     """The zeros a call needs, in one buffer for ``sort_routes(zero=...)`` to clear (no
     memset node in a CUDA graph of the call): the split GEMMs' tile counters (the last
-    program of a tile leaves its counter at zero) for ``expert_gemms(counters=...)``, and
+    program of a tile leaves its counter at zero; ``persistent_split``: then the unit
+    counter, left at zero too) for ``expert_gemms(counters=...)``, and
     with ``amax`` (``TritonOptions.amax_in_fc1``) one fp32 slot for FC1's per-tensor amax,
     ``expert_gemms(amax_zero=...)`` (zero bits are 0.0). Returns (buffer, (FC1's, FC2's)
     counters or None when neither GEMM splits K (``TritonOptions.gemm_splits``; a GEMM
@@ -548,8 +649,9 @@ def split_counters(
     if not (s1 or s2 or amax):
         return None, None, None
     nb = max_blocks(n_routes, e, cfg1.block_m)
-    t1 = triton.cdiv(inter, cfg1.block_n) * nb if s1 else 0
-    t2 = triton.cdiv(h, cfg2.block_n) * nb if s2 else 0
+    extra = 1 if opt.persistent_split else 0  # a persistent GEMM's unit counter
+    t1 = triton.cdiv(inter, cfg1.block_n) * nb + extra if s1 else 0
+    t2 = triton.cdiv(h, cfg2.block_n) * nb + extra if s2 else 0
     zero = torch.empty(t1 + t2 + int(amax), dtype=torch.int32, device=device)
     counters = (zero[:t1], zero[t1 : t1 + t2]) if s1 or s2 else None
     slot = zero[t1 + t2 :].view(torch.float32) if amax else None
@@ -621,6 +723,9 @@ def expert_gemms(
         )
     else:
         act = _empty((n_routes, inter), torch.bfloat16, dev, opt.poison)
+    ordered = opt.ordered_for(mode, n_routes, e_count, h, inter, cfg1, cfg2)
+    if ordered:  # FC1's input rows in the unit order, once (FC2's: FC1 writes them so)
+        a = dense_rows(a, None, decode_asm=opt.decode_asm, poison=opt.poison, order=64)
     famax = None
     if opt.amax_in_fc1(mode, act_scale):
         famax = amax_zero if amax_zero is not None else torch.zeros(1, device=dev)
@@ -631,6 +736,7 @@ def expert_gemms(
         decode_asm=opt.decode_asm, out_fp4=out_fp4, chunked=opt.chunked, split=split1,
         dense=dense, poison=opt.poison, gluon=opt.gluon_decode,
         counters=counters[0] if counters else None, amax_out=famax,
+        persistent=opt.persistent_grid(dev), a_ordered=ordered, out_ordered=ordered,
     )  # fmt: skip
 
     # FC2 input.
@@ -668,7 +774,8 @@ def expert_gemms(
         n=h, k=inter, topk=topk, gated=False, a_gather=False, fused=fused_into is not None,
         pdl=pdl, decode_asm=opt.decode_asm, chunked=opt.chunked, split=split2, dense=dense,
         poison=opt.poison, gluon=opt.gluon_decode,
-        counters=counters[1] if counters else None,
+        counters=counters[1] if counters else None, persistent=opt.persistent_grid(dev),
+        a_ordered=ordered,
     )  # fmt: skip
     return dest
 

@@ -11,6 +11,8 @@ Given top-k ids [T, K] (negative = masked), produce:
   block b covers sorted rows [start, end) of one expert; unused blocks have expert -1 and
   their programs exit at once. ``max_blocks = cdiv(T*K, block_m) + min(E, T*K)`` bounds
   sum_e cdiv(count_e, block_m), so the grid size is known on the host without a sync.
+  The valid blocks come first; ``valid_blocks`` int32 [1] counts them (the persistent
+  split GEMMs walk only those).
 
 Two implementations with the same outputs, both without a host sync (capturable in a
 CUDA graph); an expert with no rows gets no block:
@@ -48,6 +50,7 @@ class RouteSort:
     block_start: torch.Tensor
     block_end: torch.Tensor
     sorted_expert: torch.Tensor  # int32 [T*K]: expert of each sorted row (0 past n_valid)
+    valid_blocks: torch.Tensor  # int32 [1]: blocks with rows (they come first)
     block_m: int
 
     @property
@@ -133,6 +136,7 @@ def _sort_routes_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -
         block_start=torch.where(valid, start, 0).to(i32),
         block_end=torch.where(valid, end, 0).to(i32),
         sorted_expert=torch.where(sorted_key < num_experts, sorted_key, 0).to(i32),
+        valid_blocks=cum[-1:].to(i32),
         block_m=block_m,
     )
 
@@ -155,6 +159,7 @@ def sort_routes_kernel(
     block_expert_ptr,
     block_start_ptr,
     block_end_ptr,  # int32 [NB]
+    valid_blocks_ptr,  # int32 [1]
     zero_ptr,  # int32 [NZ]: set to 0
     N,
     NB,
@@ -198,6 +203,8 @@ def sort_routes_kernel(
     # Tile schedule: expert e owns cdiv(count_e, BM) consecutive blocks.
     nblk = tl.where(ecols < E, (counts + BM - 1) // BM, 0)
     bcum = tl.cumsum(nblk, 0)  # inclusive
+    if pid == 0:
+        tl.store(valid_blocks_ptr, tl.sum(nblk, 0))
     b = pid * CHUNK + tl.arange(0, CHUNK)
     e_of_b = tl.sum(((bcum[None, :] <= b[:, None]) & (ecols[None, :] < E)).to(tl.int32), 1)
     valid = e_of_b < E
@@ -223,6 +230,7 @@ def _sort_routes_triton(
             ("sorted_routes", n), ("route_pos", n), ("sorted_expert", n),
             ("expert_counts", num_experts), ("expert_offsets", num_experts + 1),
             ("block_expert", nb), ("block_start", nb), ("block_end", nb),
+            ("valid_blocks", 1),
         )
     }  # fmt: skip
     chunk = 16
@@ -232,7 +240,7 @@ def _sort_routes_triton(
     sort_routes_kernel[(grid,)](
         topk_ids.contiguous(), out["sorted_routes"], out["route_pos"], out["sorted_expert"],
         out["expert_counts"], out["expert_offsets"],
-        out["block_expert"], out["block_start"], out["block_end"],
+        out["block_expert"], out["block_start"], out["block_end"], out["valid_blocks"],
         zero if zero is not None else out["block_end"], n, nb, nz, zper,
         E=num_experts, EP=triton.next_power_of_2(num_experts + 1),
         NP=triton.next_power_of_2(n), BM=block_m, CHUNK=chunk,

@@ -1,0 +1,102 @@
+"""What the GEMM grid's empty programs cost at decode sizes (session 8 experiment).
+
+The grouped GEMMs launch a grid sized on the host for the worst case (``max_blocks`` row
+blocks: every route in its own expert), so at 16 tokens of DeepSeek-V3 EP8 FC1 launches
+32 x 40 x 7 = 8960 programs of which about 900 have rows; the rest wait for the sort
+(PDL), read their block's expert and exit. This times ``expert_gemms`` (FC1, FC2) three
+ways on the same sorted routes:
+
+- full: the worst-case 3-D grid (``TritonOptions(persistent_split=False)``, the library
+  before session 8);
+- trim: that grid with the tile schedule cut to its valid blocks (counted with a host
+  sync, outside the timing), so it has no empty programs;
+- empty: the full grid with every block marked empty: the empty programs alone;
+- persistent: the library's default since session 8 (``persistent_split``): at most 8
+  programs an SM walk the valid units, counted on the device.
+
+full, trim and persistent must give the same bits.
+
+    PYTHONPATH=src python3 benchmarks/grid_experiment.py --tokens 1 16 64 --out grid.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import torch
+
+import fp4moe
+from fp4moe.bench import PRESETS, make_routes, time_us
+from fp4moe.kernels.launch import TritonOptions, expert_gemms, gemm_configs, use_pdl
+from fp4moe.kernels.sort import sort_routes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="deepseek-v3-ep8")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default="grid.json")
+    a = ap.parse_args()
+    p = PRESETS[a.preset]
+    torch.manual_seed(0)
+    e = p.local_experts
+    w13 = torch.randn(e, 2 * p.inter, p.hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(e, p.hidden, p.inter, device="cuda", dtype=torch.bfloat16) * 0.02
+    ex = fp4moe.prepare_experts(w13, w2)
+    del w13, w2
+    opt_p = TritonOptions(valid_fraction=p.local_experts / p.experts)
+    opt = TritonOptions(valid_fraction=p.local_experts / p.experts, persistent_split=False)
+    rows = []
+    for t in a.tokens:
+        x = torch.randn(t, p.hidden, device="cuda").to(torch.bfloat16)
+        ids, w = make_routes(p, t, t, "cuda")
+        n_routes = ids.numel()
+        cfg1, cfg2 = gemm_configs(n_routes, ex, "w4a16", opt)
+        assert cfg1.block_m == cfg2.block_m
+        sort = sort_routes(ids.to(torch.int32).contiguous(), e, cfg1.block_m)
+        be = sort.block_expert.cpu()
+        nvb = int((be >= 0).sum())
+        assert bool((be[:nvb] >= 0).all()), "valid blocks are not first"
+        trim = dataclasses.replace(
+            sort,
+            block_expert=sort.block_expert[:nvb].clone(),
+            block_start=sort.block_start[:nvb].clone(),
+            block_end=sort.block_end[:nvb].clone(),
+        )
+        empty = dataclasses.replace(sort, block_expert=torch.full_like(sort.block_expert, -1))
+        wf = w.reshape(-1).contiguous()
+        pdl = use_pdl(opt, x.device)
+        n_valid = int(sort.expert_offsets[-1])
+
+        def call(s, o=opt):
+            return lambda: expert_gemms(
+                s, x, None, None, ex, cfg1=cfg1, cfg2=cfg2, mode="w4a16",
+                act_scale="per_token", topk=p.top_k, a_gather=True, route_weights=wf,
+                options=o, pdl=pdl,
+            )  # fmt: skip
+
+        r_full = call(sort)()[:n_valid].clone()
+        r_trim = call(trim)()[:n_valid].clone()
+        r_pers = call(sort, opt_p)()[:n_valid].clone()
+        same = bool(torch.equal(r_full, r_trim)) and bool(torch.equal(r_full, r_pers))
+        row = {"tokens": t, "valid_rows": n_valid, "blocks": sort.num_blocks, "valid_blocks": nvb,
+               "cfg1": str(cfg1), "cfg2": str(cfg2), "same": same}  # fmt: skip
+        for name, s, o in (("full", sort, opt), ("trim", trim, opt), ("empty", empty, opt),
+                           ("persistent", sort, opt_p)):  # fmt: skip
+            row[name + "_us"] = time_us(call(s, o), graph=True, warmup=3, iters=a.iters)
+        print(
+            f"T={t:5d} blocks {nvb}/{sort.num_blocks} same {same}  full {row['full_us']:.1f}"
+            f"  trim {row['trim_us']:.1f}  empty-only {row['empty_us']:.1f}"
+            f"  persistent {row['persistent_us']:.1f} us",
+            flush=True,
+        )
+        rows.append(row)
+        with open(a.out, "w") as f:
+            json.dump({"preset": a.preset, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
