@@ -15,12 +15,14 @@
 #   bash benchmarks/gpu_session.sh pair       # two GPUs: bench | memcheck, then NCCL tests
 #   bash benchmarks/gpu_session.sh splits     # per-GEMM split: GPU tests, Qwen3 and Mixtral
 #   bash benchmarks/gpu_session.sh famax      # per-tensor amax fused into FC1: bits, time
+#   bash benchmarks/gpu_session.sh persist    # empty programs, persistent split, ordered x
+#   bash benchmarks/gpu_session.sh stalls     # ncu: why the decode-size GEMMs stall
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax}"
+part="${1:?usage: gpu_session.sh tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -156,6 +158,33 @@ famax)
     step famax_sweep 200 python3 benchmarks/sweep_decode.py --tokens 1 16 64 256 1024 \
         --modes w4a4-tensor --variants c3 c3-famax --iters 15 --out "$out/famax.json"
     ;;
+persist)
+    # Session 8: what the worst-case grid's empty programs cost (grid_experiment.py), and
+    # the two options built against them and against the activation's shared-memory round
+    # trip (TritonOptions.persistent_split, ordered_x), each bitwise against the default.
+    step tests 150 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py \
+        -k "ordered_x_gpu or segmented_loop_gpu"
+    step grid 100 python3 benchmarks/grid_experiment.py --tokens 1 16 32 64 \
+        --out "$out/grid.json"
+    step sweep 150 python3 benchmarks/sweep_decode.py --tokens 1 16 32 64 256 --modes w4a16 \
+        --variants c3 c3-persist c3-ordx c3-ordx-persist --iters 12 --out "$out/sweep.json"
+    for pr in qwen3-30b-a3b mixtral-8x7b; do
+        step "sweep_$pr" 100 python3 benchmarks/sweep_decode.py --preset "$pr" \
+            --tokens 1 16 64 --modes w4a16 --variants c3 c3-persist c3-ordx --iters 8 \
+            --out "$out/sweep-$pr.json"
+    done
+    ;;
+stalls)
+    # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.
+    m='regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,gpu__time_duration.sum'
+    m="$m,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread"
+    m="$m,sm__warps_active.avg.pct_of_peak_sustained_active"
+    m="$m,smsp__issue_active.avg.pct_of_peak_sustained_active"
+    for t in 1 16; do
+        step "ncu_$t" 150 ncu --clock-control none -k regex:moe_gemm_kernel -c 2 --metrics "$m" \
+            python3 benchmarks/profile_call.py --tokens "$t" --mode w4a16
+    done
+    ;;
 splits)
     # Session 7's per-GEMM split (TritonOptions.gemm_splits) and 64-row tiles at 64 valid
     # rows an expert: the GPU tests that cover splits and configs, then the two presets
@@ -180,7 +209,7 @@ ep)
     step disaggregated 90 python3 examples/disaggregated.py --device cuda
     ;;
 *)
-    echo "unknown part $part (tests, memcheck, sweep, dense, prep, configs, gluon, decode, bench, ep, pair, splits or famax)"
+    echo "unknown part $part (tests, memcheck, sweep, dense, prep, configs, gluon, decode, bench, ep, pair, splits, famax, persist or stalls)"
     exit 2
     ;;
 esac

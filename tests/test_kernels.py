@@ -640,6 +640,8 @@ def test_workspace_bytes_counts_segment_partials(monkeypatch):
     base = workspace_bytes(16, 8, 7168, 2048, 32, options=TritonOptions(chunked=2))
     seg = workspace_bytes(16, 8, 7168, 2048, 32, options=TritonOptions(chunked=3))
     assert workspace_bytes(16, 8, 7168, 2048, 32) == seg  # loop 3 is the default
+    ordered = workspace_bytes(16, 8, 7168, 2048, 32, options=TritonOptions(ordered_x=True))
+    assert ordered == seg + 16 * 7168 * 2  # FC1's input rows reordered (FC1 phase is the peak)
     n = 16 * 8
     # base: its FC2 phase (FC1 output, route rows); seg: its FC1 phase (FC1 output, FC1's
     # partials, larger than FC2's plus the route rows)

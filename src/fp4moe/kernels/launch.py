@@ -139,8 +139,10 @@ class TritonOptions:
         of each tile's max |a| over the valid rows, exact in any order) instead of a
         separate ``amax_rows`` kernel, its zero from the sort kernel's buffer
         (``split_counters(amax=...)``): the same
-        global scale, the same bits, one kernel and one memset fewer a call. Off until
-        measured on the GPU (``sweep_decode.py --variants c3-famax``).
+        global scale, the same bits, one kernel and one memset fewer a call. Off: no
+        gain on the H200 (session 8, ``sweep_decode.py --modes w4a4-tensor --variants c3
+        c3-famax``: 65.8 against 66.3 us at 1 token, 87.5 against 84.3 at 16, 287.8
+        against 290.3 at 64; the same bits).
     gluon_decode: W4A16 split-K calls (``split_for``) compute the segment partials with
         the Gluon kernel of ``kernels.gluon_decode`` (the weight codes loaded straight into
         the wgmma register fragment: 4.3 SASS instructions a weight against 5.6), then the
@@ -152,9 +154,12 @@ class TritonOptions:
         count the sort leaves on the device (``RouteSort.valid_blocks``), one at a time
         from an atomic counter, instead of a 3-D grid over the host's worst-case row
         blocks where most programs only exit.
-        The same units and sums: the same bits. Measured on the H200 (session 8,
-        benchmarks/grid_experiment.py): the empty programs of 16 tokens' GEMMs cost 10 us
-        of 73 (DeepSeek-V3 EP8).
+        The same units and sums: the same bits. Off: on the H200 (session 8,
+        docs/perf-notes.md) the empty programs of 16 tokens' GEMMs cost 10 us of 73
+        (DeepSeek-V3 EP8; ``benchmarks/grid_experiment.py``) and this takes 4 to 5 us off
+        there, but it loses 3 to 6 us at 1 and 8 tokens, 4% at 32 and up to 10% on
+        Mixtral-8x7B, where the taking of units from one counter is slower than the
+        hardware handing out a grid.
     persistent_programs: the persistent grid's size, at most (None: 8 programs an SM on
         CUDA; 3 in the interpreter, so tests see programs take several units).
     ordered_x: W4A16 with both GEMMs in loop 3's unit order (``k_order`` 64, not dense,
@@ -163,6 +168,10 @@ class TritonOptions:
         permutation, shared-memory round trip or fence each K tile. FC1's input is put in
         that order once a call (``dequant.dense_rows``), FC2's is written so by FC1's
         epilogue (``OUT_ORDERED``). The same operands in the same order: the same bits.
+        Off: on the H200 (session 8) the GEMMs gain 2% to 5% from 16 tokens on (Mixtral
+        64 tokens 546 -> 521 us) but the reordering kernel costs about 3 us a call, so 1
+        token loses (DeepSeek-V3 56.0 -> 58.9 us, Qwen3 33.2 -> 38.0); folding the
+        reorder into the sort kernel would remove that cost (not built).
     """
 
     pdl: bool | None = None
@@ -903,7 +912,7 @@ def workspace_bytes(
     - FC1: route sort and schedule, W4A4 quantized inputs, the fp32 accumulator (fused
       finalize), FC1's output, and FC1's temporaries: its fp32 segment partials (loop 3
       with split K) or, on the dense path (``dense_above``), its decoded bf16 weights and
-      activation rows in the loop's order;
+      activation rows in the loop's order; with ``ordered_x`` its reordered input rows;
     - FC2: the same less FC1's temporaries, plus FC2's W4A4 input, the route rows
       (deterministic finalize) and FC2's own temporaries;
     - finalize: the sort, inputs, route rows or accumulator, and the bf16 output.
@@ -937,6 +946,8 @@ def workspace_bytes(
         # Segment partials of each split GEMM (at least 32-element tiles: SEGMENT is a
         # multiple of any BK), with the configs the call would take (``gemm_configs``).
         cfgs = gemm_configs_for(n, num_experts, h, i, mode, opt)
+        if opt.ordered_for(mode, n, num_experts, h, i, *cfgs):
+            tmp1 += t * h * 2  # FC1's input rows in the unit order (bf16)
         s1, s2 = opt.gemm_splits(n, num_experts, h, i, *cfgs)
         if s1 and h > SEGMENT:
             tmp1 += -(-h // SEGMENT) * n * 2 * i * 4
