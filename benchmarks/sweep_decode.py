@@ -17,7 +17,8 @@ defaults with K segments of N elements, launch.SEGMENT: more or fewer split prog
 other bits, checked against the reference only), c3-famax (the defaults with
 TritonOptions.fused_amax: per-tensor W4A4's second amax in FC1's epilogue; the same bits),
 c3-persist (the defaults with persistent_split: split K over the valid units only),
-c3-ordx (ordered_x: W4A16 activation rows in the unit order), c3-ordx-persist (both).
+c3-ordx (ordered_x: W4A16 activation rows in the unit order), c3-ordx-persist (both),
+c3-blast (blocks_last: split K on a (tiles, segments, blocks) grid).
 """
 
 from __future__ import annotations
@@ -168,6 +169,10 @@ def main() -> None:
                 # W4A16 activation rows in the unit order (ordered_x; the same bits)
                 "c3-ordx": TritonOptions(
                     chunked=3, valid_fraction=p.local_experts / p.experts, ordered_x=True
+                ),
+                # split K with the row blocks last in the 3-D grid (blocks_last; same bits)
+                "c3-blast": TritonOptions(
+                    chunked=3, valid_fraction=p.local_experts / p.experts, blocks_last=True
                 ),
                 "c3-ordx-persist": TritonOptions(
                     chunked=3,

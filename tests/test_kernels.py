@@ -445,13 +445,15 @@ def test_segmented_loop_split_and_in_register_same_bits(interpret, device, mode,
     ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
     outs = []
     a, b = GemmConfig(16, 32, 32, num_stages=1), GemmConfig(16, 64, 32, num_stages=1)
-    # split K on the worst-case 3-D grid, and persistent (the valid units walked by 3
-    # programs, the interpreter's default, or by 1 or 2)
+    # split K on the worst-case 3-D grid, persistent (the valid units walked by 3
+    # programs, the interpreter's default, or by 1 or 2), and row blocks last
     for split, cfg, pp in ((False, a, None), (True, a, 0), (True, a, None), (True, b, None),
                            (True, b, 1), (True, a, 2)):  # fmt: skip
         opt = TritonOptions(fc1=cfg, fc2=cfg, chunked=3, split_k=split, poison=True,
                             persistent_split=pp != 0, persistent_programs=pp or None)  # fmt: skip
         outs.append(moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=opt))
+    blast = TritonOptions(fc1=b, fc2=b, chunked=3, split_k=True, poison=True, blocks_last=True)
+    outs.append(moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=blast))
     fused = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=opt,
                        fused_finalize=True)  # fmt: skip
     assert rel_err(fused, ref) <= TOL[m]
@@ -492,14 +494,16 @@ def test_segmented_loop_gpu(gpu_experts, mode):
 def test_ordered_x_gpu(gpu_experts, shape, t):
     """W4A16 with ordered activation rows (``TritonOptions.ordered_x``) on the H200: the
     bits of the default path (split K at decode sizes, in registers above), fused
-    finalize within tolerance, a poisoned call with no NaN; persistent split too."""
+    finalize within tolerance, a poisoned call with no NaN; persistent split and row
+    blocks last (``blocks_last``) too."""
     e, h, _, k, e_total = GPU_SHAPES[shape]
     experts = gpu_experts(shape)
     x = _x(t, h, seed=t + 3, device="cuda")
     ids, w = _gpu_routes(t, k, e, e_total, seed=t + 3)
     base = moe_triton(x, ids, w, experts, options=TritonOptions(poison=True))
     for opt in (TritonOptions(ordered_x=True, poison=True),
-                TritonOptions(ordered_x=True, persistent_split=True, poison=True)):  # fmt: skip
+                TritonOptions(ordered_x=True, persistent_split=True, poison=True),
+                TritonOptions(blocks_last=True, poison=True)):  # fmt: skip
         assert torch.equal(moe_triton(x, ids, w, experts, options=opt), base)
     fused = moe_triton(x, ids, w, experts, options=TritonOptions(ordered_x=True),
                        fused_finalize=True)  # fmt: skip
@@ -894,9 +898,13 @@ def test_segmented_split_edges(interpret, device, monkeypatch, mode, t, k, e, h,
     outs.append(moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
                            options=TritonOptions(fc1=cfg, fc2=cfg, chunked=3, split_k=True,
                                                  persistent_split=True, poison=True)))  # fmt: skip
+    outs.append(moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                           options=TritonOptions(fc1=cfg, fc2=cfg, chunked=3, split_k=True,
+                                                 blocks_last=True, poison=True)))  # fmt: skip
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(outs[0], outs[2])
     assert torch.equal(outs[0], outs[3])  # split over the valid units only (persistent)
+    assert torch.equal(outs[0], outs[4])  # row blocks last in the split grid
     assert not torch.isnan(outs[0]).any()
     if bool((ids >= 0).any()):
         ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
@@ -1112,7 +1120,9 @@ def test_dense_path_only_for_chunked_loops(interpret, device):
 @pytest.mark.parametrize(
     "kw",
     [dict(dense_above=-1), dict(dense_above=1.5), dict(dense_above=True),
-     dict(valid_fraction=0), dict(valid_fraction=1.5), dict(valid_fraction="1")],
+     dict(valid_fraction=0), dict(valid_fraction=1.5), dict(valid_fraction="1"),
+     dict(persistent_programs=0), dict(persistent_programs=2.0),
+     dict(persistent_programs=True)],
     ids=str,
 )  # fmt: skip
 def test_triton_options_bad_dense_arguments(kw):

@@ -549,6 +549,7 @@ def moe_gemm_kernel(
     PERSISTENT: tl.constexpr = False,
     A_ORDERED: tl.constexpr = False,
     OUT_ORDERED: tl.constexpr = False,
+    BLOCKS_LAST: tl.constexpr = False,
 ):
     if PERSISTENT:
         # Split K over a grid sized for the valid work, not the worst case: the programs
@@ -605,7 +606,10 @@ def moe_gemm_kernel(
         pid_n = (p % (GROUP_M * NT)) // size_m
     else:
         pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
+        if BLOCKS_LAST:  # split K on a (tiles, segments, blocks) grid
+            pid_m = tl.program_id(2)
+        else:
+            pid_m = tl.program_id(1)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -613,8 +617,12 @@ def moe_gemm_kernel(
     if e < 0:
         return
     if SPLIT and CHUNKED == 3:  # one K segment of one tile (program_id 2; 0 if REDUCE_ONLY)
+        if BLOCKS_LAST:
+            s_id = tl.program_id(1)
+        else:
+            s_id = tl.program_id(2)
         _split_unit(
-            pid_m, pid_n, tl.program_id(2), a_ptr, a_scales_ptr, a_global_ptr,
+            pid_m, pid_n, s_id, a_ptr, a_scales_ptr, a_global_ptr,
             sorted_routes_ptr, topk_w_ptr, w_codes_ptr, w_scales_ptr, w_global_ptr, out_ptr,
             out_scales_ptr, out_global_ptr, out_table_ptr, block_expert_ptr, block_start_ptr,
             block_end_ptr, part_ptr, cnt_ptr, ws_rows, amax_ptr, N, K, TOPK, GATED, A_FP4,

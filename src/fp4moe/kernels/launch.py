@@ -172,6 +172,12 @@ class TritonOptions:
         64 tokens 546 -> 521 us) but the reordering kernel costs about 3 us a call, so 1
         token loses (DeepSeek-V3 56.0 -> 58.9 us, Qwen3 33.2 -> 38.0); folding the
         reorder into the sort kernel would remove that cost (not built).
+    blocks_last: split-K GEMMs on the 3-D grid launch (weight tiles, K segments, row
+        blocks) instead of (weight tiles, row blocks, K segments): the hardware hands out
+        programs in that order, so every valid unit comes before the worst-case grid's
+        empty row blocks (the valid blocks come first), which then exit in the tail
+        instead of taking slots among the work. The same units: the same bits. Off until
+        measured (``sweep_decode.py --variants c3 c3-blast``).
     """
 
     pdl: bool | None = None
@@ -190,6 +196,7 @@ class TritonOptions:
     persistent_split: bool = False
     persistent_programs: int | None = None
     ordered_x: bool = False
+    blocks_last: bool = False
 
     def split_for(self, n_routes: int, num_experts: int) -> bool:
         """Whether loop 3 splits K for a call of ``n_routes`` routes over the experts."""
@@ -428,6 +435,7 @@ def _gemm(
     persistent: int = 0,
     a_ordered: bool = False,
     out_ordered: bool = False,
+    blocks_last: bool = False,
 ) -> None:
     """One grouped GEMM. ``out_fp4`` = (scales, globals, static table): ``out`` receives
     NVFP4 codes of the FC1 activation instead of bf16 (static W4A4). ``dense``: decode
@@ -436,7 +444,8 @@ def _gemm(
     into it (bf16 route rows only). ``persistent``: a split GEMM walks the valid units
     with at most this many programs (0: one program a unit of the worst-case grid).
     ``a_ordered``: ``a`` holds bf16 rows in the unit order; ``out_ordered``: write ``out``
-    (bf16 rows) in it (``TritonOptions.ordered_x``)."""
+    (bf16 rows) in it (``TritonOptions.ordered_x``); ``blocks_last``: a split GEMM's 3-D
+    grid is (tiles, segments, blocks) (``TritonOptions.blocks_last``)."""
     a_fp4 = a_scales is not None
     order = k_order(int(chunked), k, cfg.block_k)
     if dense:
@@ -494,9 +503,13 @@ def _gemm(
             if persistent:  # the valid units only, taken by at most `persistent` programs
                 grab = cnt[need - 1 : need]
                 grid = (min(grid[0] * grid[1] * nseg, persistent),)
+            elif blocks_last and not group_m:  # empty row blocks after every valid unit
+                grid = (grid[0], nseg, grid[1])
             else:
+                blocks_last = False
                 grid = (*grid, nseg)
     persistent = bool(persistent) and split and not gluon
+    blocks_last = blocks_last and split and not gluon and not persistent
     args = (
         a, a_scales if a_fp4 else dummy, a_global if a_fp4 else dummy,
         sort.sorted_routes, topk_w,
@@ -514,7 +527,7 @@ def _gemm(
         PREFETCH=cfg.prefetch, OUT_FP4=out_fp4 is not None, CHUNKED=int(chunked),
         SEG_TILES=seg_tiles, SPLIT=split, W_DENSE=dense, GROUP_M=group_m, REDUCE_ONLY=gluon,
         ORDER=order, OUT_AMAX=amax_out is not None, PERSISTENT=persistent,
-        A_ORDERED=a_ordered, OUT_ORDERED=out_ordered,
+        A_ORDERED=a_ordered, OUT_ORDERED=out_ordered, BLOCKS_LAST=blocks_last,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if not interpreting():
@@ -746,6 +759,7 @@ def expert_gemms(
         dense=dense, poison=opt.poison, gluon=opt.gluon_decode,
         counters=counters[0] if counters else None, amax_out=famax,
         persistent=opt.persistent_grid(dev), a_ordered=ordered, out_ordered=ordered,
+        blocks_last=opt.blocks_last,
     )  # fmt: skip
 
     # FC2 input.
@@ -784,7 +798,7 @@ def expert_gemms(
         pdl=pdl, decode_asm=opt.decode_asm, chunked=opt.chunked, split=split2, dense=dense,
         poison=opt.poison, gluon=opt.gluon_decode,
         counters=counters[1] if counters else None, persistent=opt.persistent_grid(dev),
-        a_ordered=ordered,
+        a_ordered=ordered, blocks_last=opt.blocks_last,
     )  # fmt: skip
     return dest
 
