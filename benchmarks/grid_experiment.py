@@ -27,8 +27,7 @@ import json
 
 import torch
 
-import fp4moe
-from fp4moe.bench import PRESETS, make_routes, time_us
+from fp4moe.bench import PRESETS, make_routes, random_experts, time_us
 from fp4moe.kernels.launch import TritonOptions, expert_gemms, gemm_configs, use_pdl
 from fp4moe.kernels.sort import sort_routes
 
@@ -43,10 +42,7 @@ def main() -> None:
     p = PRESETS[a.preset]
     torch.manual_seed(0)
     e = p.local_experts
-    w13 = torch.randn(e, 2 * p.inter, p.hidden, device="cuda", dtype=torch.bfloat16) * 0.02
-    w2 = torch.randn(e, p.hidden, p.inter, device="cuda", dtype=torch.bfloat16) * 0.02
-    ex = fp4moe.prepare_experts(w13, w2)
-    del w13, w2
+    ex = random_experts(p)
     opt_p = TritonOptions(valid_fraction=p.local_experts / p.experts)
     opt = TritonOptions(valid_fraction=p.local_experts / p.experts, persistent_split=False)
     rows = []

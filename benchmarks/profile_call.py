@@ -13,8 +13,7 @@ import argparse
 
 import torch
 
-import fp4moe
-from fp4moe.bench import MODES, PRESETS, make_routes
+from fp4moe.bench import MODES, PRESETS, make_routes, random_experts
 from fp4moe.kernels.launch import TritonOptions, moe_triton
 
 p = argparse.ArgumentParser()
@@ -28,11 +27,7 @@ p.add_argument("--no-dense", action="store_true")
 a = p.parse_args()
 pr = PRESETS[a.preset]
 torch.manual_seed(0)
-e = pr.local_experts
-w13 = torch.randn(e, 2 * pr.inter, pr.hidden, device="cuda", dtype=torch.bfloat16) * 0.02
-w2 = torch.randn(e, pr.hidden, pr.inter, device="cuda", dtype=torch.bfloat16) * 0.02
-s = torch.full((e,), 4.0 / 2688, device="cuda")
-ex = fp4moe.prepare_experts(w13, w2, a13_scale=s, a2_scale=s * 0.1)
+ex = random_experts(pr)
 x = torch.randn(a.tokens, pr.hidden, device="cuda").to(torch.bfloat16)
 ids, w = make_routes(pr, a.tokens, a.tokens, "cuda")
 m, sc = MODES[a.mode]

@@ -28,8 +28,7 @@ import json
 
 import torch
 
-import fp4moe
-from fp4moe.bench import MODES, PRESETS, card_ceilings, make_routes, time_us
+from fp4moe.bench import MODES, PRESETS, card_ceilings, make_routes, random_experts, time_us
 from fp4moe.kernels import launch
 from fp4moe.kernels.gemm import GemmConfig
 from fp4moe.kernels.launch import TritonOptions, moe_triton
@@ -135,10 +134,7 @@ def main() -> None:
     p = PRESETS[a.preset]
     torch.manual_seed(0)
     e = p.local_experts
-    w13 = torch.randn(e, 2 * p.inter, p.hidden, device="cuda", dtype=torch.bfloat16) * 0.02
-    w2 = torch.randn(e, p.hidden, p.inter, device="cuda", dtype=torch.bfloat16) * 0.02
-    ex = fp4moe.prepare_experts(w13, w2)
-    del w13, w2
+    ex = random_experts(p)
     per_expert = ex.nbytes() / e
     rows = []
     for t in a.tokens:

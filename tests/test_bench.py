@@ -81,3 +81,21 @@ def test_dense_above_flag():
     assert p.parse_args(["--dense-above", "off"]).dense_above == "off"
     with pytest.raises(SystemExit):  # argparse names the argument
         p.parse_args(["--dense-above", "-1"])
+
+
+def test_random_experts_seeded_and_static_scales():
+    """The benchmarks' experts: the preset's local experts, the same weights for the same
+    seed, the static W4A4 globals set (so every mode runs on them)."""
+    import dataclasses
+
+    import torch
+
+    p = dataclasses.replace(bench.PRESETS["qwen3-30b-a3b"], hidden=64, inter=32, local_experts=3)
+    torch.manual_seed(5)
+    a = bench.random_experts(p, device="cpu")
+    torch.manual_seed(5)
+    b = bench.random_experts(p, device="cpu")
+    assert (a.num_experts, a.hidden_size, a.intermediate_size) == (3, 64, 32)
+    assert torch.equal(a.w13_codes, b.w13_codes) and torch.equal(a.w2_scales, b.w2_scales)
+    assert a.a13_scale is not None and a.a2_scale is not None
+    assert torch.allclose(a.a2_scale, a.a13_scale * 0.1)

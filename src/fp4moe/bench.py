@@ -266,6 +266,19 @@ def resolve_preset(args: argparse.Namespace) -> Preset:
     return p
 
 
+def random_experts(p: Preset, device: str = "cuda"):
+    """The preset's local experts from random bf16 weights (std 0.02, drawn from torch's
+    global generator: seed it first), prepared, with static W4A4 globals of 4 / 2688 (FC1
+    input) and 0.4 / 2688 (FC2 input)."""
+    import fp4moe
+
+    e = p.local_experts
+    w13 = torch.randn(e, 2 * p.inter, p.hidden, device=device, dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(e, p.hidden, p.inter, device=device, dtype=torch.bfloat16) * 0.02
+    static = torch.full((e,), 4.0 / 2688, device=device)
+    return fp4moe.prepare_experts(w13, w2, a13_scale=static, a2_scale=static * 0.1)
+
+
 def make_routes(p: Preset, t: int, seed: int, device: str):
     """Router logits from random tokens through the preset's routing; other ranks' experts
     masked (this rank holds experts 0 .. local_experts-1)."""
@@ -306,11 +319,7 @@ def run(args: argparse.Namespace) -> dict:
     ceil = card_ceilings()
     torch.manual_seed(args.seed)
     e = p.local_experts
-    w13 = torch.randn(e, 2 * p.inter, p.hidden, device="cuda", dtype=torch.bfloat16) * 0.02
-    w2 = torch.randn(e, p.hidden, p.inter, device="cuda", dtype=torch.bfloat16) * 0.02
-    static = torch.full((e,), 4.0 / 2688, device="cuda")
-    experts = fp4moe.prepare_experts(w13, w2, a13_scale=static, a2_scale=static * 0.1)
-    del w13, w2
+    experts = random_experts(p)
     copies = [experts]
     if args.cold_l2:
         l2 = torch.cuda.get_device_properties(0).L2_cache_size
