@@ -822,11 +822,13 @@ def test_ordered_x_same_bits(interpret, device, monkeypatch, split, fused, t, ma
     x = _x(t, h, seed=81 + t, device=device)
     ids, w = _routes(t, k, e, seed=81 + t, device=device, masked=masked)
     cfg = GemmConfig(16, 64, 64, num_stages=1)
-    opts = [TritonOptions(fc1=cfg, fc2=cfg, split_k=split, poison=True, ordered_x=o)
-            for o in (False, True)]  # fmt: skip
+    opts = [TritonOptions(fc1=cfg, fc2=cfg, split_k=split, poison=True, ordered_x=o,
+                          ordered_in_sort=in_sort)
+            for o, in_sort in ((False, True), (True, True), (True, False))]  # fmt: skip
     assert opts[1].ordered_for("w4a16", t * k, e, h, i, cfg, cfg)
     outs = [moe_triton(x, ids, w, experts, options=o, fused_finalize=fused) for o in opts]
     assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[2])  # the reorder kernel instead of the sort kernel
     if not fused:
         assert not torch.isnan(outs[1]).any()
     on = opts[1]
@@ -1003,6 +1005,33 @@ def test_dense_weights_match_reference(interpret, device, order):
         dense_weights(ex.w13_codes, ex.w13_scales, order=order).float(),
         dense_weights_reference(ex.w13_codes, ex.w13_scales, order),
     )
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("t,h", [(1, 128), (5, 320), (3, 2048)])
+def test_sort_writes_x_in_unit_order(interpret, device, t, h):
+    """``sort_routes(x=...)``: the sort kernel also writes x with each 64 elements in the
+    GEMMs' unit order, the values of ``dense_rows(order=64)``; the routes and schedule as
+    without x; the torch path leaves it None."""
+    from fp4moe.kernels.dequant import dense_rows
+
+    ids, _ = _routes(t, 2, 4, seed=t, device=device, masked=0.2)
+    x = _x(t, h, seed=t, device=device)
+    s = sort_routes(ids, 4, 16, use_kernel=True, x=x)
+    assert s.x_ordered.dtype == torch.bfloat16
+    assert torch.equal(s.x_ordered.float(), dense_rows(x, order=64).float())
+    plain = sort_routes(ids, 4, 16, use_kernel=True)
+    for f in ("sorted_routes", "block_expert", "block_start", "block_end", "valid_blocks"):
+        assert torch.equal(getattr(s, f), getattr(plain, f))
+    assert sort_routes(ids, 4, 16, use_kernel=False, x=x).x_ordered is None
+
+
+def test_sort_x_bad_input():
+    ids = torch.zeros(3, 2, dtype=torch.int32)
+    for bad in (torch.zeros(3, 96, dtype=torch.bfloat16), torch.zeros(2, 128, dtype=torch.bfloat16),
+                torch.zeros(3, 128), torch.zeros(3, 2, 64, dtype=torch.bfloat16)):  # fmt: skip
+        with pytest.raises(ValueError, match="x:"):
+            sort_routes(ids, 4, 16, x=bad)
 
 
 def test_sort_zero_bad_input():

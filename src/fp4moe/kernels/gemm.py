@@ -568,9 +568,9 @@ def moe_gemm_kernel(
         # Program p runs unit p; when there are more units than programs, the rest are
         # taken from a counter (zero at the call's start), so a program that finishes
         # early takes the next one, as the hardware hands out a grid's programs (a fixed
-        # share a program lost 2% to 5% at 32 tokens on the H200; an atomic take before
-        # the first unit cost 4 us at 1 token). Then each program ends on one failed
-        # take; the last of those (P of them) puts the counter back to 0.
+        # share a program lost 15% at 32 tokens on the H200: docs/perf-notes.md, session
+        # 8 item 4). Then each program ends on one failed take; the last of those (P of
+        # them) puts the counter back to 0.
         nprog = tl.num_programs(0)
         u = tl.program_id(0)
         while u < total:  # (a `for` over a loaded bound fails in the interpreter)

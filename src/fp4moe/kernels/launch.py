@@ -151,9 +151,10 @@ class TritonOptions:
         others stay on loop 3) and a CUDA device (Gluon has no interpreter).
     persistent_split: split-K GEMMs launch a grid sized for the valid work: the programs
         take the units (K segment, row block, weight tile) of the valid row blocks, whose
-        count the sort leaves on the device (``RouteSort.valid_blocks``), one at a time
-        from an atomic counter, instead of a 3-D grid over the host's worst-case row
-        blocks where most programs only exit.
+        count the sort leaves on the device (``RouteSort.valid_blocks``): program p unit
+        p, then, when the units outnumber the programs, one at a time from an atomic
+        counter; instead of a 3-D grid over the host's worst-case row blocks where most
+        programs only exit.
         The same units and sums: the same bits. Off: on the H200 (session 8,
         docs/perf-notes.md) the empty programs of 16 tokens' GEMMs cost 10 us of 73
         (DeepSeek-V3 EP8; ``benchmarks/grid_experiment.py``) and this takes 4 to 5 us off
@@ -170,8 +171,12 @@ class TritonOptions:
         epilogue (``OUT_ORDERED``). The same operands in the same order: the same bits.
         Off: on the H200 (session 8) the GEMMs gain 2% to 5% from 16 tokens on (Mixtral
         64 tokens 546 -> 521 us) but the reordering kernel costs about 3 us a call, so 1
-        token loses (DeepSeek-V3 56.0 -> 58.9 us, Qwen3 33.2 -> 38.0); folding the
-        reorder into the sort kernel would remove that cost (not built).
+        token loses (DeepSeek-V3 56.0 -> 58.9 us, Qwen3 33.2 -> 38.0). Since then the
+        sort kernel writes the reordered rows (``ordered_in_sort``, below), which takes
+        that kernel away: not yet measured.
+    ordered_in_sort: with ``ordered_x``, the Triton sort kernel (up to ``SMALL_ROUTES``
+        routes) writes FC1's reordered input (``sort_routes(x=...)``) instead of a
+        reorder kernel of its own; False: the reorder kernel (as measured in session 8).
     blocks_last: split-K GEMMs on the 3-D grid launch (weight tiles, K segments, row
         blocks) instead of (weight tiles, row blocks, K segments): the hardware hands out
         programs in that order, so every valid unit comes before the worst-case grid's
@@ -196,6 +201,7 @@ class TritonOptions:
     persistent_split: bool = False
     persistent_programs: int | None = None
     ordered_x: bool = False
+    ordered_in_sort: bool = True
     blocks_last: bool = False
 
     def split_for(self, n_routes: int, num_experts: int) -> bool:
@@ -547,8 +553,9 @@ def _grid_kernel_registers(args: tuple, kw: dict) -> int | None:
     """Registers of the split GEMM launched on the 3-D grid, for the same arguments: the
     cap for its persistent twin. The persistent loop keeps the epilogue's loop invariants
     live across the main loop (FC1 of DeepSeek-V3 at (16, 64, 128): 128 registers against
-    88, so 4 programs an SM instead of 5); capped at 88, ptxas rematerializes them with no
-    spill and the same main loop (``sass_report.py --split --persistent --maxnreg 88``).
+    88, so 4 programs an SM instead of 5); capped at 88, ptxas rematerializes them with the
+    same main loop (``sass_report.py --split --persistent --maxnreg 88``: no spill; on the
+    H200, 6 and 8 bytes of spill for FC1 and FC2).
     One compile a specialization, cached; None if Triton's API for it fails."""
     key = (
         tuple(str(x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__ for x in args),
@@ -700,6 +707,7 @@ def expert_gemms(
     pdl: bool = False,
     counters: tuple[torch.Tensor, torch.Tensor] | None = None,
     amax_zero: torch.Tensor | None = None,
+    a_unit_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The expert work of a call, on routes already sorted (``sort``): FC1 with SwiGLU,
     for W4A4 the quantization of FC1's output, and FC2.
@@ -718,6 +726,9 @@ def expert_gemms(
             ``sort_routes(zero=...)``; None: each split GEMM zeroes its own.
         amax_zero: fp32 [1] zero for the fused per-tensor amax (``split_counters(amax=...)``),
             used when ``options.amax_in_fc1``; None: a zeroed tensor of its own.
+        a_unit_order: ``a`` (bf16) with each 64 elements in the unit order, e.g. the sort
+            kernel's ``x_ordered``; used when ``options.ordered_x`` applies (else ``a`` is
+            reordered here, one more kernel).
 
     Returns:
         bf16 [T * topk, H] route rows in sorted order (rows past the valid count
@@ -747,7 +758,10 @@ def expert_gemms(
         act = _empty((n_routes, inter), torch.bfloat16, dev, opt.poison)
     ordered = opt.ordered_for(mode, n_routes, e_count, h, inter, cfg1, cfg2)
     if ordered:  # FC1's input rows in the unit order, once (FC2's: FC1 writes them so)
-        a = dense_rows(a, None, decode_asm=opt.decode_asm, poison=opt.poison, order=64)
+        if a_unit_order is not None:
+            a = a_unit_order
+        else:
+            a = dense_rows(a, None, decode_asm=opt.decode_asm, poison=opt.poison, order=64)
     famax = None
     if opt.amax_in_fc1(mode, act_scale):
         famax = amax_zero if amax_zero is not None else torch.zeros(1, device=dev)
@@ -835,7 +849,12 @@ def moe_triton(
     zero, counters, amax_zero = split_counters(
         n_routes, experts, cfg1, cfg2, opt, dev, amax=opt.amax_in_fc1(mode, act_scale)
     )
-    sort = sort_routes(ids, e_count, cfg1.block_m, zero=zero)
+    # ordered_x: the sort kernel also writes x in the GEMMs' unit order (no launch of its own)
+    ordered = (
+        opt.ordered_for(mode, n_routes, e_count, h, experts.intermediate_size, cfg1, cfg2)
+        and opt.ordered_in_sort
+    )
+    sort = sort_routes(ids, e_count, cfg1.block_m, zero=zero, x=x if ordered else None)
     n_valid = sort.expert_offsets[e_count:]  # device scalar: rows in sorted order
 
     # FC1 input.
@@ -865,6 +884,7 @@ def moe_triton(
         sort, a_src, a_scales, a_global, experts, cfg1=cfg1, cfg2=cfg2, mode=mode,
         act_scale=act_scale, topk=topk, a_gather=a_gather, route_weights=w_flat,
         fused_into=fused, options=opt, pdl=pdl, counters=counters, amax_zero=amax_zero,
+        a_unit_order=sort.x_ordered,
     )  # fmt: skip
     if fused_finalize:
         return dest.to(torch.bfloat16)

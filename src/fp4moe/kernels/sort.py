@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemm import order_rows
+
 __all__ = ["SMALL_ROUTES", "RouteSort", "max_blocks", "sort_routes", "sort_routes_reference"]
 
 SMALL_ROUTES = 1024  # up to this many routes (T*K) one Triton launch sorts them
@@ -52,6 +54,7 @@ class RouteSort:
     sorted_expert: torch.Tensor  # int32 [T*K]: expert of each sorted row (0 past n_valid)
     valid_blocks: torch.Tensor  # int32 [1]: blocks with rows (they come first)
     block_m: int
+    x_ordered: torch.Tensor | None = None  # bf16 [T, H]: sort_routes(x=...) in the unit order
 
     @property
     def num_blocks(self) -> int:
@@ -69,6 +72,7 @@ def sort_routes(
     *,
     use_kernel: bool | None = None,
     zero: torch.Tensor | None = None,
+    x: torch.Tensor | None = None,
 ) -> RouteSort:
     """Sort routes by expert and build the tile schedule (see module docstring).
 
@@ -80,6 +84,11 @@ def sort_routes(
         zero: int32 [.] set to 0 on the way (the split GEMMs' tile counters): the sort
             kernel zeroes it, so a CUDA graph of the call has no memset node between
             kernels (which would stand between programmatic dependent launches).
+        x: bf16 [T, H] (64 | H) or None: the sort kernel also writes ``x_ordered``, the
+            rows of x with each 64 elements in the GEMMs' unit order (``gemm.order_rows``;
+            ``TritonOptions.ordered_x``), so that costs no launch of its own. Only the
+            Triton sort does (up to ``SMALL_ROUTES`` routes); the torch path leaves
+            ``x_ordered`` None.
     """
     import os
 
@@ -91,11 +100,22 @@ def sort_routes(
             f"{zero.dtype} on {zero.device}"
         )
     n = topk_ids.numel()
+    if x is not None and (
+        x.dtype != torch.bfloat16
+        or x.dim() != 2
+        or x.shape[0] != topk_ids.shape[0]
+        or x.shape[1] % 64
+        or x.device != topk_ids.device
+    ):
+        raise ValueError(
+            f"x: expected bf16 [{topk_ids.shape[0]}, H] with 64 | H on {topk_ids.device}, got "
+            f"{x.dtype} {list(x.shape)} on {x.device}"
+        )
     if use_kernel is None:
         kernel_ok = topk_ids.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
         use_kernel = kernel_ok and 0 < n <= SMALL_ROUTES
     if use_kernel:
-        return _sort_routes_triton(topk_ids, num_experts, block_m, zero)
+        return _sort_routes_triton(topk_ids, num_experts, block_m, zero, x)
     if zero is not None:
         zero.zero_()
     return _sort_routes_torch(topk_ids, num_experts, block_m)
@@ -161,6 +181,9 @@ def sort_routes_kernel(
     block_end_ptr,  # int32 [NB]
     valid_blocks_ptr,  # int32 [1]
     zero_ptr,  # int32 [NZ]: set to 0
+    x_ptr,  # bf16 [T, H] (H > 0)
+    xo_ptr,  # bf16 [T, H]: x in the unit order (H > 0)
+    T,
     N,
     NB,
     NZ,
@@ -171,6 +194,8 @@ def sort_routes_kernel(
     BM: tl.constexpr,
     CHUNK: tl.constexpr,
     ZB: tl.constexpr,  # power of two >= ZPER
+    H: tl.constexpr = 0,  # x's width (0: no x to reorder)
+    XB: tl.constexpr = 64,  # x elements a step, a power of two >= 64
 ):
     """Program p places routes [p*CHUNK, (p+1)*CHUNK) and writes blocks [p*CHUNK, ...).
 
@@ -180,6 +205,17 @@ def sort_routes_kernel(
     zr = tl.arange(0, ZB)  # this program's share of zero_ptr
     zmask = (zr < ZPER) & (pid * ZPER + zr < NZ)
     tl.store(zero_ptr + pid * ZPER + zr, tl.zeros_like(zr), mask=zmask)
+    if H > 0:  # rows pid, pid + programs, ... of x in the unit order (a copy, no arithmetic)
+        xc = tl.arange(0, XB)
+        r = pid
+        while r < T:  # (a `for` over a runtime bound is fussy in the interpreter)
+            base = r.to(tl.int64) * H
+            for c0 in range(0, H, XB):
+                xm = c0 + xc < H  # whole 64-element groups (64 | H)
+                v = tl.load(x_ptr + base + c0 + xc, mask=xm, other=0.0)
+                v = tl.reshape(order_rows(tl.reshape(v, (1, XB)), 1, XB, 64), (XB,))
+                tl.store(xo_ptr + base + c0 + xc, v, mask=xm)
+            r += tl.num_programs(0)
     r = tl.arange(0, NP)
     ids = tl.load(ids_ptr + r, mask=r < N, other=-1)
     key = tl.where(ids < 0, E, ids)
@@ -218,7 +254,11 @@ def sort_routes_kernel(
 
 
 def _sort_routes_triton(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, zero: torch.Tensor | None = None
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    zero: torch.Tensor | None = None,
+    x: torch.Tensor | None = None,
 ) -> RouteSort:
     dev = topk_ids.device
     n = topk_ids.numel()
@@ -237,16 +277,22 @@ def _sort_routes_triton(
     grid = triton.cdiv(max(n, nb), chunk)
     nz = 0 if zero is None else zero.numel()
     zper = triton.cdiv(nz, grid)
+    h = 0 if x is None else x.shape[1]
+    x = None if x is None else x.contiguous()
+    xo = None if x is None else torch.empty_like(x)
     sort_routes_kernel[(grid,)](
         topk_ids.contiguous(), out["sorted_routes"], out["route_pos"], out["sorted_expert"],
         out["expert_counts"], out["expert_offsets"],
         out["block_expert"], out["block_start"], out["block_end"], out["valid_blocks"],
-        zero if zero is not None else out["block_end"], n, nb, nz, zper,
+        zero if zero is not None else out["block_end"],
+        x if x is not None else out["block_end"], xo if xo is not None else out["block_end"],
+        topk_ids.shape[0], n, nb, nz, zper,
         E=num_experts, EP=triton.next_power_of_2(num_experts + 1),
         NP=triton.next_power_of_2(n), BM=block_m, CHUNK=chunk,
-        ZB=triton.next_power_of_2(max(zper, 1)), num_warps=4,
+        ZB=triton.next_power_of_2(max(zper, 1)), H=h,
+        XB=min(1024, triton.next_power_of_2(max(h, 64))), num_warps=4,
     )  # fmt: skip
-    return RouteSort(block_m=block_m, **out)
+    return RouteSort(block_m=block_m, x_ordered=xo, **out)
 
 
 def sort_routes_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> dict:
