@@ -167,8 +167,9 @@ class TritonOptions:
         not ``gluon_decode``): the GEMMs load activation rows already in that order, so
         the A operand goes from global to shared memory to the wgmma with no register
         permutation, shared-memory round trip or fence each K tile. FC1's input is put in
-        that order once a call (``dequant.dense_rows``), FC2's is written so by FC1's
-        epilogue (``OUT_ORDERED``). The same operands in the same order: the same bits.
+        that order once a call (by the sort kernel, ``ordered_in_sort``, or else by
+        ``dequant.dense_rows``), FC2's is written so by FC1's epilogue (``OUT_ORDERED``).
+        The same operands in the same order: the same bits.
         Off: on the H200 (session 8) the GEMMs gain 2% to 5% from 16 tokens on (Mixtral
         64 tokens 546 -> 521 us) but the reordering kernel costs about 3 us a call, so 1
         token loses (DeepSeek-V3 56.0 -> 58.9 us, Qwen3 33.2 -> 38.0). Since then the
