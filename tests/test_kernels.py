@@ -805,12 +805,14 @@ def test_persistent_split_leaves_counters_zero(interpret, device, monkeypatch, p
 @pytest.mark.kernel
 @pytest.mark.parametrize("split", [True, False], ids=["split", "in-register"])
 @pytest.mark.parametrize("fused", [False, True], ids=["rows", "fused"])
-@pytest.mark.parametrize("t,masked", [(9, 0.3), (1, 0.0), (4, 1.0)])
-def test_ordered_x_same_bits(interpret, device, monkeypatch, split, fused, t, masked):
+@pytest.mark.parametrize("t,masked,one", [(9, 0.3, None), (1, 0.0, None), (4, 1.0, None),
+                                          (0, 0.0, None), (6, 0.0, 2)])  # fmt: skip
+def test_ordered_x_same_bits(interpret, device, monkeypatch, split, fused, t, masked, one):
     """W4A16 with the activation rows in the unit order (``TritonOptions.ordered_x``: FC1's
     input reordered once, FC2's written so by FC1's epilogue) gives the bits of the
     register permutation, split K or not, fused finalize or not, with poisoned
-    workspaces; and the option applies only where it can."""
+    workspaces, at T 0 and 1, all routes masked and all on one expert (the others
+    empty); and the option applies only where it can."""
     if device != "cpu":
         pytest.skip("interpreter case; test_ordered_x_gpu runs it on the GPU")
     from fp4moe.kernels import launch
@@ -820,7 +822,7 @@ def test_ordered_x_same_bits(interpret, device, monkeypatch, split, fused, t, ma
     e, h, i, k = 4, 128, 192, 2
     experts = _experts(e, h, i, seed=81, device=device)
     x = _x(t, h, seed=81 + t, device=device)
-    ids, w = _routes(t, k, e, seed=81 + t, device=device, masked=masked)
+    ids, w = _routes(t, k, e, seed=81 + t, device=device, masked=masked, one_expert=one)
     cfg = GemmConfig(16, 64, 64, num_stages=1)
     opts = [TritonOptions(fc1=cfg, fc2=cfg, split_k=split, poison=True, ordered_x=o,
                           ordered_in_sort=in_sort)
@@ -831,13 +833,14 @@ def test_ordered_x_same_bits(interpret, device, monkeypatch, split, fused, t, ma
     assert torch.equal(outs[0], outs[2])  # the reorder kernel instead of the sort kernel
     if not fused:
         assert not torch.isnan(outs[1]).any()
-    on = opts[1]
-    assert not on.ordered_for("w4a4", t * k, e, h, i, cfg, cfg)  # decoded activations
-    assert not on.ordered_for("w4a16", t * k, e, h, 160, cfg, cfg)  # 64 does not divide I
+    on, nr = opts[1], 18  # where the option applies (routes > 0, so the dense path can)
+    assert on.ordered_for("w4a16", nr, e, h, i, cfg, cfg)
+    assert not on.ordered_for("w4a4", nr, e, h, i, cfg, cfg)  # decoded activations
+    assert not on.ordered_for("w4a16", nr, e, h, 160, cfg, cfg)  # 64 does not divide I
     c32 = GemmConfig(16, 64, 32, num_stages=1)
-    assert not on.ordered_for("w4a16", t * k, e, h, i, c32, cfg)  # the chunk order
+    assert not on.ordered_for("w4a16", nr, e, h, i, c32, cfg)  # the chunk order
     dense = TritonOptions(fc1=cfg, fc2=cfg, ordered_x=True, dense_above=0)
-    assert not dense.ordered_for("w4a16", t * k, e, h, i, cfg, cfg)
+    assert not dense.ordered_for("w4a16", nr, e, h, i, cfg, cfg)
 
 
 @pytest.mark.parametrize("loop", [0, 2, 3])

@@ -489,6 +489,10 @@ def _gemm(
     split = split and nseg > 1
     part, cnt, ws_rows, grab = dummy, dummy, 0, dummy
     gluon = gluon and split and gluon_applies(k, a_fp4, cfg)
+    # the split grid: persistent (at most `programs` programs), blocks last, or 3-D
+    programs = persistent if split and not gluon else 0
+    persistent = programs > 0
+    blocks_last = blocks_last and split and not gluon and not persistent and not group_m
     if split:  # one program a K segment; fp32 partials, summed by the last one of a tile
         ws_rows = sort.sorted_routes.shape[0]
         part = torch.empty(nseg * ws_rows * (2 * n if gated else n), dtype=torch.float32,
@@ -503,20 +507,17 @@ def _gemm(
             )  # fmt: skip
         else:  # tile counters: zeroed by the sort kernel (``counters``) or here
             # (persistent: one more, the unit counter, after the tile counters)
-            need = grid[0] * grid[1] + (1 if persistent else 0)
+            need = grid[0] * grid[1] + int(persistent)
             cnt = counters
             if cnt is None or cnt.numel() < need:
                 cnt = torch.zeros(need, dtype=torch.int32, device=a.device)
             if persistent:  # the valid units only, taken by at most `persistent` programs
                 grab = cnt[need - 1 : need]
-                grid = (min(grid[0] * grid[1] * nseg, persistent),)
-            elif blocks_last and not group_m:  # empty row blocks after every valid unit
+                grid = (min(grid[0] * grid[1] * nseg, programs),)
+            elif blocks_last:  # empty row blocks after every valid unit
                 grid = (grid[0], nseg, grid[1])
             else:
-                blocks_last = False
                 grid = (*grid, nseg)
-    persistent = bool(persistent) and split and not gluon
-    blocks_last = blocks_last and split and not gluon and not persistent
     args = (
         a, a_scales if a_fp4 else dummy, a_global if a_fp4 else dummy,
         sort.sorted_routes, topk_w,
@@ -763,6 +764,7 @@ def expert_gemms(
             a = a_unit_order
         else:
             a = dense_rows(a, None, decode_asm=opt.decode_asm, poison=opt.poison, order=64)
+    programs = opt.persistent_grid(dev)  # persistent split GEMMs' size (0: off)
     famax = None
     if opt.amax_in_fc1(mode, act_scale):
         famax = amax_zero if amax_zero is not None else torch.zeros(1, device=dev)
@@ -773,7 +775,7 @@ def expert_gemms(
         decode_asm=opt.decode_asm, out_fp4=out_fp4, chunked=opt.chunked, split=split1,
         dense=dense, poison=opt.poison, gluon=opt.gluon_decode,
         counters=counters[0] if counters else None, amax_out=famax,
-        persistent=opt.persistent_grid(dev), a_ordered=ordered, out_ordered=ordered,
+        persistent=programs, a_ordered=ordered, out_ordered=ordered,
         blocks_last=opt.blocks_last,
     )  # fmt: skip
 
@@ -812,7 +814,7 @@ def expert_gemms(
         n=h, k=inter, topk=topk, gated=False, a_gather=False, fused=fused_into is not None,
         pdl=pdl, decode_asm=opt.decode_asm, chunked=opt.chunked, split=split2, dense=dense,
         poison=opt.poison, gluon=opt.gluon_decode,
-        counters=counters[1] if counters else None, persistent=opt.persistent_grid(dev),
+        counters=counters[1] if counters else None, persistent=programs,
         a_ordered=ordered, blocks_last=opt.blocks_last,
     )  # fmt: skip
     return dest
