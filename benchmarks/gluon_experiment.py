@@ -6,7 +6,8 @@ DeepSeek-V3 EP8 shapes and routes of ``fp4moe bench``, W4A16. For each token cou
 each GEMM (FC1 gathered and gated, FC2 on sorted rows) with 8- and 16-row tiles, loop 3's
 split GEMM against the Gluon partials plus the split kernel's sum and epilogue
 (``TritonOptions.gluon_decode``), bitwise compared and timed with CUDA events over
-CUDA-graph replays; then the whole call both ways.
+CUDA-graph replays; then the whole call both ways. ``--kernel tma``: the partials of
+``gluon_ws.tma_split_kernel`` (the segment's weights fetched by TMA up front).
 """
 
 from __future__ import annotations
@@ -53,8 +54,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--out", default=None)
     p.add_argument("--async-wgmma", action="store_true", help="gluon_decode.ASYNC_WGMMA")
+    p.add_argument("--kernel", choices=("pointer", "tma"), default="pointer",
+                   help="gluon_decode.KERNEL: the partials kernel (tma: gluon_ws)")  # fmt: skip
     a = p.parse_args()
     gluon_decode.ASYNC_WGMMA = a.async_wgmma
+    gluon_decode.KERNEL = a.kernel
     pr = PRESETS["deepseek-v3-ep8"]
     dev = "cuda"
     torch.manual_seed(0)

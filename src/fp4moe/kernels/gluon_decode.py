@@ -38,6 +38,10 @@ from .common import compile_sm90 as common_compile_sm90
 from .gemm import _CHUNK_DECODE_ASM
 
 ASYNC_WGMMA = False  # split_partials' default for the asynchronous main loop
+# split_partials' kernel: "pointer" (gluon_split_kernel: the codes loaded from global memory
+# two units ahead) or "tma" (gluon_ws.tma_split_kernel: the segment's weights fetched by TMA
+# at the program's start); the same bits
+KERNEL = "pointer"
 UNIT = gl.constexpr(64)  # K elements a main-loop step (two chunks, four k16 wgmma steps)
 
 
@@ -265,6 +269,17 @@ def split_partials(
     k = x.shape[1]
     if asynchronous is None:
         asynchronous = ASYNC_WGMMA
+    if KERNEL == "tma":
+        from .gluon_ws import split_partials_tma
+
+        split_partials_tma(
+            x, sorted_routes, codes, scales, block_expert, block_start, block_end, part,
+            n=n, topk=topk, gated=gated, gather=gather, block_m=block_m, ws_rows=ws_rows,
+            seg=seg, asynchronous=asynchronous,
+        )  # fmt: skip
+        return
+    if KERNEL != "pointer":
+        raise ValueError(f"gluon_decode.KERNEL: expected 'pointer' or 'tma', got {KERNEL!r}")
     if k % seg or block_m not in (8, 16):
         raise ValueError(f"split_partials: needs K % {seg} == 0 and block_m 8 or 16")
     grid = (triton.cdiv(n, 64), block_expert.numel(), k // seg)

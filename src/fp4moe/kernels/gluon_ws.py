@@ -1,0 +1,258 @@
+"""Loop 3's split-K segment partials in Gluon, with the whole segment's weights fetched by
+TMA at the program's start. Off by default (``gluon_decode.KERNEL = "tma"``).
+
+Session 8's stall counts (docs/perf-notes.md) put the decode-size GEMMs' time in waits on
+global loads and barriers: each program is a chain of (load a K tile, decode, wgmma, wait)
+with two or three tiles in flight. Here the program's one elected thread issues every
+TMA copy of its segment before anything else (codes as [64 rows, 32 bytes] boxes, one a
+64-element unit; scales as [64, 16] boxes, one a stage of four units), each stage
+signalling its own mbarrier; the activation tile is staged while the copies fly, and the
+decode of stage s waits only for stage s. A [64 rows, 1024 K] segment of both gate and
+up weights is 72 KB in flight a program, against about 8 KB for loop 3's pipeliner.
+
+Same operands, order and sums as ``gluon_decode.gluon_split_kernel`` (and loop 3's split
+programs): the same bits. The codes go from shared memory straight into ``_CL``, the
+layout ``gluon_decode`` loads them in from global memory (a warp reads 8 rows of 32 bytes:
+256 contiguous bytes, no bank conflict).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .gluon_decode import _CL, _L3, UNIT, _decode_unit
+
+STAGE = 256  # K elements a stage (four units; the scales' TMA box is 16 bytes wide)
+# TMA destinations, unswizzled: a [64, 32] code box is 64 rows of 32 bytes
+CODE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+SCALE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+
+
+@gluon.jit
+def _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row, k0, st: gl.constexpr, w: gl.constexpr,
+                 NS: gl.constexpr):  # fmt: skip
+    """TMA copies of stage ``st`` (four code boxes, one scale box) of weight ``w`` (0 gate,
+    1 up) into their buffers, completing on ``bar``."""
+    for j in gl.static_range(4):
+        kk = k0 + st * 256 + j * UNIT
+        tma.async_copy_global_to_shared(c_desc, [row, kk // 2], bar,
+                                        cbuf.index((w * NS + st) * 4 + j))  # fmt: skip
+    tma.async_copy_global_to_shared(s_desc, [row, (k0 + st * 256) // 16], bar,
+                                    sbuf.index(w * NS + st))  # fmt: skip
+
+
+@gluon.jit
+def _smem_unit(cbuf, sbuf, st: gl.constexpr, j: gl.constexpr, w: gl.constexpr,
+               NS: gl.constexpr):  # fmt: skip
+    """Unit ``j`` of stage ``st`` of weight ``w`` from shared memory: codes [64, 4, 8] in
+    ``_L3`` and e4m3 scales [64, 4] in its slice, as ``gluon_decode._load_unit`` gives."""
+    codes = cbuf.index((w * NS + st) * 4 + j).load(_CL)
+    codes = gl.convert_layout(gl.reshape(codes, [64, 4, 8]), _L3, assert_trivial=True)
+    SL: gl.constexpr = gl.SliceLayout(2, _L3)
+    sc = sbuf.index(w * NS + st).slice(4 * j, 4, dim=1).load(SL)
+    return codes, sc.to(gl.float8e4nv, bitcast=True)
+
+
+@gluon.jit
+def tma_split_kernel(
+    x_ptr,  # bf16 [rows, K]: FC1 the tokens (gathered by route // TOPK), FC2 sorted rows
+    sorted_routes_ptr,  # int32 [T*TOPK]
+    c_desc,  # TMA descriptor: uint8 [E * W_ROWS, K/2] codes, box [64, 32]
+    s_desc,  # TMA descriptor: uint8 [E * W_ROWS, K/16] e4m3 scale bits, box [64, 16]
+    block_expert_ptr,
+    block_start_ptr,
+    block_end_ptr,
+    part_ptr,  # fp32 [segments, ws_rows, (2 if GATED) * N]
+    ws_rows,
+    N: gl.constexpr,
+    K: gl.constexpr,
+    TOPK: gl.constexpr,
+    GATED: gl.constexpr,
+    A_GATHER: gl.constexpr,
+    BM: gl.constexpr,  # rows (tokens) a tile: the wgmma N (8 or 16)
+    SEG: gl.constexpr,  # K elements a segment (1024)
+    ASYNC: gl.constexpr = False,  # asynchronous wgmma
+    BLOCKS_LAST: gl.constexpr = True,  # grid (tiles, segments, blocks)
+):
+    pid_n = gl.program_id(0)
+    if BLOCKS_LAST:
+        s_id = gl.program_id(1)
+        pid_m = gl.program_id(2)
+    else:
+        pid_m = gl.program_id(1)
+        s_id = gl.program_id(2)
+    e = gl.load(block_expert_ptr + pid_m)
+    if e >= 0:
+        start = gl.load(block_start_ptr + pid_m)
+        end = gl.load(block_end_ptr + pid_m)
+        NU: gl.constexpr = SEG // UNIT
+        NS: gl.constexpr = SEG // 256
+        if GATED:
+            NW: gl.constexpr = 2
+            w_rows = 2 * N
+        else:
+            NW: gl.constexpr = 1
+            w_rows = N
+        k0 = s_id * SEG
+
+        # ---- every TMA copy of the segment, first (one elected thread issues them)
+        cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NS * 4, 64, 32], CODE_SMEM)
+        sbuf = gl.allocate_shared_memory(gl.uint8, [NW * NS, 64, 16], SCALE_SMEM)
+        bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(NS):
+            mbarrier.init(bars.index(st), count=1)
+        row = e * w_rows + pid_n * 64
+        for st in gl.static_range(NS):
+            bar = bars.index(st)
+            mbarrier.expect(bar, NW * (4 * 64 * 32 + 64 * 16))
+            _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row, k0, st, 0, NS)
+            if GATED:
+                _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row + N, k0, st, 1, NS)
+
+        # ---- activations of the segment, in unit order, into shared memory [NU * BM, 64]
+        XM: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        offs_m = start + gl.arange(0, BM, layout=gl.SliceLayout(1, XM))
+        m_ok = offs_m < end
+        if A_GATHER:
+            route = gl.load(sorted_routes_ptr + offs_m, mask=m_ok, other=0)
+            src = route // TOPK
+        else:
+            src = offs_m
+        src = gl.where(m_ok, src, 0).to(gl.int64)
+        kk = gl.arange(0, SEG, layout=gl.SliceLayout(0, XM))
+        x = gl.load(x_ptr + src[:, None] * K + k0 + kk[None, :], mask=m_ok[:, None], other=0.0)
+        x = gl.reshape(x, [BM, NU, 4, 4, 2, 2])  # [m, unit, q, s, a, b]
+        x = gl.permute(x, [1, 0, 3, 5, 2, 4])  # [unit, m, s, b, q, a]
+        x = gl.reshape(x, [NU * BM, UNIT])
+        XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
+        xs = gl.allocate_shared_memory(gl.bfloat16, [NU * BM, UNIT], XS)
+        xs.store(x)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        # ---- decode and multiply, stage by stage as the copies land
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16]
+        )
+        A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        acc_g = gl.zeros([64, BM], gl.float32, layout=MMA)
+        acc_u = gl.zeros([64, BM], gl.float32, layout=MMA)
+        for kb in gl.static_range(NU):
+            if kb % 4 == 0:
+                mbarrier.wait(bars.index(kb // 4), 0)
+            if True:
+                xb = xs.slice(kb * BM, BM).permute((1, 0))
+                gc, gs = _smem_unit(cbuf, sbuf, kb // 4, kb % 4, 0, NS)
+                wg = _decode_unit(gc, gs, A_L)
+                if ASYNC:
+                    if kb > 0:
+                        if GATED:
+                            acc_g, acc_u, _, _ = warpgroup_mma_wait(
+                                num_outstanding=0,
+                                deps=(acc_g, acc_u, pg, pu),  # noqa: F821 (last unit's)
+                            )
+                        else:
+                            acc_g, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, pg))  # noqa: F821
+                    acc_g = warpgroup_mma(wg, xb, acc_g, is_async=True)
+                    pg = wg  # noqa: F841 (read by the next unrolled unit)
+                    if GATED:
+                        uc, us = _smem_unit(cbuf, sbuf, kb // 4, kb % 4, 1, NS)
+                        wu = _decode_unit(uc, us, A_L)
+                        acc_u = warpgroup_mma(wu, xb, acc_u, is_async=True)
+                        pu = wu  # noqa: F841
+                else:
+                    acc_g = warpgroup_mma(wg, xb, acc_g)
+                    if GATED:
+                        uc, us = _smem_unit(cbuf, sbuf, kb // 4, kb % 4, 1, NS)
+                        acc_u = warpgroup_mma(_decode_unit(uc, us, A_L), xb, acc_u)
+        if ASYNC:
+            if GATED:
+                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+            else:
+                acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
+        for st in gl.static_range(NS):
+            mbarrier.invalidate(bars.index(st))
+
+        # ---- partials, as loop 3's split programs write them
+        if GATED:
+            gn: gl.constexpr = 2 * N
+        else:
+            gn: gl.constexpr = N
+        on = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+        om = start + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
+        pmask = (on < N)[:, None] & (om < end)[None, :]
+        stride = ws_rows.to(gl.int64) * gn
+        prow = part_ptr + s_id * stride + om.to(gl.int64)[None, :] * gn + on[:, None]
+        gl.store(prow, acc_g, mask=pmask)
+        if GATED:
+            gl.store(prow + N, acc_u, mask=pmask)
+
+
+def descriptors(codes: torch.Tensor, scales: torch.Tensor):
+    """TMA descriptors of one GEMM's weights: codes uint8 [E, W_ROWS, K/2] as [E * W_ROWS,
+    K/2] with [64, 32] boxes, scales e4m3 [E, W_ROWS, K/16] (as bytes) with [64, 16] boxes."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    c2 = codes.reshape(-1, codes.shape[-1])
+    s2 = scales.view(torch.uint8).reshape(-1, scales.shape[-1])
+    return (
+        TensorDescriptor.from_tensor(c2, [64, 32], CODE_SMEM),
+        TensorDescriptor.from_tensor(s2, [64, 16], SCALE_SMEM),
+    )
+
+
+def split_partials_tma(
+    x, sorted_routes, codes, scales, block_expert, block_start, block_end, part, *,
+    n: int, topk: int, gated: bool, gather: bool, block_m: int, ws_rows: int,
+    seg: int = 1024, asynchronous: bool = False, blocks_last: bool = True,
+) -> None:  # fmt: skip
+    """``gluon_decode.split_partials`` with ``tma_split_kernel`` (same arguments and bits).
+    Needs K % seg == 0 and seg % 256 == 0."""
+    k = x.shape[1]
+    if k % seg or seg % STAGE or block_m not in (8, 16):
+        raise ValueError(f"split_partials_tma: needs K % {seg} == 0, seg % 256 == 0 and "
+                         "block_m 8 or 16")  # fmt: skip
+    c_desc, s_desc = descriptors(codes, scales)
+    tiles, blocks, segs = triton.cdiv(n, 64), block_expert.numel(), k // seg
+    grid = (tiles, segs, blocks) if blocks_last else (tiles, blocks, segs)
+    tma_split_kernel[grid](
+        x, sorted_routes, c_desc, s_desc, block_expert, block_start, block_end, part,
+        ws_rows, N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=gather, BM=block_m,
+        SEG=seg, ASYNC=asynchronous, BLOCKS_LAST=blocks_last, num_warps=4,
+    )  # fmt: skip
+
+
+def compile_sm90(*, n: int, k: int, gated: bool, block_m: int, asynchronous: bool = False):
+    """Compile one specialization for sm_90 without a GPU (Triton's bundled ptxas); the
+    layout conversions are asserted trivial at compile time. Returns the compiled kernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = tma_split_kernel
+    names = fn.arg_names
+    ptrs = {
+        "x_ptr": "*bf16", "sorted_routes_ptr": "*i32", "block_expert_ptr": "*i32",
+        "block_start_ptr": "*i32", "block_end_ptr": "*i32", "part_ptr": "*fp32",
+    }  # fmt: skip
+    descs = {
+        "c_desc": f"tensordesc<u8[64, 32],{CODE_SMEM!r}>",
+        "s_desc": f"tensordesc<u8[64, 16],{SCALE_SMEM!r}>",
+    }
+    const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated, BM=block_m, SEG=1024,
+                 ASYNC=asynchronous, BLOCKS_LAST=True)  # fmt: skip
+    sig = {a: ptrs.get(a) or descs.get(a) or ("i32" if a == "ws_rows" else "constexpr")
+           for a in names}  # fmt: skip
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a in ptrs}
+    consts = {(names.index(a),): v for a, v in const.items()}
+    src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

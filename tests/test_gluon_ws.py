@@ -1,0 +1,95 @@
+"""The TMA-fetched Gluon split partials (``kernels.gluon_ws``, ``gluon_decode.KERNEL =
+"tma"``): compiled for sm_90 here; loop 3's bits on the GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fp4moe.kernels.launch import TritonOptions, moe_triton
+from fp4moe.reference import moe_reference
+from test_kernels import GPU_SHAPES, _gpu_routes, _x
+from testing import TOL, rel_err
+
+SRC = os.path.join(os.path.dirname(__file__), "..", "src")
+
+
+def test_tma_split_kernel_compiles_for_sm90():
+    """Both GEMMs, both tile heights, both main loops: wgmma, no spill, every TMA copy of
+    the segment issued (FC1: 4 stages x 2 weights x (4 code boxes + 1 scale box) = 40)."""
+    pytest.importorskip("triton")
+    code = (
+        "from fp4moe.kernels.gluon_ws import compile_sm90\n"
+        "for n, k, g, copies in ((2048, 7168, True, 40), (7168, 2048, False, 20)):\n"
+        "    for bm in (8, 16):\n"
+        "        for asy in (False, True):\n"
+        "            c = compile_sm90(n=n, k=k, gated=g, block_m=bm, asynchronous=asy)\n"
+        "            ptx = c.asm['ptx']\n"
+        "            assert 'wgmma.mma_async' in ptx, (n, bm, asy)\n"
+        "            assert '.local' not in ptx, (n, bm, asy)\n"
+        "            assert ptx.count('cp.async.bulk.tensor') == copies, (n, bm, asy)\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=600)  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_split_partials_bad_arguments(monkeypatch):
+    """A segment that is no multiple of a stage, a bad tile height and an unknown
+    ``gluon_decode.KERNEL`` are refused before anything is launched."""
+    pytest.importorskip("triton.experimental.gluon")
+    from fp4moe.kernels import gluon_decode, gluon_ws
+
+    x = torch.zeros(4, 2048, dtype=torch.bfloat16)
+    i32 = torch.zeros(4, dtype=torch.int32)
+    codes = torch.zeros(2, 64, 1024, dtype=torch.uint8)
+    scales = torch.zeros(2, 64, 128, dtype=torch.uint8)
+    part = torch.zeros(2, 4, 64)
+    kw = dict(n=64, topk=1, gated=False, gather=False, ws_rows=4)
+    args = (x, i32, codes, scales, i32, i32, i32, part)
+    with pytest.raises(ValueError, match="seg % 256"):
+        gluon_ws.split_partials_tma(*args, block_m=8, seg=512 + 128, **kw)
+    with pytest.raises(ValueError, match="block_m"):
+        gluon_ws.split_partials_tma(*args, block_m=32, **kw)
+    monkeypatch.setattr(gluon_decode, "KERNEL", "tmaa")
+    with pytest.raises(ValueError, match=r"gluon_decode\.KERNEL"):
+        gluon_decode.split_partials(*args, block_m=8, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 3, 16, 64, "one-expert"])
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_tma_split_gpu(monkeypatch, t, asynchronous):
+    """``gluon_decode`` with the TMA partials: loop 3's bits for the whole W4A16 call
+    (deterministic finalize; 8-row tiles up to 16 tokens, 16-row at 64), the fused
+    finalize within the tolerance; every route on one expert too."""
+    from fp4moe.kernels import gluon_decode
+    from test_kernels import _experts
+
+    monkeypatch.setattr(gluon_decode, "ASYNC_WGMMA", asynchronous)
+    monkeypatch.setattr(gluon_decode, "KERNEL", "tma")
+    e, h, i, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
+    experts = _experts(e, h, i, seed=0, device="cuda")
+    n = 16 if t == "one-expert" else t
+    x = _x(n, h, seed=7, device="cuda")
+    ids, w = _gpu_routes(n, k, e, e_total, seed=7)
+    if t == "one-expert":
+        ids = torch.full_like(ids, 5)
+        ids[:, 1:] = -1  # top-1 on expert 5, the other routes masked
+    for fused in (False, True):
+        a = moe_triton(x, ids, w, experts, mode="w4a16", fused_finalize=fused,
+                       options=TritonOptions(poison=True))  # fmt: skip
+        b = moe_triton(x, ids, w, experts, mode="w4a16", fused_finalize=fused,
+                       options=TritonOptions(poison=True, gluon_decode=True))  # fmt: skip
+        if fused:
+            ref = moe_reference(x, ids, w, experts, mode="w4a16")
+            assert rel_err(b, ref) <= TOL["w4a16"]
+        else:
+            assert torch.equal(a, b)
