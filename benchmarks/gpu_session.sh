@@ -15,7 +15,7 @@
 #   bash benchmarks/gpu_session.sh pair       # two GPUs: bench | memcheck, then NCCL tests
 #   bash benchmarks/gpu_session.sh splits     # per-GEMM split: GPU tests, Qwen3 and Mixtral
 #   bash benchmarks/gpu_session.sh famax      # per-tensor amax fused into FC1: bits, time
-#   bash benchmarks/gpu_session.sh persist    # empty programs, persistent split, ordered x
+#   bash benchmarks/gpu_session.sh persist    # empty programs, split grid order, ordered x
 #   bash benchmarks/gpu_session.sh stalls     # ncu: why the decode-size GEMMs stall
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
@@ -159,19 +159,19 @@ famax)
         --modes w4a4-tensor --variants c3 c3-famax --iters 15 --out "$out/famax.json"
     ;;
 persist)
-    # Session 8: what the worst-case grid's empty programs cost (grid_experiment.py), and
-    # the options built against them and against the activation's shared-memory round
-    # trip (TritonOptions.blocks_last, persistent_split, ordered_x), each bitwise against
-    # the default. blocks_last is unmeasured: run this part first next session.
+    # Sessions 8 and 9: what the worst-case grid's empty programs cost (grid_experiment.py),
+    # the split grid's order (TritonOptions.blocks_last, the default since session 9:
+    # c3 against c3-noblast), persistent_split and the activation rows in the unit order
+    # (ordered_x), each bitwise against the default.
     step tests 150 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py \
         -k "ordered_x_gpu or segmented_loop_gpu"
     step grid 100 python3 benchmarks/grid_experiment.py --tokens 1 16 32 64 \
         --out "$out/grid.json"
     step sweep 150 python3 benchmarks/sweep_decode.py --tokens 1 16 32 64 256 --modes w4a16 \
-        --variants c3 c3-blast c3-persist c3-ordx --iters 12 --out "$out/sweep.json"
+        --variants c3 c3-noblast c3-persist c3-ordx --iters 12 --out "$out/sweep.json"
     for pr in qwen3-30b-a3b mixtral-8x7b; do
         step "sweep_$pr" 100 python3 benchmarks/sweep_decode.py --preset "$pr" \
-            --tokens 1 16 64 --modes w4a16 --variants c3 c3-blast c3-ordx --iters 8 \
+            --tokens 1 16 64 --modes w4a16 --variants c3 c3-noblast c3-ordx --iters 8 \
             --out "$out/sweep-$pr.json"
     done
     ;;

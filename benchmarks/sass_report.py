@@ -51,11 +51,14 @@ def compile_gemm(
     out_amax: bool = False,
     persistent: bool = False,
     ordered_x: bool = False,
+    blocks_last: bool = False,
 ):
     """Compile one ``moe_gemm_kernel`` specialization for sm_90; returns the compiled kernel.
     ``out_amax``: the epilogue's per-tensor amax of the output (``OUT_AMAX``);
     ``persistent``: split K walked over the valid units (``PERSISTENT``); ``ordered_x``:
-    W4A16's activation rows already in the loop's K order (``A_ORDERED``)."""
+    W4A16's activation rows already in the loop's K order (``A_ORDERED``);
+    ``blocks_last``: the split grid (tiles, segments, blocks), the library's default
+    (``BLOCKS_LAST``)."""
     import triton.language as tl
 
     from fp4moe.kernels.common import compile_sm90
@@ -96,6 +99,7 @@ def compile_gemm(
         W_DENSE=dense, GROUP_M=8 if dense else 0, ORDER=k_order(loop, k, bk),
         OUT_AMAX=out_amax, PERSISTENT=persistent and split and loop == 3,
         A_ORDERED=ordered_x and loop >= 2 and not a_fp4,
+        BLOCKS_LAST=blocks_last and split and loop == 3,
     )  # fmt: skip
     if dense:  # both operands decoded, bf16 (dequant.dense_weights)
         ptrs = {**ptrs, "w_codes_ptr": "*bf16", "a_ptr": "*bf16"}
@@ -181,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="W4A16: activation rows already in the loop's order (TritonOptions.ordered_x)",
     )
+    p.add_argument(
+        "--blocks-last",
+        action="store_true",
+        help="with --split: the (tiles, segments, blocks) grid (TritonOptions.blocks_last, "
+        "the default)",
+    )
     a = p.parse_args(argv)
     h, inter = SHAPES[a.preset]
     gemms = ["fc1", "fc2"] if a.gemm == "both" else [a.gemm]
@@ -197,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                                     cfg=cfg, split=a.split, dense=a.dense,
                                     maxnreg=a.maxnreg, out_amax=a.out_amax,
                                     persistent=a.persistent,
-                                    ordered_x=a.ordered_x)  # fmt: skip
+                                    ordered_x=a.ordered_x,
+                                    blocks_last=a.blocks_last)  # fmt: skip
                 per_trip = (2 if gated else 1) * cfg[1] * cfg[2] / (cfg[3] * 32)
                 st = sass_stats(kern, per_trip)
                 ipw = st["instructions_per_weight"]

@@ -18,7 +18,9 @@ other bits, checked against the reference only), c3-famax (the defaults with
 TritonOptions.fused_amax: per-tensor W4A4's second amax in FC1's epilogue; the same bits),
 c3-persist (the defaults with persistent_split: split K over the valid units only),
 c3-ordx (ordered_x: W4A16 activation rows in the unit order), c3-ordx-persist (both),
-c3-blast (blocks_last: split K on a (tiles, segments, blocks) grid).
+c3-noblast (blocks_last off: split K on the (tiles, blocks, segments) grid, the default
+up to session 9; c3 is the (tiles, segments, blocks) grid, named c3-blast in session 9's
+data).
 """
 
 from __future__ import annotations
@@ -166,9 +168,10 @@ def main() -> None:
                 "c3-ordx": TritonOptions(
                     chunked=3, valid_fraction=p.local_experts / p.experts, ordered_x=True
                 ),
-                # split K with the row blocks last in the 3-D grid (blocks_last; same bits)
-                "c3-blast": TritonOptions(
-                    chunked=3, valid_fraction=p.local_experts / p.experts, blocks_last=True
+                # split K with the row blocks before the K segments in the 3-D grid
+                # (blocks_last off, the default up to session 9; the same bits)
+                "c3-noblast": TritonOptions(
+                    chunked=3, valid_fraction=p.local_experts / p.experts, blocks_last=False
                 ),
                 "c3-ordx-persist": TritonOptions(
                     chunked=3,

@@ -445,15 +445,16 @@ def test_segmented_loop_split_and_in_register_same_bits(interpret, device, mode,
     ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
     outs = []
     a, b = GemmConfig(16, 32, 32, num_stages=1), GemmConfig(16, 64, 32, num_stages=1)
-    # split K on the worst-case 3-D grid, persistent (the valid units walked by 3
-    # programs, the interpreter's default, or by 1 or 2), and row blocks last
+    # split K on the worst-case 3-D grid (row blocks last, the default), persistent (the
+    # valid units walked by 3 programs, the interpreter's default, or by 1 or 2), and row
+    # blocks before the segments (blocks_last off)
     for split, cfg, pp in ((False, a, None), (True, a, 0), (True, a, None), (True, b, None),
                            (True, b, 1), (True, a, 2)):  # fmt: skip
         opt = TritonOptions(fc1=cfg, fc2=cfg, chunked=3, split_k=split, poison=True,
                             persistent_split=pp != 0, persistent_programs=pp or None)  # fmt: skip
         outs.append(moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=opt))
-    blast = TritonOptions(fc1=b, fc2=b, chunked=3, split_k=True, poison=True, blocks_last=True)
-    outs.append(moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=blast))
+    grid = TritonOptions(fc1=b, fc2=b, chunked=3, split_k=True, poison=True, blocks_last=False)
+    outs.append(moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=grid))
     fused = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=opt,
                        fused_finalize=True)  # fmt: skip
     assert rel_err(fused, ref) <= TOL[m]
@@ -494,8 +495,8 @@ def test_segmented_loop_gpu(gpu_experts, mode):
 def test_ordered_x_gpu(gpu_experts, shape, t):
     """W4A16 with ordered activation rows (``TritonOptions.ordered_x``) on the H200: the
     bits of the default path (split K at decode sizes, in registers above), fused
-    finalize within tolerance, a poisoned call with no NaN; persistent split and row
-    blocks last (``blocks_last``) too."""
+    finalize within tolerance, a poisoned call with no NaN; persistent split and the
+    split grid with row blocks before the segments (``blocks_last`` off) too."""
     e, h, _, k, e_total = GPU_SHAPES[shape]
     experts = gpu_experts(shape)
     x = _x(t, h, seed=t + 3, device="cuda")
@@ -503,7 +504,7 @@ def test_ordered_x_gpu(gpu_experts, shape, t):
     base = moe_triton(x, ids, w, experts, options=TritonOptions(poison=True))
     for opt in (TritonOptions(ordered_x=True, poison=True),
                 TritonOptions(ordered_x=True, persistent_split=True, poison=True),
-                TritonOptions(blocks_last=True, poison=True)):  # fmt: skip
+                TritonOptions(blocks_last=False, poison=True)):  # fmt: skip
         assert torch.equal(moe_triton(x, ids, w, experts, options=opt), base)
     fused = moe_triton(x, ids, w, experts, options=TritonOptions(ordered_x=True),
                        fused_finalize=True)  # fmt: skip
@@ -905,17 +906,53 @@ def test_segmented_split_edges(interpret, device, monkeypatch, mode, t, k, e, h,
                                                  persistent_split=True, poison=True)))  # fmt: skip
     outs.append(moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
                            options=TritonOptions(fc1=cfg, fc2=cfg, chunked=3, split_k=True,
-                                                 blocks_last=True, poison=True)))  # fmt: skip
+                                                 blocks_last=False, poison=True)))  # fmt: skip
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(outs[0], outs[2])
     assert torch.equal(outs[0], outs[3])  # split over the valid units only (persistent)
-    assert torch.equal(outs[0], outs[4])  # row blocks last in the split grid
+    assert torch.equal(outs[0], outs[4])  # row blocks before the segments (blocks_last off)
     assert not torch.isnan(outs[0]).any()
     if bool((ids >= 0).any()):
         ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
         assert rel_err(outs[0], ref) <= TOL[m]
     else:
         assert torch.equal(outs[0], torch.zeros_like(outs[0]))
+
+
+@pytest.mark.kernel
+def test_split_grid_blocks_last_by_default(interpret, device, monkeypatch):
+    """The split GEMMs launch on (weight tiles, K segments, row blocks) by default
+    (``TritonOptions.blocks_last``) and on (weight tiles, row blocks, K segments) with it
+    off; the same bits either way."""
+    from fp4moe.kernels import launch
+    from fp4moe.kernels.gemm import GemmConfig
+    from fp4moe.kernels.sort import max_blocks
+
+    monkeypatch.setattr(launch, "SEGMENT", 64)
+    real, grids = launch._launch, []
+
+    def spy(kernel, grid, *args, **kw):
+        if kernel is launch.moe_gemm_kernel:
+            grids.append(tuple(grid))
+        return real(kernel, grid, *args, **kw)
+
+    monkeypatch.setattr(launch, "_launch", spy)
+    t, k, e, h, i = 3, 2, 4, 128, 192
+    experts = _experts(e, h, i, seed=91, device=device)
+    x = _x(t, h, seed=91, device=device)
+    ids, w = _routes(t, k, e, seed=91, device=device, masked=0.2)
+    cfg = GemmConfig(16, 64, 64, num_stages=1)
+    outs, shapes = [], []
+    for kw in ({}, {"blocks_last": False}):
+        grids.clear()
+        opt = TritonOptions(fc1=cfg, fc2=cfg, split_k=True, poison=True, **kw)
+        outs.append(moe_triton(x, ids, w, experts, options=opt))
+        shapes.append(list(grids))
+    nb = max_blocks(t * k, e, 16)
+    # FC1: 192 / 64 = 3 weight tiles, 128 / 64 = 2 segments; FC2: 2 tiles, 3 segments
+    assert shapes[0] == [(3, 2, nb), (2, 3, nb)]
+    assert shapes[1] == [(3, nb, 2), (2, nb, 3)]
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.kernel

@@ -86,3 +86,15 @@ def test_fused_amax_epilogue_compiles_for_sm90():
         plain, fused = _run(*base)[1], _run(*base, "--out-amax")[1]
         assert int(fused[4]) == 0, fused
         assert abs(float(fused[5]) - float(plain[5])) <= 0.05, (plain, fused)
+
+
+def test_blocks_last_same_main_loop():
+    """The split kernel on the default (tiles, segments, blocks) grid
+    (TritonOptions.blocks_last) compiles for sm_90 to the registers and main loop of the
+    (tiles, blocks, segments) grid: only the program ids it reads differ."""
+    pytest.importorskip("triton")
+    base = ["--loop", "3", "--split", "--config", "16,64,128,4,3"]
+    grid, blast = _run(*base), _run(*base, "--blocks-last")
+    assert len(grid) == len(blast) == 3  # the header, FC1, FC2
+    for g, b in zip(grid[1:], blast[1:]):
+        assert g[3:] == b[3:], (g, b)  # registers, spill, instructions a weight, opcodes

@@ -182,8 +182,13 @@ class TritonOptions:
         blocks) instead of (weight tiles, row blocks, K segments): the hardware hands out
         programs in that order, so every valid unit comes before the worst-case grid's
         empty row blocks (the valid blocks come first), which then exit in the tail
-        instead of taking slots among the work. The same units: the same bits. Off until
-        measured (``sweep_decode.py --variants c3 c3-blast``).
+        instead of taking slots among the work. The same units: the same bits. On: on the
+        H200 (session 9, docs/perf-notes.md; W4A16, ``sweep_decode.py``, this grid against
+        the other, now ``--variants c3 c3-noblast``) DeepSeek-V3 EP8 73.2 -> 66.3 us at 16
+        tokens, 208.3 -> 198.8 at 32, 54.9 -> 53.5 at 1, a tie at 64 and 256 (260.7 /
+        261.0, 463.5 / 464.2); Qwen3-30B-A3B 30.6 -> 29.2 at 1 token, ties at 16 and 64;
+        Mixtral-8x7B 108.1 -> 101.9 at 1, 355.5 -> 347.2 at 16, 536.4 -> 534.3 at 64.
+        False: the (tiles, blocks, segments) grid.
     """
 
     pdl: bool | None = None
@@ -203,7 +208,7 @@ class TritonOptions:
     persistent_programs: int | None = None
     ordered_x: bool = False
     ordered_in_sort: bool = True
-    blocks_last: bool = False
+    blocks_last: bool = True
 
     def split_for(self, n_routes: int, num_experts: int) -> bool:
         """Whether loop 3 splits K for a call of ``n_routes`` routes over the experts."""
