@@ -13,13 +13,14 @@ CUDA-graph replays; then the whole call both ways. ``--kernel tma``: the partial
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
 
 import fp4moe
 from fp4moe.bench import PRESETS, make_routes
-from fp4moe.kernels import gluon_decode
+from fp4moe.kernels import gluon_decode, gluon_ws
 from fp4moe.kernels.gemm import GemmConfig
 from fp4moe.kernels.launch import TritonOptions, _gemm, moe_triton
 from fp4moe.kernels.sort import sort_routes
@@ -56,6 +57,8 @@ def main() -> None:
     p.add_argument("--async-wgmma", action="store_true", help="gluon_decode.ASYNC_WGMMA")
     p.add_argument("--kernel", choices=("pointer", "tma"), default="pointer",
                    help="gluon_decode.KERNEL: the partials kernel (tma: gluon_ws)")  # fmt: skip
+    p.add_argument("--buffers", type=int, nargs="+", default=[4],
+                   help="with --kernel tma: gluon_ws.BUFFERS, each timed (1, 2 or 4)")  # fmt: skip
     a = p.parse_args()
     gluon_decode.ASYNC_WGMMA = a.async_wgmma
     gluon_decode.KERNEL = a.kernel
@@ -68,7 +71,8 @@ def main() -> None:
     ex = fp4moe.prepare_experts(w13, w2)
     del w13, w2
     rows = []
-    for t in a.tokens:
+    for nb, t in itertools.product(a.buffers, a.tokens):
+        gluon_ws.BUFFERS = nb
         ids, wts = make_routes(pr, t, t, dev)
         nr = ids.numel()
         x = torch.randn(t, h, device=dev).to(torch.bfloat16)
@@ -97,10 +101,10 @@ def main() -> None:
                     us[g] = timed(call)
                 nv = int(sort.expert_offsets[-1])
                 same = bool(torch.equal(outs[False][:nv], outs[True][:nv]))
-                row = dict(tokens=t, gemm=name, block_m=bm, valid_rows=nv, same=same,
+                row = dict(tokens=t, buffers=nb, gemm=name, block_m=bm, valid_rows=nv, same=same,
                            loop3_split_us=us[False], gluon_us=us[True])  # fmt: skip
                 rows.append(row)
-                print(f"T={t:5d} {name} bm {bm:2d} rows {nv:4d} same {same}  loop3 split "
+                print(f"B{nb} T={t:5d} {name} bm {bm:2d} rows {nv:4d} same {same}  loop3 split "
                       f"{us[False]:7.1f} us  gluon+sum {us[True]:7.1f} us", flush=True)  # fmt: skip
         # 2. The whole call (W4A16, deterministic finalize, PDL, CUDA graph).
         res = {}
@@ -115,9 +119,9 @@ def main() -> None:
             torch.cuda.synchronize()
             res[g] = (y.clone(), timed(whole))
         same = bool(torch.equal(res[False][0], res[True][0]))
-        rows.append(dict(tokens=t, gemm="call", same=same, loop3_us=res[False][1],
+        rows.append(dict(tokens=t, buffers=nb, gemm="call", same=same, loop3_us=res[False][1],
                          gluon_us=res[True][1]))  # fmt: skip
-        print(f"T={t:5d} whole call same {same}  loop 3 {res[False][1]:7.1f} us  with gluon "
+        print(f"B{nb} T={t:5d} whole call same {same}  loop 3 {res[False][1]:7.1f} us  with gluon "
               f"{res[True][1]:7.1f} us", flush=True)  # fmt: skip
     if a.out:
         with open(a.out, "w") as f:

@@ -66,15 +66,18 @@ def test_split_partials_bad_arguments(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 3, 16, 64, "one-expert"])
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_tma_split_gpu(monkeypatch, t, asynchronous):
+@pytest.mark.parametrize("buffers", [1, 4], ids=["ring1", "whole"])
+def test_tma_split_gpu(monkeypatch, t, asynchronous, buffers):
     """``gluon_decode`` with the TMA partials: loop 3's bits for the whole W4A16 call
     (deterministic finalize; 8-row tiles up to 16 tokens, 16-row at 64), the fused
-    finalize within the tolerance; every route on one expert too."""
-    from fp4moe.kernels import gluon_decode
+    finalize within the tolerance; every route on one expert too. ``buffers``: the
+    segment's four stages through a one-buffer ring, or all in shared memory at once."""
+    from fp4moe.kernels import gluon_decode, gluon_ws
     from test_kernels import _experts
 
     monkeypatch.setattr(gluon_decode, "ASYNC_WGMMA", asynchronous)
     monkeypatch.setattr(gluon_decode, "KERNEL", "tma")
+    monkeypatch.setattr(gluon_ws, "BUFFERS", buffers)
     e, h, i, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
     experts = _experts(e, h, i, seed=0, device="cuda")
     n = 16 if t == "one-expert" else t

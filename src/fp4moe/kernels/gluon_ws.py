@@ -32,6 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .gluon_decode import _CL, _L3, UNIT, _decode_unit
 
+BUFFERS = 4  # split_partials_tma's default ring: stages of 256 K held in shared memory
 STAGE = 256  # K elements a stage (four units; the scales' TMA box is 16 bytes wide)
 # TMA destinations, unswizzled: a [64, 32] code box is 64 rows of 32 bytes
 CODE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
@@ -40,26 +41,29 @@ SCALE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank
 
 @gluon.jit
 def _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row, k0, st: gl.constexpr, w: gl.constexpr,
-                 NS: gl.constexpr):  # fmt: skip
+                 NB: gl.constexpr):  # fmt: skip
     """TMA copies of stage ``st`` (four code boxes, one scale box) of weight ``w`` (0 gate,
-    1 up) into their buffers, completing on ``bar``."""
+    1 up) into ring buffer ``st % NB``, completing on ``bar``."""
+    b: gl.constexpr = st % NB
     for j in gl.static_range(4):
         kk = k0 + st * 256 + j * UNIT
         tma.async_copy_global_to_shared(c_desc, [row, kk // 2], bar,
-                                        cbuf.index((w * NS + st) * 4 + j))  # fmt: skip
+                                        cbuf.index((w * NB + b) * 4 + j))  # fmt: skip
     tma.async_copy_global_to_shared(s_desc, [row, (k0 + st * 256) // 16], bar,
-                                    sbuf.index(w * NS + st))  # fmt: skip
+                                    sbuf.index(w * NB + b))  # fmt: skip
 
 
 @gluon.jit
 def _smem_unit(cbuf, sbuf, st: gl.constexpr, j: gl.constexpr, w: gl.constexpr,
-               NS: gl.constexpr):  # fmt: skip
-    """Unit ``j`` of stage ``st`` of weight ``w`` from shared memory: codes [64, 4, 8] in
-    ``_L3`` and e4m3 scales [64, 4] in its slice, as ``gluon_decode._load_unit`` gives."""
-    codes = cbuf.index((w * NS + st) * 4 + j).load(_CL)
+               NB: gl.constexpr):  # fmt: skip
+    """Unit ``j`` of stage ``st`` (ring buffer ``st % NB``) of weight ``w`` from shared
+    memory: codes [64, 4, 8] in ``_L3`` and e4m3 scales [64, 4] in its slice, as
+    ``gluon_decode._load_unit`` gives."""
+    b: gl.constexpr = st % NB
+    codes = cbuf.index((w * NB + b) * 4 + j).load(_CL)
     codes = gl.convert_layout(gl.reshape(codes, [64, 4, 8]), _L3, assert_trivial=True)
     SL: gl.constexpr = gl.SliceLayout(2, _L3)
-    sc = sbuf.index(w * NS + st).slice(4 * j, 4, dim=1).load(SL)
+    sc = sbuf.index(w * NB + b).slice(4 * j, 4, dim=1).load(SL)
     return codes, sc.to(gl.float8e4nv, bitcast=True)
 
 
@@ -83,6 +87,7 @@ def tma_split_kernel(
     SEG: gl.constexpr,  # K elements a segment (1024)
     ASYNC: gl.constexpr = False,  # asynchronous wgmma
     BLOCKS_LAST: gl.constexpr = True,  # grid (tiles, segments, blocks)
+    NBUF: gl.constexpr = 4,  # stages in shared memory (a ring when fewer than SEG / 256)
 ):
     pid_n = gl.program_id(0)
     if BLOCKS_LAST:
@@ -97,6 +102,7 @@ def tma_split_kernel(
         end = gl.load(block_end_ptr + pid_m)
         NU: gl.constexpr = SEG // UNIT
         NS: gl.constexpr = SEG // 256
+        NB: gl.constexpr = min(NBUF, NS)  # ring buffers (NS: the whole segment up front)
         if GATED:
             NW: gl.constexpr = 2
             w_rows = 2 * N
@@ -106,18 +112,19 @@ def tma_split_kernel(
         k0 = s_id * SEG
 
         # ---- every TMA copy of the segment, first (one elected thread issues them)
-        cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NS * 4, 64, 32], CODE_SMEM)
-        sbuf = gl.allocate_shared_memory(gl.uint8, [NW * NS, 64, 16], SCALE_SMEM)
-        bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        for st in gl.static_range(NS):
-            mbarrier.init(bars.index(st), count=1)
+        cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB * 4, 64, 32], CODE_SMEM)
+        sbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB, 64, 16], SCALE_SMEM)
+        bars = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(NB):
+            mbarrier.init(bars.index(b), count=1)
         row = e * w_rows + pid_n * 64
-        for st in gl.static_range(NS):
+        STAGE_BYTES: gl.constexpr = NW * (4 * 64 * 32 + 64 * 16)
+        for st in gl.static_range(NB):
             bar = bars.index(st)
-            mbarrier.expect(bar, NW * (4 * 64 * 32 + 64 * 16))
-            _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row, k0, st, 0, NS)
+            mbarrier.expect(bar, STAGE_BYTES)
+            _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row, k0, st, 0, NB)
             if GATED:
-                _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row + N, k0, st, 1, NS)
+                _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row + N, k0, st, 1, NB)
 
         # ---- activations of the segment, in unit order, into shared memory [NU * BM, 64]
         XM: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
@@ -149,10 +156,10 @@ def tma_split_kernel(
         acc_u = gl.zeros([64, BM], gl.float32, layout=MMA)
         for kb in gl.static_range(NU):
             if kb % 4 == 0:
-                mbarrier.wait(bars.index(kb // 4), 0)
+                mbarrier.wait(bars.index((kb // 4) % NB), (kb // 4 // NB) % 2)
             if True:
                 xb = xs.slice(kb * BM, BM).permute((1, 0))
-                gc, gs = _smem_unit(cbuf, sbuf, kb // 4, kb % 4, 0, NS)
+                gc, gs = _smem_unit(cbuf, sbuf, kb // 4, kb % 4, 0, NB)
                 wg = _decode_unit(gc, gs, A_L)
                 if ASYNC:
                     if kb > 0:
@@ -166,22 +173,32 @@ def tma_split_kernel(
                     acc_g = warpgroup_mma(wg, xb, acc_g, is_async=True)
                     pg = wg  # noqa: F841 (read by the next unrolled unit)
                     if GATED:
-                        uc, us = _smem_unit(cbuf, sbuf, kb // 4, kb % 4, 1, NS)
+                        uc, us = _smem_unit(cbuf, sbuf, kb // 4, kb % 4, 1, NB)
                         wu = _decode_unit(uc, us, A_L)
                         acc_u = warpgroup_mma(wu, xb, acc_u, is_async=True)
                         pu = wu  # noqa: F841
                 else:
                     acc_g = warpgroup_mma(wg, xb, acc_g)
                     if GATED:
-                        uc, us = _smem_unit(cbuf, sbuf, kb // 4, kb % 4, 1, NS)
+                        uc, us = _smem_unit(cbuf, sbuf, kb // 4, kb % 4, 1, NB)
                         acc_u = warpgroup_mma(_decode_unit(uc, us, A_L), xb, acc_u)
+            # the stage's buffer is read: refill it with stage + NB (ring only)
+            if kb % 4 == 3 and kb // 4 + NB < NS:
+                gl.thread_barrier()  # every warp's shared loads of the buffer done
+                fence_async_shared()  # ordered before the TMA writes (async proxy)
+                bar = bars.index((kb // 4) % NB)
+                mbarrier.expect(bar, STAGE_BYTES)
+                _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row, k0, kb // 4 + NB, 0, NB)
+                if GATED:
+                    _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row + N, k0,
+                                 kb // 4 + NB, 1, NB)  # fmt: skip
         if ASYNC:
             if GATED:
                 acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
             else:
                 acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
-        for st in gl.static_range(NS):
-            mbarrier.invalidate(bars.index(st))
+        for b in gl.static_range(NB):
+            mbarrier.invalidate(bars.index(b))
 
         # ---- partials, as loop 3's split programs write them
         if GATED:
@@ -215,6 +232,7 @@ def split_partials_tma(
     x, sorted_routes, codes, scales, block_expert, block_start, block_end, part, *,
     n: int, topk: int, gated: bool, gather: bool, block_m: int, ws_rows: int,
     seg: int = 1024, asynchronous: bool = False, blocks_last: bool = True,
+    buffers: int | None = None,
 ) -> None:  # fmt: skip
     """``gluon_decode.split_partials`` with ``tma_split_kernel`` (same arguments and bits).
     Needs K % seg == 0 and seg % 256 == 0."""
@@ -228,11 +246,14 @@ def split_partials_tma(
     tma_split_kernel[grid](
         x, sorted_routes, c_desc, s_desc, block_expert, block_start, block_end, part,
         ws_rows, N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=gather, BM=block_m,
-        SEG=seg, ASYNC=asynchronous, BLOCKS_LAST=blocks_last, num_warps=4,
+        SEG=seg, ASYNC=asynchronous, BLOCKS_LAST=blocks_last,
+        NBUF=BUFFERS if buffers is None else buffers, num_warps=4,
     )  # fmt: skip
 
 
-def compile_sm90(*, n: int, k: int, gated: bool, block_m: int, asynchronous: bool = False):
+def compile_sm90(
+    *, n: int, k: int, gated: bool, block_m: int, asynchronous: bool = False, buffers: int = 4
+):
     """Compile one specialization for sm_90 without a GPU (Triton's bundled ptxas); the
     layout conversions are asserted trivial at compile time. Returns the compiled kernel."""
     from triton.backends.compiler import GPUTarget
@@ -249,7 +270,7 @@ def compile_sm90(*, n: int, k: int, gated: bool, block_m: int, asynchronous: boo
         "s_desc": f"tensordesc<u8[64, 16],{SCALE_SMEM!r}>",
     }
     const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated, BM=block_m, SEG=1024,
-                 ASYNC=asynchronous, BLOCKS_LAST=True)  # fmt: skip
+                 ASYNC=asynchronous, BLOCKS_LAST=True, NBUF=buffers)  # fmt: skip
     sig = {a: ptrs.get(a) or descs.get(a) or ("i32" if a == "ws_rows" else "constexpr")
            for a in names}  # fmt: skip
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a in ptrs}
