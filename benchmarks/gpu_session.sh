@@ -161,14 +161,14 @@ famax)
 persist)
     # Sessions 8 and 9: what the worst-case grid's empty programs cost (grid_experiment.py),
     # the split grid's order (TritonOptions.blocks_last, the default since session 9:
-    # c3 against c3-noblast), persistent_split and the activation rows in the unit order
-    # (ordered_x), each bitwise against the default.
+    # c3 against c3-noblast) and the activation rows in the unit order (ordered_x), each
+    # bitwise against the default. (Session 9's run also timed c3-persist, since removed.)
     step tests 150 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py \
         -k "ordered_x_gpu or segmented_loop_gpu"
     step grid 100 python3 benchmarks/grid_experiment.py --tokens 1 16 32 64 \
         --out "$out/grid.json"
     step sweep 150 python3 benchmarks/sweep_decode.py --tokens 1 16 32 64 256 --modes w4a16 \
-        --variants c3 c3-noblast c3-persist c3-ordx --iters 12 --out "$out/sweep.json"
+        --variants c3 c3-noblast c3-ordx --iters 12 --out "$out/sweep.json"
     for pr in qwen3-30b-a3b mixtral-8x7b; do
         step "sweep_$pr" 100 python3 benchmarks/sweep_decode.py --preset "$pr" \
             --tokens 1 16 64 --modes w4a16 --variants c3 c3-noblast c3-ordx --iters 8 \

@@ -49,14 +49,12 @@ def compile_gemm(
     dense: bool = False,
     maxnreg: int | None = None,
     out_amax: bool = False,
-    persistent: bool = False,
     ordered_x: bool = False,
     blocks_last: bool = False,
 ):
     """Compile one ``moe_gemm_kernel`` specialization for sm_90; returns the compiled kernel.
     ``out_amax``: the epilogue's per-tensor amax of the output (``OUT_AMAX``);
-    ``persistent``: split K walked over the valid units (``PERSISTENT``); ``ordered_x``:
-    W4A16's activation rows already in the loop's K order (``A_ORDERED``);
+    ``ordered_x``: W4A16's activation rows already in the loop's K order (``A_ORDERED``);
     ``blocks_last``: the split grid (tiles, segments, blocks), the library's default
     (``BLOCKS_LAST``)."""
     import triton.language as tl
@@ -85,8 +83,6 @@ def compile_gemm(
         "part_ptr": "*fp32",
         "cnt_ptr": "*i32",
         "amax_ptr": "*fp32",
-        "nvb_ptr": "*i32",
-        "grab_ptr": "*i32",
     }
     chunked = loop > 0
     dense = dense and loop >= 2  # the dense path exists for the chunk-ordered loops only
@@ -97,7 +93,7 @@ def compile_gemm(
         INTERPRET=False, DECODE_ASM=chunked, PREFETCH=False, OUT_FP4=False, CHUNKED=loop,
         SEG_TILES=SEGMENT // bk if loop == 3 else 0, SPLIT=split and loop == 3,
         W_DENSE=dense, GROUP_M=8 if dense else 0, ORDER=k_order(loop, k, bk),
-        OUT_AMAX=out_amax, PERSISTENT=persistent and split and loop == 3,
+        OUT_AMAX=out_amax,
         A_ORDERED=ordered_x and loop >= 2 and not a_fp4,
         BLOCKS_LAST=blocks_last and split and loop == 3,
     )  # fmt: skip
@@ -176,11 +172,6 @@ def main(argv: list[str] | None = None) -> int:
         help="the epilogue's per-tensor amax (TritonOptions.fused_amax)",
     )
     p.add_argument(
-        "--persistent",
-        action="store_true",
-        help="with --split: the programs walk the valid units (TritonOptions.persistent_split)",
-    )
-    p.add_argument(
         "--ordered-x",
         action="store_true",
         help="W4A16: activation rows already in the loop's order (TritonOptions.ordered_x)",
@@ -206,7 +197,6 @@ def main(argv: list[str] | None = None) -> int:
                 kern = compile_gemm(n=n, k=k, gated=gated, a_fp4=a.mode == "w4a4", loop=loop,
                                     cfg=cfg, split=a.split, dense=a.dense,
                                     maxnreg=a.maxnreg, out_amax=a.out_amax,
-                                    persistent=a.persistent,
                                     ordered_x=a.ordered_x,
                                     blocks_last=a.blocks_last)  # fmt: skip
                 per_trip = (2 if gated else 1) * cfg[1] * cfg[2] / (cfg[3] * 32)

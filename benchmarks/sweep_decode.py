@@ -16,11 +16,9 @@ C3_LARGE, split and not), c3pairs (FC1 and FC2 configs of their own, C3_PAIRS), 
 defaults with K segments of N elements, launch.SEGMENT: more or fewer split programs;
 other bits, checked against the reference only), c3-famax (the defaults with
 TritonOptions.fused_amax: per-tensor W4A4's second amax in FC1's epilogue; the same bits),
-c3-persist (the defaults with persistent_split: split K over the valid units only),
-c3-ordx (ordered_x: W4A16 activation rows in the unit order), c3-ordx-persist (both),
-c3-noblast (blocks_last off: split K on the (tiles, blocks, segments) grid, the default
-up to session 9; c3 is the (tiles, segments, blocks) grid, named c3-blast in session 9's
-data).
+c3-ordx (ordered_x: W4A16 activation rows in the unit order), c3-noblast (blocks_last
+off: split K on the (tiles, blocks, segments) grid, the default up to session 9; c3 is
+the (tiles, segments, blocks) grid, named c3-blast in session 9's data).
 """
 
 from __future__ import annotations
@@ -160,10 +158,6 @@ def main() -> None:
                 "c3-dense": TritonOptions(chunked=3, dense_above=0),  # decoded weights loaded
                 # the defaults with the chunk-a-program quantize (launch.QUANTIZE_SPLIT_ROWS)
                 "c3-qsplit": TritonOptions(chunked=3, valid_fraction=p.local_experts / p.experts),
-                # split K over the valid units only (persistent_split; the same bits)
-                "c3-persist": TritonOptions(
-                    chunked=3, valid_fraction=p.local_experts / p.experts, persistent_split=True
-                ),
                 # W4A16 activation rows in the unit order (ordered_x; the same bits)
                 "c3-ordx": TritonOptions(
                     chunked=3, valid_fraction=p.local_experts / p.experts, ordered_x=True
@@ -172,12 +166,6 @@ def main() -> None:
                 # (blocks_last off, the default up to session 9; the same bits)
                 "c3-noblast": TritonOptions(
                     chunked=3, valid_fraction=p.local_experts / p.experts, blocks_last=False
-                ),
-                "c3-ordx-persist": TritonOptions(
-                    chunked=3,
-                    valid_fraction=p.local_experts / p.experts,
-                    ordered_x=True,
-                    persistent_split=True,
                 ),
                 # per-tensor W4A4's FC1-output amax in FC1's epilogue (the same bits)
                 "c3-famax": TritonOptions(

@@ -445,16 +445,13 @@ def test_segmented_loop_split_and_in_register_same_bits(interpret, device, mode,
     ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
     outs = []
     a, b = GemmConfig(16, 32, 32, num_stages=1), GemmConfig(16, 64, 32, num_stages=1)
-    # split K on the worst-case 3-D grid (row blocks last, the default), persistent (the
-    # valid units walked by 3 programs, the interpreter's default, or by 1 or 2), and row
-    # blocks before the segments (blocks_last off)
-    for split, cfg, pp in ((False, a, None), (True, a, 0), (True, a, None), (True, b, None),
-                           (True, b, 1), (True, a, 2)):  # fmt: skip
+    # in registers; split K on the worst-case 3-D grid with the row blocks after the
+    # segments (blocks_last, the default) and before them
+    for split, cfg, last in ((False, a, True), (True, a, True), (True, b, True),
+                             (True, b, False)):  # fmt: skip
         opt = TritonOptions(fc1=cfg, fc2=cfg, chunked=3, split_k=split, poison=True,
-                            persistent_split=pp != 0, persistent_programs=pp or None)  # fmt: skip
+                            blocks_last=last)  # fmt: skip
         outs.append(moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=opt))
-    grid = TritonOptions(fc1=b, fc2=b, chunked=3, split_k=True, poison=True, blocks_last=False)
-    outs.append(moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=grid))
     fused = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=opt,
                        fused_finalize=True)  # fmt: skip
     assert rel_err(fused, ref) <= TOL[m]
@@ -495,15 +492,14 @@ def test_segmented_loop_gpu(gpu_experts, mode):
 def test_ordered_x_gpu(gpu_experts, shape, t):
     """W4A16 with ordered activation rows (``TritonOptions.ordered_x``) on the H200: the
     bits of the default path (split K at decode sizes, in registers above), fused
-    finalize within tolerance, a poisoned call with no NaN; persistent split and the
-    split grid with row blocks before the segments (``blocks_last`` off) too."""
+    finalize within tolerance, a poisoned call with no NaN; the split grid with the row
+    blocks before the segments (``blocks_last`` off) too."""
     e, h, _, k, e_total = GPU_SHAPES[shape]
     experts = gpu_experts(shape)
     x = _x(t, h, seed=t + 3, device="cuda")
     ids, w = _gpu_routes(t, k, e, e_total, seed=t + 3)
     base = moe_triton(x, ids, w, experts, options=TritonOptions(poison=True))
     for opt in (TritonOptions(ordered_x=True, poison=True),
-                TritonOptions(ordered_x=True, persistent_split=True, poison=True),
                 TritonOptions(blocks_last=False, poison=True)):  # fmt: skip
         assert torch.equal(moe_triton(x, ids, w, experts, options=opt), base)
     fused = moe_triton(x, ids, w, experts, options=TritonOptions(ordered_x=True),
@@ -765,14 +761,14 @@ def test_split_one_gemm_same_bits(interpret, device, monkeypatch, mode):
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("programs", [1, 2, 5])
-def test_persistent_split_leaves_counters_zero(interpret, device, monkeypatch, programs):
-    """The persistent split GEMMs (``TritonOptions.persistent_split``) leave their tile
-    and unit counters at zero, so a second call on the same counters, not zeroed again
-    (a caller's own buffer, a CUDA-graph replay), gives the same bits; and they match the
-    worst-case 3-D grid."""
+@pytest.mark.parametrize("last", [True, False], ids=["blocks-last", "blocks-first"])
+def test_split_leaves_counters_zero(interpret, device, monkeypatch, last):
+    """The split GEMMs leave their tile counters at zero (on either grid,
+    ``TritonOptions.blocks_last``), so a second call on the same counters, not zeroed
+    again (a caller's own buffer, a CUDA-graph replay), gives the same bits; and so does
+    a call with counters of its own."""
     if device != "cpu":
-        pytest.skip("interpreter case; the GPU tests run the persistent split by default")
+        pytest.skip("interpreter case; the GPU tests replay CUDA graphs of split calls")
     from fp4moe.kernels import launch
     from fp4moe.kernels.launch import expert_gemms, gemm_configs, split_counters
 
@@ -781,26 +777,23 @@ def test_persistent_split_leaves_counters_zero(interpret, device, monkeypatch, p
     experts = _experts(e, h, i, seed=71, device=device)
     x = _x(t, h, seed=71, device=device)
     ids, w = _routes(t, k, e, seed=71, device=device, masked=0.3)
-    opt = TritonOptions(
-        split_k=True, poison=True, persistent_split=True, persistent_programs=programs
-    )
+    opt = TritonOptions(split_k=True, poison=True, blocks_last=last)
     cfg1, cfg2 = gemm_configs(t * k, experts, "w4a16", opt)
     zero, counters, _ = split_counters(t * k, experts, cfg1, cfg2, opt, x.device)
     s = sort_routes(ids, e, cfg1.block_m, zero=zero)
     n_valid = int(s.expert_offsets[-1])
 
-    def rows(o, c):
+    def rows(c):
         return expert_gemms(
             s, x, None, None, experts, cfg1=cfg1, cfg2=cfg2, mode="w4a16",
             act_scale="per_token", topk=k, a_gather=True, route_weights=w.reshape(-1),
-            options=o, counters=c,
+            options=opt, counters=c,
         )[:n_valid].clone()  # fmt: skip
 
-    first = rows(opt, counters)
+    first = rows(counters)
     assert bool((zero == 0).all())
-    assert torch.equal(rows(opt, counters), first)
-    grid = rows(TritonOptions(split_k=True, poison=True, persistent_split=False), None)
-    assert torch.equal(grid, first)
+    assert torch.equal(rows(counters), first)
+    assert torch.equal(rows(None), first)
 
 
 @pytest.mark.kernel
@@ -903,14 +896,10 @@ def test_segmented_split_edges(interpret, device, monkeypatch, mode, t, k, e, h,
     ]  # fmt: skip
     outs.append(moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
                            options=TritonOptions(fc1=cfg, fc2=cfg, chunked=3, split_k=True,
-                                                 persistent_split=True, poison=True)))  # fmt: skip
-    outs.append(moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
-                           options=TritonOptions(fc1=cfg, fc2=cfg, chunked=3, split_k=True,
                                                  blocks_last=False, poison=True)))  # fmt: skip
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(outs[0], outs[2])
-    assert torch.equal(outs[0], outs[3])  # split over the valid units only (persistent)
-    assert torch.equal(outs[0], outs[4])  # row blocks before the segments (blocks_last off)
+    assert torch.equal(outs[0], outs[3])  # row blocks before the segments (blocks_last off)
     assert not torch.isnan(outs[0]).any()
     if bool((ids >= 0).any()):
         ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
@@ -1189,9 +1178,7 @@ def test_dense_path_only_for_chunked_loops(interpret, device):
 @pytest.mark.parametrize(
     "kw",
     [dict(dense_above=-1), dict(dense_above=1.5), dict(dense_above=True),
-     dict(valid_fraction=0), dict(valid_fraction=1.5), dict(valid_fraction="1"),
-     dict(persistent_programs=0), dict(persistent_programs=2.0),
-     dict(persistent_programs=True)],
+     dict(valid_fraction=0), dict(valid_fraction=1.5), dict(valid_fraction="1")],
     ids=str,
 )  # fmt: skip
 def test_triton_options_bad_dense_arguments(kw):

@@ -518,8 +518,6 @@ def moe_gemm_kernel(
     cnt_ptr,  # int32 [tiles]: segments finished per output tile, reset by the last (SPLIT)
     ws_rows,
     amax_ptr,  # fp32 [1], zeroed before the call: max |out| over the valid rows (OUT_AMAX)
-    nvb_ptr,  # int32 [1]: the schedule's valid row blocks, which come first (PERSISTENT)
-    grab_ptr,  # int32 [1], zero: the next unit to take (PERSISTENT; left at zero)
     N: tl.constexpr,
     K: tl.constexpr,
     TOPK: tl.constexpr,
@@ -546,53 +544,10 @@ def moe_gemm_kernel(
     REDUCE_ONLY: tl.constexpr = False,
     ORDER: tl.constexpr = 32,
     OUT_AMAX: tl.constexpr = False,
-    PERSISTENT: tl.constexpr = False,
     A_ORDERED: tl.constexpr = False,
     OUT_ORDERED: tl.constexpr = False,
     BLOCKS_LAST: tl.constexpr = False,
 ):
-    if PERSISTENT:
-        # Split K over a grid sized for the valid work, not the worst case: the programs
-        # take the units (K segment, row block, weight tile) of the *valid* row blocks
-        # (their count from the sort, on the device) in the order the 3-D grid would
-        # launch them. The host bounds row blocks by every route in an expert of its own,
-        # which at 16 tokens of DeepSeek-V3 EP8 is 40 against about 4 valid: 8064 of
-        # FC1's 8960 programs would only wait, read an expert of -1 and exit.
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        NTL: tl.constexpr = (N + BN - 1) // BN
-        NSEG_P: tl.constexpr = (K // BK + SEG_TILES - 1) // SEG_TILES
-        per_seg = tl.load(nvb_ptr) * NTL
-        total = per_seg * NSEG_P
-        # Program p runs unit p; when there are more units than programs, the rest are
-        # taken from a counter (zero at the call's start), so a program that finishes
-        # early takes the next one, as the hardware hands out a grid's programs (a fixed
-        # share a program lost 15% at 32 tokens on the H200: docs/perf-notes.md, session
-        # 8 item 4). Then each program ends on one failed take; the last of those (P of
-        # them) puts the counter back to 0.
-        nprog = tl.num_programs(0)
-        u = tl.program_id(0)
-        while u < total:  # (a `for` over a loaded bound fails in the interpreter)
-            s_id = u // per_seg
-            pid_m = (u - s_id * per_seg) // NTL
-            pid_n = u - s_id * per_seg - pid_m * NTL
-            _split_unit(
-                pid_m, pid_n, s_id, a_ptr, a_scales_ptr, a_global_ptr, sorted_routes_ptr,
-                topk_w_ptr, w_codes_ptr, w_scales_ptr, w_global_ptr, out_ptr, out_scales_ptr,
-                out_global_ptr, out_table_ptr, block_expert_ptr, block_start_ptr,
-                block_end_ptr, part_ptr, cnt_ptr, ws_rows, amax_ptr, N, K, TOPK, GATED,
-                A_FP4, A_GATHER, FUSED, OUT_SCALE, BM, BN, BK, DOT_DTYPE, INTERPRET,
-                DECODE_ASM, OUT_FP4, SEG_TILES, W_DENSE, False, ORDER, OUT_AMAX, A_ORDERED,
-                OUT_ORDERED,
-            )  # fmt: skip
-            if total > nprog:
-                u = nprog + tl.atomic_add(grab_ptr, 1, sem="relaxed")
-            else:
-                u = total
-        if u == total + nprog - 1:  # the last failed take (only when total > nprog)
-            tl.store(grab_ptr, 0)
-        return
     if GROUP_M:
         # One grid axis in groups of GROUP_M tile rows: consecutive programs sweep the
         # weight tiles of GROUP_M row blocks, so both the (dense) weight tiles and the

@@ -9,7 +9,6 @@ dependents right after, and the finalize kernel reads routing metadata before it
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from collections.abc import Callable
@@ -74,11 +73,6 @@ SPLIT_BELOW_PROGRAMS = 384
 QUANTIZE_SPLIT_ROWS = 512
 QUANTIZE_SPLIT_C = 256
 AMAX_WIDE_C = 8192
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @dataclass(frozen=True)
@@ -149,20 +143,6 @@ class TritonOptions:
         split kernel only sums them and runs the epilogue. The same operands, order and
         sums as loop 3's split programs: the same bits. Needs K a multiple of 1024 (the
         others stay on loop 3) and a CUDA device (Gluon has no interpreter).
-    persistent_split: split-K GEMMs launch a grid sized for the valid work: the programs
-        take the units (K segment, row block, weight tile) of the valid row blocks, whose
-        count the sort leaves on the device (``RouteSort.valid_blocks``): program p unit
-        p, then, when the units outnumber the programs, one at a time from an atomic
-        counter; instead of a 3-D grid over the host's worst-case row blocks where most
-        programs only exit.
-        The same units and sums: the same bits. Off: on the H200 (session 8,
-        docs/perf-notes.md) the empty programs of 16 tokens' GEMMs cost 10 us of 73
-        (DeepSeek-V3 EP8; ``benchmarks/grid_experiment.py``) and this takes 4 to 5 us off
-        there, but it loses 3 to 6 us at 1 and 8 tokens, 4% at 32 and up to 10% on
-        Mixtral-8x7B, where the taking of units from one counter is slower than the
-        hardware handing out a grid.
-    persistent_programs: the persistent grid's size, at most (None: 8 programs an SM on
-        CUDA; 3 in the interpreter, so tests see programs take several units).
     ordered_x: W4A16 with both GEMMs in loop 3's unit order (``k_order`` 64, not dense,
         not ``gluon_decode``): the GEMMs load activation rows already in that order, so
         the A operand goes from global to shared memory to the wgmma with no register
@@ -204,8 +184,6 @@ class TritonOptions:
     valid_fraction: float | None = None
     gluon_decode: bool = False
     fused_amax: bool = False
-    persistent_split: bool = False
-    persistent_programs: int | None = None
     ordered_x: bool = False
     ordered_in_sort: bool = True
     blocks_last: bool = True
@@ -218,16 +196,6 @@ class TritonOptions:
         # order: 284.7 against 292.9 us, 268.4 against 278.0 with FC2's 128-row tiles
         # (session 7); splitting wins by far at 4 rows (16 tokens: 76.6 against 94.0).
         return n_routes / num_experts <= 8
-
-    def persistent_grid(self, device: torch.device) -> int:
-        """Programs of a persistent split GEMM on ``device`` (0: ``persistent_split`` off)."""
-        if not self.persistent_split:
-            return 0
-        if self.persistent_programs is not None:
-            return self.persistent_programs
-        if interpreting() or device.type != "cuda":
-            return 3
-        return 8 * _sm_count(device)
 
     def ordered_for(
         self, mode: str, n_routes: int, num_experts: int, hidden: int, inter: int,
@@ -290,9 +258,6 @@ class TritonOptions:
 
     def __post_init__(self) -> None:
         d, f = self.dense_above, self.valid_fraction
-        pp = self.persistent_programs
-        if pp is not None and (isinstance(pp, bool) or not isinstance(pp, int) or pp < 1):
-            raise ValueError(f"persistent_programs: expected None or an int >= 1, got {pp!r}")
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 0):
             raise ValueError(f"dense_above: expected None or an int >= 0, got {d!r}")
         if f is not None and (
@@ -444,7 +409,6 @@ def _gemm(
     gluon: bool = False,
     counters: torch.Tensor | None = None,
     amax_out: torch.Tensor | None = None,
-    persistent: int = 0,
     a_ordered: bool = False,
     out_ordered: bool = False,
     blocks_last: bool = False,
@@ -453,11 +417,10 @@ def _gemm(
     NVFP4 codes of the FC1 activation instead of bf16 (static W4A4). ``dense``: decode
     the weights once (``dense_weights``) and load them in the main loop (same bits).
     ``amax_out``: fp32 [1] zeros; the epilogue atomically maxes |out| of the valid rows
-    into it (bf16 route rows only). ``persistent``: a split GEMM walks the valid units
-    with at most this many programs (0: one program a unit of the worst-case grid).
-    ``a_ordered``: ``a`` holds bf16 rows in the unit order; ``out_ordered``: write ``out``
-    (bf16 rows) in it (``TritonOptions.ordered_x``); ``blocks_last``: a split GEMM's 3-D
-    grid is (tiles, segments, blocks) (``TritonOptions.blocks_last``)."""
+    into it (bf16 route rows only). ``a_ordered``: ``a`` holds bf16 rows in the unit
+    order; ``out_ordered``: write ``out`` (bf16 rows) in it (``TritonOptions.ordered_x``);
+    ``blocks_last``: a split GEMM's 3-D grid is (tiles, segments, blocks), else (tiles,
+    blocks, segments) (``TritonOptions.blocks_last``)."""
     a_fp4 = a_scales is not None
     order = k_order(int(chunked), k, cfg.block_k)
     if dense:
@@ -492,12 +455,10 @@ def _gemm(
     seg_tiles = SEGMENT // cfg.block_k if int(chunked) == 3 else 0
     nseg = -(-(k // cfg.block_k) // seg_tiles) if seg_tiles else 1
     split = split and nseg > 1
-    part, cnt, ws_rows, grab = dummy, dummy, 0, dummy
+    part, cnt, ws_rows = dummy, dummy, 0
     gluon = gluon and split and gluon_applies(k, a_fp4, cfg)
-    # the split grid: persistent (at most `programs` programs), blocks last, or 3-D
-    programs = persistent if split and not gluon else 0
-    persistent = programs > 0
-    blocks_last = blocks_last and split and not gluon and not persistent and not group_m
+    # the split grid: blocks last or 3-D
+    blocks_last = blocks_last and split and not gluon and not group_m
     if split:  # one program a K segment; fp32 partials, summed by the last one of a tile
         ws_rows = sort.sorted_routes.shape[0]
         part = torch.empty(nseg * ws_rows * (2 * n if gated else n), dtype=torch.float32,
@@ -511,15 +472,11 @@ def _gemm(
                 gather=a_gather, block_m=cfg.block_m, seg=SEGMENT, ws_rows=ws_rows,
             )  # fmt: skip
         else:  # tile counters: zeroed by the sort kernel (``counters``) or here
-            # (persistent: one more, the unit counter, after the tile counters)
-            need = grid[0] * grid[1] + int(persistent)
+            need = grid[0] * grid[1]
             cnt = counters
             if cnt is None or cnt.numel() < need:
                 cnt = torch.zeros(need, dtype=torch.int32, device=a.device)
-            if persistent:  # the valid units only, taken by at most `persistent` programs
-                grab = cnt[need - 1 : need]
-                grid = (min(grid[0] * grid[1] * nseg, programs),)
-            elif blocks_last:  # empty row blocks after every valid unit
+            if blocks_last:  # empty row blocks after every valid unit
                 grid = (grid[0], nseg, grid[1])
             else:
                 grid = (*grid, nseg)
@@ -530,7 +487,6 @@ def _gemm(
         *(out_fp4 if out_fp4 is not None else (dummy, dummy, dummy)),
         sort.block_expert, sort.block_start, sort.block_end, part, cnt, ws_rows,
         amax_out if amax_out is not None else dummy,
-        sort.valid_blocks if persistent else dummy, grab,
         n, k,
     )  # fmt: skip
     kw = dict(
@@ -539,43 +495,13 @@ def _gemm(
         DOT_DTYPE=dot, W_DTYPE=wdt, INTERPRET=interpreting(), DECODE_ASM=decode_asm,
         PREFETCH=cfg.prefetch, OUT_FP4=out_fp4 is not None, CHUNKED=int(chunked),
         SEG_TILES=seg_tiles, SPLIT=split, W_DENSE=dense, GROUP_M=group_m, REDUCE_ONLY=gluon,
-        ORDER=order, OUT_AMAX=amax_out is not None, PERSISTENT=persistent,
+        ORDER=order, OUT_AMAX=amax_out is not None,
         A_ORDERED=a_ordered, OUT_ORDERED=out_ordered, BLOCKS_LAST=blocks_last,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if not interpreting():
-        if cfg.maxnreg:
-            kw["maxnreg"] = cfg.maxnreg
-        elif persistent:  # the 3-D grid kernel's registers (see _grid_kernel_registers)
-            regs = _grid_kernel_registers(args, {**kw, "USE_PDL": pdl})
-            if regs:
-                kw["maxnreg"] = regs
+    if not interpreting() and cfg.maxnreg:
+        kw["maxnreg"] = cfg.maxnreg
     _launch(moe_gemm_kernel, grid, pdl, *args, **kw)
-
-
-_GRID_REGS: dict = {}
-
-
-def _grid_kernel_registers(args: tuple, kw: dict) -> int | None:
-    """Registers of the split GEMM launched on the 3-D grid, for the same arguments: the
-    cap for its persistent twin. The persistent loop keeps the epilogue's loop invariants
-    live across the main loop (FC1 of DeepSeek-V3 at (16, 64, 128): 128 registers against
-    88, so 4 programs an SM instead of 5); capped at 88, ptxas rematerializes them with the
-    same main loop (``sass_report.py --split --persistent --maxnreg 88``: no spill; on the
-    H200, 6 and 8 bytes of spill for FC1 and FC2).
-    One compile a specialization, cached; None if Triton's API for it fails."""
-    key = (
-        tuple(str(x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__ for x in args),
-        tuple(sorted((k, str(v)) for k, v in kw.items())),
-    )
-    if key not in _GRID_REGS:
-        try:
-            compiled = moe_gemm_kernel.warmup(*args, grid=(1,), **{**kw, "PERSISTENT": False})
-            compiled._init_handles()
-            _GRID_REGS[key] = int(compiled.n_regs) or None
-        except Exception:  # a private API: run uncapped rather than fail
-            _GRID_REGS[key] = None
-    return _GRID_REGS[key]
 
 
 def _per_tensor_table(src, rows, count, opt, pdl, amax_reduce):
@@ -673,8 +599,7 @@ def split_counters(
 ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | None]:
     """The zeros a call needs, in one buffer for ``sort_routes(zero=...)`` to clear (no
     memset node in a CUDA graph of the call): the split GEMMs' tile counters (the last
-    program of a tile leaves its counter at zero; ``persistent_split``: then the unit
-    counter, left at zero too) for ``expert_gemms(counters=...)``, and
+    program of a tile leaves its counter at zero) for ``expert_gemms(counters=...)``, and
     with ``amax`` (``TritonOptions.amax_in_fc1``) one fp32 slot for FC1's per-tensor amax,
     ``expert_gemms(amax_zero=...)`` (zero bits are 0.0). Returns (buffer, (FC1's, FC2's)
     counters or None when neither GEMM splits K (``TritonOptions.gemm_splits``; a GEMM
@@ -685,9 +610,8 @@ def split_counters(
     if not (s1 or s2 or amax):
         return None, None, None
     nb = max_blocks(n_routes, e, cfg1.block_m)
-    extra = 1 if opt.persistent_split else 0  # a persistent GEMM's unit counter
-    t1 = triton.cdiv(inter, cfg1.block_n) * nb + extra if s1 else 0
-    t2 = triton.cdiv(h, cfg2.block_n) * nb + extra if s2 else 0
+    t1 = triton.cdiv(inter, cfg1.block_n) * nb if s1 else 0
+    t2 = triton.cdiv(h, cfg2.block_n) * nb if s2 else 0
     zero = torch.empty(t1 + t2 + int(amax), dtype=torch.int32, device=device)
     counters = (zero[:t1], zero[t1 : t1 + t2]) if s1 or s2 else None
     slot = zero[t1 + t2 :].view(torch.float32) if amax else None
@@ -769,7 +693,6 @@ def expert_gemms(
             a = a_unit_order
         else:
             a = dense_rows(a, None, decode_asm=opt.decode_asm, poison=opt.poison, order=64)
-    programs = opt.persistent_grid(dev)  # persistent split GEMMs' size (0: off)
     famax = None
     if opt.amax_in_fc1(mode, act_scale):
         famax = amax_zero if amax_zero is not None else torch.zeros(1, device=dev)
@@ -780,8 +703,7 @@ def expert_gemms(
         decode_asm=opt.decode_asm, out_fp4=out_fp4, chunked=opt.chunked, split=split1,
         dense=dense, poison=opt.poison, gluon=opt.gluon_decode,
         counters=counters[0] if counters else None, amax_out=famax,
-        persistent=programs, a_ordered=ordered, out_ordered=ordered,
-        blocks_last=opt.blocks_last,
+        a_ordered=ordered, out_ordered=ordered, blocks_last=opt.blocks_last,
     )  # fmt: skip
 
     # FC2 input.
@@ -819,8 +741,8 @@ def expert_gemms(
         n=h, k=inter, topk=topk, gated=False, a_gather=False, fused=fused_into is not None,
         pdl=pdl, decode_asm=opt.decode_asm, chunked=opt.chunked, split=split2, dense=dense,
         poison=opt.poison, gluon=opt.gluon_decode,
-        counters=counters[1] if counters else None, persistent=programs,
-        a_ordered=ordered, blocks_last=opt.blocks_last,
+        counters=counters[1] if counters else None, a_ordered=ordered,
+        blocks_last=opt.blocks_last,
     )  # fmt: skip
     return dest
 

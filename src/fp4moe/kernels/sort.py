@@ -11,8 +11,8 @@ Given top-k ids [T, K] (negative = masked), produce:
   block b covers sorted rows [start, end) of one expert; unused blocks have expert -1 and
   their programs exit at once. ``max_blocks = cdiv(T*K, block_m) + min(E, T*K)`` bounds
   sum_e cdiv(count_e, block_m), so the grid size is known on the host without a sync.
-  The valid blocks come first; ``valid_blocks`` int32 [1] counts them (the persistent
-  split GEMMs walk only those).
+  The valid blocks come first; ``valid_blocks`` int32 [1] counts them
+  (``benchmarks/grid_experiment.py`` cuts the schedule to them).
 
 Two implementations with the same outputs, both without a host sync (capturable in a
 CUDA graph); an expert with no rows gets no block:
