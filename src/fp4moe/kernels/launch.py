@@ -150,11 +150,17 @@ class TritonOptions:
         that order once a call (by the sort kernel, ``ordered_in_sort``, or else by
         ``dequant.dense_rows``), FC2's is written so by FC1's epilogue (``OUT_ORDERED``).
         The same operands in the same order: the same bits.
-        Off: on the H200 (session 8) the GEMMs gain 2% to 5% from 16 tokens on (Mixtral
-        64 tokens 546 -> 521 us) but the reordering kernel costs about 3 us a call, so 1
-        token loses (DeepSeek-V3 56.0 -> 58.9 us, Qwen3 33.2 -> 38.0). Since then the
-        sort kernel writes the reordered rows (``ordered_in_sort``, below), which takes
-        that kernel away: not yet measured.
+        Off: it loses at 1 and 16 tokens. On the H200 (session 8) the GEMMs gain 2% to
+        5% from 16 tokens on but the reordering kernel costs about 3 us a call (1 token:
+        DeepSeek-V3 56.0 -> 58.9 us, Qwen3 33.2 -> 38.0). With the rows from the sort
+        kernel (``ordered_in_sort``; session 9, W4A16, against the (tiles, blocks,
+        segments) grid, ``blocks_last`` off then): DeepSeek-V3 EP8 54.9 -> 56.4 us at 1
+        token, 73.2 -> 78.9 at 16, 208.3 -> 215.4 at 32, but 2% to 3% faster at 64 and
+        256 tokens (260.7 -> 255.5, 463.5 -> 450.0); Qwen3-30B-A3B 30.6 -> 33.8 at 1
+        token, ties at 16 and 64; Mixtral-8x7B 108.1 -> 100.5 at 1 token, 355.5 -> 359.0
+        at 16, 536.4 -> 519.3 at 64. The sort kernel's copy of x is likely the loss: few
+        programs copy whole rows in series (8 at 16 tokens of DeepSeek-V3, 1 at 1 token;
+        docs/perf-notes.md, session 9).
     ordered_in_sort: with ``ordered_x``, the Triton sort kernel (up to ``SMALL_ROUTES``
         routes) writes FC1's reordered input (``sort_routes(x=...)``) instead of a
         reorder kernel of its own; False: the reorder kernel (as measured in session 8).
