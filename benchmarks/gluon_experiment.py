@@ -59,6 +59,9 @@ def main() -> None:
                    help="gluon_decode.KERNEL: the partials kernel (tma: gluon_ws)")  # fmt: skip
     p.add_argument("--buffers", type=int, nargs="+", default=[4],
                    help="with --kernel tma: gluon_ws.BUFFERS, each timed (1, 2 or 4)")  # fmt: skip
+    p.add_argument("--split-k", action="store_true",
+                   help="whole calls with TritonOptions.split_k=True (64 tokens, up)")  # fmt: skip
+    p.add_argument("--whole-only", action="store_true", help="time the whole calls only")
     a = p.parse_args()
     gluon_decode.ASYNC_WGMMA = a.async_wgmma
     gluon_decode.KERNEL = a.kernel
@@ -77,7 +80,7 @@ def main() -> None:
         nr = ids.numel()
         x = torch.randn(t, h, device=dev).to(torch.bfloat16)
         # 1. Each GEMM alone: Gluon partials + sum against loop 3's split GEMM, bitwise.
-        for bm in (8, 16):
+        for bm in () if a.whole_only else (8, 16):
             sort = sort_routes(ids, e, bm)
             a2 = torch.randn(nr, inter, device=dev).to(torch.bfloat16)
             for name, (src, codes, scales, glob, n, k, gated, gather) in {
@@ -109,7 +112,8 @@ def main() -> None:
         # 2. The whole call (W4A16, deterministic finalize, PDL, CUDA graph).
         res = {}
         for g in (False, True):
-            opt = TritonOptions(valid_fraction=pr.local_experts / pr.experts, gluon_decode=g)
+            opt = TritonOptions(valid_fraction=pr.local_experts / pr.experts, gluon_decode=g,
+                                split_k=True if a.split_k else None)  # fmt: skip
 
             def whole(opt=opt):
                 return moe_triton(x, ids, wts, ex, mode="w4a16",

@@ -24,6 +24,9 @@ p.add_argument("--fused", action="store_true")
 p.add_argument("--calls", type=int, default=1)
 p.add_argument("--kernels", action="store_true", help="print each kernel's GPU time")
 p.add_argument("--no-dense", action="store_true")
+p.add_argument("--split-k", action="store_true", help="TritonOptions.split_k=True")
+p.add_argument("--gluon-tma", type=int, default=0, metavar="BUFFERS",
+               help="gluon_decode with the TMA partials (gluon_ws.BUFFERS); 0: off")  # fmt: skip
 a = p.parse_args()
 pr = PRESETS[a.preset]
 torch.manual_seed(0)
@@ -33,9 +36,17 @@ ids, w = make_routes(pr, a.tokens, a.tokens, "cuda")
 m, sc = MODES[a.mode]
 
 
-opt = TritonOptions(valid_fraction=pr.local_experts / pr.experts)
+kw = {}
 if a.no_dense:
-    opt = TritonOptions(valid_fraction=opt.valid_fraction, dense_above=None)
+    kw["dense_above"] = None
+if a.split_k:
+    kw["split_k"] = True
+if a.gluon_tma:
+    from fp4moe.kernels import gluon_decode, gluon_ws
+
+    gluon_decode.KERNEL, gluon_ws.BUFFERS = "tma", a.gluon_tma
+    kw["gluon_decode"] = True
+opt = TritonOptions(valid_fraction=pr.local_experts / pr.experts, **kw)
 
 
 def call():
