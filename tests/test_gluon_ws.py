@@ -20,7 +20,9 @@ SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 
 def test_tma_split_kernel_compiles_for_sm90():
     """Both GEMMs, both tile heights, both main loops: wgmma, no spill, every TMA copy of
-    the segment issued (FC1: 4 stages x 2 weights x (4 code boxes + 1 scale box) = 40)."""
+    the segment issued (FC1: 4 stages x 2 weights x (4 code boxes + 1 scale box) = 40);
+    with the last unit's epilogue: the tile counter's acq_rel atomic, and the fp32 atomic
+    add exactly when the finalize is fused."""
     pytest.importorskip("triton")
     code = (
         "from fp4moe.kernels.gluon_ws import compile_sm90\n"
@@ -32,6 +34,12 @@ def test_tma_split_kernel_compiles_for_sm90():
         "            assert 'wgmma.mma_async' in ptx, (n, bm, asy)\n"
         "            assert '.local' not in ptx, (n, bm, asy)\n"
         "            assert ptx.count('cp.async.bulk.tensor') == copies, (n, bm, asy)\n"
+        "    for fused in (False, True):  # the last unit's epilogue (a one-buffer ring)\n"
+        "        c = compile_sm90(n=n, k=k, gated=g, block_m=8, asynchronous=True,\n"
+        "                         buffers=1, epilogue=True, fused=fused)\n"
+        "        ptx = c.asm['ptx']\n"
+        "        assert 'atom.global.gpu.acq_rel.add' in ptx and '.local' not in ptx\n"
+        "        assert ('atom.global.gpu.relaxed.add.f32' in ptx) == fused\n"
         "print('ok')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -58,6 +66,13 @@ def test_split_partials_bad_arguments(monkeypatch):
         gluon_ws.split_partials_tma(*args, block_m=8, seg=512 + 128, **kw)
     with pytest.raises(ValueError, match="block_m"):
         gluon_ws.split_partials_tma(*args, block_m=32, **kw)
+    out = torch.zeros(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="counters"):  # the epilogue needs its counters
+        gluon_ws.split_partials_tma(*args, block_m=8, out=out, **kw)
+    cnt = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="topk_w"):
+        gluon_ws.split_partials_tma(*args, block_m=8, out=out, counters=cnt, fused=True,
+                                    w_global=part[0, 0], **kw)  # fmt: skip
     monkeypatch.setattr(gluon_decode, "KERNEL", "tmaa")
     with pytest.raises(ValueError, match=r"gluon_decode\.KERNEL"):
         gluon_decode.split_partials(*args, block_m=8, **kw)

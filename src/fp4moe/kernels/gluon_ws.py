@@ -68,6 +68,62 @@ def _smem_unit(cbuf, sbuf, st: gl.constexpr, j: gl.constexpr, w: gl.constexpr,
 
 
 @gluon.jit
+def _last_unit_epilogue(
+    pid_m, pid_n, e, start, end, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr,
+    sorted_routes_ptr, out_ptr, stride, N: gl.constexpr, K: gl.constexpr,
+    TOPK: gl.constexpr, GATED: gl.constexpr, BM: gl.constexpr, SEG: gl.constexpr,
+    FUSED: gl.constexpr, OUT_SCALE: gl.constexpr, MMA: gl.constexpr,
+):  # fmt: skip
+    """After a unit wrote its partial: the tile's last unit to finish sums the partials
+    in segment order from zero, ((0 + P_0) + P_1) + ..., and writes the W4A16 output with
+    the operations of ``gemm._epilogue`` (global scales, SwiGLU when GATED, one bf16
+    rounding; bf16 rows, or the router-weighted atomic add when FUSED)."""
+    NSEG: gl.constexpr = K // SEG
+    if GATED:
+        gn: gl.constexpr = 2 * N
+    else:
+        gn: gl.constexpr = N
+    tile = pid_m * gl.cdiv(N, 64) + pid_n
+    gl.thread_barrier()  # every thread's partial stores before the release below
+    done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+    if done == NSEG - 1:
+        gl.store(cnt_ptr + tile, 0)  # ready for the next call (and graph replay)
+        on = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+        om = start + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
+        m_ok = om < end
+        n_ok = on < N
+        mask = n_ok[:, None] & m_ok[None, :]
+        prow = part_ptr + om.to(gl.int64)[None, :] * gn + on[:, None]
+        acc_g = gl.zeros([64, BM], gl.float32, layout=MMA)
+        acc_u = gl.zeros([64, BM], gl.float32, layout=MMA)
+        for sg in gl.static_range(NSEG):  # .cg: other SMs wrote them; read from L2
+            acc_g = acc_g + gl.load(prow + sg * stride, mask=mask, other=0.0,
+                                    cache_modifier=".cg")  # fmt: skip
+            if GATED:
+                acc_u = acc_u + gl.load(prow + sg * stride + N, mask=mask, other=0.0,
+                                        cache_modifier=".cg")  # fmt: skip
+        e64 = e.to(gl.int64)
+        h = acc_g * OUT_SCALE
+        if GATED:
+            h = h * gl.load(w_global_ptr + e64 * 2)
+            hu = acc_u * OUT_SCALE
+            hu = hu * gl.load(w_global_ptr + e64 * 2 + 1)
+            res = (h / (1.0 + gl.exp(-h))) * hu
+        else:
+            res = h * gl.load(w_global_ptr + e64)
+        y = res.to(gl.bfloat16)
+        if FUSED:
+            route = gl.load(sorted_routes_ptr + om, mask=m_ok, other=0)
+            tok = (route // TOPK).to(gl.int64)
+            wt = gl.load(topk_w_ptr + route, mask=m_ok, other=0.0)
+            contrib = y.to(gl.float32) * wt[None, :]
+            gl.atomic_add(out_ptr + tok[None, :] * N + on[:, None], contrib, mask=mask,
+                          sem="relaxed")  # fmt: skip
+        else:
+            gl.store(out_ptr + om.to(gl.int64)[None, :] * N + on[:, None], y, mask=mask)
+
+
+@gluon.jit
 def tma_split_kernel(
     x_ptr,  # bf16 [rows, K]: FC1 the tokens (gathered by route // TOPK), FC2 sorted rows
     sorted_routes_ptr,  # int32 [T*TOPK]
@@ -77,6 +133,10 @@ def tma_split_kernel(
     block_start_ptr,
     block_end_ptr,
     part_ptr,  # fp32 [segments, ws_rows, (2 if GATED) * N]
+    cnt_ptr,  # int32 [tiles * blocks] zeros: units done a tile (EPILOGUE; left at zero)
+    w_global_ptr,  # fp32 [E] or [E, 2] (GATED): the weights' global scales (EPILOGUE)
+    topk_w_ptr,  # fp32 [T*TOPK] router weights (FUSED)
+    out_ptr,  # EPILOGUE: bf16 [ws_rows, N] rows in sorted order, or fp32 [T, N] (FUSED)
     ws_rows,
     N: gl.constexpr,
     K: gl.constexpr,
@@ -88,6 +148,9 @@ def tma_split_kernel(
     ASYNC: gl.constexpr = False,  # asynchronous wgmma
     BLOCKS_LAST: gl.constexpr = True,  # grid (tiles, segments, blocks)
     NBUF: gl.constexpr = 4,  # stages in shared memory (a ring when fewer than SEG / 256)
+    EPILOGUE: gl.constexpr = False,  # the tile's last unit sums the partials, W4A16 output
+    FUSED: gl.constexpr = False,  # EPILOGUE: router weight times y added into out (atomic)
+    OUT_SCALE: gl.constexpr = 1.0,  # EPILOGUE: undoes the decode's power of two
 ):
     pid_n = gl.program_id(0)
     if BLOCKS_LAST:
@@ -213,6 +276,12 @@ def tma_split_kernel(
         gl.store(prow, acc_g, mask=pmask)
         if GATED:
             gl.store(prow + N, acc_u, mask=pmask)
+        if EPILOGUE:  # loop 3's split epilogue (gemm._split_unit, _epilogue): the same bits
+            _last_unit_epilogue(
+                pid_m, pid_n, e, start, end, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr,
+                sorted_routes_ptr, out_ptr, stride, N, K, TOPK, GATED, BM, SEG, FUSED,
+                OUT_SCALE, MMA,
+            )  # fmt: skip
 
 
 def descriptors(codes: torch.Tensor, scales: torch.Tensor):
@@ -232,27 +301,53 @@ def split_partials_tma(
     x, sorted_routes, codes, scales, block_expert, block_start, block_end, part, *,
     n: int, topk: int, gated: bool, gather: bool, block_m: int, ws_rows: int,
     seg: int = 1024, asynchronous: bool = False, blocks_last: bool = True,
-    buffers: int | None = None,
+    buffers: int | None = None, out: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None, w_global: torch.Tensor | None = None,
+    topk_w: torch.Tensor | None = None, fused: bool = False, out_scale: float = 1.0,
 ) -> None:  # fmt: skip
     """``gluon_decode.split_partials`` with ``tma_split_kernel`` (same arguments and bits).
-    Needs K % seg == 0 and seg % 256 == 0."""
+    Needs K % seg == 0 and seg % 256 == 0.
+
+    With ``out`` the kernel also runs the split epilogue (W4A16): the last unit of each
+    tile sums its partials and writes bf16 rows [ws_rows, n] in sorted order into ``out``,
+    or with ``fused`` adds router weight (``topk_w`` fp32 [T*topk]) times y into fp32
+    ``out`` [T, n]. ``counters``: int32 zeros, at least cdiv(n, 64) * blocks (left at
+    zero); ``w_global``: fp32 [E] or [E, 2] (gated) global scales; ``out_scale``: the
+    decode's power of two (``gemm`` OUT_SCALE)."""
     k = x.shape[1]
     if k % seg or seg % STAGE or block_m not in (8, 16):
         raise ValueError(f"split_partials_tma: needs K % {seg} == 0, seg % 256 == 0 and "
                          "block_m 8 or 16")  # fmt: skip
-    c_desc, s_desc = descriptors(codes, scales)
     tiles, blocks, segs = triton.cdiv(n, 64), block_expert.numel(), k // seg
+    epilogue = out is not None
+    if epilogue and (counters is None or counters.numel() < tiles * blocks or w_global is None
+                     or (fused and topk_w is None)):  # fmt: skip
+        raise ValueError("split_partials_tma: out needs counters (cdiv(n, 64) * blocks "
+                         "int32 zeros), w_global, and topk_w when fused")  # fmt: skip
+    c_desc, s_desc = descriptors(codes, scales)
     grid = (tiles, segs, blocks) if blocks_last else (tiles, blocks, segs)
+    dummy = part
     tma_split_kernel[grid](
         x, sorted_routes, c_desc, s_desc, block_expert, block_start, block_end, part,
+        counters if epilogue else dummy, w_global if epilogue else dummy,
+        topk_w if fused else dummy, out if epilogue else dummy,
         ws_rows, N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=gather, BM=block_m,
         SEG=seg, ASYNC=asynchronous, BLOCKS_LAST=blocks_last,
-        NBUF=BUFFERS if buffers is None else buffers, num_warps=4,
+        NBUF=BUFFERS if buffers is None else buffers, EPILOGUE=epilogue,
+        FUSED=fused and epilogue, OUT_SCALE=out_scale, num_warps=4,
     )  # fmt: skip
 
 
 def compile_sm90(
-    *, n: int, k: int, gated: bool, block_m: int, asynchronous: bool = False, buffers: int = 4
+    *,
+    n: int,
+    k: int,
+    gated: bool,
+    block_m: int,
+    asynchronous: bool = False,
+    buffers: int = 4,
+    epilogue: bool = False,
+    fused: bool = False,
 ):
     """Compile one specialization for sm_90 without a GPU (Triton's bundled ptxas); the
     layout conversions are asserted trivial at compile time. Returns the compiled kernel."""
@@ -264,13 +359,16 @@ def compile_sm90(
     ptrs = {
         "x_ptr": "*bf16", "sorted_routes_ptr": "*i32", "block_expert_ptr": "*i32",
         "block_start_ptr": "*i32", "block_end_ptr": "*i32", "part_ptr": "*fp32",
+        "cnt_ptr": "*i32", "w_global_ptr": "*fp32", "topk_w_ptr": "*fp32",
+        "out_ptr": "*fp32" if fused else "*bf16",
     }  # fmt: skip
     descs = {
         "c_desc": f"tensordesc<u8[64, 32],{CODE_SMEM!r}>",
         "s_desc": f"tensordesc<u8[64, 16],{SCALE_SMEM!r}>",
     }
     const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated, BM=block_m, SEG=1024,
-                 ASYNC=asynchronous, BLOCKS_LAST=True, NBUF=buffers)  # fmt: skip
+                 ASYNC=asynchronous, BLOCKS_LAST=True, NBUF=buffers, EPILOGUE=epilogue,
+                 FUSED=fused, OUT_SCALE=1.0)  # fmt: skip
     sig = {a: ptrs.get(a) or descs.get(a) or ("i32" if a == "ws_rows" else "constexpr")
            for a in names}  # fmt: skip
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a in ptrs}

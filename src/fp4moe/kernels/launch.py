@@ -470,9 +470,25 @@ def _gemm(
         part = torch.empty(nseg * ws_rows * (2 * n if gated else n), dtype=torch.float32,
                            device=a.device)  # fmt: skip
         if gluon:  # the partials from the Gluon kernel; the split kernel only sums them
-            from .gluon_decode import split_partials
+            from . import gluon_decode
 
-            split_partials(
+            if gluon_decode.KERNEL == "tma" and out_fp4 is None and amax_out is None:
+                # the TMA kernel's last unit of a tile sums and runs the epilogue itself
+                from .gluon_ws import split_partials_tma
+
+                need = triton.cdiv(n, 64) * sort.num_blocks
+                cnt = counters
+                if cnt is None or cnt.numel() < need:
+                    cnt = torch.zeros(need, dtype=torch.int32, device=a.device)
+                split_partials_tma(
+                    a, sort.sorted_routes, w_codes, w_scales, sort.block_expert,
+                    sort.block_start, sort.block_end, part, n=n, topk=topk, gated=gated,
+                    gather=a_gather, block_m=cfg.block_m, seg=SEGMENT, ws_rows=ws_rows,
+                    asynchronous=gluon_decode.ASYNC_WGMMA, out=out, counters=cnt,
+                    w_global=w_global, topk_w=topk_w, fused=fused, out_scale=out_scale,
+                )  # fmt: skip
+                return
+            gluon_decode.split_partials(
                 a, sort.sorted_routes, w_codes, w_scales, sort.block_expert,
                 sort.block_start, sort.block_end, part, n=n, topk=topk, gated=gated,
                 gather=a_gather, block_m=cfg.block_m, seg=SEGMENT, ws_rows=ws_rows,
