@@ -54,16 +54,17 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--out", default=None)
-    p.add_argument("--async-wgmma", action="store_true", help="gluon_decode.ASYNC_WGMMA")
-    p.add_argument("--kernel", choices=("pointer", "tma"), default="pointer",
+    p.add_argument("--wgmma", choices=("sync", "async"), default="async",
+                   help="the Gluon main loop (gluon_decode / gluon_ws.ASYNC_WGMMA)")  # fmt: skip
+    p.add_argument("--kernel", choices=("pointer", "tma"), default="tma",
                    help="gluon_decode.KERNEL: the partials kernel (tma: gluon_ws)")  # fmt: skip
-    p.add_argument("--buffers", type=int, nargs="+", default=[4],
+    p.add_argument("--buffers", type=int, nargs="+", default=[1],
                    help="with --kernel tma: gluon_ws.BUFFERS, each timed (1, 2 or 4)")  # fmt: skip
     p.add_argument("--split-k", action="store_true",
                    help="whole calls with TritonOptions.split_k=True (64 tokens, up)")  # fmt: skip
     p.add_argument("--whole-only", action="store_true", help="time the whole calls only")
     a = p.parse_args()
-    gluon_decode.ASYNC_WGMMA = a.async_wgmma
+    gluon_decode.ASYNC_WGMMA = gluon_ws.ASYNC_WGMMA = a.wgmma == "async"
     gluon_decode.KERNEL = a.kernel
     pr = PRESETS["deepseek-v3-ep8"]
     dev = "cuda"

@@ -38,14 +38,17 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$out/sm
 case "$part" in
 tests)
     step kernels 300 python3 -m pytest -m gpu --device cuda tests/test_kernels.py -q
-    step others 240 python3 -m pytest -m gpu --device cuda -q \
-        tests/test_runner.py tests/test_phases.py tests/test_hf_gpu.py
+    step others 300 python3 -m pytest -m gpu --device cuda -q \
+        tests/test_runner.py tests/test_phases.py tests/test_hf_gpu.py tests/test_gluon_ws.py
     ;;
 memcheck)
     # 214 s alone on an H200 in session 7; inside `tests` it ran past 240 s.
     step memcheck 400 compute-sanitizer --tool memcheck python3 -m pytest -m gpu \
         --device cuda -q tests/test_kernels.py -k "test_moe_gpu_shapes and 64-qwen3 or \
         test_segmented_loop_gpu and w4a16 or dense_path_gpu and 64"
+    # the Gluon TMA GEMMs (the W4A16 decode default since session 9)
+    step memcheck_tma 200 compute-sanitizer --tool memcheck python3 -m pytest -m gpu \
+        --device cuda -q tests/test_gluon_ws.py -k "async and (16 or one)"
     ;;
 sweep)
     # Loop 3 (default) and its configs against loop 2, with bitwise checks; the per-tensor
@@ -110,12 +113,13 @@ decode)
 gluon)
     # TritonOptions.gluon_decode: bitwise against loop 3 (test), then each GEMM and the
     # whole call timed both ways, synchronous and asynchronous main loop.
+    # (session 9: the TMA kernel of gluon_ws, the default; --kernel pointer: the older one)
     step gluon_test 200 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py \
-        -k "gluon_decode_gpu"
+        tests/test_gluon_ws.py -k "gluon_decode_gpu or tma_split_gpu"
     step gluon_sync 200 python3 benchmarks/gluon_experiment.py --tokens 1 16 64 \
-        --out "$out/gluon-sync.json"
+        --wgmma sync --buffers 1 2 --out "$out/gluon-sync.json"
     step gluon_async 200 python3 benchmarks/gluon_experiment.py --tokens 1 16 64 \
-        --async-wgmma --out "$out/gluon-async.json"
+        --buffers 1 2 4 --out "$out/gluon-async.json"
     ;;
 bench)
     common=(--num-tokens 1 8 16 32 64 128 256 1024 4096 8192 16384 --iters 10)

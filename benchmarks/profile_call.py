@@ -25,8 +25,9 @@ p.add_argument("--calls", type=int, default=1)
 p.add_argument("--kernels", action="store_true", help="print each kernel's GPU time")
 p.add_argument("--no-dense", action="store_true")
 p.add_argument("--split-k", action="store_true", help="TritonOptions.split_k=True")
-p.add_argument("--gluon-tma", type=int, default=0, metavar="BUFFERS",
-               help="gluon_decode with the TMA partials (gluon_ws.BUFFERS); 0: off")  # fmt: skip
+p.add_argument("--gluon-tma", type=int, default=None, metavar="BUFFERS",
+               help="gluon_ws.BUFFERS of the Gluon GEMMs (default: the library's); "
+               "0: gluon_decode off (loop 3)")  # fmt: skip
 a = p.parse_args()
 pr = PRESETS[a.preset]
 torch.manual_seed(0)
@@ -41,11 +42,12 @@ if a.no_dense:
     kw["dense_above"] = None
 if a.split_k:
     kw["split_k"] = True
-if a.gluon_tma:
-    from fp4moe.kernels import gluon_decode, gluon_ws
+if a.gluon_tma == 0:
+    kw["gluon_decode"] = False
+elif a.gluon_tma is not None:
+    from fp4moe.kernels import gluon_ws
 
-    gluon_decode.KERNEL, gluon_ws.BUFFERS = "tma", a.gluon_tma
-    kw["gluon_decode"] = True
+    gluon_ws.BUFFERS = a.gluon_tma
 opt = TritonOptions(valid_fraction=pr.local_experts / pr.experts, **kw)
 
 

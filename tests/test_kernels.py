@@ -517,13 +517,14 @@ def test_gluon_decode_gpu(gpu_experts, monkeypatch, t, asynchronous):
     from fp4moe.kernels import gluon_decode
 
     monkeypatch.setattr(gluon_decode, "ASYNC_WGMMA", asynchronous)
+    monkeypatch.setattr(gluon_decode, "KERNEL", "pointer")  # the TMA kernel: test_gluon_ws
     e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
     experts = gpu_experts("deepseek-v3-ep8")
     x = _x(t, h, seed=7, device="cuda")
     ids, w = _gpu_routes(t, k, e, e_total, seed=7)
     for fused in (False, True):
         a = moe_triton(x, ids, w, experts, mode="w4a16", fused_finalize=fused,
-                       options=TritonOptions(poison=True))  # fmt: skip
+                       options=TritonOptions(poison=True, gluon_decode=False))  # fmt: skip
         b = moe_triton(x, ids, w, experts, mode="w4a16", fused_finalize=fused,
                        options=TritonOptions(poison=True, gluon_decode=True))  # fmt: skip
         if fused:
@@ -1310,7 +1311,9 @@ def test_gluon_decode_configs(monkeypatch):
     assert {c.block_m for c in gemm_configs(16 * 8, deepseek, "w4a16", opt)} == {8}
     assert {c.block_m for c in gemm_configs(16 * 8, deepseek, "w4a4", opt)} == {16}
     assert {c.block_m for c in gemm_configs(16 * 8, qwen3, "w4a16", opt)} == {16}
-    assert {c.block_m for c in gemm_configs(16 * 8, deepseek, "w4a16", TritonOptions())} == {16}
+    off = TritonOptions(gluon_decode=False)
+    assert {c.block_m for c in gemm_configs(16 * 8, deepseek, "w4a16", off)} == {16}
+    assert TritonOptions().gluon_decode  # on by default (session 9)
     small = GemmConfig(8, 64, 128)
     with pytest.raises(ValueError, match=r"options\.fc1"):
         gemm_configs(16, deepseek, "w4a16", TritonOptions(fc1=small, fc2=small))

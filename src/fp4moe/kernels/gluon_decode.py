@@ -41,7 +41,7 @@ ASYNC_WGMMA = False  # split_partials' default for the asynchronous main loop
 # split_partials' kernel: "pointer" (gluon_split_kernel: the codes loaded from global memory
 # two units ahead) or "tma" (gluon_ws.tma_split_kernel: the segment's weights fetched by TMA
 # at the program's start); the same bits
-KERNEL = "pointer"
+KERNEL = "tma"
 UNIT = gl.constexpr(64)  # K elements a main-loop step (two chunks, four k16 wgmma steps)
 
 
@@ -267,9 +267,7 @@ def split_partials(
             ``block_m`` (8 or 16) rows a tile.
     """
     k = x.shape[1]
-    if asynchronous is None:
-        asynchronous = ASYNC_WGMMA
-    if KERNEL == "tma":
+    if KERNEL == "tma":  # (its own default main loop: gluon_ws.ASYNC_WGMMA)
         from .gluon_ws import split_partials_tma
 
         split_partials_tma(
@@ -280,6 +278,8 @@ def split_partials(
         return
     if KERNEL != "pointer":
         raise ValueError(f"gluon_decode.KERNEL: expected 'pointer' or 'tma', got {KERNEL!r}")
+    if asynchronous is None:
+        asynchronous = ASYNC_WGMMA
     if k % seg or block_m not in (8, 16):
         raise ValueError(f"split_partials: needs K % {seg} == 0 and block_m 8 or 16")
     grid = (triton.cdiv(n, 64), block_expert.numel(), k // seg)

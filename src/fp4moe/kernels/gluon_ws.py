@@ -32,7 +32,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .gluon_decode import _CL, _L3, UNIT, _decode_unit
 
-BUFFERS = 4  # split_partials_tma's default ring: stages of 256 K held in shared memory
+# split_partials_tma's defaults: the ring's stages of 256 K in shared memory (1: 18 KB a
+# program for FC1, so more programs an SM; the fastest of 1, 2, 4 on the H200, session 9),
+# and the asynchronous main loop (the next unit's decode overlaps this unit's wgmma)
+BUFFERS = 1
+ASYNC_WGMMA = True
 STAGE = 256  # K elements a stage (four units; the scales' TMA box is 16 bytes wide)
 # TMA destinations, unswizzled: a [64, 32] code box is 64 rows of 32 bytes
 CODE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
@@ -300,7 +304,7 @@ def descriptors(codes: torch.Tensor, scales: torch.Tensor):
 def split_partials_tma(
     x, sorted_routes, codes, scales, block_expert, block_start, block_end, part, *,
     n: int, topk: int, gated: bool, gather: bool, block_m: int, ws_rows: int,
-    seg: int = 1024, asynchronous: bool = False, blocks_last: bool = True,
+    seg: int = 1024, asynchronous: bool | None = None, blocks_last: bool = True,
     buffers: int | None = None, out: torch.Tensor | None = None,
     counters: torch.Tensor | None = None, w_global: torch.Tensor | None = None,
     topk_w: torch.Tensor | None = None, fused: bool = False, out_scale: float = 1.0,
@@ -315,6 +319,8 @@ def split_partials_tma(
     zero); ``w_global``: fp32 [E] or [E, 2] (gated) global scales; ``out_scale``: the
     decode's power of two (``gemm`` OUT_SCALE)."""
     k = x.shape[1]
+    if asynchronous is None:
+        asynchronous = ASYNC_WGMMA
     if k % seg or seg % STAGE or block_m not in (8, 16):
         raise ValueError(f"split_partials_tma: needs K % {seg} == 0, seg % 256 == 0 and "
                          "block_m 8 or 16")  # fmt: skip

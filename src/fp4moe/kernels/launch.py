@@ -137,12 +137,17 @@ class TritonOptions:
         gain on the H200 (session 8, ``sweep_decode.py --modes w4a4-tensor --variants c3
         c3-famax``: 65.8 against 66.3 us at 1 token, 87.5 against 84.3 at 16, 287.8
         against 290.3 at 64; the same bits).
-    gluon_decode: W4A16 split-K calls (``split_for``) compute the segment partials with
-        the Gluon kernel of ``kernels.gluon_decode`` (the weight codes loaded straight into
-        the wgmma register fragment: 4.3 SASS instructions a weight against 5.6), then the
-        split kernel only sums them and runs the epilogue. The same operands, order and
-        sums as loop 3's split programs: the same bits. Needs K a multiple of 1024 (the
-        others stay on loop 3) and a CUDA device (Gluon has no interpreter).
+    gluon_decode: W4A16 split-K calls (``split_for``) run their GEMMs as Gluon kernels:
+        by default (``gluon_decode.KERNEL == "tma"``) ``kernels.gluon_ws``, whose programs
+        fetch their segment's weight codes and scales with TMA through a shared-memory ring,
+        decode them straight into the wgmma register fragment, and whose last unit of a
+        tile sums the partials and runs the epilogue; with ``KERNEL == "pointer"`` the
+        older ``gluon_decode`` partials plus loop 3's split kernel for the sum. The same
+        operands, order and sums as loop 3's split programs: the same bits. Needs K a
+        multiple of 1024 (the others stay on loop 3) and a CUDA device (Gluon has no
+        interpreter). On by default since session 9: DeepSeek-V3 EP8 W4A16 whole calls
+        1 token 54.3 -> 50.4 us, 16 tokens 68.4 -> 61.1, 32 tokens 200.4 -> 169.7
+        (docs/perf-notes.md, session 9).
     ordered_x: W4A16 with both GEMMs in loop 3's unit order (``k_order`` 64, not dense,
         not ``gluon_decode``): the GEMMs load activation rows already in that order, so
         the A operand goes from global to shared memory to the wgmma with no register
@@ -188,7 +193,7 @@ class TritonOptions:
     fc1_nvfp4_out: bool = True
     dense_above: int | None = 192
     valid_fraction: float | None = None
-    gluon_decode: bool = False
+    gluon_decode: bool = True
     fused_amax: bool = False
     ordered_x: bool = False
     ordered_in_sort: bool = True
@@ -474,6 +479,7 @@ def _gemm(
 
             if gluon_decode.KERNEL == "tma" and out_fp4 is None and amax_out is None:
                 # the TMA kernel's last unit of a tile sums and runs the epilogue itself
+                from . import gluon_ws
                 from .gluon_ws import split_partials_tma
 
                 need = triton.cdiv(n, 64) * sort.num_blocks
@@ -484,7 +490,7 @@ def _gemm(
                     a, sort.sorted_routes, w_codes, w_scales, sort.block_expert,
                     sort.block_start, sort.block_end, part, n=n, topk=topk, gated=gated,
                     gather=a_gather, block_m=cfg.block_m, seg=SEGMENT, ws_rows=ws_rows,
-                    asynchronous=gluon_decode.ASYNC_WGMMA, out=out, counters=cnt,
+                    asynchronous=gluon_ws.ASYNC_WGMMA, out=out, counters=cnt,
                     w_global=w_global, topk_w=topk_w, fused=fused, out_scale=out_scale,
                 )  # fmt: skip
                 return
