@@ -12,7 +12,7 @@ import torch
 
 from fp4moe.kernels.launch import TritonOptions, moe_triton
 from fp4moe.reference import moe_reference
-from test_kernels import GPU_SHAPES, _gpu_routes, _x
+from test_kernels import GPU_SHAPES, MODES, _gpu_routes, _mode_id, _x
 from testing import TOL, rel_err
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
@@ -109,5 +109,31 @@ def test_tma_split_gpu(monkeypatch, t, asynchronous, buffers):
         if fused:
             ref = moe_reference(x, ids, w, experts, mode="w4a16")
             assert rel_err(b, ref) <= TOL["w4a16"]
+        else:
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16])
+@pytest.mark.parametrize("mode", MODES[1:], ids=_mode_id)
+def test_tma_split_w4a4_gpu(t, mode):
+    """W4A4 through the TMA kernel (its activation rows decoded once by ``dense_rows``):
+    loop 3's bits, deterministic and fused finalize, per-token, static (FC1's NVFP4
+    output: the split kernel's epilogue on the Gluon partials) and per-tensor scales."""
+    from test_kernels import _experts
+
+    m, sc = mode
+    e, h, i, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
+    experts = _experts(e, h, i, seed=0, device="cuda")
+    x = _x(t, h, seed=11, device="cuda")
+    ids, w = _gpu_routes(t, k, e, e_total, seed=11)
+    for fused in (False, True):
+        a = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused,
+                       options=TritonOptions(poison=True, gluon_decode=False))  # fmt: skip
+        b = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused,
+                       options=TritonOptions(poison=True))  # fmt: skip
+        if fused:
+            ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
+            assert rel_err(b, ref) <= TOL["w4a4"]
         else:
             assert torch.equal(a, b)

@@ -1297,10 +1297,12 @@ def test_k_order_does_not_depend_on_the_token_count(monkeypatch, mode):
 
 def test_gluon_decode_configs(monkeypatch):
     """``gluon_decode`` takes 8-row tiles only when both GEMMs can take the Gluon
-    partials (K a multiple of 1024): a GEMM left on loop 3 must keep 16-row tiles, whose
-    dots give loop 3's bits. Pinned configs below 16 rows are refused."""
+    kernels (K a multiple of 1024; W4A4 with the TMA kernel only): a GEMM left on loop 3
+    must keep 16-row tiles, whose dots give loop 3's bits. Pinned configs below 16 rows
+    are refused."""
     from types import SimpleNamespace
 
+    from fp4moe.kernels import gluon_decode
     from fp4moe.kernels.gemm import GemmConfig
     from fp4moe.kernels.launch import TritonOptions, gemm_configs
 
@@ -1309,7 +1311,11 @@ def test_gluon_decode_configs(monkeypatch):
     deepseek = SimpleNamespace(hidden_size=7168, intermediate_size=2048, num_experts=32)
     qwen3 = SimpleNamespace(hidden_size=2048, intermediate_size=768, num_experts=128)
     assert {c.block_m for c in gemm_configs(16 * 8, deepseek, "w4a16", opt)} == {8}
+    # W4A4 too, with the TMA kernel (gluon_ws: the default); not with the older one
+    assert {c.block_m for c in gemm_configs(16 * 8, deepseek, "w4a4", opt)} == {8}
+    monkeypatch.setattr(gluon_decode, "KERNEL", "pointer")
     assert {c.block_m for c in gemm_configs(16 * 8, deepseek, "w4a4", opt)} == {16}
+    monkeypatch.setattr(gluon_decode, "KERNEL", "tma")
     assert {c.block_m for c in gemm_configs(16 * 8, qwen3, "w4a16", opt)} == {16}
     off = TritonOptions(gluon_decode=False)
     assert {c.block_m for c in gemm_configs(16 * 8, deepseek, "w4a16", off)} == {16}

@@ -74,9 +74,10 @@ def _smem_unit(cbuf, sbuf, st: gl.constexpr, j: gl.constexpr, w: gl.constexpr,
 @gluon.jit
 def _last_unit_epilogue(
     pid_m, pid_n, e, start, end, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr,
-    sorted_routes_ptr, out_ptr, stride, N: gl.constexpr, K: gl.constexpr,
+    sorted_routes_ptr, out_ptr, a_global_ptr, stride, N: gl.constexpr, K: gl.constexpr,
     TOPK: gl.constexpr, GATED: gl.constexpr, BM: gl.constexpr, SEG: gl.constexpr,
     FUSED: gl.constexpr, OUT_SCALE: gl.constexpr, MMA: gl.constexpr,
+    A_GATHER: gl.constexpr, A_FP4: gl.constexpr,
 ):  # fmt: skip
     """After a unit wrote its partial: the tile's last unit to finish sums the partials
     in segment order from zero, ((0 + P_0) + P_1) + ..., and writes the W4A16 output with
@@ -108,9 +109,19 @@ def _last_unit_epilogue(
                                         cache_modifier=".cg")  # fmt: skip
         e64 = e.to(gl.int64)
         h = acc_g * OUT_SCALE
+        if A_FP4:  # the activation row's global (W4A4)
+            if A_GATHER:
+                r = gl.load(sorted_routes_ptr + om, mask=m_ok, other=0) // TOPK
+            else:
+                r = om
+            gx = gl.load(a_global_ptr + gl.where(m_ok, r, 0).to(gl.int64), mask=m_ok,
+                         other=1.0)  # fmt: skip
+            h = h * gx[None, :]
         if GATED:
             h = h * gl.load(w_global_ptr + e64 * 2)
             hu = acc_u * OUT_SCALE
+            if A_FP4:
+                hu = hu * gx[None, :]
             hu = hu * gl.load(w_global_ptr + e64 * 2 + 1)
             res = (h / (1.0 + gl.exp(-h))) * hu
         else:
@@ -141,6 +152,7 @@ def tma_split_kernel(
     w_global_ptr,  # fp32 [E] or [E, 2] (GATED): the weights' global scales (EPILOGUE)
     topk_w_ptr,  # fp32 [T*TOPK] router weights (FUSED)
     out_ptr,  # EPILOGUE: bf16 [ws_rows, N] rows in sorted order, or fp32 [T, N] (FUSED)
+    a_global_ptr,  # fp32 [rows of x]: W4A4's activation global scales (A_FP4, EPILOGUE)
     ws_rows,
     N: gl.constexpr,
     K: gl.constexpr,
@@ -154,7 +166,10 @@ def tma_split_kernel(
     NBUF: gl.constexpr = 4,  # stages in shared memory (a ring when fewer than SEG / 256)
     EPILOGUE: gl.constexpr = False,  # the tile's last unit sums the partials, W4A16 output
     FUSED: gl.constexpr = False,  # EPILOGUE: router weight times y added into out (atomic)
-    OUT_SCALE: gl.constexpr = 1.0,  # EPILOGUE: undoes the decode's power of two
+    OUT_SCALE: gl.constexpr = 1.0,  # EPILOGUE: undoes the decodes' powers of two
+    A_UNIT_ORDER: gl.constexpr = False,  # x's rows already in the unit order (W4A4's
+    # decoded rows, ``dequant.dense_rows(order=64)``)
+    A_FP4: gl.constexpr = False,  # EPILOGUE: times the activation global (W4A4)
 ):
     pid_n = gl.program_id(0)
     if BLOCKS_LAST:
@@ -205,8 +220,11 @@ def tma_split_kernel(
         src = gl.where(m_ok, src, 0).to(gl.int64)
         kk = gl.arange(0, SEG, layout=gl.SliceLayout(0, XM))
         x = gl.load(x_ptr + src[:, None] * K + k0 + kk[None, :], mask=m_ok[:, None], other=0.0)
-        x = gl.reshape(x, [BM, NU, 4, 4, 2, 2])  # [m, unit, q, s, a, b]
-        x = gl.permute(x, [1, 0, 3, 5, 2, 4])  # [unit, m, s, b, q, a]
+        if A_UNIT_ORDER:  # [m, unit, 64] -> [unit, m, 64]
+            x = gl.permute(gl.reshape(x, [BM, NU, UNIT]), [1, 0, 2])
+        else:
+            x = gl.reshape(x, [BM, NU, 4, 4, 2, 2])  # [m, unit, q, s, a, b]
+            x = gl.permute(x, [1, 0, 3, 5, 2, 4])  # [unit, m, s, b, q, a]
         x = gl.reshape(x, [NU * BM, UNIT])
         XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
         xs = gl.allocate_shared_memory(gl.bfloat16, [NU * BM, UNIT], XS)
@@ -283,8 +301,8 @@ def tma_split_kernel(
         if EPILOGUE:  # loop 3's split epilogue (gemm._split_unit, _epilogue): the same bits
             _last_unit_epilogue(
                 pid_m, pid_n, e, start, end, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr,
-                sorted_routes_ptr, out_ptr, stride, N, K, TOPK, GATED, BM, SEG, FUSED,
-                OUT_SCALE, MMA,
+                sorted_routes_ptr, out_ptr, a_global_ptr, stride, N, K, TOPK, GATED, BM, SEG,
+                FUSED, OUT_SCALE, MMA, A_GATHER, A_FP4,
             )  # fmt: skip
 
 
@@ -308,6 +326,7 @@ def split_partials_tma(
     buffers: int | None = None, out: torch.Tensor | None = None,
     counters: torch.Tensor | None = None, w_global: torch.Tensor | None = None,
     topk_w: torch.Tensor | None = None, fused: bool = False, out_scale: float = 1.0,
+    a_unit_order: bool = False, a_global: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """``gluon_decode.split_partials`` with ``tma_split_kernel`` (same arguments and bits).
     Needs K % seg == 0 and seg % 256 == 0.
@@ -317,7 +336,10 @@ def split_partials_tma(
     or with ``fused`` adds router weight (``topk_w`` fp32 [T*topk]) times y into fp32
     ``out`` [T, n]. ``counters``: int32 zeros, at least cdiv(n, 64) * blocks (left at
     zero); ``w_global``: fp32 [E] or [E, 2] (gated) global scales; ``out_scale``: the
-    decode's power of two (``gemm`` OUT_SCALE)."""
+    decode's power of two (``gemm`` OUT_SCALE). ``a_unit_order``: ``x``'s rows are
+    already in the unit order (W4A4's rows decoded by ``dense_rows(order=64)``);
+    ``a_global``: fp32 per row of ``x``, the activation globals the epilogue multiplies by
+    (W4A4)."""
     k = x.shape[1]
     if asynchronous is None:
         asynchronous = ASYNC_WGMMA
@@ -337,10 +359,12 @@ def split_partials_tma(
         x, sorted_routes, c_desc, s_desc, block_expert, block_start, block_end, part,
         counters if epilogue else dummy, w_global if epilogue else dummy,
         topk_w if fused else dummy, out if epilogue else dummy,
-        ws_rows, N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=gather, BM=block_m,
+        a_global if a_global is not None else dummy, ws_rows,
+        N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=gather, BM=block_m,
         SEG=seg, ASYNC=asynchronous, BLOCKS_LAST=blocks_last,
         NBUF=BUFFERS if buffers is None else buffers, EPILOGUE=epilogue,
-        FUSED=fused and epilogue, OUT_SCALE=out_scale, num_warps=4,
+        FUSED=fused and epilogue, OUT_SCALE=out_scale, A_UNIT_ORDER=a_unit_order,
+        A_FP4=a_global is not None and epilogue, num_warps=4,
     )  # fmt: skip
 
 
@@ -354,6 +378,7 @@ def compile_sm90(
     buffers: int = 4,
     epilogue: bool = False,
     fused: bool = False,
+    a_fp4: bool = False,
 ):
     """Compile one specialization for sm_90 without a GPU (Triton's bundled ptxas); the
     layout conversions are asserted trivial at compile time. Returns the compiled kernel."""
@@ -366,7 +391,7 @@ def compile_sm90(
         "x_ptr": "*bf16", "sorted_routes_ptr": "*i32", "block_expert_ptr": "*i32",
         "block_start_ptr": "*i32", "block_end_ptr": "*i32", "part_ptr": "*fp32",
         "cnt_ptr": "*i32", "w_global_ptr": "*fp32", "topk_w_ptr": "*fp32",
-        "out_ptr": "*fp32" if fused else "*bf16",
+        "out_ptr": "*fp32" if fused else "*bf16", "a_global_ptr": "*fp32",
     }  # fmt: skip
     descs = {
         "c_desc": f"tensordesc<u8[64, 32],{CODE_SMEM!r}>",
@@ -374,7 +399,8 @@ def compile_sm90(
     }
     const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated, BM=block_m, SEG=1024,
                  ASYNC=asynchronous, BLOCKS_LAST=True, NBUF=buffers, EPILOGUE=epilogue,
-                 FUSED=fused, OUT_SCALE=1.0)  # fmt: skip
+                 FUSED=fused, OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_UNIT_ORDER=a_fp4,
+                 A_FP4=a_fp4)  # fmt: skip
     sig = {a: ptrs.get(a) or descs.get(a) or ("i32" if a == "ws_rows" else "constexpr")
            for a in names}  # fmt: skip
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a in ptrs}

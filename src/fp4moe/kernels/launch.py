@@ -380,12 +380,15 @@ def k_order(loop: int, k: int, block_k: int) -> int:
 
 
 def gluon_applies(k: int, a_fp4: bool, cfg: GemmConfig) -> bool:
-    """Whether a split-K GEMM can take its partials from ``gluon_decode``: W4A16, whole
-    1024-element segments in loop 3's unit order (``k_order``), 8 or 16 rows a tile, a
-    CUDA device (not the interpreter)."""
+    """Whether a split-K GEMM can run as a Gluon kernel (``gluon_decode``): W4A16, or W4A4
+    with the TMA kernel (``gluon_ws``, its rows decoded first), whole 1024-element
+    segments in loop 3's unit order (``k_order``), 8 or 16 rows a tile, a CUDA device
+    (not the interpreter)."""
+    from . import gluon_decode
+
     return (
         not interpreting()
-        and not a_fp4
+        and (not a_fp4 or gluon_decode.KERNEL == "tma")  # W4A4: the TMA kernel only
         and k % SEGMENT == 0
         and k_order(3, k, cfg.block_k) == 64
         and cfg.block_m in (8, 16)
@@ -474,31 +477,44 @@ def _gemm(
         ws_rows = sort.sorted_routes.shape[0]
         part = torch.empty(nseg * ws_rows * (2 * n if gated else n), dtype=torch.float32,
                            device=a.device)  # fmt: skip
-        if gluon:  # the partials from the Gluon kernel; the split kernel only sums them
+        if gluon:  # the Gluon kernels (TritonOptions.gluon_decode)
             from . import gluon_decode
 
-            if gluon_decode.KERNEL == "tma" and out_fp4 is None and amax_out is None:
-                # the TMA kernel's last unit of a tile sums and runs the epilogue itself
+            if gluon_decode.KERNEL == "tma":
                 from . import gluon_ws
-                from .gluon_ws import split_partials_tma
 
-                need = triton.cdiv(n, 64) * sort.num_blocks
-                cnt = counters
-                if cnt is None or cnt.numel() < need:
-                    cnt = torch.zeros(need, dtype=torch.int32, device=a.device)
-                split_partials_tma(
+                a_src = a
+                if a_fp4:  # W4A4: the rows decoded once a call, in the unit order, as the
+                    # dense path decodes them (the same 2^-8, out_scale 2^16; same bits)
+                    count = None if a_gather else sort.expert_offsets[-1:]
+                    a_src = dense_rows(a, a_scales, count=count, decode_asm=decode_asm,
+                                       poison=poison, order=64)  # fmt: skip
+                # the last unit of a tile sums and runs the epilogue itself, except for
+                # NVFP4 output or the fused amax (then the split kernel below does)
+                epi = out_fp4 is None and amax_out is None
+                kw = {}
+                if epi:
+                    need = triton.cdiv(n, 64) * sort.num_blocks
+                    cnt = counters
+                    if cnt is None or cnt.numel() < need:
+                        cnt = torch.zeros(need, dtype=torch.int32, device=a.device)
+                    kw = dict(out=out, counters=cnt, w_global=w_global, topk_w=topk_w,
+                              fused=fused, out_scale=out_scale,
+                              a_global=a_global if a_fp4 else None)  # fmt: skip
+                gluon_ws.split_partials_tma(
+                    a_src, sort.sorted_routes, w_codes, w_scales, sort.block_expert,
+                    sort.block_start, sort.block_end, part, n=n, topk=topk, gated=gated,
+                    gather=a_gather, block_m=cfg.block_m, seg=SEGMENT, ws_rows=ws_rows,
+                    a_unit_order=a_fp4, **kw,
+                )  # fmt: skip
+                if epi:
+                    return
+            else:
+                gluon_decode.split_partials(
                     a, sort.sorted_routes, w_codes, w_scales, sort.block_expert,
                     sort.block_start, sort.block_end, part, n=n, topk=topk, gated=gated,
                     gather=a_gather, block_m=cfg.block_m, seg=SEGMENT, ws_rows=ws_rows,
-                    asynchronous=gluon_ws.ASYNC_WGMMA, out=out, counters=cnt,
-                    w_global=w_global, topk_w=topk_w, fused=fused, out_scale=out_scale,
                 )  # fmt: skip
-                return
-            gluon_decode.split_partials(
-                a, sort.sorted_routes, w_codes, w_scales, sort.block_expert,
-                sort.block_start, sort.block_end, part, n=n, topk=topk, gated=gated,
-                gather=a_gather, block_m=cfg.block_m, seg=SEGMENT, ws_rows=ws_rows,
-            )  # fmt: skip
         else:  # tile counters: zeroed by the sort kernel (``counters``) or here
             need = grid[0] * grid[1]
             cnt = counters
