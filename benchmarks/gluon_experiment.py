@@ -63,6 +63,8 @@ def main() -> None:
     p.add_argument("--split-k", action="store_true",
                    help="whole calls with TritonOptions.split_k=True (64 tokens, up)")  # fmt: skip
     p.add_argument("--whole-only", action="store_true", help="time the whole calls only")
+    p.add_argument("--gluon-upto", type=float, default=8.0,
+                   help="whole calls: TritonOptions.gluon_upto (routes an expert)")  # fmt: skip
     a = p.parse_args()
     gluon_decode.ASYNC_WGMMA = gluon_ws.ASYNC_WGMMA = a.wgmma == "async"
     gluon_decode.KERNEL = a.kernel
@@ -114,7 +116,8 @@ def main() -> None:
         res = {}
         for g in (False, True):
             opt = TritonOptions(valid_fraction=pr.local_experts / pr.experts, gluon_decode=g,
-                                split_k=True if a.split_k else None)  # fmt: skip
+                                split_k=True if a.split_k else None,
+                                gluon_upto=a.gluon_upto)  # fmt: skip
 
             def whole(opt=opt):
                 return moe_triton(x, ids, wts, ex, mode="w4a16",

@@ -17,12 +17,13 @@
 #   bash benchmarks/gpu_session.sh famax      # per-tensor amax fused into FC1: bits, time
 #   bash benchmarks/gpu_session.sh persist    # empty programs, split grid order, ordered x
 #   bash benchmarks/gpu_session.sh stalls     # ncu: why the decode-size GEMMs stall
+#   bash benchmarks/gpu_session.sh upto       # the Gluon GEMMs above 8 routes an expert
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls}"
+part="${1:?usage: gpu_session.sh tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -177,6 +178,15 @@ persist)
         step "sweep_$pr" 100 python3 benchmarks/sweep_decode.py --preset "$pr" \
             --tokens 1 16 64 --modes w4a16 --variants c3 c3-noblast c3-ordx --iters 8 \
             --out "$out/sweep-$pr.json"
+    done
+    ;;
+upto)
+    # Session 9's open question: the Gluon kernels (split K, 8-row tiles) above 8 routes
+    # an expert (TritonOptions.gluon_upto), whole calls against loop 3 without the split,
+    # DeepSeek-V3 EP8 (64 tokens: 16 routes an expert, 128 tokens: 32)
+    for u in 16 32; do
+        step "upto_$u" 150 python3 benchmarks/gluon_experiment.py --whole-only \
+            --gluon-upto "$u" --tokens 32 64 128 256 --out "$out/upto-$u.json"
     done
     ;;
 stalls)

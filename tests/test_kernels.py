@@ -642,7 +642,8 @@ def test_workspace_bytes_counts_segment_partials(monkeypatch):
     base = workspace_bytes(16, 8, 7168, 2048, 32, options=TritonOptions(chunked=2))
     seg = workspace_bytes(16, 8, 7168, 2048, 32, options=TritonOptions(chunked=3))
     assert workspace_bytes(16, 8, 7168, 2048, 32) == seg  # loop 3 is the default
-    ordered = workspace_bytes(16, 8, 7168, 2048, 32, options=TritonOptions(ordered_x=True))
+    opt = TritonOptions(ordered_x=True, gluon_decode=False)  # (ordered_x is not Gluon's)
+    ordered = workspace_bytes(16, 8, 7168, 2048, 32, options=opt)
     assert ordered == seg + 16 * 7168 * 2  # FC1's input rows reordered (FC1 phase is the peak)
     n = 16 * 8
     # base: its FC2 phase (FC1 output, route rows); seg: its FC1 phase (FC1 output, FC1's
@@ -678,6 +679,20 @@ def test_workspace_bytes_counts_segment_partials(monkeypatch):
     one = workspace_bytes(1024, 4, 2048, 512, 8)
     no = workspace_bytes(1024, 4, 2048, 512, 8, options=TritonOptions(split_k=False))
     assert one - no == 2 * 4096 * 1024 * 4 - 4096 * 2048 * 2
+    # W4A4 on the Gluon kernels (a Hopper GPU): FC1's decoded input rows (one a token per
+    # token scales) in FC1's phase, the peak here (FC2's would be the 128 routes' rows);
+    # none without a Hopper GPU, or for W4A16 (its rows are read as they are)
+    monkeypatch.setattr(launch, "hopper_device", lambda: True)
+    w4a4 = dict(mode="w4a4", act_scale="per_token")
+    on = workspace_bytes(16, 8, 7168, 2048, 32, **w4a4)
+    gl_off = workspace_bytes(16, 8, 7168, 2048, 32, options=TritonOptions(gluon_decode=False),
+                             **w4a4)  # fmt: skip
+    assert on - gl_off == 16 * 7168 * 2
+    assert workspace_bytes(16, 8, 7168, 2048, 32) == workspace_bytes(
+        16, 8, 7168, 2048, 32, options=TritonOptions(gluon_decode=False)
+    )
+    monkeypatch.setattr(launch, "hopper_device", lambda: False)
+    assert workspace_bytes(16, 8, 7168, 2048, 32, **w4a4) == gl_off
 
 
 def test_gemm_splits_by_expected_programs(monkeypatch):
@@ -1302,11 +1317,12 @@ def test_gluon_decode_configs(monkeypatch):
     are refused."""
     from types import SimpleNamespace
 
-    from fp4moe.kernels import gluon_decode
+    from fp4moe.kernels import gluon_decode, launch
     from fp4moe.kernels.gemm import GemmConfig
     from fp4moe.kernels.launch import TritonOptions, gemm_configs
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(launch, "hopper_device", lambda: True)
     opt = TritonOptions(gluon_decode=True)
     deepseek = SimpleNamespace(hidden_size=7168, intermediate_size=2048, num_experts=32)
     qwen3 = SimpleNamespace(hidden_size=2048, intermediate_size=768, num_experts=128)
@@ -1320,6 +1336,29 @@ def test_gluon_decode_configs(monkeypatch):
     off = TritonOptions(gluon_decode=False)
     assert {c.block_m for c in gemm_configs(16 * 8, deepseek, "w4a16", off)} == {16}
     assert TritonOptions().gluon_decode  # on by default (session 9)
+    # gluon_upto: 64 tokens (16 routes an expert) on the Gluon kernels, split, 8-row tiles
+    n64 = 64 * 8
+    assert {c.block_m for c in gemm_configs(n64, deepseek, "w4a16", opt)} == {16}
+    up = TritonOptions(gluon_upto=16)
+    cfgs = gemm_configs(n64, deepseek, "w4a16", up)
+    assert {c.block_m for c in cfgs} == {8}
+    assert up.gemm_splits(n64, 32, 7168, 2048, *cfgs) == (True, True)
+    assert {c.block_m for c in gemm_configs(n64 + 8, deepseek, "w4a16", up)} == {16}
+    no = TritonOptions(gluon_upto=16, split_k=False)  # split_k=False: never
+    assert {c.block_m for c in gemm_configs(n64, deepseek, "w4a16", no)} == {16}
+    for bad in (0, -1.0, True, "16"):
+        with pytest.raises(ValueError, match="gluon_upto"):
+            TritonOptions(gluon_upto=bad)
+    # not on a GPU without TMA and wgmma (A100, Blackwell): loop 3 and its 16-row tiles
+    monkeypatch.setattr(launch, "hopper_device", lambda: False)
+    for mode in ("w4a16", "w4a4"):
+        assert {c.block_m for c in gemm_configs(16 * 8, deepseek, mode, opt)} == {16}
+    monkeypatch.setattr(launch, "hopper_device", lambda: True)
+    # nor with a Triton whose Gluon API the kernels were not written for
+    assert launch.gluon_available()  # (the pinned 3.6.0)
+    monkeypatch.setattr(launch, "gluon_available", lambda: False)
+    assert {c.block_m for c in gemm_configs(16 * 8, deepseek, "w4a16", opt)} == {16}
+    monkeypatch.setattr(launch, "gluon_available", lambda: True)
     small = GemmConfig(8, 64, 128)
     with pytest.raises(ValueError, match=r"options\.fc1"):
         gemm_configs(16, deepseek, "w4a16", TritonOptions(fc1=small, fc2=small))

@@ -9,6 +9,7 @@ dependents right after, and the finalize kernel reads routing metadata before it
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -149,12 +150,12 @@ class TritonOptions:
         1 token 54.3 -> 50.4 us, 16 tokens 68.4 -> 61.1, 32 tokens 200.4 -> 169.7
         (docs/perf-notes.md, session 9).
     ordered_x: W4A16 with both GEMMs in loop 3's unit order (``k_order`` 64, not dense,
-        not ``gluon_decode``): the GEMMs load activation rows already in that order, so
-        the A operand goes from global to shared memory to the wgmma with no register
-        permutation, shared-memory round trip or fence each K tile. FC1's input is put in
-        that order once a call (by the sort kernel, ``ordered_in_sort``, or else by
-        ``dequant.dense_rows``), FC2's is written so by FC1's epilogue (``OUT_ORDERED``).
-        The same operands in the same order: the same bits.
+        not where they run as the Gluon kernels of ``gluon_decode``): the GEMMs load
+        activation rows already in that order, so the A operand goes from global to
+        shared memory to the wgmma with no register permutation, shared-memory round trip
+        or fence each K tile. FC1's input is put in that order once a call (by the sort
+        kernel, ``ordered_in_sort``, or else by ``dequant.dense_rows``), FC2's is written
+        so by FC1's epilogue (``OUT_ORDERED``). The same operands in the same order: the same bits.
         Off: it loses at 1 and 16 tokens. On the H200 (session 8) the GEMMs gain 2% to
         5% from 16 tokens on but the reordering kernel costs about 3 us a call (1 token:
         DeepSeek-V3 56.0 -> 58.9 us, Qwen3 33.2 -> 38.0). With the rows from the sort
@@ -180,6 +181,15 @@ class TritonOptions:
         261.0, 463.5 / 464.2); Qwen3-30B-A3B 30.6 -> 29.2 at 1 token, ties at 16 and 64;
         Mixtral-8x7B 108.1 -> 101.9 at 1, 355.5 -> 347.2 at 16, 536.4 -> 534.3 at 64.
         False: the (tiles, blocks, segments) grid.
+    gluon_upto: the routes an expert (all routes over the local experts, as ``split_for``
+        counts them) up to which a call whose GEMMs can take the Gluon kernels
+        (``gluon_decode``) runs them, with split K and 8-row tiles, even where loop 3
+        would not split (above 8). The same bits at any value. 8 (the default) is where
+        the Gluon kernels were measured on whole calls; above it only per GEMM (session 9:
+        at 64 tokens of DeepSeek-V3 EP8, 16 routes an expert, the Gluon FC1 and FC2 took
+        138.5 and 79.4 us with 8-row tiles against loop 3's split 185.9 and 97.7, but the
+        call with 16-row tiles did not gain): to measure, ``gluon_experiment.py
+        --whole-only --gluon-upto 16 32``.
     """
 
     pdl: bool | None = None
@@ -198,6 +208,7 @@ class TritonOptions:
     ordered_x: bool = False
     ordered_in_sort: bool = True
     blocks_last: bool = True
+    gluon_upto: float = 8.0
 
     def split_for(self, n_routes: int, num_experts: int) -> bool:
         """Whether loop 3 splits K for a call of ``n_routes`` routes over the experts."""
@@ -208,6 +219,14 @@ class TritonOptions:
         # (session 7); splitting wins by far at 4 rows (16 tokens: 76.6 against 94.0).
         return n_routes / num_experts <= 8
 
+    def gluon_split(self, n_routes: int, num_experts: int) -> bool:
+        """Whether a call of ``n_routes`` routes may run its GEMMs as the Gluon kernels
+        with split K (``gluon_decode``, at most ``gluon_upto`` routes an expert; never with
+        ``split_k=False``). The GEMMs must also be able to (``gluon_applies``)."""
+        if not self.gluon_decode or self.split_k is False or num_experts <= 0:
+            return False
+        return n_routes / num_experts <= self.gluon_upto
+
     def ordered_for(
         self, mode: str, n_routes: int, num_experts: int, hidden: int, inter: int,
         cfg1: GemmConfig, cfg2: GemmConfig,
@@ -217,7 +236,11 @@ class TritonOptions:
             self.ordered_x
             and mode == "w4a16"
             and int(self.chunked) == 3
-            and not self.gluon_decode
+            and not (  # not where the GEMMs run as the Gluon kernels
+                self.gluon_split(n_routes, num_experts)
+                and gluon_applies(hidden, False, cfg1)
+                and gluon_applies(inter, False, cfg2)
+            )
             and not self.dense_for(n_routes, num_experts)
             and k_order(3, hidden, cfg1.block_k) == 64
             and k_order(3, inter, cfg2.block_k) == 64
@@ -249,6 +272,8 @@ class TritonOptions:
         if self.split_k is not None or self.split_for(n_routes, num_experts):
             s = self.split_for(n_routes, num_experts)
             return s, s
+        if cfg1.block_m == 8 and cfg2.block_m == 8 and self.gluon_split(n_routes, num_experts):
+            return True, True  # the Gluon kernels' 8-row tiles (gemm_configs, gluon_upto)
         valid = self.valid_rows(n_routes, num_experts) * num_experts
         if valid <= 0:
             return False, False
@@ -275,6 +300,9 @@ class TritonOptions:
             isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1
         ):
             raise ValueError(f"valid_fraction: expected None or a number in (0, 1], got {f!r}")
+        g = self.gluon_upto
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not g > 0:
+            raise ValueError(f"gluon_upto: expected a number > 0, got {g!r}")
 
 
 def use_pdl(opt: TritonOptions, device: torch.device) -> bool:
@@ -379,11 +407,32 @@ def k_order(loop: int, k: int, block_k: int) -> int:
     return 64 if loop == 3 and k % 64 == 0 and block_k % 64 == 0 else 32
 
 
+@functools.cache
+def gluon_available() -> bool:
+    """Whether this Triton runs the Gluon kernels (``gluon_decode``, ``gluon_ws``): they
+    are written for and tested with Triton 3.6's Gluon API, which is experimental and
+    changes between releases, so with another Triton every GEMM stays on loop 3."""
+    if not triton.__version__.startswith("3.6."):
+        return False
+    try:
+        from . import gluon_ws  # noqa: F401
+    except Exception:  # an incompatible Gluon: loop 3
+        return False
+    return True
+
+
+def hopper_device() -> bool:
+    """Whether the current CUDA device is a Hopper GPU (compute capability 9.x): the
+    Gluon kernels' TMA copies and wgmma exist there only (an A100 has neither; a
+    Blackwell GPU has TMA but no wgmma), so elsewhere every GEMM stays on loop 3."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
 def gluon_applies(k: int, a_fp4: bool, cfg: GemmConfig) -> bool:
     """Whether a split-K GEMM can run as a Gluon kernel (``gluon_decode``): W4A16, or W4A4
     with the TMA kernel (``gluon_ws``, its rows decoded first), whole 1024-element
-    segments in loop 3's unit order (``k_order``), 8 or 16 rows a tile, a CUDA device
-    (not the interpreter)."""
+    segments in loop 3's unit order (``k_order``), 8 or 16 rows a tile, a Hopper GPU
+    (``hopper_device``; not the interpreter) and Triton 3.6 (``gluon_available``)."""
     from . import gluon_decode
 
     return (
@@ -392,6 +441,8 @@ def gluon_applies(k: int, a_fp4: bool, cfg: GemmConfig) -> bool:
         and k % SEGMENT == 0
         and k_order(3, k, cfg.block_k) == 64
         and cfg.block_m in (8, 16)
+        and hopper_device()
+        and gluon_available()
     )
 
 
@@ -613,8 +664,7 @@ def gemm_configs_for(
         and options.fc1 is None
         and options.fc2 is None
         and loop == 3
-        and options.split_for(n_routes, num_experts)
-        and rows_per_expert <= 8
+        and options.gluon_split(n_routes, num_experts)
         and gluon_applies(h, a_fp4, cfg1)
         and gluon_applies(inter, a_fp4, cfg2)
     ):
@@ -921,6 +971,7 @@ def workspace_bytes(
       finalize), FC1's output, and FC1's temporaries: its fp32 segment partials (loop 3
       with split K) or, on the dense path (``dense_above``), its decoded bf16 weights and
       activation rows in the loop's order; with ``ordered_x`` its reordered input rows;
+      W4A4 on the Gluon kernels (``gluon_decode``, a Hopper GPU): its decoded input rows;
     - FC2: the same less FC1's temporaries, plus FC2's W4A4 input, the route rows
       (deterministic finalize) and FC2's own temporaries;
     - finalize: the sort, inputs, route rows or accumulator, and the bf16 output.
@@ -961,6 +1012,11 @@ def workspace_bytes(
             tmp1 += -(-h // SEGMENT) * n * 2 * i * 4
         if s2 and i > SEGMENT:
             tmp2 += -(-i // SEGMENT) * n * h * 4
+        if w4a4 and opt.gluon_decode:  # the Gluon GEMMs' decoded activation rows (bf16)
+            if s1 and gluon_applies(h, True, cfgs[0]):
+                tmp1 += (n if act_scale == "static" else t) * h * 2
+            if s2 and gluon_applies(i, True, cfgs[1]):
+                tmp2 += n * i * 2
     fc1 = common + act + tmp1
     fc2 = common + act + b_in + rows_out + tmp2
     fin = common + rows_out + t * h * 2  # the bf16 output
