@@ -425,7 +425,13 @@ def hopper_device() -> bool:
     """Whether the current CUDA device is a Hopper GPU (compute capability 9.x): the
     Gluon kernels' TMA copies and wgmma exist there only (an A100 has neither; a
     Blackwell GPU has TMA but no wgmma), so elsewhere every GEMM stays on loop 3."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+    return torch.cuda.is_available() and _major(torch.cuda.current_device()) == 9
+
+
+@functools.cache
+def _major(index: int) -> int:
+    """The compute capability's major number of CUDA device ``index`` (asked once)."""
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def gluon_applies(k: int, a_fp4: bool, cfg: GemmConfig) -> bool:
