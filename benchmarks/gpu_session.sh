@@ -17,7 +17,7 @@
 #   bash benchmarks/gpu_session.sh famax      # per-tensor amax fused into FC1: bits, time
 #   bash benchmarks/gpu_session.sh persist    # empty programs, split grid order, ordered x
 #   bash benchmarks/gpu_session.sh stalls     # ncu: why the decode-size GEMMs stall
-#   bash benchmarks/gpu_session.sh upto       # the Gluon GEMMs above 8 routes an expert
+#   bash benchmarks/gpu_session.sh upto       # Gluon GEMMs above 8 routes an expert, W4A4 rows
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
@@ -188,6 +188,12 @@ upto)
         step "upto_$u" 150 python3 benchmarks/gluon_experiment.py --whole-only \
             --gluon-upto "$u" --tokens 32 64 128 256 --out "$out/upto-$u.json"
     done
+    # and W4A4's decoded rows from the quantize kernels (TritonOptions.quantize_decoded)
+    step qdec_test 150 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
+        -k "w4a4 and quantize_decoded"
+    step qdec 150 python3 benchmarks/sweep_decode.py --tokens 1 16 32 \
+        --modes w4a4-token w4a4-tensor --variants c3 c3-qdec c3-nogluon --iters 12 \
+        --out "$out/qdec.json"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

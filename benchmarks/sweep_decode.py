@@ -18,7 +18,9 @@ other bits, checked against the reference only), c3-famax (the defaults with
 TritonOptions.fused_amax: per-tensor W4A4's second amax in FC1's epilogue; the same bits),
 c3-ordx (ordered_x: W4A16 activation rows in the unit order), c3-noblast (blocks_last
 off: split K on the (tiles, blocks, segments) grid, the default up to session 9; c3 is
-the (tiles, segments, blocks) grid, named c3-blast in session 9's data).
+the (tiles, segments, blocks) grid, named c3-blast in session 9's data), c3-qdec
+(TritonOptions.quantize_decoded: W4A4's decoded rows from the quantize kernels), c3-nogluon
+(gluon_decode off: loop 3 at decode sizes too).
 """
 
 from __future__ import annotations
@@ -170,6 +172,14 @@ def main() -> None:
                 # per-tensor W4A4's FC1-output amax in FC1's epilogue (the same bits)
                 "c3-famax": TritonOptions(
                     chunked=3, valid_fraction=p.local_experts / p.experts, fused_amax=True
+                ),
+                # W4A4 on the Gluon kernels: decoded rows from the quantize kernels
+                "c3-qdec": TritonOptions(
+                    chunked=3, valid_fraction=p.local_experts / p.experts, quantize_decoded=True
+                ),
+                # loop 3 everywhere (the Gluon kernels off; the same bits)
+                "c3-nogluon": TritonOptions(
+                    chunked=3, valid_fraction=p.local_experts / p.experts, gluon_decode=False
                 ),
             }
             for seg in a.segments:  # another K segment (launch.SEGMENT): other bits

@@ -116,10 +116,12 @@ def test_tma_split_gpu(monkeypatch, t, asynchronous, buffers):
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 16])
 @pytest.mark.parametrize("mode", MODES[1:], ids=_mode_id)
-def test_tma_split_w4a4_gpu(t, mode):
-    """W4A4 through the TMA kernel (its activation rows decoded once by ``dense_rows``):
-    loop 3's bits, deterministic and fused finalize, per-token, static (FC1's NVFP4
-    output: the split kernel's epilogue on the Gluon partials) and per-tensor scales."""
+@pytest.mark.parametrize("qdec", [False, True], ids=["dense_rows", "quantize_decoded"])
+def test_tma_split_w4a4_gpu(t, mode, qdec):
+    """W4A4 through the TMA kernel (its activation rows decoded once by ``dense_rows``, or
+    by the quantize kernels: ``quantize_decoded``): loop 3's bits, deterministic and fused
+    finalize, per-token, static (FC1's NVFP4 output: the split kernel's epilogue on the
+    Gluon partials) and per-tensor scales."""
     from test_kernels import _experts
 
     m, sc = mode
@@ -131,9 +133,101 @@ def test_tma_split_w4a4_gpu(t, mode):
         a = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused,
                        options=TritonOptions(poison=True, gluon_decode=False))  # fmt: skip
         b = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused,
-                       options=TritonOptions(poison=True))  # fmt: skip
+                       options=TritonOptions(poison=True, quantize_decoded=qdec))  # fmt: skip
         if fused:
             ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
             assert rel_err(b, ref) <= TOL["w4a4"]
         else:
             assert torch.equal(a, b)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("rows,c", [(5, 128), (40, 192), (3, 64)])
+@pytest.mark.parametrize("qmode", ["per_row", "static", "scalar"])
+def test_quantize_writes_decoded_rows(interpret, device, rows, c, qmode):
+    """``quantize_rows(decoded=...)``: the same codes, scales and globals, and the rows
+    decoded bit for bit as ``dense_rows(codes, scales, order=64)`` decodes them (the
+    Gluon GEMMs' W4A4 operand), zero rows, tiny values (-0 codes) and a count included;
+    few rows (one chunk a program) and many."""
+    from fp4moe.kernels import quantize as q
+    from fp4moe.kernels.dequant import dense_rows
+    from fp4moe.kernels.launch import decoded_rows_dtype, quantize_rows
+
+    g = torch.Generator().manual_seed(rows * c)
+    x = torch.randn(rows + 2, c, generator=g) * torch.rand(rows + 2, 1, generator=g) * 4
+    x[1] = 0.0  # an all-zero row
+    x[2, : c // 2] *= 1e-6  # codes of tiny values: -0 and +0
+    x = x.to(torch.bfloat16).to(device)
+    index = torch.arange(rows, dtype=torch.int32, device=device).flip(0) * 2  # gather // 2
+    kw = dict(index=index, div=2)
+    if qmode == "per_row":
+        kw["mode"] = q.MODE_PER_ROW
+    elif qmode == "static":
+        parity = torch.arange(rows, dtype=torch.int32, device=device) % 2
+        kw.update(mode=q.MODE_STATIC, table=torch.tensor([0.01, 0.02], device=device),
+                  row_expert=parity)  # fmt: skip
+    else:
+        kw.update(mode=q.MODE_SCALAR, table=torch.tensor([0.005], device=device))
+    count = torch.tensor([rows - 1], dtype=torch.int32, device=device)  # the last row left
+    base = quantize_rows(x, rows, count=count, **kw)
+    dec = torch.full((rows, c), float("nan"), dtype=decoded_rows_dtype(), device=device)
+    got = quantize_rows(x, rows, count=count, decoded=dec, **kw)
+    for a, b in zip(base, got):  # codes, scales, globals unchanged
+        assert torch.equal(a[: rows - 1].view(torch.uint8), b[: rows - 1].view(torch.uint8))
+    want = dense_rows(got[0][: rows - 1], got[1][: rows - 1], order=64)
+    assert want.dtype == dec.dtype
+    bits = torch.int32 if dec.dtype == torch.float32 else torch.int16
+    assert torch.equal(dec[: rows - 1].view(bits), want.view(bits))  # -0 kept
+    assert torch.isnan(dec[rows - 1]).all()  # past the count: not written
+
+
+def test_quantize_decoded_bad_argument():
+    """A decoded buffer of the wrong shape or dtype, or a row width that is no multiple of
+    64, is refused before anything is launched, the buffer untouched."""
+    from fp4moe.kernels import quantize as q
+    from fp4moe.kernels.launch import decoded_rows_dtype, quantize_rows
+
+    x = torch.zeros(4, 128, dtype=torch.bfloat16)
+    dt = decoded_rows_dtype()
+    x96 = torch.zeros(4, 96, dtype=torch.bfloat16)
+    for bad, src in ((torch.full((4, 64), 7.0, dtype=dt), x),
+                     (torch.full((4, 128), 7.0, dtype=torch.float16), x),
+                     (torch.full((4, 96), 7.0, dtype=dt), x96)):  # fmt: skip
+        with pytest.raises(ValueError, match="decoded"):
+            quantize_rows(src, 4, mode=q.MODE_PER_ROW, decoded=bad)
+        assert (bad == 7.0).all()
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("mode", MODES[1:], ids=_mode_id)
+def test_quantize_decoded_plumbing(interpret, device, monkeypatch, mode):
+    """``quantize_decoded`` where the Gluon kernels would run (forced here: the interpreter
+    runs loop 3, which ignores the decoded rows): the quantize kernels of FC1's input and,
+    unless static W4A4's FC1 writes NVFP4 itself, of FC2's input get decoded buffers of
+    the right shape, and the call's bits do not change."""
+    from fp4moe.kernels import launch
+    from test_kernels import _experts, _routes
+
+    m, sc = mode
+    experts = _experts(4, 128, 64, seed=3, device=device)
+    x = _x(5, 128, seed=3, device=device)
+    ids, w = _routes(5, 2, 4, seed=3, device=device, masked=0.2)
+    base = moe_triton(x, ids, w, experts, mode=m, act_scale=sc)
+    seen = []
+    real = launch.quantize_rows
+
+    def spy(src, rows, **kw):
+        if kw.get("decoded") is not None:
+            seen.append(tuple(kw["decoded"].shape))
+        return real(src, rows, **kw)
+
+    monkeypatch.setattr(launch, "quantize_rows", spy)
+    monkeypatch.setattr(TritonOptions, "gluon_runs", lambda self, *a: True)
+    out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                     options=TritonOptions(quantize_decoded=True))  # fmt: skip
+    assert torch.equal(out, base)
+    rows1 = 10 if sc == "static" else 5  # static: each sorted route's row
+    assert seen == ([(rows1, 128)] if sc == "static" else [(rows1, 128), (10, 64)])
+    seen.clear()
+    moe_triton(x, ids, w, experts, mode=m, act_scale=sc)  # off by default
+    assert seen == []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["compile_sm90", "fma_f32", "to_bf16"]
+__all__ = ["compile_sm90", "fma_f32", "order_rows", "to_bf16"]
 
 
 def compile_sm90(fn, ptrs: dict, constexprs: dict, *, ints=(), gluon=False, **options):
@@ -65,3 +65,16 @@ def to_e4m3(s, INTERPRET: tl.constexpr):
         return tl.where(s >= 0.015625, normal, sub).to(tl.float8e4nv)
     else:
         return s.to(tl.float8e4nv)
+
+
+@triton.jit
+def order_rows(x, R: tl.constexpr, C: tl.constexpr, ORDER: tl.constexpr):
+    """Values [R, C] in natural K order to a GEMM loop's K order (``gemm.decode_permuted``):
+    64, the unit order (in each 64 elements, position 16 s + 8 b + 2 q + a holds element
+    16 q + 4 s + 2 a + b), or 32, the chunk order."""
+    if ORDER == 64:
+        v = tl.reshape(x, (R, C // 64, 4, 4, 2, 2))  # [r, u, q, s, a, b]
+        return tl.reshape(tl.permute(v, (0, 1, 3, 5, 2, 4)), (R, C))  # [r, u, s, b, q, a]
+    else:
+        v = tl.reshape(x, (R, C // 32, 16, 2))
+        return tl.reshape(tl.permute(v, (0, 1, 3, 2)), (R, C))

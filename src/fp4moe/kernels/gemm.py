@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .common import to_bf16, to_e4m3
+from .common import order_rows, to_bf16, to_e4m3
 from .quantize import encode_e2m1
 
 __all__ = ["GemmConfig", "choose_gemm_config"]
@@ -288,17 +288,6 @@ def decode_permuted(
         return order_rows(tl.reshape(tl.join(lo, hi), (R, C)), R, C, ORDER)
     else:
         v = tl.join(tl.reshape(lo, (R, C // 32, 16)), tl.reshape(hi, (R, C // 32, 16)))
-        return tl.reshape(tl.permute(v, (0, 1, 3, 2)), (R, C))
-
-
-@triton.jit
-def order_rows(x, R: tl.constexpr, C: tl.constexpr, ORDER: tl.constexpr):
-    """Values [R, C] in natural K order to the loop's K order (``decode_permuted``)."""
-    if ORDER == 64:
-        v = tl.reshape(x, (R, C // 64, 4, 4, 2, 2))  # [r, u, q, s, a, b]
-        return tl.reshape(tl.permute(v, (0, 1, 3, 5, 2, 4)), (R, C))  # [r, u, s, b, q, a]
-    else:
-        v = tl.reshape(x, (R, C // 32, 16, 2))
         return tl.reshape(tl.permute(v, (0, 1, 3, 2)), (R, C))
 
 

@@ -190,6 +190,12 @@ class TritonOptions:
         138.5 and 79.4 us with 8-row tiles against loop 3's split 185.9 and 97.7, but the
         call with 16-row tiles did not gain): to measure, ``gluon_experiment.py
         --whole-only --gluon-upto 16 32``.
+    quantize_decoded: W4A4 GEMMs on the Gluon kernels take their decoded operand rows
+        from the quantize kernels, which write them next to the codes
+        (``quantize_rows(decoded=...)``), instead of a ``dense_rows`` launch a GEMM. The
+        same values (interpreter: ``test_quantize_writes_decoded_rows``), so the same
+        bits. Off: built in session 9 after the GPU time ran out, not measured.
+        Prediction: 2 to 3 us off W4A4 at 1 to 32 tokens (two launches fewer).
     """
 
     pdl: bool | None = None
@@ -209,6 +215,7 @@ class TritonOptions:
     ordered_in_sort: bool = True
     blocks_last: bool = True
     gluon_upto: float = 8.0
+    quantize_decoded: bool = False
 
     def split_for(self, n_routes: int, num_experts: int) -> bool:
         """Whether loop 3 splits K for a call of ``n_routes`` routes over the experts."""
@@ -244,6 +251,17 @@ class TritonOptions:
             and not self.dense_for(n_routes, num_experts)
             and k_order(3, hidden, cfg1.block_k) == 64
             and k_order(3, inter, cfg2.block_k) == 64
+        )
+
+    def gluon_runs(self, split: bool, k: int, a_fp4: bool, cfg: GemmConfig) -> bool:
+        """Whether a GEMM of inner size ``k`` that splits K (``split``, from
+        ``gemm_splits``) with ``cfg`` runs as a Gluon kernel (as ``_gemm`` decides)."""
+        return (
+            self.gluon_decode
+            and split
+            and int(self.chunked) == 3
+            and k > SEGMENT
+            and gluon_applies(k, a_fp4, cfg)
         )
 
     def amax_in_fc1(self, mode: str, act_scale: str) -> bool:
@@ -348,12 +366,25 @@ def quantize_rows(
     table: torch.Tensor | None = None,
     row_expert: torch.Tensor | None = None,
     poison: bool = False,
+    decoded: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4 codes uint8 [rows, C/2], e4m3 scales [rows, C/16] and fp32 globals [rows] of
     rows of ``src`` (bf16 [., C]); ``mode`` (quantize.MODE_*) picks the global: per row,
     the one scalar in ``table``, or (static) ``table[row_expert[r]]``. ``index`` / ``div``
-    gather source row ``index[r] // div``; ``count`` (a device scalar) limits the rows."""
+    gather source row ``index[r] // div``; ``count`` (a device scalar) limits the rows.
+    ``decoded`` ([rows, C] of ``decoded_rows_dtype()``, C a multiple of 64): also receives
+    the rows decoded as ``dequant.dense_rows(codes, scales, order=64)`` gives them (the
+    Gluon GEMMs' W4A4 operand, ``TritonOptions.quantize_decoded``)."""
     c = src.shape[1]
+    dec = {}
+    if decoded is not None:
+        if c % 64 or decoded.shape != (rows, c) or decoded.dtype != decoded_rows_dtype():
+            raise ValueError(
+                f"decoded: expected [{rows}, {c}] {decoded_rows_dtype()} with {c} a multiple "
+                f"of 64, got {list(decoded.shape)} {decoded.dtype}"
+            )
+        dec = dict(dec_ptr=decoded, DEC=True,
+                   DEC_DTYPE=tl.float32 if interpreting() else tl.bfloat16)  # fmt: skip
     dev = src.device
     codes = _empty((rows, c // 2), torch.uint8, dev, poison)
     scales = _empty((rows, c // 16), torch.float8_e4m3fn, dev, poison)
@@ -364,7 +395,7 @@ def quantize_rows(
     block_c = _row_block(c)
     few = rows <= QUANTIZE_SPLIT_ROWS
     grid, split = (rows,), {}
-    chunk = QUANTIZE_SPLIT_C if not interpreting() else 32
+    chunk = QUANTIZE_SPLIT_C if not interpreting() else (64 if dec else 32)
     if few and c > chunk:  # few rows: one chunk of a row a program
         grid, split = (rows, triton.cdiv(c, chunk)), dict(SPLIT_C=True)
         block_c = chunk
@@ -375,9 +406,15 @@ def quantize_rows(
         table if table is not None else dummy, row_expert if row_expert is not None else dummy,
         c, MODE=mode, GATHER=index is not None, DIV=div, COUNT_FROM_PTR=count is not None,
         BLOCK_C=block_c, AMAX_C=_row_block(c, few), INTERPRET=interpreting(), num_warps=4,
-        **split,
+        **split, **dec,
     )  # fmt: skip
     return codes, scales, glob
+
+
+def decoded_rows_dtype() -> torch.dtype:
+    """dtype of decoded operand rows (``dense_rows``, ``quantize_rows(decoded=...)``): bf16,
+    fp32 in the interpreter (whose bf16 dot is unreliable)."""
+    return torch.float32 if interpreting() else torch.bfloat16
 
 
 def amax_rows(
@@ -483,6 +520,7 @@ def _gemm(
     a_ordered: bool = False,
     out_ordered: bool = False,
     blocks_last: bool = False,
+    a_decoded: torch.Tensor | None = None,
 ) -> None:
     """One grouped GEMM. ``out_fp4`` = (scales, globals, static table): ``out`` receives
     NVFP4 codes of the FC1 activation instead of bf16 (static W4A4). ``dense``: decode
@@ -491,7 +529,9 @@ def _gemm(
     into it (bf16 route rows only). ``a_ordered``: ``a`` holds bf16 rows in the unit
     order; ``out_ordered``: write ``out`` (bf16 rows) in it (``TritonOptions.ordered_x``);
     ``blocks_last``: a split GEMM's 3-D grid is (tiles, segments, blocks), else (tiles,
-    blocks, segments) (``TritonOptions.blocks_last``)."""
+    blocks, segments) (``TritonOptions.blocks_last``). ``a_decoded``: W4A4's rows
+    already decoded for the Gluon kernel (``quantize_rows(decoded=...)``), else decoded
+    here by ``dense_rows`` when that kernel runs."""
     a_fp4 = a_scales is not None
     order = k_order(int(chunked), k, cfg.block_k)
     if dense:
@@ -541,8 +581,10 @@ def _gemm(
                 from . import gluon_ws
 
                 a_src = a
-                if a_fp4:  # W4A4: the rows decoded once a call, in the unit order, as the
-                    # dense path decodes them (the same 2^-8, out_scale 2^16; same bits)
+                if a_fp4 and a_decoded is not None:  # by the quantize kernel
+                    a_src = a_decoded
+                elif a_fp4:  # W4A4: the rows decoded once a call, in the unit order, as
+                    # the dense path decodes them (the same 2^-8, out_scale 2^16; same bits)
                     count = None if a_gather else sort.expert_offsets[-1:]
                     a_src = dense_rows(a, a_scales, count=count, decode_asm=decode_asm,
                                        poison=poison, order=64)  # fmt: skip
@@ -739,6 +781,7 @@ def expert_gemms(
     counters: tuple[torch.Tensor, torch.Tensor] | None = None,
     amax_zero: torch.Tensor | None = None,
     a_unit_order: torch.Tensor | None = None,
+    a_decoded: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The expert work of a call, on routes already sorted (``sort``): FC1 with SwiGLU,
     for W4A4 the quantization of FC1's output, and FC2.
@@ -760,6 +803,8 @@ def expert_gemms(
         a_unit_order: ``a`` (bf16) with each 64 elements in the unit order, e.g. the sort
             kernel's ``x_ordered``; used when ``options.ordered_x`` applies (else ``a`` is
             reordered here, one more kernel).
+        a_decoded: W4A4's FC1 input rows decoded (``quantize_rows(decoded=...)``), for FC1
+            on the Gluon kernel; None: decoded there if needed.
 
     Returns:
         bf16 [T * topk, H] route rows in sorted order (rows past the valid count
@@ -804,15 +849,20 @@ def expert_gemms(
         dense=dense, poison=opt.poison, gluon=opt.gluon_decode,
         counters=counters[0] if counters else None, amax_out=famax,
         a_ordered=ordered, out_ordered=ordered, blocks_last=opt.blocks_last,
+        a_decoded=a_decoded,
     )  # fmt: skip
 
     # FC2 input.
     b_src, b_scales, b_global = act, None, None
+    b_dec = None  # W4A4 on the Gluon kernel: the quantize kernel decodes FC2's rows too
+    if w4a4 and not fc1_fp4 and opt.quantize_decoded and opt.gluon_runs(split2, inter, True, cfg2):
+        b_dec = _empty((n_routes, inter), decoded_rows_dtype(), dev, opt.poison)
     if w4a4:
         if act_scale == "per_token":
             b_src, b_scales, b_global = quantize_rows(
-                act, n_routes, mode=MODE_PER_ROW, count=n_valid, pdl=pdl, poison=opt.poison
-            )
+                act, n_routes, mode=MODE_PER_ROW, count=n_valid, pdl=pdl, poison=opt.poison,
+                decoded=b_dec,
+            )  # fmt: skip
         elif act_scale == "per_tensor":
             if famax is not None:  # FC1's epilogue took the amax of its valid rows
                 table = famax if amax_reduce is None else amax_reduce(famax.reshape(()))
@@ -821,14 +871,14 @@ def expert_gemms(
                 qmode, table = _per_tensor_table(act, n_routes, n_valid, opt, pdl, amax_reduce)
             b_src, b_scales, b_global = quantize_rows(
                 act, n_routes, mode=qmode, count=n_valid, table=table, pdl=pdl,
-                poison=opt.poison,
+                poison=opt.poison, decoded=b_dec,
             )  # fmt: skip
         elif fc1_fp4:
             b_src, b_scales, b_global = act, out_fp4[0], out_fp4[1]
         else:
             b_src, b_scales, b_global = quantize_rows(
                 act, n_routes, mode=MODE_STATIC, count=n_valid, table=experts.a2_scale,
-                row_expert=sort.sorted_expert, pdl=pdl, poison=opt.poison,
+                row_expert=sort.sorted_expert, pdl=pdl, poison=opt.poison, decoded=b_dec,
             )  # fmt: skip
 
     if fused_into is not None:
@@ -842,7 +892,7 @@ def expert_gemms(
         pdl=pdl, decode_asm=opt.decode_asm, chunked=opt.chunked, split=split2, dense=dense,
         poison=opt.poison, gluon=opt.gluon_decode,
         counters=counters[1] if counters else None, a_ordered=ordered,
-        blocks_last=opt.blocks_last,
+        blocks_last=opt.blocks_last, a_decoded=b_dec,
     )  # fmt: skip
     return dest
 
@@ -890,21 +940,27 @@ def moe_triton(
     # FC1 input.
     a_scales = a_global = None
     a_src, a_gather = x, True
+    a_dec = None  # W4A4 on the Gluon kernel: the quantize kernel decodes FC1's rows too
+    if mode == "w4a4" and opt.quantize_decoded:
+        split1 = opt.gemm_splits(n_routes, e_count, h, experts.intermediate_size, cfg1, cfg2)[0]
+        if opt.gluon_runs(split1, h, True, cfg1):
+            rows = n_routes if act_scale == "static" else t
+            a_dec = _empty((rows, h), decoded_rows_dtype(), dev, opt.poison)
     if mode == "w4a4":
         if act_scale == "per_token":
             a_src, a_scales, a_global = quantize_rows(
-                x, t, mode=MODE_PER_ROW, pdl=pdl, poison=opt.poison
+                x, t, mode=MODE_PER_ROW, pdl=pdl, poison=opt.poison, decoded=a_dec
             )
         elif act_scale == "per_tensor":
             qmode, table = _per_tensor_table(x, t, None, opt, pdl, None)
             a_src, a_scales, a_global = quantize_rows(
-                x, t, mode=qmode, table=table, pdl=pdl, poison=opt.poison
+                x, t, mode=qmode, table=table, pdl=pdl, poison=opt.poison, decoded=a_dec
             )
         else:  # static: global of the route's expert, so quantize each sorted row
             a_src, a_scales, a_global = quantize_rows(
                 x, n_routes, mode=MODE_STATIC, index=sort.sorted_routes, div=topk,
                 count=n_valid, table=experts.a13_scale, row_expert=sort.sorted_expert,
-                pdl=pdl, poison=opt.poison,
+                pdl=pdl, poison=opt.poison, decoded=a_dec,
             )  # fmt: skip
             a_gather = False
 
@@ -914,7 +970,7 @@ def moe_triton(
         sort, a_src, a_scales, a_global, experts, cfg1=cfg1, cfg2=cfg2, mode=mode,
         act_scale=act_scale, topk=topk, a_gather=a_gather, route_weights=w_flat,
         fused_into=fused, options=opt, pdl=pdl, counters=counters, amax_zero=amax_zero,
-        a_unit_order=sort.x_ordered,
+        a_unit_order=sort.x_ordered, a_decoded=a_dec,
     )  # fmt: skip
     if fused_finalize:
         return dest.to(torch.bfloat16)

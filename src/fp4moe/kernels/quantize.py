@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import to_e4m3
+from .common import order_rows, to_e4m3
 
 __all__ = [
     "MODE_FROM_AMAX",
@@ -108,9 +108,15 @@ def quantize_rows_kernel(
     INTERPRET: tl.constexpr,
     AMAX_C: tl.constexpr,
     SPLIT_C: tl.constexpr = False,
+    dec_ptr=None,  # DEC: [rows, C] DEC_DTYPE, the decoded values in the unit order
+    DEC: tl.constexpr = False,
+    DEC_DTYPE: tl.constexpr = tl.bfloat16,
 ):
     """One row a program (SPLIT_C: one BLOCK_C chunk of a row a program, grid axis 1, for
-    few rows); the per-row amax reads AMAX_C elements at a time. The same bits either way."""
+    few rows); the per-row amax reads AMAX_C elements at a time. The same bits either way.
+    DEC (BLOCK_C a multiple of 64): also the row decoded as ``dequant.dense_rows(order=64)``
+    decodes it (e2m1 value times the e4m3 scale times 2^-8, exact; each 64 elements in the
+    unit order), the operand of the Gluon GEMMs (``gluon_ws``) with no decode launch."""
     i = tl.program_id(0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -162,3 +168,11 @@ def quantize_rows_kernel(
         tl.store(codes_ptr + i64 * (C // 2) + pc, packed, mask=pc < C // 2)
         ps = c0 // 16 + tl.arange(0, BLOCK_C // 16)
         tl.store(scales_ptr + i64 * (C // 16) + ps, s8, mask=ps < C // 16)
+        if DEC:
+            mag = (code & 7).to(tl.float32)  # e2m1: 0, 0.5, 1, 1.5, 2, 3, 4, 6
+            val = tl.where(mag < 4.0, mag * 0.5, tl.where(mag < 7.0, mag - 2.0, 6.0))
+            # times -1.0, not 0 - val (Triton's negation): code 8 is -0, as the decode gives
+            val = val * tl.where((code & 8) != 0, -1.0, 1.0)
+            d = val * (s8.to(tl.float32) * 0.00390625)[:, None]
+            d = tl.reshape(order_rows(tl.reshape(d, (1, BLOCK_C)), 1, BLOCK_C, 64), (BLOCK_C,))
+            tl.store(dec_ptr + i64 * C + c0 + cols, d.to(DEC_DTYPE), mask=c0 + cols < C)
