@@ -101,6 +101,62 @@ def _decode_unit(codes, sc, A_L: gl.constexpr):
 
 
 @gluon.jit
+def _stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K: gl.constexpr, TOPK: gl.constexpr,
+             A_GATHER: gl.constexpr, BM: gl.constexpr, SEG: gl.constexpr,
+             A_UNIT_ORDER: gl.constexpr = False):  # fmt: skip
+    """The row block's activations of one K segment in the unit order, in shared memory
+    [SEG / 64 * BM, 64] (unit-major), fenced and synchronized for the wgmma: rows
+    ``start`` .. ``end`` (A_GATHER: tokens route // TOPK of the sorted routes), zeros past
+    ``end``; A_UNIT_ORDER: the rows are in the unit order already (only unit-major)."""
+    NU: gl.constexpr = SEG // UNIT
+    XM: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    offs_m = start + gl.arange(0, BM, layout=gl.SliceLayout(1, XM))
+    m_ok = offs_m < end
+    if A_GATHER:
+        route = gl.load(sorted_routes_ptr + offs_m, mask=m_ok, other=0)
+        src = route // TOPK
+    else:
+        src = offs_m
+    src = gl.where(m_ok, src, 0).to(gl.int64)
+    kk = gl.arange(0, SEG, layout=gl.SliceLayout(0, XM))
+    x = gl.load(x_ptr + src[:, None] * K + k0 + kk[None, :], mask=m_ok[:, None], other=0.0)
+    if A_UNIT_ORDER:  # [m, unit, 64] -> [unit, m, 64]
+        x = gl.permute(gl.reshape(x, [BM, NU, UNIT]), [1, 0, 2])
+    else:
+        x = gl.reshape(x, [BM, NU, 4, 4, 2, 2])  # [m, unit, q, s, a, b]
+        x = gl.permute(x, [1, 0, 3, 5, 2, 4])  # [unit, m, s, b, q, a]
+    x = gl.reshape(x, [NU * BM, UNIT])
+    XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
+    xs = gl.allocate_shared_memory(gl.bfloat16, [NU * BM, UNIT], XS)
+    xs.store(x)
+    fence_async_shared()
+    gl.thread_barrier()
+    return xs
+
+
+@gluon.jit
+def _store_partials(acc_g, acc_u, part_ptr, pid_n, start, end, s_id, ws_rows,
+                    N: gl.constexpr, GATED: gl.constexpr, BM: gl.constexpr,
+                    MMA: gl.constexpr):  # fmt: skip
+    """Write a unit's fp32 partials [64, BM] (and up's, GATED) as loop 3's split programs
+    do: segment ``s_id`` of ``part`` [segments, ws_rows, (2 if GATED) * N], valid rows
+    only. Returns the segment stride (elements)."""
+    if GATED:
+        gn: gl.constexpr = 2 * N
+    else:
+        gn: gl.constexpr = N
+    on = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    om = start + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
+    pmask = (on < N)[:, None] & (om < end)[None, :]
+    stride = ws_rows.to(gl.int64) * gn
+    prow = part_ptr + s_id * stride + om.to(gl.int64)[None, :] * gn + on[:, None]
+    gl.store(prow, acc_g, mask=pmask)
+    if GATED:
+        gl.store(prow + N, acc_u, mask=pmask)
+    return stride
+
+
+@gluon.jit
 def gluon_split_kernel(
     x_ptr,  # bf16 [rows, K]: FC1 the tokens (gathered by route // TOPK), FC2 sorted rows
     sorted_routes_ptr,  # int32 [T*TOPK]
@@ -132,25 +188,7 @@ def gluon_split_kernel(
         k0 = s_id * SEG
 
         # ---- activations of the segment, in unit order, into shared memory [NU * BM, 64]
-        XM: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        offs_m = start + gl.arange(0, BM, layout=gl.SliceLayout(1, XM))
-        m_ok = offs_m < end
-        if A_GATHER:
-            route = gl.load(sorted_routes_ptr + offs_m, mask=m_ok, other=0)
-            src = route // TOPK
-        else:
-            src = offs_m
-        src = gl.where(m_ok, src, 0).to(gl.int64)
-        kk = gl.arange(0, SEG, layout=gl.SliceLayout(0, XM))
-        x = gl.load(x_ptr + src[:, None] * K + k0 + kk[None, :], mask=m_ok[:, None], other=0.0)
-        x = gl.reshape(x, [BM, NU, 4, 4, 2, 2])  # [m, unit, q, s, a, b]
-        x = gl.permute(x, [1, 0, 3, 5, 2, 4])  # [unit, m, s, b, q, a]
-        x = gl.reshape(x, [NU * BM, UNIT])
-        XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
-        xs = gl.allocate_shared_memory(gl.bfloat16, [NU * BM, UNIT], XS)
-        xs.store(x)
-        fence_async_shared()
-        gl.thread_barrier()
+        xs = _stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K, TOPK, A_GATHER, BM, SEG)
 
         # ---- weights: rows pid_n * 64 .. + 64 of the expert (gate, and up if GATED)
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
@@ -224,18 +262,8 @@ def gluon_split_kernel(
                 acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
 
         # ---- partials, as loop 3's split programs write them
-        if GATED:
-            gn: gl.constexpr = 2 * N
-        else:
-            gn: gl.constexpr = N
-        on = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-        om = start + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
-        pmask = (on < N)[:, None] & (om < end)[None, :]
-        stride = ws_rows.to(gl.int64) * gn
-        prow = part_ptr + s_id * stride + om.to(gl.int64)[None, :] * gn + on[:, None]
-        gl.store(prow, acc_g, mask=pmask)
-        if GATED:
-            gl.store(prow + N, acc_u, mask=pmask)
+        _store_partials(acc_g, acc_u, part_ptr, pid_n, start, end, s_id, ws_rows, N, GATED,
+                        BM, MMA)  # fmt: skip
 
 
 def split_partials(

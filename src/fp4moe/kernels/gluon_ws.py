@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_decode import _CL, _L3, UNIT, _decode_unit
+from .gluon_decode import _CL, _L3, UNIT, _decode_unit, _stage_x, _store_partials
 
 # split_partials_tma's defaults: the ring's stages of 256 K in shared memory (1: 18 KB a
 # program for FC1, so more programs an SM; the fastest of 1, 2, 4 on the H200, session 9),
@@ -209,28 +209,8 @@ def tma_split_kernel(
                 _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row + N, k0, st, 1, NB)
 
         # ---- activations of the segment, in unit order, into shared memory [NU * BM, 64]
-        XM: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        offs_m = start + gl.arange(0, BM, layout=gl.SliceLayout(1, XM))
-        m_ok = offs_m < end
-        if A_GATHER:
-            route = gl.load(sorted_routes_ptr + offs_m, mask=m_ok, other=0)
-            src = route // TOPK
-        else:
-            src = offs_m
-        src = gl.where(m_ok, src, 0).to(gl.int64)
-        kk = gl.arange(0, SEG, layout=gl.SliceLayout(0, XM))
-        x = gl.load(x_ptr + src[:, None] * K + k0 + kk[None, :], mask=m_ok[:, None], other=0.0)
-        if A_UNIT_ORDER:  # [m, unit, 64] -> [unit, m, 64]
-            x = gl.permute(gl.reshape(x, [BM, NU, UNIT]), [1, 0, 2])
-        else:
-            x = gl.reshape(x, [BM, NU, 4, 4, 2, 2])  # [m, unit, q, s, a, b]
-            x = gl.permute(x, [1, 0, 3, 5, 2, 4])  # [unit, m, s, b, q, a]
-        x = gl.reshape(x, [NU * BM, UNIT])
-        XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
-        xs = gl.allocate_shared_memory(gl.bfloat16, [NU * BM, UNIT], XS)
-        xs.store(x)
-        fence_async_shared()
-        gl.thread_barrier()
+        xs = _stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K, TOPK, A_GATHER, BM, SEG,
+                      A_UNIT_ORDER)  # fmt: skip
 
         # ---- decode and multiply, stage by stage as the copies land
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
@@ -286,18 +266,8 @@ def tma_split_kernel(
             mbarrier.invalidate(bars.index(b))
 
         # ---- partials, as loop 3's split programs write them
-        if GATED:
-            gn: gl.constexpr = 2 * N
-        else:
-            gn: gl.constexpr = N
-        on = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-        om = start + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
-        pmask = (on < N)[:, None] & (om < end)[None, :]
-        stride = ws_rows.to(gl.int64) * gn
-        prow = part_ptr + s_id * stride + om.to(gl.int64)[None, :] * gn + on[:, None]
-        gl.store(prow, acc_g, mask=pmask)
-        if GATED:
-            gl.store(prow + N, acc_u, mask=pmask)
+        stride = _store_partials(acc_g, acc_u, part_ptr, pid_n, start, end, s_id, ws_rows,
+                                 N, GATED, BM, MMA)  # fmt: skip
         if EPILOGUE:  # loop 3's split epilogue (gemm._split_unit, _epilogue): the same bits
             _last_unit_epilogue(
                 pid_m, pid_n, e, start, end, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr,
