@@ -1,9 +1,11 @@
-"""Loop 3's split-K segment partials in Gluon (explicit layouts). Off by default.
+"""Loop 3's split-K segment partials in Gluon (explicit layouts): the layouts, decode and
+staging that ``gluon_ws`` (the default Gluon GEMMs) shares, and the older partials kernel
+(``KERNEL = "pointer"``, codes loaded from global memory; slower than ``gluon_ws``).
 
-``TritonOptions.gluon_decode`` (W4A16 calls that split K) computes the fp32 partials P_s
-here; the split kernel (``moe_gemm_kernel(REDUCE_ONLY=True)``) then sums them and runs the
-epilogue. Same operands, order and sums as loop 3's split programs: the same bits
-(``test_gluon_decode_gpu``, on the H200).
+With ``KERNEL = "pointer"``, ``TritonOptions.gluon_decode`` (W4A16 calls that split K)
+computes the fp32 partials P_s here; the split kernel (``moe_gemm_kernel(REDUCE_ONLY=True)``)
+then sums them and runs the epilogue. Same operands, order and sums as loop 3's split
+programs: the same bits (``test_gluon_decode_gpu``, on the H200).
 
 The codes are loaded straight into the wgmma register fragment's own layout (``_CL``);
 every layout conversion is asserted trivial when compiling:
