@@ -63,11 +63,14 @@ def main() -> None:
     p.add_argument("--split-k", action="store_true",
                    help="whole calls with TritonOptions.split_k=True (64 tokens, up)")  # fmt: skip
     p.add_argument("--whole-only", action="store_true", help="time the whole calls only")
+    p.add_argument("--box3", action="store_true",
+                   help="gluon_ws.CODE_BOX3: a stage's codes as one 3-D TMA box")  # fmt: skip
     p.add_argument("--gluon-upto", type=float, default=8.0,
                    help="whole calls: TritonOptions.gluon_upto (routes an expert)")  # fmt: skip
     a = p.parse_args()
     gluon_decode.ASYNC_WGMMA = gluon_ws.ASYNC_WGMMA = a.wgmma == "async"
     gluon_decode.KERNEL = a.kernel
+    gluon_ws.CODE_BOX3 = a.box3
     pr = PRESETS["deepseek-v3-ep8"]
     dev = "cuda"
     torch.manual_seed(0)

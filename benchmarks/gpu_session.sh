@@ -188,6 +188,11 @@ upto)
         step "upto_$u" 150 python3 benchmarks/gluon_experiment.py --whole-only \
             --gluon-upto "$u" --tokens 32 64 128 256 --out "$out/upto-$u.json"
     done
+    # a stage's codes as one 3-D TMA box (gluon_ws.CODE_BOX3): bits, then the whole call
+    step box3_test 150 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
+        -k "box3"
+    step box3 120 python3 benchmarks/gluon_experiment.py --whole-only --box3 \
+        --tokens 1 8 16 32 --out "$out/box3.json"
     # and W4A4's decoded rows from the quantize kernels (TritonOptions.quantize_decoded)
     step qdec_test 150 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
         -k "w4a4 and quantize_decoded"

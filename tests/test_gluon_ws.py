@@ -40,6 +40,10 @@ def test_tma_split_kernel_compiles_for_sm90():
         "        ptx = c.asm['ptx']\n"
         "        assert 'atom.global.gpu.acq_rel.add' in ptx and '.local' not in ptx\n"
         "        assert ('atom.global.gpu.relaxed.add.f32' in ptx) == fused\n"
+        "    c = compile_sm90(n=n, k=k, gated=g, block_m=8, asynchronous=True, buffers=1,\n"
+        "                     epilogue=True, box3=True)  # CODE_BOX3: a box a stage\n"
+        "    assert c.asm['ptx'].count('cp.async.bulk.tensor') == copies * 2 // 5\n"
+        "    assert '.local' not in c.asm['ptx']\n"
         "print('ok')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -111,6 +115,27 @@ def test_tma_split_gpu(monkeypatch, t, asynchronous, buffers):
             assert rel_err(b, ref) <= TOL["w4a16"]
         else:
             assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16])
+@pytest.mark.parametrize("mode", MODES[:2], ids=_mode_id)
+def test_tma_box3_gpu(monkeypatch, t, mode):
+    """``gluon_ws.CODE_BOX3``: a stage's codes as one 3-D TMA box (the codes viewed with
+    strides 32 and K/2 bytes) give loop 3's bits, W4A16 and W4A4 per-token."""
+    from fp4moe.kernels import gluon_ws
+    from test_kernels import _experts
+
+    monkeypatch.setattr(gluon_ws, "CODE_BOX3", True)
+    m, sc = mode
+    e, h, i, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
+    experts = _experts(e, h, i, seed=0, device="cuda")
+    x = _x(t, h, seed=13, device="cuda")
+    ids, w = _gpu_routes(t, k, e, e_total, seed=13)
+    a = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                   options=TritonOptions(poison=True, gluon_decode=False))  # fmt: skip
+    b = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=TritonOptions(poison=True))
+    assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -41,22 +41,33 @@ from .gluon_decode import _CL, _L3, UNIT, _decode_unit, _stage_x, _store_partial
 # and the asynchronous main loop (the next unit's decode overlaps this unit's wgmma)
 BUFFERS = 1
 ASYNC_WGMMA = True
+# Off, not yet run on a GPU: a stage's codes of one weight as one 3-D TMA box [4 units, 64
+# rows, 32 bytes] (the codes viewed as [K/64, rows, 32], strides 32 and K/2 bytes) instead
+# of four [64, 32] boxes: a quarter of the copies, and of the bar.sync Triton puts between
+# them (FC1: 49 -> 25 a program, compiled)
+CODE_BOX3 = False
 STAGE = 256  # K elements a stage (four units; the scales' TMA box is 16 bytes wide)
 # TMA destinations, unswizzled: a [64, 32] code box is 64 rows of 32 bytes
 CODE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
 SCALE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+CODE_SMEM3 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
 
 
 @gluon.jit
-def _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row, k0, st: gl.constexpr, w: gl.constexpr,
-                 NB: gl.constexpr):  # fmt: skip
-    """TMA copies of stage ``st`` (four code boxes, one scale box) of weight ``w`` (0 gate,
-    1 up) into ring buffer ``st % NB``, completing on ``bar``."""
+def _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row, k0, st: gl.constexpr, w: gl.constexpr,
+                 NB: gl.constexpr, BOX3: gl.constexpr):  # fmt: skip
+    """TMA copies of stage ``st`` (four code boxes or one 3-D box, one scale box) of
+    weight ``w`` (0 gate, 1 up) into ring buffer ``st % NB``, completing on ``bar``.
+    ``cdst``: [buffers * 4, 64, 32], or with BOX3 the same bytes as [buffers, 4, 64, 32]."""
     b: gl.constexpr = st % NB
-    for j in gl.static_range(4):
-        kk = k0 + st * 256 + j * UNIT
-        tma.async_copy_global_to_shared(c_desc, [row, kk // 2], bar,
-                                        cbuf.index((w * NB + b) * 4 + j))  # fmt: skip
+    if BOX3:
+        tma.async_copy_global_to_shared(c_desc, [(k0 + st * 256) // UNIT, row, 0], bar,
+                                        cdst.index(w * NB + b))  # fmt: skip
+    else:
+        for j in gl.static_range(4):
+            kk = k0 + st * 256 + j * UNIT
+            tma.async_copy_global_to_shared(c_desc, [row, kk // 2], bar,
+                                            cdst.index((w * NB + b) * 4 + j))  # fmt: skip
     tma.async_copy_global_to_shared(s_desc, [row, (k0 + st * 256) // 16], bar,
                                     sbuf.index(w * NB + b))  # fmt: skip
 
@@ -174,6 +185,7 @@ def tma_split_kernel(
     A_UNIT_ORDER: gl.constexpr = False,  # x's rows already in the unit order (W4A4's
     # decoded rows, ``dequant.dense_rows(order=64)``)
     A_FP4: gl.constexpr = False,  # EPILOGUE: times the activation global (W4A4)
+    BOX3: gl.constexpr = False,  # c_desc: [K/64, rows, 32] with [4, 64, 32] boxes
 ):
     pid_n = gl.program_id(0)
     if BLOCKS_LAST:
@@ -199,6 +211,10 @@ def tma_split_kernel(
 
         # ---- every TMA copy of the segment, first (one elected thread issues them)
         cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB * 4, 64, 32], CODE_SMEM)
+        if BOX3:  # the same bytes (unswizzled) as [stage buffers, 4, 64, 32] for the copies
+            cdst = cbuf._reinterpret(gl.uint8, [NW * NB, 4, 64, 32], CODE_SMEM3)
+        else:
+            cdst = cbuf
         sbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB, 64, 16], SCALE_SMEM)
         bars = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(NB):
@@ -208,9 +224,9 @@ def tma_split_kernel(
         for st in gl.static_range(NB):
             bar = bars.index(st)
             mbarrier.expect(bar, STAGE_BYTES)
-            _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row, k0, st, 0, NB)
+            _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row, k0, st, 0, NB, BOX3)
             if GATED:
-                _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row + N, k0, st, 1, NB)
+                _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row + N, k0, st, 1, NB, BOX3)
 
         # ---- activations of the segment, in unit order, into shared memory [NU * BM, 64]
         xs = _stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K, TOPK, A_GATHER, BM, SEG,
@@ -257,10 +273,11 @@ def tma_split_kernel(
                 fence_async_shared()  # ordered before the TMA writes (async proxy)
                 bar = bars.index((kb // 4) % NB)
                 mbarrier.expect(bar, STAGE_BYTES)
-                _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row, k0, kb // 4 + NB, 0, NB)
+                _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row, k0, kb // 4 + NB, 0, NB,
+                             BOX3)  # fmt: skip
                 if GATED:
-                    _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row + N, k0,
-                                 kb // 4 + NB, 1, NB)  # fmt: skip
+                    _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row + N, k0,
+                                 kb // 4 + NB, 1, NB, BOX3)  # fmt: skip
         if ASYNC:
             if GATED:
                 acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
@@ -280,17 +297,21 @@ def tma_split_kernel(
             )  # fmt: skip
 
 
-def descriptors(codes: torch.Tensor, scales: torch.Tensor):
+def descriptors(codes: torch.Tensor, scales: torch.Tensor, box3: bool = False):
     """TMA descriptors of one GEMM's weights: codes uint8 [E, W_ROWS, K/2] as [E * W_ROWS,
-    K/2] with [64, 32] boxes, scales e4m3 [E, W_ROWS, K/16] (as bytes) with [64, 16] boxes."""
+    K/2] with [64, 32] boxes (``box3``: as [K/64, E * W_ROWS, 32], strides 32 and K/2
+    bytes, with [4, 64, 32] boxes), scales e4m3 [E, W_ROWS, K/16] (as bytes) with [64, 16]
+    boxes."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     c2 = codes.reshape(-1, codes.shape[-1])
     s2 = scales.view(torch.uint8).reshape(-1, scales.shape[-1])
-    return (
-        TensorDescriptor.from_tensor(c2, [64, 32], CODE_SMEM),
-        TensorDescriptor.from_tensor(s2, [64, 16], SCALE_SMEM),
-    )
+    if box3:
+        rows, kh = c2.shape
+        cd = TensorDescriptor(c2, [kh // 32, rows, 32], [32, kh, 1], [4, 64, 32], CODE_SMEM3)
+    else:
+        cd = TensorDescriptor.from_tensor(c2, [64, 32], CODE_SMEM)
+    return cd, TensorDescriptor.from_tensor(s2, [64, 16], SCALE_SMEM)
 
 
 def split_partials_tma(
@@ -326,7 +347,7 @@ def split_partials_tma(
                      or (fused and topk_w is None)):  # fmt: skip
         raise ValueError("split_partials_tma: out needs counters (cdiv(n, 64) * blocks "
                          "int32 zeros), w_global, and topk_w when fused")  # fmt: skip
-    c_desc, s_desc = descriptors(codes, scales)
+    c_desc, s_desc = descriptors(codes, scales, CODE_BOX3)
     grid = (tiles, segs, blocks) if blocks_last else (tiles, blocks, segs)
     dummy = part
     tma_split_kernel[grid](
@@ -338,7 +359,7 @@ def split_partials_tma(
         SEG=seg, ASYNC=asynchronous, BLOCKS_LAST=blocks_last,
         NBUF=BUFFERS if buffers is None else buffers, EPILOGUE=epilogue,
         FUSED=fused and epilogue, OUT_SCALE=out_scale, A_UNIT_ORDER=a_unit_order,
-        A_FP4=a_global is not None and epilogue, num_warps=4,
+        A_FP4=a_global is not None and epilogue, BOX3=CODE_BOX3, num_warps=4,
     )  # fmt: skip
 
 
@@ -353,6 +374,7 @@ def compile_sm90(
     epilogue: bool = False,
     fused: bool = False,
     a_fp4: bool = False,
+    box3: bool = False,
 ):
     """Compile one specialization for sm_90 without a GPU (Triton's bundled ptxas); the
     layout conversions are asserted trivial at compile time. Returns the compiled kernel."""
@@ -368,13 +390,15 @@ def compile_sm90(
         "out_ptr": "*fp32" if fused else "*bf16", "a_global_ptr": "*fp32",
     }  # fmt: skip
     descs = {
-        "c_desc": f"tensordesc<u8[64, 32],{CODE_SMEM!r}>",
+        "c_desc": f"tensordesc<u8[4, 64, 32],{CODE_SMEM3!r}>"
+        if box3
+        else f"tensordesc<u8[64, 32],{CODE_SMEM!r}>",
         "s_desc": f"tensordesc<u8[64, 16],{SCALE_SMEM!r}>",
     }
     const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated, BM=block_m, SEG=1024,
                  ASYNC=asynchronous, BLOCKS_LAST=True, NBUF=buffers, EPILOGUE=epilogue,
                  FUSED=fused, OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_UNIT_ORDER=a_fp4,
-                 A_FP4=a_fp4)  # fmt: skip
+                 A_FP4=a_fp4, BOX3=box3)  # fmt: skip
     sig = {a: ptrs.get(a) or descs.get(a) or ("i32" if a == "ws_rows" else "constexpr")
            for a in names}  # fmt: skip
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a in ptrs}
