@@ -17,13 +17,15 @@
 #   bash benchmarks/gpu_session.sh famax      # per-tensor amax fused into FC1: bits, time
 #   bash benchmarks/gpu_session.sh persist    # empty programs, split grid order, ordered x
 #   bash benchmarks/gpu_session.sh stalls     # ncu: why the decode-size GEMMs stall
-#   bash benchmarks/gpu_session.sh upto       # Gluon GEMMs above 8 routes an expert, W4A4 rows
+#   bash benchmarks/gpu_session.sh upto       # the Gluon GEMMs above 8 routes an expert
+#   bash benchmarks/gpu_session.sh box3       # gluon_ws.CODE_BOX3: bits and time
+#   bash benchmarks/gpu_session.sh qdec       # TritonOptions.quantize_decoded: bits and time
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto}"
+part="${1:?usage: gpu_session.sh tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -188,12 +190,19 @@ upto)
         step "upto_$u" 150 python3 benchmarks/gluon_experiment.py --whole-only \
             --gluon-upto "$u" --tokens 32 64 128 256 --out "$out/upto-$u.json"
     done
-    # a stage's codes as one 3-D TMA box (gluon_ws.CODE_BOX3): bits, then the whole call
+    ;;
+box3)
+    # A stage's codes as one 3-D TMA box (gluon_ws.CODE_BOX3): bits, then whole calls
+    # with and without it (each against loop 3 in its own rows)
     step box3_test 150 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
         -k "box3"
+    step box3_base 120 python3 benchmarks/gluon_experiment.py --whole-only \
+        --tokens 1 8 16 32 --out "$out/box3-base.json"
     step box3 120 python3 benchmarks/gluon_experiment.py --whole-only --box3 \
         --tokens 1 8 16 32 --out "$out/box3.json"
-    # and W4A4's decoded rows from the quantize kernels (TritonOptions.quantize_decoded)
+    ;;
+qdec)
+    # W4A4's decoded rows from the quantize kernels (TritonOptions.quantize_decoded)
     step qdec_test 150 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
         -k "w4a4 and quantize_decoded"
     step qdec 150 python3 benchmarks/sweep_decode.py --tokens 1 16 32 \
