@@ -138,14 +138,16 @@ class TritonOptions:
         gain on the H200 (session 8, ``sweep_decode.py --modes w4a4-tensor --variants c3
         c3-famax``: 65.8 against 66.3 us at 1 token, 87.5 against 84.3 at 16, 287.8
         against 290.3 at 64; the same bits).
-    gluon_decode: W4A16 split-K calls (``split_for``) run their GEMMs as Gluon kernels:
+    gluon_decode: split-K calls (``gluon_split``) run their GEMMs as Gluon kernels:
         by default (``gluon_decode.KERNEL == "tma"``) ``kernels.gluon_ws``, whose programs
         fetch their segment's weight codes and scales with TMA through a shared-memory ring,
         decode them straight into the wgmma register fragment, and whose last unit of a
         tile sums the partials and runs the epilogue; with ``KERNEL == "pointer"`` the
         older ``gluon_decode`` partials plus loop 3's split kernel for the sum. The same
-        operands, order and sums as loop 3's split programs: the same bits. Needs K a
-        multiple of 1024 (the others stay on loop 3) and a CUDA device (Gluon has no
+        operands, order and sums as loop 3's split programs: the same bits. W4A16, and
+        W4A4 on its rows decoded once (``dense_rows``, or ``quantize_decoded``) with the TMA
+        kernel. Needs K a multiple of 1024 (the others stay on loop 3), a Hopper GPU and
+        Triton 3.6 (``hopper_device``, ``gluon_available``; elsewhere loop 3; Gluon has no
         interpreter). On by default since session 9: DeepSeek-V3 EP8 W4A16 whole calls
         1 token 54.3 -> 50.4 us, 16 tokens 68.4 -> 61.1, 32 tokens 200.4 -> 169.7
         (docs/perf-notes.md, session 9).
