@@ -1,13 +1,14 @@
-"""The Gluon decode-size kernel (fp4moe.kernels.gluon_decode) against loop 3's split GEMMs.
+"""The Gluon decode GEMMs (fp4moe.kernels.gluon_ws) against loop 3's split GEMMs.
 
     PYTHONPATH=src python3 benchmarks/gluon_experiment.py --tokens 1 16 64 256
 
 DeepSeek-V3 EP8 shapes and routes of ``fp4moe bench``, W4A16. For each token count:
 each GEMM (FC1 gathered and gated, FC2 on sorted rows) with 8- and 16-row tiles, loop 3's
-split GEMM against the Gluon partials plus the split kernel's sum and epilogue
-(``TritonOptions.gluon_decode``), bitwise compared and timed with CUDA events over
-CUDA-graph replays; then the whole call both ways. ``--kernel tma``: the partials of
-``gluon_ws.tma_split_kernel`` (the segment's weights fetched by TMA up front).
+split GEMM against the Gluon kernel (its last unit of a tile runs the epilogue), bitwise
+compared and timed with CUDA events over CUDA-graph replays; then the whole call both
+ways (``TritonOptions.gluon_decode``). ``--buffers``: the kernel's ring
+(``gluon_ws.BUFFERS``), ``--wgmma``, ``--box3`` (``gluon_ws.CODE_BOX3``),
+``--gluon-upto``, ``--split-k`` and ``--whole-only`` as their help says.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 import fp4moe
 from fp4moe.bench import PRESETS, make_routes
-from fp4moe.kernels import gluon_decode, gluon_ws
+from fp4moe.kernels import gluon_ws
 from fp4moe.kernels.gemm import GemmConfig
 from fp4moe.kernels.launch import TritonOptions, _gemm, moe_triton
 from fp4moe.kernels.sort import sort_routes
@@ -55,11 +56,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--out", default=None)
     p.add_argument("--wgmma", choices=("sync", "async"), default="async",
-                   help="the Gluon main loop (gluon_decode / gluon_ws.ASYNC_WGMMA)")  # fmt: skip
-    p.add_argument("--kernel", choices=("pointer", "tma"), default="tma",
-                   help="gluon_decode.KERNEL: the partials kernel (tma: gluon_ws)")  # fmt: skip
+                   help="the Gluon main loop (gluon_ws.ASYNC_WGMMA)")  # fmt: skip
     p.add_argument("--buffers", type=int, nargs="+", default=[1],
-                   help="with --kernel tma: gluon_ws.BUFFERS, each timed (1, 2 or 4)")  # fmt: skip
+                   help="gluon_ws.BUFFERS, each timed (1, 2 or 4)")  # fmt: skip
     p.add_argument("--split-k", action="store_true",
                    help="whole calls with TritonOptions.split_k=True (64 tokens, up)")  # fmt: skip
     p.add_argument("--whole-only", action="store_true", help="time the whole calls only")
@@ -68,8 +67,7 @@ def main() -> None:
     p.add_argument("--gluon-upto", type=float, default=8.0,
                    help="whole calls: TritonOptions.gluon_upto (routes an expert)")  # fmt: skip
     a = p.parse_args()
-    gluon_decode.ASYNC_WGMMA = gluon_ws.ASYNC_WGMMA = a.wgmma == "async"
-    gluon_decode.KERNEL = a.kernel
+    gluon_ws.ASYNC_WGMMA = a.wgmma == "async"
     gluon_ws.CODE_BOX3 = a.box3
     pr = PRESETS["deepseek-v3-ep8"]
     dev = "cuda"

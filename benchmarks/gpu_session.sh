@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu_session.sh dense      # the dense prefill path: test and sweeps
 #   bash benchmarks/gpu_session.sh prep       # prefill passes: decode tiles, quantize, per kernel
 #   bash benchmarks/gpu_session.sh configs    # configs and K segments on Qwen3 and Mixtral
-#   bash benchmarks/gpu_session.sh gluon      # the Gluon split partials: bits and time
+#   bash benchmarks/gpu_session.sh gluon      # the Gluon decode GEMMs: bits and time
 #   bash benchmarks/gpu_session.sh decode     # decode configs: register caps, FC2 pairs
 #   bash benchmarks/gpu_session.sh bench      # fp4moe bench: DeepSeek-V3, Qwen3, Mixtral
 #   bash benchmarks/gpu_session.sh ep         # two GPUs: NCCL tests, bench --ep, example
@@ -114,11 +114,10 @@ decode)
         --modes w4a4-token --variants c3 c3configs --iters 6 --out "$out/prefill-w4a4.json"
     ;;
 gluon)
-    # TritonOptions.gluon_decode: bitwise against loop 3 (test), then each GEMM and the
-    # whole call timed both ways, synchronous and asynchronous main loop.
-    # (session 9: the TMA kernel of gluon_ws, the default; --kernel pointer: the older one)
-    step gluon_test 200 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py \
-        tests/test_gluon_ws.py -k "gluon_decode_gpu or tma_split_gpu"
+    # TritonOptions.gluon_decode (kernels.gluon_ws): bitwise against loop 3 (test), then
+    # each GEMM and the whole call timed both ways, synchronous and asynchronous main loop.
+    step gluon_test 200 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
+        -k "tma_split_gpu"
     step gluon_sync 200 python3 benchmarks/gluon_experiment.py --tokens 1 16 64 \
         --wgmma sync --buffers 1 2 --out "$out/gluon-sync.json"
     step gluon_async 200 python3 benchmarks/gluon_experiment.py --tokens 1 16 64 \

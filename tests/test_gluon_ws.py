@@ -1,5 +1,6 @@
-"""The TMA-fetched Gluon split partials (``kernels.gluon_ws``, ``gluon_decode.KERNEL =
-"tma"``): compiled for sm_90 here; loop 3's bits on the GPU."""
+"""The Gluon decode GEMMs (``kernels.gluon_ws``, ``TritonOptions.gluon_decode``): compiled
+for sm_90 here, the quantize kernels' decoded rows in the interpreter; loop 3's bits on
+the GPU."""
 
 from __future__ import annotations
 
@@ -53,11 +54,11 @@ def test_tma_split_kernel_compiles_for_sm90():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
-def test_split_partials_bad_arguments(monkeypatch):
-    """A segment that is no multiple of a stage, a bad tile height and an unknown
-    ``gluon_decode.KERNEL`` are refused before anything is launched."""
+def test_split_partials_bad_arguments():
+    """A segment that is no multiple of a stage, a bad tile height, and the epilogue
+    without its counters or router weights are refused before anything is launched."""
     pytest.importorskip("triton.experimental.gluon")
-    from fp4moe.kernels import gluon_decode, gluon_ws
+    from fp4moe.kernels import gluon_ws
 
     x = torch.zeros(4, 2048, dtype=torch.bfloat16)
     i32 = torch.zeros(4, dtype=torch.int32)
@@ -77,9 +78,6 @@ def test_split_partials_bad_arguments(monkeypatch):
     with pytest.raises(ValueError, match="topk_w"):
         gluon_ws.split_partials_tma(*args, block_m=8, out=out, counters=cnt, fused=True,
                                     w_global=part[0, 0], **kw)  # fmt: skip
-    monkeypatch.setattr(gluon_decode, "KERNEL", "tmaa")
-    with pytest.raises(ValueError, match=r"gluon_decode\.KERNEL"):
-        gluon_decode.split_partials(*args, block_m=8, **kw)
 
 
 @pytest.mark.gpu
@@ -87,15 +85,14 @@ def test_split_partials_bad_arguments(monkeypatch):
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("buffers", [1, 4], ids=["ring1", "whole"])
 def test_tma_split_gpu(monkeypatch, t, asynchronous, buffers):
-    """``gluon_decode`` with the TMA partials: loop 3's bits for the whole W4A16 call
+    """``gluon_decode`` (the TMA kernel): loop 3's bits for the whole W4A16 call
     (deterministic finalize; 8-row tiles up to 16 tokens, 16-row at 64), the fused
     finalize within the tolerance; every route on one expert too. ``buffers``: the
     segment's four stages through a one-buffer ring, or all in shared memory at once."""
-    from fp4moe.kernels import gluon_decode, gluon_ws
+    from fp4moe.kernels import gluon_ws
     from test_kernels import _experts
 
     monkeypatch.setattr(gluon_ws, "ASYNC_WGMMA", asynchronous)
-    monkeypatch.setattr(gluon_decode, "KERNEL", "tma")
     monkeypatch.setattr(gluon_ws, "BUFFERS", buffers)
     e, h, i, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
     experts = _experts(e, h, i, seed=0, device="cuda")

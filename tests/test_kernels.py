@@ -507,33 +507,6 @@ def test_ordered_x_gpu(gpu_experts, shape, t):
     assert rel_err(fused, moe_reference(x, ids, w, experts)) <= TOL["w4a16"]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 16, 64])
-@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_gluon_decode_gpu(gpu_experts, monkeypatch, t, asynchronous):
-    """``TritonOptions.gluon_decode``: the Gluon segment partials give loop 3's bits for
-    the whole W4A16 call (8-row tiles at 1 and 16 tokens, 16-row at 64), and the fused
-    finalize stays within the tolerance."""
-    from fp4moe.kernels import gluon_decode
-
-    monkeypatch.setattr(gluon_decode, "ASYNC_WGMMA", asynchronous)
-    monkeypatch.setattr(gluon_decode, "KERNEL", "pointer")  # the TMA kernel: test_gluon_ws
-    e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
-    experts = gpu_experts("deepseek-v3-ep8")
-    x = _x(t, h, seed=7, device="cuda")
-    ids, w = _gpu_routes(t, k, e, e_total, seed=7)
-    for fused in (False, True):
-        a = moe_triton(x, ids, w, experts, mode="w4a16", fused_finalize=fused,
-                       options=TritonOptions(poison=True, gluon_decode=False))  # fmt: skip
-        b = moe_triton(x, ids, w, experts, mode="w4a16", fused_finalize=fused,
-                       options=TritonOptions(poison=True, gluon_decode=True))  # fmt: skip
-        if fused:
-            ref = moe_reference(x, ids, w, experts, mode="w4a16")
-            assert rel_err(b, ref) <= TOL["w4a16"]
-        else:
-            assert torch.equal(a, b)
-
-
 @pytest.mark.kernel
 @pytest.mark.parametrize("split", [False, True], ids=["row", "split"])
 @pytest.mark.parametrize("rows,count", [(6, None), (6, 4), (3, 0)])
@@ -1317,7 +1290,7 @@ def test_gluon_decode_configs(monkeypatch):
     are refused."""
     from types import SimpleNamespace
 
-    from fp4moe.kernels import gluon_decode, launch
+    from fp4moe.kernels import launch
     from fp4moe.kernels.gemm import GemmConfig
     from fp4moe.kernels.launch import TritonOptions, gemm_configs
 
@@ -1327,11 +1300,7 @@ def test_gluon_decode_configs(monkeypatch):
     deepseek = SimpleNamespace(hidden_size=7168, intermediate_size=2048, num_experts=32)
     qwen3 = SimpleNamespace(hidden_size=2048, intermediate_size=768, num_experts=128)
     assert {c.block_m for c in gemm_configs(16 * 8, deepseek, "w4a16", opt)} == {8}
-    # W4A4 too, with the TMA kernel (gluon_ws: the default); not with the older one
-    assert {c.block_m for c in gemm_configs(16 * 8, deepseek, "w4a4", opt)} == {8}
-    monkeypatch.setattr(gluon_decode, "KERNEL", "pointer")
-    assert {c.block_m for c in gemm_configs(16 * 8, deepseek, "w4a4", opt)} == {16}
-    monkeypatch.setattr(gluon_decode, "KERNEL", "tma")
+    assert {c.block_m for c in gemm_configs(16 * 8, deepseek, "w4a4", opt)} == {8}  # W4A4 too
     assert {c.block_m for c in gemm_configs(16 * 8, qwen3, "w4a16", opt)} == {16}
     off = TritonOptions(gluon_decode=False)
     assert {c.block_m for c in gemm_configs(16 * 8, deepseek, "w4a16", off)} == {16}

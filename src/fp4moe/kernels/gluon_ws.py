@@ -1,7 +1,7 @@
 """The decode-size grouped GEMMs in Gluon, fed by TMA: loop 3's split-K units (64 weight
 rows, one 1024-element K segment, 8 or 16 token rows) with the same operands, order and
 sums, so the same bits (``TritonOptions.gluon_decode``, on by default on a Hopper GPU
-where loop 3 splits K; ``gluon_decode.KERNEL == "tma"``).
+where loop 3 splits K).
 
 Session 8's stall counts (docs/perf-notes.md) put the decode-size GEMMs' time in waits on
 global loads and barriers: each program was a chain of (load a K tile, decode, wgmma,
@@ -77,7 +77,7 @@ def _smem_unit(cbuf, sbuf, st: gl.constexpr, j: gl.constexpr, w: gl.constexpr,
                NB: gl.constexpr):  # fmt: skip
     """Unit ``j`` of stage ``st`` (ring buffer ``st % NB``) of weight ``w`` from shared
     memory: codes [64, 4, 8] in ``_L3`` and e4m3 scales [64, 4] in its slice, as
-    ``gluon_decode._load_unit`` gives."""
+    the kernel's decode takes."""
     b: gl.constexpr = st % NB
     codes = cbuf.index((w * NB + b) * 4 + j).load(_CL)
     codes = gl.convert_layout(gl.reshape(codes, [64, 4, 8]), _L3, assert_trivial=True)
@@ -323,8 +323,12 @@ def split_partials_tma(
     topk_w: torch.Tensor | None = None, fused: bool = False, out_scale: float = 1.0,
     a_unit_order: bool = False, a_global: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
-    """``gluon_decode.split_partials`` with ``tma_split_kernel`` (same arguments and bits).
-    Needs K % seg == 0 and seg % 256 == 0.
+    """Launch ``tma_split_kernel``: fp32 ``part`` [K / seg, ws_rows, (2 if gated) * n]
+    receives loop 3's segment partials P_s of every valid row. ``x``: bf16 [., K], the
+    tokens (``gather``: row route // topk) or rows in sorted order; ``codes``, ``scales``:
+    one GEMM's weights, uint8 [E, W_ROWS, K/2] and e4m3 [E, W_ROWS, K/16];
+    ``block_expert``, ``block_start``, ``block_end``: the tile schedule of ``sort_routes``
+    with ``block_m`` (8 or 16) rows a tile. Needs K % seg == 0 and seg % 256 == 0.
 
     With ``out`` the kernel also runs the split epilogue (W4A16): the last unit of each
     tile sums its partials and writes bf16 rows [ws_rows, n] in sorted order into ``out``,

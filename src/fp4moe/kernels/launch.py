@@ -138,19 +138,17 @@ class TritonOptions:
         gain on the H200 (session 8, ``sweep_decode.py --modes w4a4-tensor --variants c3
         c3-famax``: 65.8 against 66.3 us at 1 token, 87.5 against 84.3 at 16, 287.8
         against 290.3 at 64; the same bits).
-    gluon_decode: split-K calls (``gluon_split``) run their GEMMs as Gluon kernels:
-        by default (``gluon_decode.KERNEL == "tma"``) ``kernels.gluon_ws``, whose programs
-        fetch their segment's weight codes and scales with TMA through a shared-memory ring,
-        decode them straight into the wgmma register fragment, and whose last unit of a
-        tile sums the partials and runs the epilogue; with ``KERNEL == "pointer"`` the
-        older ``gluon_decode`` partials plus loop 3's split kernel for the sum. The same
-        operands, order and sums as loop 3's split programs: the same bits. W4A16, and
-        W4A4 on its rows decoded once (``dense_rows``, or ``quantize_decoded``) with the TMA
-        kernel. Needs K a multiple of 1024 (the others stay on loop 3), a Hopper GPU and
-        Triton 3.6 (``hopper_device``, ``gluon_available``; elsewhere loop 3; Gluon has no
-        interpreter). On by default since session 9: DeepSeek-V3 EP8 W4A16 whole calls
-        1 token 54.3 -> 50.4 us, 16 tokens 68.4 -> 61.1, 32 tokens 200.4 -> 169.7
-        (docs/perf-notes.md, session 9).
+    gluon_decode: split-K calls (``gluon_split``) run their GEMMs as the Gluon kernel of
+        ``kernels.gluon_ws``, whose programs fetch their segment's weight codes and scales
+        with TMA through a shared-memory ring, decode them straight into the wgmma
+        register fragment, and whose last unit of a tile sums the partials and runs the
+        epilogue. The same operands, order and sums as loop 3's split programs: the same
+        bits. W4A16, and W4A4 on its rows decoded once (``dense_rows``, or
+        ``quantize_decoded``). Needs K a multiple of 1024 (the others stay on loop 3), a
+        Hopper GPU and Triton 3.6 (``hopper_device``, ``gluon_available``; elsewhere loop
+        3; Gluon has no interpreter). On by default since session 9: DeepSeek-V3 EP8
+        W4A16 whole calls 1 token 54.3 -> 50.4 us, 16 tokens 68.4 -> 61.1, 32 tokens
+        200.4 -> 169.7 (docs/perf-notes.md, session 9).
     ordered_x: W4A16 with both GEMMs in loop 3's unit order (``k_order`` 64, not dense,
         not where they run as the Gluon kernels of ``gluon_decode``): the GEMMs load
         activation rows already in that order, so the A operand goes from global to
@@ -474,15 +472,13 @@ def _major(index: int) -> int:
 
 
 def gluon_applies(k: int, a_fp4: bool, cfg: GemmConfig) -> bool:
-    """Whether a split-K GEMM can run as a Gluon kernel (``gluon_decode``): W4A16, or W4A4
-    with the TMA kernel (``gluon_ws``, its rows decoded first), whole 1024-element
-    segments in loop 3's unit order (``k_order``), 8 or 16 rows a tile, a Hopper GPU
-    (``hopper_device``; not the interpreter) and Triton 3.6 (``gluon_available``)."""
-    from . import gluon_decode
-
+    """Whether a split-K GEMM can run as the Gluon kernel (``gluon_decode``,
+    ``gluon_ws``): W4A16 or W4A4 (``a_fp4``: its rows decoded first, either way), whole
+    1024-element segments in loop 3's unit order (``k_order``), 8 or 16 rows a tile, a
+    Hopper GPU (``hopper_device``; not the interpreter) and Triton 3.6
+    (``gluon_available``)."""
     return (
         not interpreting()
-        and (not a_fp4 or gluon_decode.KERNEL == "tma")  # W4A4: the TMA kernel only
         and k % SEGMENT == 0
         and k_order(3, k, cfg.block_k) == 64
         and cfg.block_m in (8, 16)
@@ -576,46 +572,37 @@ def _gemm(
         ws_rows = sort.sorted_routes.shape[0]
         part = torch.empty(nseg * ws_rows * (2 * n if gated else n), dtype=torch.float32,
                            device=a.device)  # fmt: skip
-        if gluon:  # the Gluon kernels (TritonOptions.gluon_decode)
-            from . import gluon_decode
+        if gluon:  # the Gluon kernel (TritonOptions.gluon_decode, kernels.gluon_ws)
+            from . import gluon_ws
 
-            if gluon_decode.KERNEL == "tma":
-                from . import gluon_ws
-
-                a_src = a
-                if a_fp4 and a_decoded is not None:  # by the quantize kernel
-                    a_src = a_decoded
-                elif a_fp4:  # W4A4: the rows decoded once a call, in the unit order, as
-                    # the dense path decodes them (the same 2^-8, out_scale 2^16; same bits)
-                    count = None if a_gather else sort.expert_offsets[-1:]
-                    a_src = dense_rows(a, a_scales, count=count, decode_asm=decode_asm,
-                                       poison=poison, order=64)  # fmt: skip
-                # the last unit of a tile sums and runs the epilogue itself, except for
-                # NVFP4 output or the fused amax (then the split kernel below does)
-                epi = out_fp4 is None and amax_out is None
-                kw = {}
-                if epi:
-                    need = triton.cdiv(n, 64) * sort.num_blocks
-                    cnt = counters
-                    if cnt is None or cnt.numel() < need:
-                        cnt = torch.zeros(need, dtype=torch.int32, device=a.device)
-                    kw = dict(out=out, counters=cnt, w_global=w_global, topk_w=topk_w,
-                              fused=fused, out_scale=out_scale,
-                              a_global=a_global if a_fp4 else None)  # fmt: skip
-                gluon_ws.split_partials_tma(
-                    a_src, sort.sorted_routes, w_codes, w_scales, sort.block_expert,
-                    sort.block_start, sort.block_end, part, n=n, topk=topk, gated=gated,
-                    gather=a_gather, block_m=cfg.block_m, seg=SEGMENT, ws_rows=ws_rows,
-                    a_unit_order=a_fp4, **kw,
-                )  # fmt: skip
-                if epi:
-                    return
-            else:
-                gluon_decode.split_partials(
-                    a, sort.sorted_routes, w_codes, w_scales, sort.block_expert,
-                    sort.block_start, sort.block_end, part, n=n, topk=topk, gated=gated,
-                    gather=a_gather, block_m=cfg.block_m, seg=SEGMENT, ws_rows=ws_rows,
-                )  # fmt: skip
+            a_src = a
+            if a_fp4 and a_decoded is not None:  # by the quantize kernel
+                a_src = a_decoded
+            elif a_fp4:  # W4A4: the rows decoded once a call, in the unit order, as the
+                # dense path decodes them (the same 2^-8, out_scale 2^16; the same bits)
+                count = None if a_gather else sort.expert_offsets[-1:]
+                a_src = dense_rows(a, a_scales, count=count, decode_asm=decode_asm,
+                                   poison=poison, order=64)  # fmt: skip
+            # the last unit of a tile sums and runs the epilogue itself, except for NVFP4
+            # output or the fused amax: then the split kernel below does (REDUCE_ONLY)
+            epi = out_fp4 is None and amax_out is None
+            kw = {}
+            if epi:
+                need = triton.cdiv(n, 64) * sort.num_blocks
+                cnt = counters
+                if cnt is None or cnt.numel() < need:
+                    cnt = torch.zeros(need, dtype=torch.int32, device=a.device)
+                kw = dict(out=out, counters=cnt, w_global=w_global, topk_w=topk_w,
+                          fused=fused, out_scale=out_scale,
+                          a_global=a_global if a_fp4 else None)  # fmt: skip
+            gluon_ws.split_partials_tma(
+                a_src, sort.sorted_routes, w_codes, w_scales, sort.block_expert,
+                sort.block_start, sort.block_end, part, n=n, topk=topk, gated=gated,
+                gather=a_gather, block_m=cfg.block_m, seg=SEGMENT, ws_rows=ws_rows,
+                a_unit_order=a_fp4, **kw,
+            )  # fmt: skip
+            if epi:
+                return
         else:  # tile counters: zeroed by the sort kernel (``counters``) or here
             need = grid[0] * grid[1]
             cnt = counters
