@@ -1283,6 +1283,30 @@ def test_k_order_does_not_depend_on_the_token_count(monkeypatch, mode):
             assert orders == {(64, 64)}, (h, inter, frac, orders)
 
 
+def test_ordered_x_not_where_gluon_runs(monkeypatch):
+    """``ordered_x`` stays off wherever either GEMM runs as the Gluon kernel, which neither
+    reads nor writes rows in the unit order: both GEMMs (DeepSeek-V3 at 16 tokens) or
+    FC1 only (I = 768: FC2 stays on loop 3); on when the Gluon kernels are off."""
+    from types import SimpleNamespace
+
+    from fp4moe.kernels import launch
+    from fp4moe.kernels.launch import gemm_configs
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the GPU's configs
+    monkeypatch.setattr(launch, "hopper_device", lambda: True)
+    opt = TritonOptions(ordered_x=True)
+    off = TritonOptions(ordered_x=True, gluon_decode=False)
+    n = 16 * 8
+    for h, i in ((7168, 2048), (2048, 768)):
+        ex = SimpleNamespace(hidden_size=h, intermediate_size=i, num_experts=32)
+        cfgs = gemm_configs(n, ex, "w4a16", opt)
+        s1, s2 = opt.gemm_splits(n, 32, h, i, *cfgs)
+        assert opt.gluon_runs(s1, h, False, cfgs[0])
+        assert opt.gluon_runs(s2, i, False, cfgs[1]) == (i % 1024 == 0)
+        assert not opt.ordered_for("w4a16", n, 32, h, i, *cfgs)
+        assert off.ordered_for("w4a16", n, 32, h, i, *gemm_configs(n, ex, "w4a16", off))
+
+
 def test_gluon_decode_configs(monkeypatch):
     """``gluon_decode`` takes 8-row tiles only when both GEMMs can take the Gluon
     kernels (K a multiple of 1024; W4A4 with the TMA kernel only): a GEMM left on loop 3

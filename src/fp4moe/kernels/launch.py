@@ -243,26 +243,25 @@ class TritonOptions:
             self.ordered_x
             and mode == "w4a16"
             and int(self.chunked) == 3
-            and not (  # not where the GEMMs run as the Gluon kernels
-                self.gluon_split(n_routes, num_experts)
-                and gluon_applies(hidden, False, cfg1)
-                and gluon_applies(inter, False, cfg2)
-            )
             and not self.dense_for(n_routes, num_experts)
             and k_order(3, hidden, cfg1.block_k) == 64
             and k_order(3, inter, cfg2.block_k) == 64
+            # not where either GEMM runs as the Gluon kernel, which neither reads nor
+            # writes rows in the unit order
+            and not any(
+                self.gluon_runs(s, k, False, cfg)
+                for s, k, cfg in zip(
+                    self.gemm_splits(n_routes, num_experts, hidden, inter, cfg1, cfg2),
+                    (hidden, inter),
+                    (cfg1, cfg2),
+                )
+            )
         )
 
     def gluon_runs(self, split: bool, k: int, a_fp4: bool, cfg: GemmConfig) -> bool:
         """Whether a GEMM of inner size ``k`` that splits K (``split``, from
-        ``gemm_splits``) with ``cfg`` runs as a Gluon kernel (as ``_gemm`` decides)."""
-        return (
-            self.gluon_decode
-            and split
-            and int(self.chunked) == 3
-            and k > SEGMENT
-            and gluon_applies(k, a_fp4, cfg)
-        )
+        ``gemm_splits``) with ``cfg`` runs as a Gluon kernel (``_gemm`` decides so too)."""
+        return _gluon_gemm(self.gluon_decode, split, int(self.chunked), k, a_fp4, cfg)
 
     def amax_in_fc1(self, mode: str, act_scale: str) -> bool:
         """Whether FC1's epilogue takes the per-tensor amax of its output (``fused_amax``,
@@ -487,6 +486,14 @@ def gluon_applies(k: int, a_fp4: bool, cfg: GemmConfig) -> bool:
     )
 
 
+def _gluon_gemm(
+    gluon: bool, split: bool, chunked: int, k: int, a_fp4: bool, cfg: GemmConfig
+) -> bool:
+    """Whether one GEMM runs as the Gluon kernel: ``gluon`` (``gluon_decode``) on, K split
+    (loop 3, more than one segment) and the kernel able to (``gluon_applies``)."""
+    return gluon and split and chunked == 3 and k > SEGMENT and gluon_applies(k, a_fp4, cfg)
+
+
 def _gemm(
     cfg: GemmConfig,
     sort: RouteSort,
@@ -565,7 +572,7 @@ def _gemm(
     nseg = -(-(k // cfg.block_k) // seg_tiles) if seg_tiles else 1
     split = split and nseg > 1
     part, cnt, ws_rows = dummy, dummy, 0
-    gluon = gluon and split and gluon_applies(k, a_fp4, cfg)
+    gluon = _gluon_gemm(gluon, split, int(chunked), k, a_fp4, cfg)
     # the split grid: blocks last or 3-D
     blocks_last = blocks_last and split and not gluon and not group_m
     if split:  # one program a K segment; fp32 partials, summed by the last one of a tile
@@ -1063,10 +1070,10 @@ def workspace_bytes(
             tmp1 += -(-h // SEGMENT) * n * 2 * i * 4
         if s2 and i > SEGMENT:
             tmp2 += -(-i // SEGMENT) * n * h * 4
-        if w4a4 and opt.gluon_decode:  # the Gluon GEMMs' decoded activation rows (bf16)
-            if s1 and gluon_applies(h, True, cfgs[0]):
+        if w4a4:  # the Gluon GEMMs' decoded activation rows (bf16)
+            if opt.gluon_runs(s1, h, True, cfgs[0]):
                 tmp1 += (n if act_scale == "static" else t) * h * 2
-            if s2 and gluon_applies(i, True, cfgs[1]):
+            if opt.gluon_runs(s2, i, True, cfgs[1]):
                 tmp2 += n * i * 2
     fc1 = common + act + tmp1
     fc2 = common + act + b_in + rows_out + tmp2
