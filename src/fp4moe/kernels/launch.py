@@ -486,6 +486,14 @@ def gluon_applies(k: int, a_fp4: bool, cfg: GemmConfig) -> bool:
     )
 
 
+def _tile_counters(counters: torch.Tensor | None, need: int, device) -> torch.Tensor:
+    """A split GEMM's int32 tile counters, zero: ``counters`` (zeroed by the sort kernel,
+    ``split_counters``) when it holds ``need``, else zeros of its own."""
+    if counters is None or counters.numel() < need:
+        return torch.zeros(need, dtype=torch.int32, device=device)
+    return counters
+
+
 def _gluon_gemm(
     gluon: bool, split: bool, chunked: int, k: int, a_fp4: bool, cfg: GemmConfig
 ) -> bool:
@@ -594,11 +602,8 @@ def _gemm(
             # output or the fused amax: then the split kernel below does (REDUCE_ONLY)
             epi = out_fp4 is None and amax_out is None
             kw = {}
-            if epi:
-                need = triton.cdiv(n, 64) * sort.num_blocks
-                cnt = counters
-                if cnt is None or cnt.numel() < need:
-                    cnt = torch.zeros(need, dtype=torch.int32, device=a.device)
+            if epi:  # 64-row weight tiles
+                cnt = _tile_counters(counters, triton.cdiv(n, 64) * sort.num_blocks, a.device)
                 kw = dict(out=out, counters=cnt, w_global=w_global, topk_w=topk_w,
                           fused=fused, out_scale=out_scale,
                           a_global=a_global if a_fp4 else None)  # fmt: skip
@@ -610,11 +615,8 @@ def _gemm(
             )  # fmt: skip
             if epi:
                 return
-        else:  # tile counters: zeroed by the sort kernel (``counters``) or here
-            need = grid[0] * grid[1]
-            cnt = counters
-            if cnt is None or cnt.numel() < need:
-                cnt = torch.zeros(need, dtype=torch.int32, device=a.device)
+        else:
+            cnt = _tile_counters(counters, grid[0] * grid[1], a.device)
             if blocks_last:  # empty row blocks after every valid unit
                 grid = (grid[0], nseg, grid[1])
             else:
