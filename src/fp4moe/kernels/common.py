@@ -9,12 +9,14 @@ import triton.language as tl
 __all__ = ["compile_sm90", "fma_f32", "order_rows", "to_bf16"]
 
 
-def compile_sm90(fn, ptrs: dict, constexprs: dict, *, ints=(), gluon=False, **options):
+def compile_sm90(fn, ptrs: dict, constexprs: dict, *, ints=(), gluon=False, descs=None,
+                 **options):  # fmt: skip
     """Compile one specialization of the jit function ``fn`` for sm_90 without a GPU
     (Triton's bundled ptxas), for SASS reading and compile-time checks. ``ptrs`` maps
     pointer arguments to their types (16-byte aligned, as at launch: without that every
     load compiles to byte loads), ``ints`` names the int32 arguments, every other argument
-    is a constexpr from ``constexprs``. ``gluon``: ``fn`` is a Gluon kernel."""
+    is a constexpr from ``constexprs``. ``gluon``: ``fn`` is a Gluon kernel; ``descs`` maps
+    TMA descriptor arguments to their signature types (``tensordesc<...>``)."""
     from triton.backends.compiler import GPUTarget
 
     if gluon:
@@ -22,7 +24,8 @@ def compile_sm90(fn, ptrs: dict, constexprs: dict, *, ints=(), gluon=False, **op
     else:
         from triton.compiler import ASTSource as Source
     names = fn.arg_names
-    sig = {a: ptrs.get(a, "i32" if a in ints else "constexpr") for a in names}
+    descs = descs or {}
+    sig = {a: ptrs.get(a) or descs.get(a) or ("i32" if a in ints else "constexpr") for a in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a in ptrs}
     consts = {(names.index(a),): v for a, v in constexprs.items()}
     src = Source(fn, sig, constexprs=consts, attrs=attrs)

@@ -34,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .common import compile_sm90 as common_compile_sm90
 from .gluon_decode import _CL, _L3, UNIT, _decode_unit, _stage_x, _store_partials
 
 # split_partials_tma's defaults: the ring's stages of 256 K in shared memory (1: 18 KB a
@@ -242,31 +243,30 @@ def tma_split_kernel(
         for kb in gl.static_range(NU):
             if kb % 4 == 0:
                 mbarrier.wait(bars.index((kb // 4) % NB), (kb // 4 // NB) % 2)
-            if True:
-                xb = xs.slice(kb * BM, BM).permute((1, 0))
-                gc, gs = _smem_unit(cbuf, sbuf, kb // 4, kb % 4, 0, NB)
-                wg = _decode_unit(gc, gs, A_L)
-                if ASYNC:
-                    if kb > 0:
-                        if GATED:
-                            acc_g, acc_u, _, _ = warpgroup_mma_wait(
-                                num_outstanding=0,
-                                deps=(acc_g, acc_u, pg, pu),  # noqa: F821 (last unit's)
-                            )
-                        else:
-                            acc_g, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, pg))  # noqa: F821
-                    acc_g = warpgroup_mma(wg, xb, acc_g, is_async=True)
-                    pg = wg  # noqa: F841 (read by the next unrolled unit)
+            xb = xs.slice(kb * BM, BM).permute((1, 0))
+            gc, gs = _smem_unit(cbuf, sbuf, kb // 4, kb % 4, 0, NB)
+            wg = _decode_unit(gc, gs, A_L)
+            if ASYNC:
+                if kb > 0:
                     if GATED:
-                        uc, us = _smem_unit(cbuf, sbuf, kb // 4, kb % 4, 1, NB)
-                        wu = _decode_unit(uc, us, A_L)
-                        acc_u = warpgroup_mma(wu, xb, acc_u, is_async=True)
-                        pu = wu  # noqa: F841
-                else:
-                    acc_g = warpgroup_mma(wg, xb, acc_g)
-                    if GATED:
-                        uc, us = _smem_unit(cbuf, sbuf, kb // 4, kb % 4, 1, NB)
-                        acc_u = warpgroup_mma(_decode_unit(uc, us, A_L), xb, acc_u)
+                        acc_g, acc_u, _, _ = warpgroup_mma_wait(
+                            num_outstanding=0,
+                            deps=(acc_g, acc_u, pg, pu),  # noqa: F821 (last unit's)
+                        )
+                    else:
+                        acc_g, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, pg))  # noqa: F821
+                acc_g = warpgroup_mma(wg, xb, acc_g, is_async=True)
+                pg = wg  # noqa: F841 (read by the next unrolled unit)
+                if GATED:
+                    uc, us = _smem_unit(cbuf, sbuf, kb // 4, kb % 4, 1, NB)
+                    wu = _decode_unit(uc, us, A_L)
+                    acc_u = warpgroup_mma(wu, xb, acc_u, is_async=True)
+                    pu = wu  # noqa: F841
+            else:
+                acc_g = warpgroup_mma(wg, xb, acc_g)
+                if GATED:
+                    uc, us = _smem_unit(cbuf, sbuf, kb // 4, kb % 4, 1, NB)
+                    acc_u = warpgroup_mma(_decode_unit(uc, us, A_L), xb, acc_u)
             # the stage's buffer is read: refill it with stage + NB (ring only)
             if kb % 4 == 3 and kb // 4 + NB < NS:
                 gl.thread_barrier()  # every warp's shared loads of the buffer done
@@ -330,7 +330,7 @@ def split_partials_tma(
     ``block_expert``, ``block_start``, ``block_end``: the tile schedule of ``sort_routes``
     with ``block_m`` (8 or 16) rows a tile. Needs K % seg == 0 and seg % 256 == 0.
 
-    With ``out`` the kernel also runs the split epilogue (W4A16): the last unit of each
+    With ``out`` the kernel also runs the split epilogue: the last unit of each
     tile sums its partials and writes bf16 rows [ws_rows, n] in sorted order into ``out``,
     or with ``fused`` adds router weight (``topk_w`` fp32 [T*topk]) times y into fp32
     ``out`` [T, n]. ``counters``: int32 zeros, at least cdiv(n, 64) * blocks (left at
@@ -380,13 +380,8 @@ def compile_sm90(
     a_fp4: bool = False,
     box3: bool = False,
 ):
-    """Compile one specialization for sm_90 without a GPU (Triton's bundled ptxas); the
+    """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
     layout conversions are asserted trivial at compile time. Returns the compiled kernel."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    fn = tma_split_kernel
-    names = fn.arg_names
     ptrs = {
         "x_ptr": "*bf16", "sorted_routes_ptr": "*i32", "block_expert_ptr": "*i32",
         "block_start_ptr": "*i32", "block_end_ptr": "*i32", "part_ptr": "*fp32",
@@ -403,9 +398,5 @@ def compile_sm90(
                  ASYNC=asynchronous, BLOCKS_LAST=True, NBUF=buffers, EPILOGUE=epilogue,
                  FUSED=fused, OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_UNIT_ORDER=a_fp4,
                  A_FP4=a_fp4, BOX3=box3)  # fmt: skip
-    sig = {a: ptrs.get(a) or descs.get(a) or ("i32" if a == "ws_rows" else "constexpr")
-           for a in names}  # fmt: skip
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a in ptrs}
-    consts = {(names.index(a),): v for a, v in const.items()}
-    src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows",), gluon=True,
+                               descs=descs, num_warps=4)  # fmt: skip
