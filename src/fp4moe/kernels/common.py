@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["compile_sm90", "fma_f32", "order_rows", "to_bf16"]
+__all__ = ["compile_sm90", "fma_f32", "nibble_to_f16", "order_rows", "to_bf16"]
 
 
 def compile_sm90(fn, ptrs: dict, constexprs: dict, *, ints=(), gluon=False, descs=None,
@@ -81,3 +81,10 @@ def order_rows(x, R: tl.constexpr, C: tl.constexpr, ORDER: tl.constexpr):
     else:
         v = tl.reshape(x, (R, C // 32, 16, 2))
         return tl.reshape(tl.permute(v, (0, 1, 3, 2)), (R, C))
+
+
+@triton.jit
+def nibble_to_f16(n):
+    """e2m1 code (uint8 0..15) to fp16 holding e2m1 * 2^-14, exactly (code 8 gives -0)."""
+    n16 = n.to(tl.int16)
+    return (((n16 & 8) << 12) | ((n16 & 7) << 9)).to(tl.float16, bitcast=True)

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from ..nvfp4 import dequantize_blocks
-from .gemm import decode_permuted, order_rows
+from .common import order_rows
+from .gemm import decode_permuted
 
 __all__ = [
     "chunk_order",

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
+from .common import nibble_to_f16 as _nibble_to_f16
 from .common import order_rows, to_bf16, to_e4m3
 from .quantize import encode_e2m1
 
@@ -130,13 +131,6 @@ def choose_gemm_config(
     if rows_per_expert <= 160:
         return GemmConfig(64, 128 if not gated else 64, _largest_pow2_dividing(k, 128), 4, 4)
     return GemmConfig(128, 128, _largest_pow2_dividing(k, 32), 8, 4)
-
-
-@triton.jit
-def _nibble_to_f16(n):
-    """e2m1 code (uint8 0..15) to fp16 holding e2m1 * 2^-14, exactly (code 8 gives -0)."""
-    n16 = n.to(tl.int16)
-    return (((n16 & 8) << 12) | ((n16 & 7) << 9)).to(tl.float16, bitcast=True)
 
 
 @triton.jit

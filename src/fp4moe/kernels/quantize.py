@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import order_rows, to_e4m3
+from .common import nibble_to_f16, order_rows, to_e4m3
 
 __all__ = [
     "MODE_FROM_AMAX",
@@ -169,10 +169,8 @@ def quantize_rows_kernel(
         ps = c0 // 16 + tl.arange(0, BLOCK_C // 16)
         tl.store(scales_ptr + i64 * (C // 16) + ps, s8, mask=ps < C // 16)
         if DEC:
-            mag = (code & 7).to(tl.float32)  # e2m1: 0, 0.5, 1, 1.5, 2, 3, 4, 6
-            val = tl.where(mag < 4.0, mag * 0.5, tl.where(mag < 7.0, mag - 2.0, 6.0))
-            # times -1.0, not 0 - val (Triton's negation): code 8 is -0, as the decode gives
-            val = val * tl.where((code & 8) != 0, -1.0, 1.0)
+            # the operations of gemm.decode_lohi without the asm (code 8: -0)
+            val = nibble_to_f16(code).to(tl.float32) * 16384.0
             d = val * (s8.to(tl.float32) * 0.00390625)[:, None]
             d = tl.reshape(order_rows(tl.reshape(d, (1, BLOCK_C)), 1, BLOCK_C, 64), (BLOCK_C,))
             tl.store(dec_ptr + i64 * C + c0 + cols, d.to(DEC_DTYPE), mask=c0 + cols < C)

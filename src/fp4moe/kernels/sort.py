@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm import order_rows
+from .common import order_rows
 
 __all__ = ["SMALL_ROUTES", "RouteSort", "max_blocks", "sort_routes", "sort_routes_reference"]
 
