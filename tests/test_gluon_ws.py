@@ -81,13 +81,14 @@ def test_split_partials_bad_arguments():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 3, 16, 64, "one-expert"])
+@pytest.mark.parametrize("t", [1, 3, 16, 64, "one-expert", "all-masked"])
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("buffers", [1, 4], ids=["ring1", "whole"])
 def test_tma_split_gpu(monkeypatch, t, asynchronous, buffers):
     """``gluon_decode`` (the TMA kernel): loop 3's bits for the whole W4A16 call
     (deterministic finalize; 8-row tiles up to 16 tokens, 16-row at 64), the fused
-    finalize within the tolerance; every route on one expert too. ``buffers``: the
+    finalize within the tolerance; every route on one expert, and every route masked
+    (zeros, no NaN from the poisoned buffers), too. ``buffers``: the
     segment's four stages through a one-buffer ring, or all in shared memory at once."""
     from fp4moe.kernels import gluon_ws
     from test_kernels import _experts
@@ -96,12 +97,14 @@ def test_tma_split_gpu(monkeypatch, t, asynchronous, buffers):
     monkeypatch.setattr(gluon_ws, "BUFFERS", buffers)
     e, h, i, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
     experts = _experts(e, h, i, seed=0, device="cuda")
-    n = 16 if t == "one-expert" else t
+    n = t if isinstance(t, int) else 16
     x = _x(n, h, seed=7, device="cuda")
     ids, w = _gpu_routes(n, k, e, e_total, seed=7)
     if t == "one-expert":
         ids = torch.full_like(ids, 5)
         ids[:, 1:] = -1  # top-1 on expert 5, the other routes masked
+    elif t == "all-masked":
+        ids = torch.full_like(ids, -1)
     for fused in (False, True):
         a = moe_triton(x, ids, w, experts, mode="w4a16", fused_finalize=fused,
                        options=TritonOptions(poison=True, gluon_decode=False))  # fmt: skip
@@ -112,6 +115,8 @@ def test_tma_split_gpu(monkeypatch, t, asynchronous, buffers):
             assert rel_err(b, ref) <= TOL["w4a16"]
         else:
             assert torch.equal(a, b)
+        if t == "all-masked":
+            assert not b.float().abs().any()  # zeros (NaN would fail this too)
 
 
 @pytest.mark.gpu
