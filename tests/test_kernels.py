@@ -1283,17 +1283,26 @@ def test_k_order_does_not_depend_on_the_token_count(monkeypatch, mode):
             assert orders == {(64, 64)}, (h, inter, frac, orders)
 
 
+def _gpu_configs(monkeypatch):
+    """Launch decisions as on an H200 (not the interpreter, a Hopper device). The Gluon
+    module is imported first, under the interpreter setting Triton was imported with:
+    Triton 3.6's Gluon package asserts at import that knobs and the JIT agree, so importing
+    it after TRITON_INTERPRET flips fails (``gluon_available`` would then say no)."""
+    from fp4moe.kernels import gluon_ws, launch  # noqa: F401
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(launch, "hopper_device", lambda: True)
+
+
 def test_ordered_x_not_where_gluon_runs(monkeypatch):
     """``ordered_x`` stays off wherever either GEMM runs as the Gluon kernel, which neither
     reads nor writes rows in the unit order: both GEMMs (DeepSeek-V3 at 16 tokens) or
     FC1 only (I = 768: FC2 stays on loop 3); on when the Gluon kernels are off."""
     from types import SimpleNamespace
 
-    from fp4moe.kernels import launch
     from fp4moe.kernels.launch import gemm_configs
 
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the GPU's configs
-    monkeypatch.setattr(launch, "hopper_device", lambda: True)
+    _gpu_configs(monkeypatch)
     opt = TritonOptions(ordered_x=True)
     off = TritonOptions(ordered_x=True, gluon_decode=False)
     n = 16 * 8
@@ -1318,8 +1327,7 @@ def test_gluon_decode_configs(monkeypatch):
     from fp4moe.kernels.gemm import GemmConfig
     from fp4moe.kernels.launch import TritonOptions, gemm_configs
 
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(launch, "hopper_device", lambda: True)
+    _gpu_configs(monkeypatch)
     opt = TritonOptions(gluon_decode=True)
     deepseek = SimpleNamespace(hidden_size=7168, intermediate_size=2048, num_experts=32)
     qwen3 = SimpleNamespace(hidden_size=2048, intermediate_size=768, num_experts=128)
@@ -1329,16 +1337,24 @@ def test_gluon_decode_configs(monkeypatch):
     off = TritonOptions(gluon_decode=False)
     assert {c.block_m for c in gemm_configs(16 * 8, deepseek, "w4a16", off)} == {16}
     assert TritonOptions().gluon_decode  # on by default (session 9)
-    # gluon_upto: 64 tokens (16 routes an expert) on the Gluon kernels, split, 8-row tiles
-    n64 = 64 * 8
-    assert {c.block_m for c in gemm_configs(n64, deepseek, "w4a16", opt)} == {16}
-    up = TritonOptions(gluon_upto=16)
-    cfgs = gemm_configs(n64, deepseek, "w4a16", up)
+    # gluon_upto (4 expected valid rows an expert since session 10): DeepSeek-V3 EP8 at 128
+    # tokens (4 valid rows an expert) on the Gluon kernels, split, 8-row tiles; at 256
+    # (8) and Mixtral at 32 tokens (8) loop 3 with 16-row tiles (measured faster there)
+    assert TritonOptions().gluon_upto == 4
+    up = TritonOptions(valid_fraction=1 / 8)
+    n128 = 128 * 8
+    cfgs = gemm_configs(n128, deepseek, "w4a16", up)
     assert {c.block_m for c in cfgs} == {8}
-    assert up.gemm_splits(n64, 32, 7168, 2048, *cfgs) == (True, True)
-    assert {c.block_m for c in gemm_configs(n64 + 8, deepseek, "w4a16", up)} == {16}
-    no = TritonOptions(gluon_upto=16, split_k=False)  # split_k=False: never
-    assert {c.block_m for c in gemm_configs(n64, deepseek, "w4a16", no)} == {16}
+    assert up.gemm_splits(n128, 32, 7168, 2048, *cfgs) == (True, True)
+    assert {c.block_m for c in gemm_configs(2 * n128, deepseek, "w4a16", up)} == {16}
+    mixtral = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_experts=8)
+    full = TritonOptions(valid_fraction=1.0)
+    assert {c.block_m for c in gemm_configs(16 * 2, mixtral, "w4a16", full)} == {8}
+    assert {c.block_m for c in gemm_configs(32 * 2, mixtral, "w4a16", full)} == {16}
+    wide = TritonOptions(valid_fraction=1.0, gluon_upto=8)
+    assert {c.block_m for c in gemm_configs(32 * 2, mixtral, "w4a16", wide)} == {8}
+    no = TritonOptions(valid_fraction=1 / 8, split_k=False)  # split_k=False: never
+    assert {c.block_m for c in gemm_configs(n128, deepseek, "w4a16", no)} == {16}
     for bad in (0, -1.0, True, "16"):
         with pytest.raises(ValueError, match="gluon_upto"):
             TritonOptions(gluon_upto=bad)
