@@ -2,12 +2,13 @@
 
     PYTHONPATH=src python3 benchmarks/gluon_experiment.py --tokens 1 16 64 256
 
-DeepSeek-V3 EP8 shapes and routes of ``fp4moe bench``, W4A16. For each token count:
+The shapes and routes of an ``fp4moe bench`` preset (``--preset``, DeepSeek-V3 EP8 by
+default), W4A16. For each token count:
 each GEMM (FC1 gathered and gated, FC2 on sorted rows) with 8- and 16-row tiles, loop 3's
 split GEMM against the Gluon kernel (its last unit of a tile runs the epilogue), bitwise
 compared and timed with CUDA events over CUDA-graph replays; then the whole call both
 ways (``TritonOptions.gluon_decode``). ``--buffers``: the kernel's ring
-(``gluon_ws.BUFFERS``), ``--wgmma``, ``--box3`` (``gluon_ws.CODE_BOX3``),
+(``gluon_ws.BUFFERS``), ``--wgmma``, ``--four-boxes`` (``gluon_ws.CODE_BOX3`` off),
 ``--gluon-upto``, ``--split-k`` and ``--whole-only`` as their help says.
 """
 
@@ -54,6 +55,8 @@ def timed(fn, iters: int = 20) -> float:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--preset", default="deepseek-v3-ep8", choices=sorted(PRESETS),
+                   help="the model shape and routes (fp4moe bench's presets)")  # fmt: skip
     p.add_argument("--out", default=None)
     p.add_argument("--wgmma", choices=("sync", "async"), default="async",
                    help="the Gluon main loop (gluon_ws.ASYNC_WGMMA)")  # fmt: skip
@@ -62,14 +65,14 @@ def main() -> None:
     p.add_argument("--split-k", action="store_true",
                    help="whole calls with TritonOptions.split_k=True (64 tokens, up)")  # fmt: skip
     p.add_argument("--whole-only", action="store_true", help="time the whole calls only")
-    p.add_argument("--box3", action="store_true",
-                   help="gluon_ws.CODE_BOX3: a stage's codes as one 3-D TMA box")  # fmt: skip
-    p.add_argument("--gluon-upto", type=float, default=8.0,
+    p.add_argument("--four-boxes", action="store_true",
+                   help="CODE_BOX3 off: a stage's codes as four 2-D TMA boxes")  # fmt: skip
+    p.add_argument("--gluon-upto", type=float, default=TritonOptions().gluon_upto,
                    help="whole calls: TritonOptions.gluon_upto (routes an expert)")  # fmt: skip
     a = p.parse_args()
     gluon_ws.ASYNC_WGMMA = a.wgmma == "async"
-    gluon_ws.CODE_BOX3 = a.box3
-    pr = PRESETS["deepseek-v3-ep8"]
+    gluon_ws.CODE_BOX3 = not a.four_boxes
+    pr = PRESETS[a.preset]
     dev = "cuda"
     torch.manual_seed(0)
     e, h, inter, topk = pr.local_experts, pr.hidden, pr.inter, pr.top_k

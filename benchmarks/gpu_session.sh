@@ -2,7 +2,8 @@
 # One GPU session's checks and measurements, in parts that each fit a 10-minute call.
 # Run from the repository root on the GPU machine (torch and triton 3.6.0 preinstalled):
 #
-#   bash benchmarks/gpu_session.sh tests      # every GPU test (about 5 min on an H200)
+#   bash benchmarks/gpu_session.sh tests      # GPU tests but test_gluon_ws (about 6 min)
+#   bash benchmarks/gpu_session.sh gluon_tests # tests/test_gluon_ws.py (up to 10 min)
 #   bash benchmarks/gpu_session.sh memcheck   # compute-sanitizer over a few shapes (4 min)
 #   bash benchmarks/gpu_session.sh sweep      # main loops and configs (sweep_decode.py)
 #   bash benchmarks/gpu_session.sh dense      # the dense prefill path: test and sweeps
@@ -17,15 +18,15 @@
 #   bash benchmarks/gpu_session.sh famax      # per-tensor amax fused into FC1: bits, time
 #   bash benchmarks/gpu_session.sh persist    # empty programs, split grid order, ordered x
 #   bash benchmarks/gpu_session.sh stalls     # ncu: why the decode-size GEMMs stall
-#   bash benchmarks/gpu_session.sh upto       # the Gluon GEMMs above 8 routes an expert
-#   bash benchmarks/gpu_session.sh box3       # gluon_ws.CODE_BOX3: bits and time
+#   bash benchmarks/gpu_session.sh upto       # Gluon GEMMs against loop 3 by rows an expert
+#   bash benchmarks/gpu_session.sh box3       # gluon_ws.CODE_BOX3 (default) against four boxes
 #   bash benchmarks/gpu_session.sh qdec       # TritonOptions.quantize_decoded: bits and time
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -41,8 +42,12 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$out/sm
 case "$part" in
 tests)
     step kernels 300 python3 -m pytest -m gpu --device cuda tests/test_kernels.py -q
-    step others 300 python3 -m pytest -m gpu --device cuda -q \
-        tests/test_runner.py tests/test_phases.py tests/test_hf_gpu.py tests/test_gluon_ws.py
+    step others 200 python3 -m pytest -m gpu --device cuda -q \
+        tests/test_runner.py tests/test_phases.py tests/test_hf_gpu.py
+    ;;
+gluon_tests)
+    # tests/test_gluon_ws.py alone: its variants compile per test (past 5 minutes)
+    step gluon_ws 560 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py
     ;;
 memcheck)
     # 214 s alone on an H200 in session 7; inside `tests` it ran past 240 s.
@@ -182,30 +187,33 @@ persist)
     done
     ;;
 upto)
-    # Session 9's open question: the Gluon kernels (split K, 8-row tiles) above 8 routes
-    # an expert (TritonOptions.gluon_upto), whole calls against loop 3 without the split,
-    # DeepSeek-V3 EP8 (64 tokens: 16 routes an expert, 128 tokens: 32)
-    for u in 16 32; do
-        step "upto_$u" 150 python3 benchmarks/gluon_experiment.py --whole-only \
-            --gluon-upto "$u" --tokens 32 64 128 256 --out "$out/upto-$u.json"
-    done
+    # The Gluon kernels (split K, 8-row tiles) against loop 3 on whole calls at every
+    # count of valid rows an expert (TritonOptions.gluon_upto, 4 since session 10)
+    step upto_deepseek 100 python3 benchmarks/gluon_experiment.py --whole-only \
+        --gluon-upto 1000 --tokens 32 64 128 256 512 --out "$out/upto-deepseek.json"
+    step upto_mixtral 100 python3 benchmarks/gluon_experiment.py --whole-only \
+        --preset mixtral-8x7b --gluon-upto 1000 --tokens 8 16 32 64 --out "$out/upto-mixtral.json"
+    step upto_kimi 100 python3 benchmarks/gluon_experiment.py --whole-only \
+        --preset kimi-k2-ep8 --gluon-upto 1000 --tokens 64 128 256 --out "$out/upto-kimi.json"
     ;;
 box3)
     # A stage's codes as one 3-D TMA box (gluon_ws.CODE_BOX3): bits, then whole calls
     # with and without it (each against loop 3 in its own rows)
     step box3_test 150 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
-        -k "box3"
-    step box3_base 120 python3 benchmarks/gluon_experiment.py --whole-only \
-        --tokens 1 8 16 32 --out "$out/box3-base.json"
-    step box3 120 python3 benchmarks/gluon_experiment.py --whole-only --box3 \
-        --tokens 1 8 16 32 --out "$out/box3.json"
+        -k "four_boxes"
+    for r in 1 2; do  # alternating, two rounds (the loop 3 rows vary 2 to 4 us a process)
+        step "box3_$r" 60 python3 benchmarks/gluon_experiment.py --whole-only \
+            --tokens 1 8 16 32 --out "$out/box3-$r.json"
+        step "four_$r" 60 python3 benchmarks/gluon_experiment.py --whole-only --four-boxes \
+            --tokens 1 8 16 32 --out "$out/four-$r.json"
+    done
     ;;
 qdec)
     # W4A4's decoded rows from the quantize kernels (TritonOptions.quantize_decoded)
     step qdec_test 150 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
         -k "w4a4 and quantize_decoded"
     step qdec 150 python3 benchmarks/sweep_decode.py --tokens 1 16 32 \
-        --modes w4a4-token w4a4-tensor --variants c3 c3-qdec c3-nogluon --iters 12 \
+        --modes w4a4-token w4a4-tensor --variants c3 c3-noqdec c3-nogluon --iters 12 \
         --out "$out/qdec.json"
     ;;
 stalls)

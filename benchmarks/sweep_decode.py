@@ -18,8 +18,9 @@ other bits, checked against the reference only), c3-famax (the defaults with
 TritonOptions.fused_amax: per-tensor W4A4's second amax in FC1's epilogue; the same bits),
 c3-ordx (ordered_x: W4A16 activation rows in the unit order), c3-noblast (blocks_last
 off: split K on the (tiles, blocks, segments) grid, the default up to session 9; c3 is
-the (tiles, segments, blocks) grid, named c3-blast in session 9's data), c3-qdec
-(TritonOptions.quantize_decoded: W4A4's decoded rows from the quantize kernels), c3-nogluon
+the (tiles, segments, blocks) grid, named c3-blast in session 9's data), c3-noqdec
+(TritonOptions.quantize_decoded off: W4A4's decoded rows by dense_rows launches; session
+10's data has c3-qdec, the option on, before it became the default), c3-nogluon
 (gluon_decode off: loop 3 at decode sizes too).
 """
 
@@ -173,9 +174,10 @@ def main() -> None:
                 "c3-famax": TritonOptions(
                     chunked=3, valid_fraction=p.local_experts / p.experts, fused_amax=True
                 ),
-                # W4A4 on the Gluon kernels: decoded rows from the quantize kernels
-                "c3-qdec": TritonOptions(
-                    chunked=3, valid_fraction=p.local_experts / p.experts, quantize_decoded=True
+                # W4A4 on the Gluon kernels: decoded rows by dense_rows launches (the
+                # default since session 10 takes them from the quantize kernels)
+                "c3-noqdec": TritonOptions(
+                    chunked=3, valid_fraction=p.local_experts / p.experts, quantize_decoded=False
                 ),
                 # loop 3 everywhere (the Gluon kernels off; the same bits)
                 "c3-nogluon": TritonOptions(

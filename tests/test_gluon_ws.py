@@ -122,13 +122,13 @@ def test_tma_split_gpu(monkeypatch, t, asynchronous, buffers):
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 16])
 @pytest.mark.parametrize("mode", MODES[:2], ids=_mode_id)
-def test_tma_box3_gpu(monkeypatch, t, mode):
-    """``gluon_ws.CODE_BOX3``: a stage's codes as one 3-D TMA box (the codes viewed with
-    strides 32 and K/2 bytes) give loop 3's bits, W4A16 and W4A4 per-token."""
+def test_tma_four_boxes_gpu(monkeypatch, t, mode):
+    """``gluon_ws.CODE_BOX3`` off: a stage's codes as four 2-D TMA boxes (the default is
+    one 3-D box, ``test_tma_split_gpu``) give loop 3's bits, W4A16 and W4A4 per-token."""
     from fp4moe.kernels import gluon_ws
     from test_kernels import _experts
 
-    monkeypatch.setattr(gluon_ws, "CODE_BOX3", True)
+    monkeypatch.setattr(gluon_ws, "CODE_BOX3", False)
     m, sc = mode
     e, h, i, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
     experts = _experts(e, h, i, seed=0, device="cuda")
@@ -256,5 +256,9 @@ def test_quantize_decoded_plumbing(interpret, device, monkeypatch, mode):
     rows1 = 10 if sc == "static" else 5  # static: each sorted route's row
     assert seen == ([(rows1, 128)] if sc == "static" else [(rows1, 128), (10, 64)])
     seen.clear()
-    moe_triton(x, ids, w, experts, mode=m, act_scale=sc)  # off by default
+    moe_triton(x, ids, w, experts, mode=m, act_scale=sc)  # on by default
+    assert seen == ([(rows1, 128)] if sc == "static" else [(rows1, 128), (10, 64)])
+    seen.clear()
+    moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+               options=TritonOptions(quantize_decoded=False))  # fmt: skip
     assert seen == []

@@ -42,11 +42,13 @@ from .gluon_decode import _CL, _L3, UNIT, _decode_unit, _stage_x, _store_partial
 # and the asynchronous main loop (the next unit's decode overlaps this unit's wgmma)
 BUFFERS = 1
 ASYNC_WGMMA = True
-# Off, not yet run on a GPU: a stage's codes of one weight as one 3-D TMA box [4 units, 64
-# rows, 32 bytes] (the codes viewed as [K/64, rows, 32], strides 32 and K/2 bytes) instead
-# of four [64, 32] boxes: a quarter of the copies, and of the bar.sync Triton puts between
-# them (FC1: 49 -> 25 a program, compiled)
-CODE_BOX3 = False
+# A stage's codes of one weight as one 3-D TMA box [4 units, 64 rows, 32 bytes] (the codes
+# viewed as [K/64, rows, 32], strides 32 and K/2 bytes) instead of four [64, 32] boxes: a
+# quarter of the copies, and of the bar.sync Triton puts between them (FC1: 49 -> 25 a
+# program). The default since session 10: the same bits, whole W4A16 calls (DeepSeek-V3
+# EP8, two rounds each) 1 / 8 / 16 / 32 tokens 48.8 / 99.7 / 59.9 / 168.3 -> 47.0 / 96.4 /
+# 58.8 / 161.6 us (gluon_experiment.py --whole-only [--four-boxes])
+CODE_BOX3 = True
 STAGE = 256  # K elements a stage (four units; the scales' TMA box is 16 bytes wide)
 # TMA destinations, unswizzled: a [64, 32] code box is 64 rows of 32 bytes
 CODE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)

@@ -181,21 +181,23 @@ class TritonOptions:
         261.0, 463.5 / 464.2); Qwen3-30B-A3B 30.6 -> 29.2 at 1 token, ties at 16 and 64;
         Mixtral-8x7B 108.1 -> 101.9 at 1, 355.5 -> 347.2 at 16, 536.4 -> 534.3 at 64.
         False: the (tiles, blocks, segments) grid.
-    gluon_upto: the routes an expert (all routes over the local experts, as ``split_for``
-        counts them) up to which a call whose GEMMs can take the Gluon kernels
-        (``gluon_decode``) runs them, with split K and 8-row tiles, even where loop 3
-        would not split (above 8). The same bits at any value. 8 (the default) is where
-        the Gluon kernels were measured on whole calls; above it only per GEMM (session 9:
-        at 64 tokens of DeepSeek-V3 EP8, 16 routes an expert, the Gluon FC1 and FC2 took
-        138.5 and 79.4 us with 8-row tiles against loop 3's split 185.9 and 97.7, but the
-        call with 16-row tiles did not gain): to measure, ``gluon_experiment.py
-        --whole-only --gluon-upto 16 32``.
+    gluon_upto: the expected valid rows an expert (``valid_rows``: all routes times
+        ``valid_fraction`` over the local experts) up to which a call whose GEMMs can take
+        the Gluon kernels (``gluon_decode``) runs them, with split K and 8-row tiles. The
+        same bits at any value. 4 since session 10 (``gluon_experiment.py --whole-only
+        --gluon-upto 1000 --preset P``, W4A16 whole calls, loop 3 -> Gluon): wins at 1 to 4
+        valid rows (DeepSeek-V3 EP8 64 tokens 274.6 -> 221.6 us, 128 tokens 353.1 ->
+        341.1; Mixtral-8x7B 16 tokens 350.8 -> 283.3; Kimi-K2 EP8 128 tokens 448.5 ->
+        404.4), losses from 5.3 (Kimi-K2 256 tokens 547.3 -> 623.8; DeepSeek-V3 256
+        tokens 467.0 -> 581.7; Mixtral 32 tokens 354.0 -> 416.2, where session 9's rule
+        of 8 routes an expert had put it).
     quantize_decoded: W4A4 GEMMs on the Gluon kernels take their decoded operand rows
         from the quantize kernels, which write them next to the codes
         (``quantize_rows(decoded=...)``), instead of a ``dense_rows`` launch a GEMM. The
         same values (interpreter: ``test_quantize_writes_decoded_rows``), so the same
-        bits. Off: built in session 9 after the GPU time ran out, not measured.
-        Prediction: 2 to 3 us off W4A4 at 1 to 32 tokens (two launches fewer).
+        bits. On since session 10: DeepSeek-V3 EP8, 1 / 16 / 32 tokens, per-token
+        59.1 / 68.7 / 179.3 -> 55.7 / 65.0 / 175.6 us, per-tensor 61.9 / 72.4 / 182.3 ->
+        59.3 / 68.8 / 179.2 (bitwise the same; ``sweep_decode.py --variants c3 c3-qdec``).
     """
 
     pdl: bool | None = None
@@ -214,8 +216,8 @@ class TritonOptions:
     ordered_x: bool = False
     ordered_in_sort: bool = True
     blocks_last: bool = True
-    gluon_upto: float = 8.0
-    quantize_decoded: bool = False
+    gluon_upto: float = 4.0
+    quantize_decoded: bool = True
 
     def split_for(self, n_routes: int, num_experts: int) -> bool:
         """Whether loop 3 splits K for a call of ``n_routes`` routes over the experts."""
@@ -228,11 +230,11 @@ class TritonOptions:
 
     def gluon_split(self, n_routes: int, num_experts: int) -> bool:
         """Whether a call of ``n_routes`` routes may run its GEMMs as the Gluon kernels
-        with split K (``gluon_decode``, at most ``gluon_upto`` routes an expert; never with
+        with split K (``gluon_decode``, at most ``gluon_upto`` expected valid rows an expert; never with
         ``split_k=False``). The GEMMs must also be able to (``gluon_applies``)."""
         if not self.gluon_decode or self.split_k is False or num_experts <= 0:
             return False
-        return n_routes / num_experts <= self.gluon_upto
+        return self.valid_rows(n_routes, num_experts) <= self.gluon_upto
 
     def ordered_for(
         self, mode: str, n_routes: int, num_experts: int, hidden: int, inter: int,
