@@ -230,8 +230,9 @@ class TritonOptions:
 
     def gluon_split(self, n_routes: int, num_experts: int) -> bool:
         """Whether a call of ``n_routes`` routes may run its GEMMs as the Gluon kernels
-        with split K (``gluon_decode``, at most ``gluon_upto`` expected valid rows an expert; never with
-        ``split_k=False``). The GEMMs must also be able to (``gluon_applies``)."""
+        with split K (``gluon_decode``, at most ``gluon_upto`` expected valid rows an
+        expert; never with ``split_k=False``). The GEMMs must also be able to
+        (``gluon_applies``)."""
         if not self.gluon_decode or self.split_k is False or num_experts <= 0:
             return False
         return self.valid_rows(n_routes, num_experts) <= self.gluon_upto
@@ -384,8 +385,8 @@ def quantize_rows(
                 f"decoded: expected [{rows}, {c}] {decoded_rows_dtype()} with {c} a multiple "
                 f"of 64, got {list(decoded.shape)} {decoded.dtype}"
             )
-        dec = dict(dec_ptr=decoded, DEC=True,
-                   DEC_DTYPE=tl.float32 if interpreting() else tl.bfloat16)  # fmt: skip
+        dec_dtype = tl.float32 if decoded.dtype == torch.float32 else tl.bfloat16
+        dec = dict(dec_ptr=decoded, DEC=True, DEC_DTYPE=dec_dtype)
     dev = src.device
     codes = _empty((rows, c // 2), torch.uint8, dev, poison)
     scales = _empty((rows, c // 16), torch.float8_e4m3fn, dev, poison)
@@ -1076,7 +1077,11 @@ def workspace_bytes(
             tmp2 += -(-i // SEGMENT) * n * h * 4
         if w4a4:  # the Gluon GEMMs' decoded activation rows (bf16)
             if opt.gluon_runs(s1, h, True, cfgs[0]):
-                tmp1 += (n if act_scale == "static" else t) * h * 2
+                rows1 = (n if act_scale == "static" else t) * h * 2
+                if opt.quantize_decoded:  # written by the quantize kernel, held by
+                    common += rows1  # moe_triton for the whole call
+                else:  # dense_rows inside FC1's launch, freed after it
+                    tmp1 += rows1
             if opt.gluon_runs(s2, i, True, cfgs[1]):
                 tmp2 += n * i * 2
     fc1 = common + act + tmp1
