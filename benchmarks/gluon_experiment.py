@@ -9,7 +9,9 @@ split GEMM against the Gluon kernel (its last unit of a tile runs the epilogue),
 compared and timed with CUDA events over CUDA-graph replays; then the whole call both
 ways (``TritonOptions.gluon_decode``). ``--buffers``: the kernel's ring
 (``gluon_ws.BUFFERS``), ``--wgmma``, ``--four-boxes`` (``gluon_ws.CODE_BOX3`` off),
-``--gluon-upto``, ``--split-k`` and ``--whole-only`` as their help says.
+``--stage-k`` (the ring's stage, ``gluon_ws.STAGE_K``; every pair of ``--buffers`` and
+``--stage-k`` is timed against one loop 3 time a token count), ``--gluon-upto``,
+``--split-k`` and ``--whole-only`` as their help says.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def main() -> None:
                    help="the Gluon main loop (gluon_ws.ASYNC_WGMMA)")  # fmt: skip
     p.add_argument("--buffers", type=int, nargs="+", default=[1],
                    help="gluon_ws.BUFFERS, each timed (1, 2 or 4)")  # fmt: skip
+    p.add_argument("--stage-k", type=int, nargs="+", default=[gluon_ws.STAGE_K],
+                   help="gluon_ws.STAGE_K, each timed (64, 128 or 256)")  # fmt: skip
     p.add_argument("--split-k", action="store_true",
                    help="whole calls with TritonOptions.split_k=True (64 tokens, up)")  # fmt: skip
     p.add_argument("--whole-only", action="store_true", help="time the whole calls only")
@@ -81,8 +85,10 @@ def main() -> None:
     ex = fp4moe.prepare_experts(w13, w2)
     del w13, w2
     rows = []
-    for nb, t in itertools.product(a.buffers, a.tokens):
-        gluon_ws.BUFFERS = nb
+    variants = list(itertools.product(a.buffers, a.stage_k))
+    for t in a.tokens:
+        gluon_ws.BUFFERS, gluon_ws.STAGE_K = variants[0]
+        nb = gluon_ws.BUFFERS
         ids, wts = make_routes(pr, t, t, dev)
         nr = ids.numel()
         x = torch.randn(t, h, device=dev).to(torch.bfloat16)
@@ -111,14 +117,16 @@ def main() -> None:
                     us[g] = timed(call)
                 nv = int(sort.expert_offsets[-1])
                 same = bool(torch.equal(outs[False][:nv], outs[True][:nv]))
-                row = dict(tokens=t, buffers=nb, gemm=name, block_m=bm, valid_rows=nv, same=same,
-                           loop3_split_us=us[False], gluon_us=us[True])  # fmt: skip
+                row = dict(tokens=t, buffers=nb, stage_k=gluon_ws.STAGE_K, gemm=name,
+                           block_m=bm, valid_rows=nv, same=same, loop3_split_us=us[False],
+                           gluon_us=us[True])  # fmt: skip
                 rows.append(row)
                 print(f"B{nb} T={t:5d} {name} bm {bm:2d} rows {nv:4d} same {same}  loop3 split "
                       f"{us[False]:7.1f} us  gluon+sum {us[True]:7.1f} us", flush=True)  # fmt: skip
-        # 2. The whole call (W4A16, deterministic finalize, PDL, CUDA graph).
-        res = {}
-        for g in (False, True):
+
+        # 2. The whole call (W4A16, deterministic finalize, PDL, CUDA graph): loop 3 once,
+        # then each (buffers, stage_k) of the Gluon kernels.
+        def whole_call(g):
             opt = TritonOptions(valid_fraction=pr.local_experts / pr.experts, gluon_decode=g,
                                 split_k=True if a.split_k else None,
                                 gluon_upto=a.gluon_upto)  # fmt: skip
@@ -129,12 +137,17 @@ def main() -> None:
 
             y = whole()
             torch.cuda.synchronize()
-            res[g] = (y.clone(), timed(whole))
-        same = bool(torch.equal(res[False][0], res[True][0]))
-        rows.append(dict(tokens=t, buffers=nb, gemm="call", same=same, loop3_us=res[False][1],
-                         gluon_us=res[True][1]))  # fmt: skip
-        print(f"B{nb} T={t:5d} whole call same {same}  loop 3 {res[False][1]:7.1f} us  with gluon "
-              f"{res[True][1]:7.1f} us", flush=True)  # fmt: skip
+            return y.clone(), timed(whole)
+
+        y3, us3 = whole_call(False)
+        for nb, sk in variants:
+            gluon_ws.BUFFERS, gluon_ws.STAGE_K = nb, sk
+            yg, usg = whole_call(True)
+            same = bool(torch.equal(y3, yg))
+            rows.append(dict(tokens=t, buffers=nb, stage_k=sk, gemm="call", same=same,
+                             loop3_us=us3, gluon_us=usg))  # fmt: skip
+            print(f"B{nb} SK{sk} T={t:5d} whole call same {same}  loop 3 {us3:7.1f} us  with "
+                  f"gluon {usg:7.1f} us", flush=True)  # fmt: skip
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -21,12 +21,13 @@
 #   bash benchmarks/gpu_session.sh upto       # Gluon GEMMs against loop 3 by rows an expert
 #   bash benchmarks/gpu_session.sh box3       # gluon_ws.CODE_BOX3 (default) against four boxes
 #   bash benchmarks/gpu_session.sh qdec       # TritonOptions.quantize_decoded: bits and time
+#   bash benchmarks/gpu_session.sh stagek     # Gluon ring stages below 256 K: bits and time
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -215,6 +216,23 @@ qdec)
     step qdec 150 python3 benchmarks/sweep_decode.py --tokens 1 16 32 \
         --modes w4a4-token w4a4-tensor --variants c3 c3-noqdec c3-nogluon --iters 12 \
         --out "$out/qdec.json"
+    ;;
+stagek)
+    # The phase test left from session 10's review, then the Gluon GEMMs' ring stage
+    # (gluon_ws.STAGE_K) and depth (BUFFERS): whole W4A16 calls, bits against loop 3
+    step phases 100 python3 -m pytest -m gpu --device cuda -q tests/test_phases.py
+    step stagek 300 python3 benchmarks/gluon_experiment.py --whole-only \
+        --tokens 1 8 16 32 64 128 --buffers 1 2 4 --stage-k 256 128 64 \
+        --out "$out/stagek-deepseek.json"
+    step stagek_mixtral 80 python3 benchmarks/gluon_experiment.py --whole-only \
+        --preset mixtral-8x7b --tokens 1 16 --buffers 1 2 --stage-k 256 64 \
+        --out "$out/stagek-mixtral.json"
+    m='regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,gpu__time_duration.sum'
+    m="$m,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread"
+    m="$m,sm__warps_active.avg.pct_of_peak_sustained_active"
+    m="$m,smsp__issue_active.avg.pct_of_peak_sustained_active,launch__occupancy_limit_shared_mem"
+    step ncu_16 80 ncu --clock-control none -k regex:tma_split_kernel -c 2 --metrics "$m" \
+        python3 benchmarks/profile_call.py --tokens 16 --mode w4a16
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

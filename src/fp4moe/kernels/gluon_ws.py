@@ -49,43 +49,63 @@ ASYNC_WGMMA = True
 # EP8, two rounds each) 1 / 8 / 16 / 32 tokens 48.8 / 99.7 / 59.9 / 168.3 -> 47.0 / 96.4 /
 # 58.8 / 161.6 us (gluon_experiment.py --whole-only [--four-boxes])
 CODE_BOX3 = True
-STAGE = 256  # K elements a stage (four units; the scales' TMA box is 16 bytes wide)
+# K elements a stage of the code ring (64, 128 or 256: one, two or four units). The scales
+# come in groups of 256 K (their TMA box is 16 bytes wide), loaded with the first stage of
+# each group into a ring of their own (``scale_slots``), so stages below 256 K let the
+# next stage's copies fly while this one is decoded at the shared memory of one 256 K stage.
+STAGE_K = 256
+STAGE = 256  # K elements a scale group; a segment is a multiple of it
 # TMA destinations, unswizzled: a [64, 32] code box is 64 rows of 32 bytes
 CODE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
 SCALE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
 CODE_SMEM3 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
 
 
+def scale_slots(buffers: int, stage_k: int) -> int:
+    """Scale-group buffers a ring of ``buffers`` code stages of ``stage_k`` needs: every
+    group any ``buffers`` consecutive stages touch (groups of 256 K, ``256 // stage_k``
+    stages each), so a group's buffer is refilled only after all its stages are read."""
+    r = 256 // stage_k
+    return (buffers + r - 2) // r + 1
+
+
 @gluon.jit
 def _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row, k0, st: gl.constexpr, w: gl.constexpr,
-                 NB: gl.constexpr, BOX3: gl.constexpr):  # fmt: skip
-    """TMA copies of stage ``st`` (four code boxes or one 3-D box, one scale box) of
-    weight ``w`` (0 gate, 1 up) into ring buffer ``st % NB``, completing on ``bar``.
-    ``cdst``: [buffers * 4, 64, 32], or with BOX3 the same bytes as [buffers, 4, 64, 32]."""
+                 NB: gl.constexpr, BOX3: gl.constexpr, UPS: gl.constexpr = 4,
+                 NBS: gl.constexpr = 1):  # fmt: skip
+    """TMA copies of stage ``st`` (``UPS`` units: that many code boxes, or one 3-D box)
+    of weight ``w`` (0 gate, 1 up) into ring buffer ``st % NB``, completing on ``bar``,
+    and when the stage starts a scale group of 256 K (``4 // UPS`` stages), the group's
+    scale box into scale buffer ``group % NBS``. ``cdst``: [2 * NB * UPS, 64, 32], or with
+    BOX3 the same bytes as [2 * NB, UPS, 64, 32]; ``sbuf``: [2 * NBS, 64, 16]."""
     b: gl.constexpr = st % NB
+    SK: gl.constexpr = UPS * UNIT
     if BOX3:
-        tma.async_copy_global_to_shared(c_desc, [(k0 + st * 256) // UNIT, row, 0], bar,
+        tma.async_copy_global_to_shared(c_desc, [(k0 + st * SK) // UNIT, row, 0], bar,
                                         cdst.index(w * NB + b))  # fmt: skip
     else:
-        for j in gl.static_range(4):
-            kk = k0 + st * 256 + j * UNIT
+        for j in gl.static_range(UPS):
+            kk = k0 + st * SK + j * UNIT
             tma.async_copy_global_to_shared(c_desc, [row, kk // 2], bar,
-                                            cdst.index((w * NB + b) * 4 + j))  # fmt: skip
-    tma.async_copy_global_to_shared(s_desc, [row, (k0 + st * 256) // 16], bar,
-                                    sbuf.index(w * NB + b))  # fmt: skip
+                                            cdst.index((w * NB + b) * UPS + j))  # fmt: skip
+    R: gl.constexpr = 4 // UPS
+    if st % R == 0:
+        g: gl.constexpr = st // R
+        tma.async_copy_global_to_shared(s_desc, [row, (k0 + g * 256) // 16], bar,
+                                        sbuf.index(w * NBS + g % NBS))  # fmt: skip
 
 
 @gluon.jit
-def _smem_unit(cbuf, sbuf, st: gl.constexpr, j: gl.constexpr, w: gl.constexpr,
-               NB: gl.constexpr):  # fmt: skip
-    """Unit ``j`` of stage ``st`` (ring buffer ``st % NB``) of weight ``w`` from shared
-    memory: codes [64, 4, 8] in ``_L3`` and e4m3 scales [64, 4] in its slice, as
-    the kernel's decode takes."""
-    b: gl.constexpr = st % NB
-    codes = cbuf.index((w * NB + b) * 4 + j).load(_CL)
+def _smem_unit(cbuf, sbuf, kb: gl.constexpr, w: gl.constexpr, NB: gl.constexpr,
+               UPS: gl.constexpr = 4, NBS: gl.constexpr = 1):  # fmt: skip
+    """Unit ``kb`` of the segment of weight ``w`` from shared memory (its stage's ring
+    buffer, its scale group's buffer): codes [64, 4, 8] in ``_L3`` and e4m3 scales [64, 4]
+    in its slice, as the kernel's decode takes."""
+    b: gl.constexpr = (kb // UPS) % NB
+    codes = cbuf.index((w * NB + b) * UPS + kb % UPS).load(_CL)
     codes = gl.convert_layout(gl.reshape(codes, [64, 4, 8]), _L3, assert_trivial=True)
     SL: gl.constexpr = gl.SliceLayout(2, _L3)
-    sc = sbuf.index(w * NB + b).slice(4 * j, 4, dim=1).load(SL)
+    sc = sbuf.index(w * NBS + (kb // 4) % NBS).slice(4 * (kb % 4), 4, dim=1).load(SL)
     return codes, sc.to(gl.float8e4nv, bitcast=True)
 
 
@@ -181,14 +201,15 @@ def tma_split_kernel(
     SEG: gl.constexpr,  # K elements a segment (1024)
     ASYNC: gl.constexpr = False,  # asynchronous wgmma
     BLOCKS_LAST: gl.constexpr = True,  # grid (tiles, segments, blocks)
-    NBUF: gl.constexpr = 4,  # stages in shared memory (a ring when fewer than SEG / 256)
+    NBUF: gl.constexpr = 4,  # stages in shared memory (a ring when fewer than SEG / SK)
     EPILOGUE: gl.constexpr = False,  # the tile's last unit sums the partials, W4A16 output
     FUSED: gl.constexpr = False,  # EPILOGUE: router weight times y added into out (atomic)
     OUT_SCALE: gl.constexpr = 1.0,  # EPILOGUE: undoes the decodes' powers of two
     A_UNIT_ORDER: gl.constexpr = False,  # x's rows already in the unit order (W4A4's
     # decoded rows, ``dequant.dense_rows(order=64)``)
     A_FP4: gl.constexpr = False,  # EPILOGUE: times the activation global (W4A4)
-    BOX3: gl.constexpr = False,  # c_desc: [K/64, rows, 32] with [4, 64, 32] boxes
+    BOX3: gl.constexpr = False,  # c_desc: [K/64, rows, 32] with [SK / 64, 64, 32] boxes
+    SK: gl.constexpr = 256,  # K elements a ring stage (64, 128 or 256)
 ):
     pid_n = gl.program_id(0)
     if BLOCKS_LAST:
@@ -202,8 +223,11 @@ def tma_split_kernel(
         start = gl.load(block_start_ptr + pid_m)
         end = gl.load(block_end_ptr + pid_m)
         NU: gl.constexpr = SEG // UNIT
-        NS: gl.constexpr = SEG // 256
+        UPS: gl.constexpr = SK // UNIT  # units a stage
+        NS: gl.constexpr = SEG // SK  # stages a segment
+        R: gl.constexpr = 4 // UPS  # stages a scale group (256 K)
         NB: gl.constexpr = min(NBUF, NS)  # ring buffers (NS: the whole segment up front)
+        NBS: gl.constexpr = (NB + R - 2) // R + 1  # scale-group buffers (scale_slots)
         if GATED:
             NW: gl.constexpr = 2
             w_rows = 2 * N
@@ -212,24 +236,29 @@ def tma_split_kernel(
             w_rows = N
         k0 = s_id * SEG
 
-        # ---- every TMA copy of the segment, first (one elected thread issues them)
-        cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB * 4, 64, 32], CODE_SMEM)
-        if BOX3:  # the same bytes (unswizzled) as [stage buffers, 4, 64, 32] for the copies
-            cdst = cbuf._reinterpret(gl.uint8, [NW * NB, 4, 64, 32], CODE_SMEM3)
+        # ---- the ring's first stages, first (one elected thread issues the copies)
+        cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB * UPS, 64, 32], CODE_SMEM)
+        if BOX3:  # the same bytes (unswizzled) as [stage buffers, UPS, 64, 32] for the copies
+            cdst = cbuf._reinterpret(gl.uint8, [NW * NB, UPS, 64, 32], CODE_SMEM3)
         else:
             cdst = cbuf
-        sbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB, 64, 16], SCALE_SMEM)
+        sbuf = gl.allocate_shared_memory(gl.uint8, [NW * NBS, 64, 16], SCALE_SMEM)
         bars = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(NB):
             mbarrier.init(bars.index(b), count=1)
         row = e * w_rows + pid_n * 64
-        STAGE_BYTES: gl.constexpr = NW * (4 * 64 * 32 + 64 * 16)
+        CODE_BYTES: gl.constexpr = NW * UPS * 64 * 32
+        SCALE_BYTES: gl.constexpr = NW * 64 * 16
         for st in gl.static_range(NB):
             bar = bars.index(st)
-            mbarrier.expect(bar, STAGE_BYTES)
-            _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row, k0, st, 0, NB, BOX3)
+            if st % R == 0:
+                mbarrier.expect(bar, CODE_BYTES + SCALE_BYTES)
+            else:
+                mbarrier.expect(bar, CODE_BYTES)
+            _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row, k0, st, 0, NB, BOX3, UPS, NBS)
             if GATED:
-                _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row + N, k0, st, 1, NB, BOX3)
+                _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row + N, k0, st, 1, NB, BOX3,
+                             UPS, NBS)  # fmt: skip
 
         # ---- activations of the segment, in unit order, into shared memory [NU * BM, 64]
         xs = _stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K, TOPK, A_GATHER, BM, SEG,
@@ -243,10 +272,10 @@ def tma_split_kernel(
         acc_g = gl.zeros([64, BM], gl.float32, layout=MMA)
         acc_u = gl.zeros([64, BM], gl.float32, layout=MMA)
         for kb in gl.static_range(NU):
-            if kb % 4 == 0:
-                mbarrier.wait(bars.index((kb // 4) % NB), (kb // 4 // NB) % 2)
+            if kb % UPS == 0:
+                mbarrier.wait(bars.index((kb // UPS) % NB), (kb // UPS // NB) % 2)
             xb = xs.slice(kb * BM, BM).permute((1, 0))
-            gc, gs = _smem_unit(cbuf, sbuf, kb // 4, kb % 4, 0, NB)
+            gc, gs = _smem_unit(cbuf, sbuf, kb, 0, NB, UPS, NBS)
             wg = _decode_unit(gc, gs, A_L)
             if ASYNC:
                 if kb > 0:
@@ -260,26 +289,29 @@ def tma_split_kernel(
                 acc_g = warpgroup_mma(wg, xb, acc_g, is_async=True)
                 pg = wg  # noqa: F841 (read by the next unrolled unit)
                 if GATED:
-                    uc, us = _smem_unit(cbuf, sbuf, kb // 4, kb % 4, 1, NB)
+                    uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS)
                     wu = _decode_unit(uc, us, A_L)
                     acc_u = warpgroup_mma(wu, xb, acc_u, is_async=True)
                     pu = wu  # noqa: F841
             else:
                 acc_g = warpgroup_mma(wg, xb, acc_g)
                 if GATED:
-                    uc, us = _smem_unit(cbuf, sbuf, kb // 4, kb % 4, 1, NB)
+                    uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS)
                     acc_u = warpgroup_mma(_decode_unit(uc, us, A_L), xb, acc_u)
             # the stage's buffer is read: refill it with stage + NB (ring only)
-            if kb % 4 == 3 and kb // 4 + NB < NS:
+            if kb % UPS == UPS - 1 and kb // UPS + NB < NS:
                 gl.thread_barrier()  # every warp's shared loads of the buffer done
                 fence_async_shared()  # ordered before the TMA writes (async proxy)
-                bar = bars.index((kb // 4) % NB)
-                mbarrier.expect(bar, STAGE_BYTES)
-                _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row, k0, kb // 4 + NB, 0, NB,
-                             BOX3)  # fmt: skip
+                bar = bars.index((kb // UPS) % NB)
+                if (kb // UPS + NB) % R == 0:
+                    mbarrier.expect(bar, CODE_BYTES + SCALE_BYTES)
+                else:
+                    mbarrier.expect(bar, CODE_BYTES)
+                _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row, k0, kb // UPS + NB, 0, NB,
+                             BOX3, UPS, NBS)  # fmt: skip
                 if GATED:
-                    _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row + N, k0,
-                                 kb // 4 + NB, 1, NB, BOX3)  # fmt: skip
+                    _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row + N, k0, kb // UPS + NB, 1,
+                                 NB, BOX3, UPS, NBS)  # fmt: skip
         if ASYNC:
             if GATED:
                 acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
@@ -299,18 +331,20 @@ def tma_split_kernel(
             )  # fmt: skip
 
 
-def descriptors(codes: torch.Tensor, scales: torch.Tensor, box3: bool = False):
+def descriptors(codes: torch.Tensor, scales: torch.Tensor, box3: bool = False,
+                stage_k: int = 256):  # fmt: skip
     """TMA descriptors of one GEMM's weights: codes uint8 [E, W_ROWS, K/2] as [E * W_ROWS,
     K/2] with [64, 32] boxes (``box3``: as [K/64, E * W_ROWS, 32], strides 32 and K/2
-    bytes, with [4, 64, 32] boxes), scales e4m3 [E, W_ROWS, K/16] (as bytes) with [64, 16]
-    boxes."""
+    bytes, with [stage_k / 64, 64, 32] boxes), scales e4m3 [E, W_ROWS, K/16] (as bytes)
+    with [64, 16] boxes."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     c2 = codes.reshape(-1, codes.shape[-1])
     s2 = scales.view(torch.uint8).reshape(-1, scales.shape[-1])
     if box3:
         rows, kh = c2.shape
-        cd = TensorDescriptor(c2, [kh // 32, rows, 32], [32, kh, 1], [4, 64, 32], CODE_SMEM3)
+        cd = TensorDescriptor(c2, [kh // 32, rows, 32], [32, kh, 1], [stage_k // 64, 64, 32],
+                              CODE_SMEM3)  # fmt: skip
     else:
         cd = TensorDescriptor.from_tensor(c2, [64, 32], CODE_SMEM)
     return cd, TensorDescriptor.from_tensor(s2, [64, 16], SCALE_SMEM)
@@ -324,6 +358,7 @@ def split_partials_tma(
     counters: torch.Tensor | None = None, w_global: torch.Tensor | None = None,
     topk_w: torch.Tensor | None = None, fused: bool = False, out_scale: float = 1.0,
     a_unit_order: bool = False, a_global: torch.Tensor | None = None,
+    stage_k: int | None = None,
 ) -> None:  # fmt: skip
     """Launch ``tma_split_kernel``: fp32 ``part`` [K / seg, ws_rows, (2 if gated) * n]
     receives loop 3's segment partials P_s of every valid row. ``x``: bf16 [., K], the
@@ -340,10 +375,14 @@ def split_partials_tma(
     decode's power of two (``gemm`` OUT_SCALE). ``a_unit_order``: ``x``'s rows are
     already in the unit order (W4A4's rows decoded by ``dense_rows(order=64)``);
     ``a_global``: fp32 per row of ``x``, the activation globals the epilogue multiplies by
-    (W4A4)."""
+    (W4A4). ``stage_k``: K elements a ring stage, 64, 128 or 256 (``STAGE_K``)."""
     k = x.shape[1]
     if asynchronous is None:
         asynchronous = ASYNC_WGMMA
+    if stage_k is None:
+        stage_k = STAGE_K
+    if stage_k not in (64, 128, 256):
+        raise ValueError(f"split_partials_tma: stage_k must be 64, 128 or 256, got {stage_k}")
     if k % seg or seg % STAGE or block_m not in (8, 16):
         raise ValueError(f"split_partials_tma: needs K % {seg} == 0, seg % 256 == 0 and "
                          "block_m 8 or 16")  # fmt: skip
@@ -353,7 +392,7 @@ def split_partials_tma(
                      or (fused and topk_w is None)):  # fmt: skip
         raise ValueError("split_partials_tma: out needs counters (cdiv(n, 64) * blocks "
                          "int32 zeros), w_global, and topk_w when fused")  # fmt: skip
-    c_desc, s_desc = descriptors(codes, scales, CODE_BOX3)
+    c_desc, s_desc = descriptors(codes, scales, CODE_BOX3, stage_k)
     grid = (tiles, segs, blocks) if blocks_last else (tiles, blocks, segs)
     dummy = part
     tma_split_kernel[grid](
@@ -365,7 +404,7 @@ def split_partials_tma(
         SEG=seg, ASYNC=asynchronous, BLOCKS_LAST=blocks_last,
         NBUF=BUFFERS if buffers is None else buffers, EPILOGUE=epilogue,
         FUSED=fused and epilogue, OUT_SCALE=out_scale, A_UNIT_ORDER=a_unit_order,
-        A_FP4=a_global is not None and epilogue, BOX3=CODE_BOX3, num_warps=4,
+        A_FP4=a_global is not None and epilogue, BOX3=CODE_BOX3, SK=stage_k, num_warps=4,
     )  # fmt: skip
 
 
@@ -381,6 +420,7 @@ def compile_sm90(
     fused: bool = False,
     a_fp4: bool = False,
     box3: bool = False,
+    stage_k: int = 256,
 ):
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
     layout conversions are asserted trivial at compile time. Returns the compiled kernel."""
@@ -391,7 +431,7 @@ def compile_sm90(
         "out_ptr": "*fp32" if fused else "*bf16", "a_global_ptr": "*fp32",
     }  # fmt: skip
     descs = {
-        "c_desc": f"tensordesc<u8[4, 64, 32],{CODE_SMEM3!r}>"
+        "c_desc": f"tensordesc<u8[{stage_k // 64}, 64, 32],{CODE_SMEM3!r}>"
         if box3
         else f"tensordesc<u8[64, 32],{CODE_SMEM!r}>",
         "s_desc": f"tensordesc<u8[64, 16],{SCALE_SMEM!r}>",
@@ -399,6 +439,6 @@ def compile_sm90(
     const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated, BM=block_m, SEG=1024,
                  ASYNC=asynchronous, BLOCKS_LAST=True, NBUF=buffers, EPILOGUE=epilogue,
                  FUSED=fused, OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_UNIT_ORDER=a_fp4,
-                 A_FP4=a_fp4, BOX3=box3)  # fmt: skip
+                 A_FP4=a_fp4, BOX3=box3, SK=stage_k)  # fmt: skip
     return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows",), gluon=True,
                                descs=descs, num_warps=4)  # fmt: skip
