@@ -66,6 +66,10 @@ def main() -> None:
                    help="gluon_ws.BUFFERS, each timed (1, 2 or 4)")  # fmt: skip
     p.add_argument("--stage-k", type=int, nargs="+", default=[gluon_ws.STAGE_K],
                    help="gluon_ws.STAGE_K, each timed (64, 128 or 256)")  # fmt: skip
+    p.add_argument("--pdl", nargs="+", default=["early"], choices=("off", "on", "early"),
+                   help="the Gluon kernels' PDL, each timed: plain launches (gluon_ws.PDL "
+                   "off), PDL (EARLY_WEIGHTS off), PDL with FC2's first weight copies "
+                   "before its wait (the default)")  # fmt: skip
     p.add_argument("--split-k", action="store_true",
                    help="whole calls with TritonOptions.split_k=True (64 tokens, up)")  # fmt: skip
     p.add_argument("--whole-only", action="store_true", help="time the whole calls only")
@@ -85,9 +89,9 @@ def main() -> None:
     ex = fp4moe.prepare_experts(w13, w2)
     del w13, w2
     rows = []
-    variants = list(itertools.product(a.buffers, a.stage_k))
+    variants = list(itertools.product(a.buffers, a.stage_k, a.pdl))
     for t in a.tokens:
-        gluon_ws.BUFFERS, gluon_ws.STAGE_K = variants[0]
+        gluon_ws.BUFFERS, gluon_ws.STAGE_K = variants[0][:2]
         nb = gluon_ws.BUFFERS
         ids, wts = make_routes(pr, t, t, dev)
         nr = ids.numel()
@@ -140,14 +144,15 @@ def main() -> None:
             return y.clone(), timed(whole)
 
         y3, us3 = whole_call(False)
-        for nb, sk in variants:
+        for nb, sk, pdl in variants:
             gluon_ws.BUFFERS, gluon_ws.STAGE_K = nb, sk
+            gluon_ws.PDL, gluon_ws.EARLY_WEIGHTS = pdl != "off", pdl == "early"
             yg, usg = whole_call(True)
             same = bool(torch.equal(y3, yg))
-            rows.append(dict(tokens=t, buffers=nb, stage_k=sk, gemm="call", same=same,
+            rows.append(dict(tokens=t, buffers=nb, stage_k=sk, pdl=pdl, gemm="call", same=same,
                              loop3_us=us3, gluon_us=usg))  # fmt: skip
-            print(f"B{nb} SK{sk} T={t:5d} whole call same {same}  loop 3 {us3:7.1f} us  with "
-                  f"gluon {usg:7.1f} us", flush=True)  # fmt: skip
+            print(f"B{nb} SK{sk} PDL-{pdl} T={t:5d} whole call same {same}  loop 3 {us3:7.1f} "
+                  f"us  with gluon {usg:7.1f} us", flush=True)  # fmt: skip
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -22,12 +22,13 @@
 #   bash benchmarks/gpu_session.sh box3       # gluon_ws.CODE_BOX3 (default) against four boxes
 #   bash benchmarks/gpu_session.sh qdec       # TritonOptions.quantize_decoded: bits and time
 #   bash benchmarks/gpu_session.sh stagek     # Gluon ring stages below 256 K: bits and time
+#   bash benchmarks/gpu_session.sh pdl        # the Gluon kernels in the PDL chain: time, tests
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -233,6 +234,20 @@ stagek)
     m="$m,smsp__issue_active.avg.pct_of_peak_sustained_active,launch__occupancy_limit_shared_mem"
     step ncu_16 80 ncu --clock-control none -k regex:tma_split_kernel -c 2 --metrics "$m" \
         python3 benchmarks/profile_call.py --tokens 16 --mode w4a16
+    ;;
+pdl)
+    # The Gluon kernels launched with PDL (FC2's first weight copies before its wait)
+    # against plain launches: whole calls, then the GPU tests the change touches
+    step pdl 150 python3 benchmarks/gluon_experiment.py --whole-only \
+        --tokens 1 8 16 32 64 128 --pdl off on early --out "$out/pdl-deepseek.json"
+    step pdl_mixtral 50 python3 benchmarks/gluon_experiment.py --whole-only \
+        --preset mixtral-8x7b --tokens 1 16 --pdl off early --out "$out/pdl-mixtral.json"
+    step gluon_tests 200 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
+        -k "stage_k_and_pdl_gpu or (ring1 and async) or (w4a4 and quantize_decoded)"
+    step runner 90 python3 -m pytest -m gpu --device cuda -q tests/test_runner.py \
+        tests/test_kernels.py -k "runner or graph or invariance"
+    step bench 100 python3 -m fp4moe bench --num-tokens 1 16 32 --iters 10 --no-baseline \
+        --out "$out/bench"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

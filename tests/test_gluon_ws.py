@@ -54,6 +54,44 @@ def test_tma_split_kernel_compiles_for_sm90():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+def test_tma_stage_k_and_pdl_compile_for_sm90():
+    """Ring stages below 256 K (``stage_k``): one 3-D code box a stage and weight, the
+    scale box once a 256-K group (FC1, one segment of 1024 K: 16 / 8 stages x 2 weights
+    + 4 groups x 2), no spill, the scale ring of ``scale_slots``; with ``pdl`` one grid
+    wait and one release, FC1 waiting before any copy (its schedule comes from the kernel
+    just before) and FC2 with ``early_weights`` issuing copies before it."""
+    pytest.importorskip("triton")
+    code = (
+        "from fp4moe.kernels.gluon_ws import compile_sm90, scale_slots\n"
+        "assert [scale_slots(b, 64) for b in (1, 2, 3, 4, 5)] == [1, 2, 2, 2, 2]\n"
+        "assert [scale_slots(b, 128) for b in (1, 2, 3, 4)] == [1, 2, 2, 3]\n"
+        "assert [scale_slots(b, 256) for b in (1, 2, 4)] == [1, 2, 4]\n"
+        "for sk, nb, copies in ((64, 2, 40), (128, 2, 24), (128, 3, 24)):\n"
+        "    c = compile_sm90(n=2048, k=7168, gated=True, block_m=8, asynchronous=True,\n"
+        "                     buffers=nb, epilogue=True, box3=True, stage_k=sk)\n"
+        "    ptx = c.asm['ptx']\n"
+        "    assert ptx.count('cp.async.bulk.tensor') == copies, (sk, nb)\n"
+        "    assert '.local' not in ptx and 'wgmma.mma_async' in ptx, (sk, nb)\n"
+        "for n, k, g, early in ((2048, 7168, True, False), (7168, 2048, False, True)):\n"
+        "    c = compile_sm90(n=n, k=k, gated=g, block_m=8, asynchronous=True, buffers=1,\n"
+        "                     epilogue=True, box3=True, pdl=True, early_weights=early)\n"
+        "    ptx = c.asm['ptx']\n"
+        "    assert c.metadata.launch_pdl\n"
+        "    assert ptx.count('griddepcontrol.wait') == 1\n"
+        "    assert ptx.count('griddepcontrol.launch_dependents') == 1\n"
+        "    first = ptx.index('cp.async.bulk.tensor') < ptx.index('griddepcontrol.wait')\n"
+        "    assert first == early, (n, early)\n"
+        "c = compile_sm90(n=7168, k=2048, gated=False, block_m=8, buffers=1, epilogue=True)\n"
+        "assert 'griddepcontrol' not in c.asm['ptx'] and not c.metadata.launch_pdl\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=600)  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_split_partials_bad_arguments():
     """A segment that is no multiple of a stage, a bad tile height, and the epilogue
     without its counters or router weights are refused before anything is launched."""
@@ -71,6 +109,8 @@ def test_split_partials_bad_arguments():
         gluon_ws.split_partials_tma(*args, block_m=8, seg=512 + 128, **kw)
     with pytest.raises(ValueError, match="block_m"):
         gluon_ws.split_partials_tma(*args, block_m=32, **kw)
+    with pytest.raises(ValueError, match="stage_k"):
+        gluon_ws.split_partials_tma(*args, block_m=8, stage_k=96, **kw)
     out = torch.zeros(4, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="counters"):  # the epilogue needs its counters
         gluon_ws.split_partials_tma(*args, block_m=8, out=out, **kw)
@@ -117,6 +157,41 @@ def test_tma_split_gpu(monkeypatch, t, asynchronous, buffers):
             assert torch.equal(a, b)
         if t == "all-masked":
             assert not b.float().abs().any()  # zeros (NaN would fail this too)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16, "one-expert"])
+@pytest.mark.parametrize("variant", ["sk64-b2", "sk128-b2", "sk128-b3", "pdl-off", "pdl-late"])
+def test_tma_stage_k_and_pdl_gpu(monkeypatch, t, variant):
+    """Ring stages of 64 and 128 K (the scales in their own ring), and the Gluon kernels
+    launched without PDL or with PDL but FC2 copying only after its wait: loop 3's bits
+    for whole W4A16 and W4A4 per-token calls (deterministic finalize), every route on one
+    expert too."""
+    from fp4moe.kernels import gluon_ws
+    from test_kernels import _experts
+
+    if variant.startswith("sk"):
+        sk, nb = variant[2:].split("-b")
+        monkeypatch.setattr(gluon_ws, "STAGE_K", int(sk))
+        monkeypatch.setattr(gluon_ws, "BUFFERS", int(nb))
+    elif variant == "pdl-off":
+        monkeypatch.setattr(gluon_ws, "PDL", False)
+    else:
+        monkeypatch.setattr(gluon_ws, "EARLY_WEIGHTS", False)
+    e, h, i, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
+    experts = _experts(e, h, i, seed=0, device="cuda")
+    n = t if isinstance(t, int) else 16
+    x = _x(n, h, seed=17, device="cuda")
+    ids, w = _gpu_routes(n, k, e, e_total, seed=17)
+    if t == "one-expert":
+        ids = torch.full_like(ids, 3)
+        ids[:, 1:] = -1
+    for m, sc in MODES[:2]:
+        a = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                       options=TritonOptions(poison=True, gluon_decode=False))  # fmt: skip
+        b = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                       options=TritonOptions(poison=True))  # fmt: skip
+        assert torch.equal(a, b), (m, sc)
 
 
 @pytest.mark.gpu

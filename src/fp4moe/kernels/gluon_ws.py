@@ -55,6 +55,10 @@ CODE_BOX3 = True
 # next stage's copies fly while this one is decoded at the shared memory of one 256 K stage.
 STAGE_K = 256
 STAGE = 256  # K elements a scale group; a segment is a multiple of it
+# With PDL, FC2's programs (whose schedule the sort wrote two kernels back) issue their
+# first weight copies before they wait for FC1's rows: those bytes fly during FC1's tail
+EARLY_WEIGHTS = True
+PDL = True  # the Gluon kernels join the call's PDL chain (off: plain launches, as before)
 # TMA destinations, unswizzled: a [64, 32] code box is 64 rows of 32 bytes
 CODE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
 SCALE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
@@ -107,6 +111,17 @@ def _smem_unit(cbuf, sbuf, kb: gl.constexpr, w: gl.constexpr, NB: gl.constexpr,
     SL: gl.constexpr = gl.SliceLayout(2, _L3)
     sc = sbuf.index(w * NBS + (kb // 4) % NBS).slice(4 * (kb % 4), 4, dim=1).load(SL)
     return codes, sc.to(gl.float8e4nv, bitcast=True)
+
+
+@gluon.jit
+def _gdc_wait_release():
+    """Programmatic dependent launch: wait for the preceding kernel's writes, then let the
+    next kernel's programs start (``tl.extra.cuda.gdc_wait`` / ``gdc_launch_dependents``;
+    both are no-ops when the kernel was launched without PDL)."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
 
 
 @gluon.jit
@@ -210,6 +225,8 @@ def tma_split_kernel(
     A_FP4: gl.constexpr = False,  # EPILOGUE: times the activation global (W4A4)
     BOX3: gl.constexpr = False,  # c_desc: [K/64, rows, 32] with [SK / 64, 64, 32] boxes
     SK: gl.constexpr = 256,  # K elements a ring stage (64, 128 or 256)
+    USE_PDL: gl.constexpr = False,  # programmatic dependent launch (launch_pdl=True)
+    EARLY_W: gl.constexpr = False,  # USE_PDL: the first stages' copies before the wait
 ):
     pid_n = gl.program_id(0)
     if BLOCKS_LAST:
@@ -218,10 +235,14 @@ def tma_split_kernel(
     else:
         pid_m = gl.program_id(1)
         s_id = gl.program_id(2)
-    e = gl.load(block_expert_ptr + pid_m)
+    if USE_PDL and not EARLY_W:
+        _gdc_wait_release()
+    # EARLY_W: the schedule was written two kernels back (the kernel before this one waited
+    # for it before it released this one), so it is read before the wait, from L2
+    e = gl.load(block_expert_ptr + pid_m, cache_modifier=".cg")
     if e >= 0:
-        start = gl.load(block_start_ptr + pid_m)
-        end = gl.load(block_end_ptr + pid_m)
+        start = gl.load(block_start_ptr + pid_m, cache_modifier=".cg")
+        end = gl.load(block_end_ptr + pid_m, cache_modifier=".cg")
         NU: gl.constexpr = SEG // UNIT
         UPS: gl.constexpr = SK // UNIT  # units a stage
         NS: gl.constexpr = SEG // SK  # stages a segment
@@ -259,6 +280,9 @@ def tma_split_kernel(
             if GATED:
                 _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row + N, k0, st, 1, NB, BOX3,
                              UPS, NBS)  # fmt: skip
+
+        if USE_PDL and EARLY_W:  # the weights' first stages fly while the last kernel ends
+            _gdc_wait_release()
 
         # ---- activations of the segment, in unit order, into shared memory [NU * BM, 64]
         xs = _stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K, TOPK, A_GATHER, BM, SEG,
@@ -358,7 +382,7 @@ def split_partials_tma(
     counters: torch.Tensor | None = None, w_global: torch.Tensor | None = None,
     topk_w: torch.Tensor | None = None, fused: bool = False, out_scale: float = 1.0,
     a_unit_order: bool = False, a_global: torch.Tensor | None = None,
-    stage_k: int | None = None,
+    stage_k: int | None = None, pdl: bool = False, early_weights: bool = False,
 ) -> None:  # fmt: skip
     """Launch ``tma_split_kernel``: fp32 ``part`` [K / seg, ws_rows, (2 if gated) * n]
     receives loop 3's segment partials P_s of every valid row. ``x``: bf16 [., K], the
@@ -375,7 +399,12 @@ def split_partials_tma(
     decode's power of two (``gemm`` OUT_SCALE). ``a_unit_order``: ``x``'s rows are
     already in the unit order (W4A4's rows decoded by ``dense_rows(order=64)``);
     ``a_global``: fp32 per row of ``x``, the activation globals the epilogue multiplies by
-    (W4A4). ``stage_k``: K elements a ring stage, 64, 128 or 256 (``STAGE_K``)."""
+    (W4A4). ``stage_k``: K elements a ring stage, 64, 128 or 256 (``STAGE_K``).
+
+    ``pdl``: launched with programmatic dependent launch (each program waits for the
+    preceding kernel, then releases the next). ``early_weights`` (with ``pdl``): the
+    schedule (``block_*``) was complete before the preceding kernel started, as for FC2,
+    so each program issues its first weight copies before it waits (``EARLY_WEIGHTS``)."""
     k = x.shape[1]
     if asynchronous is None:
         asynchronous = ASYNC_WGMMA
@@ -393,6 +422,7 @@ def split_partials_tma(
         raise ValueError("split_partials_tma: out needs counters (cdiv(n, 64) * blocks "
                          "int32 zeros), w_global, and topk_w when fused")  # fmt: skip
     c_desc, s_desc = descriptors(codes, scales, CODE_BOX3, stage_k)
+    pdl = pdl and PDL
     grid = (tiles, segs, blocks) if blocks_last else (tiles, blocks, segs)
     dummy = part
     tma_split_kernel[grid](
@@ -404,7 +434,8 @@ def split_partials_tma(
         SEG=seg, ASYNC=asynchronous, BLOCKS_LAST=blocks_last,
         NBUF=BUFFERS if buffers is None else buffers, EPILOGUE=epilogue,
         FUSED=fused and epilogue, OUT_SCALE=out_scale, A_UNIT_ORDER=a_unit_order,
-        A_FP4=a_global is not None and epilogue, BOX3=CODE_BOX3, SK=stage_k, num_warps=4,
+        A_FP4=a_global is not None and epilogue, BOX3=CODE_BOX3, SK=stage_k, USE_PDL=pdl,
+        EARLY_W=pdl and early_weights and EARLY_WEIGHTS, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -421,6 +452,8 @@ def compile_sm90(
     a_fp4: bool = False,
     box3: bool = False,
     stage_k: int = 256,
+    pdl: bool = False,
+    early_weights: bool = False,
 ):
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
     layout conversions are asserted trivial at compile time. Returns the compiled kernel."""
@@ -439,6 +472,7 @@ def compile_sm90(
     const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated, BM=block_m, SEG=1024,
                  ASYNC=asynchronous, BLOCKS_LAST=True, NBUF=buffers, EPILOGUE=epilogue,
                  FUSED=fused, OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_UNIT_ORDER=a_fp4,
-                 A_FP4=a_fp4, BOX3=box3, SK=stage_k)  # fmt: skip
+                 A_FP4=a_fp4, BOX3=box3, SK=stage_k, USE_PDL=pdl,
+                 EARLY_W=pdl and early_weights)  # fmt: skip
     return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows",), gluon=True,
-                               descs=descs, num_warps=4)  # fmt: skip
+                               descs=descs, num_warps=4, launch_pdl=pdl)  # fmt: skip

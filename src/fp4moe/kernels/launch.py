@@ -537,6 +537,7 @@ def _gemm(
     out_ordered: bool = False,
     blocks_last: bool = False,
     a_decoded: torch.Tensor | None = None,
+    early_weights: bool = False,
 ) -> None:
     """One grouped GEMM. ``out_fp4`` = (scales, globals, static table): ``out`` receives
     NVFP4 codes of the FC1 activation instead of bf16 (static W4A4). ``dense``: decode
@@ -547,7 +548,9 @@ def _gemm(
     ``blocks_last``: a split GEMM's 3-D grid is (tiles, segments, blocks), else (tiles,
     blocks, segments) (``TritonOptions.blocks_last``). ``a_decoded``: W4A4's rows
     already decoded for the Gluon kernel (``quantize_rows(decoded=...)``), else decoded
-    here by ``dense_rows`` when that kernel runs."""
+    here by ``dense_rows`` when that kernel runs. ``early_weights``: the sort ran at least
+    two kernels before this one (FC2), so with ``pdl`` the Gluon kernel issues its first
+    weight copies before it waits (``gluon_ws.split_partials_tma``)."""
     a_fp4 = a_scales is not None
     order = k_order(int(chunked), k, cfg.block_k)
     if dense:
@@ -614,7 +617,7 @@ def _gemm(
                 a_src, sort.sorted_routes, w_codes, w_scales, sort.block_expert,
                 sort.block_start, sort.block_end, part, n=n, topk=topk, gated=gated,
                 gather=a_gather, block_m=cfg.block_m, seg=SEGMENT, ws_rows=ws_rows,
-                a_unit_order=a_fp4, **kw,
+                a_unit_order=a_fp4, pdl=pdl, early_weights=early_weights, **kw,
             )  # fmt: skip
             if epi:
                 return
@@ -893,7 +896,7 @@ def expert_gemms(
         pdl=pdl, decode_asm=opt.decode_asm, chunked=opt.chunked, split=split2, dense=dense,
         poison=opt.poison, gluon=opt.gluon_decode,
         counters=counters[1] if counters else None, a_ordered=ordered,
-        blocks_last=opt.blocks_last, a_decoded=b_dec,
+        blocks_last=opt.blocks_last, a_decoded=b_dec, early_weights=True,
     )  # fmt: skip
     return dest
 
