@@ -133,7 +133,8 @@ def main() -> None:
         def whole_call(g):
             opt = TritonOptions(valid_fraction=pr.local_experts / pr.experts, gluon_decode=g,
                                 split_k=True if a.split_k else None,
-                                gluon_upto=a.gluon_upto)  # fmt: skip
+                                gluon_upto=a.gluon_upto,
+                                gluon_pdl_upto=float("inf"))  # --pdl decides  # fmt: skip
 
             def whole(opt=opt):
                 return moe_triton(x, ids, wts, ex, mode="w4a16",

@@ -23,12 +23,13 @@
 #   bash benchmarks/gpu_session.sh qdec       # TritonOptions.quantize_decoded: bits and time
 #   bash benchmarks/gpu_session.sh stagek     # Gluon ring stages below 256 K: bits and time
 #   bash benchmarks/gpu_session.sh pdl        # the Gluon kernels in the PDL chain: time, tests
+#   bash benchmarks/gpu_session.sh final      # session 11's checks: kernels, Gluon, bench
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -247,6 +248,14 @@ pdl)
     step runner 90 python3 -m pytest -m gpu --device cuda -q tests/test_runner.py \
         tests/test_kernels.py -k "runner or graph or invariance"
     step bench 100 python3 -m fp4moe bench --num-tokens 1 16 32 --iters 10 --no-baseline \
+        --out "$out/bench"
+    ;;
+final)
+    # test_kernels' GPU suite, the Gluon tests the PDL rule touches, the decode bench
+    step kernels 280 python3 -m pytest -m gpu --device cuda tests/test_kernels.py -q
+    step gluon 130 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
+        -k "(stage_k_and_pdl_gpu and pdl) or (w4a4 and quantize_decoded)"
+    step bench 120 python3 -m fp4moe bench --num-tokens 1 8 16 32 64 128 --iters 10 \
         --out "$out/bench"
     ;;
 stalls)

@@ -1358,6 +1358,16 @@ def test_gluon_decode_configs(monkeypatch):
     for bad in (0, -1.0, True, "16"):
         with pytest.raises(ValueError, match="gluon_upto"):
             TritonOptions(gluon_upto=bad)
+    # gluon_pdl_upto (32 expected valid routes since session 11): DeepSeek-V3 EP8 up to 32
+    # tokens (32 valid routes) and Mixtral at 16 tokens (32) join the PDL chain, DeepSeek
+    # at 64 tokens (64, where PDL measured slower) does not
+    assert TritonOptions().gluon_pdl_upto == 32
+    assert up.gluon_pdl(32 * 8, 32) and not up.gluon_pdl(64 * 8, 32)
+    assert full.gluon_pdl(16 * 2, 8) and not full.gluon_pdl(32 * 2, 8)
+    assert not TritonOptions(valid_fraction=1 / 8, gluon_pdl_upto=0).gluon_pdl(8, 32)
+    for bad in (-1, True, "16", None):
+        with pytest.raises(ValueError, match="gluon_pdl_upto"):
+            TritonOptions(gluon_pdl_upto=bad)
     # not on a GPU without TMA and wgmma (A100, Blackwell): loop 3 and its 16-row tiles
     monkeypatch.setattr(launch, "hopper_device", lambda: False)
     for mode in ("w4a16", "w4a4"):

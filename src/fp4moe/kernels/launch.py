@@ -198,6 +198,16 @@ class TritonOptions:
         bits. On since session 10: DeepSeek-V3 EP8, 1 / 16 / 32 tokens, per-token
         59.1 / 68.7 / 179.3 -> 55.7 / 65.0 / 175.6 us, per-tensor 61.9 / 72.4 / 182.3 ->
         59.3 / 68.8 / 179.2 (bitwise the same; ``sweep_decode.py --variants c3 c3-qdec``).
+    gluon_pdl_upto: the expected valid routes of a call (all routes times
+        ``valid_fraction``) up to which the Gluon kernels join the call's PDL chain (with
+        ``pdl``): each waits for the kernel before and releases the next, and FC2 issues
+        its first weight copies before its wait (``gluon_ws.EARLY_WEIGHTS``). The same
+        bits. 32 since session 11 (``gluon_experiment.py --whole-only --pdl off on
+        early``, W4A16, plain launches -> PDL with early copies): DeepSeek-V3 EP8 1 / 8 /
+        16 / 32 tokens (1 to 32 valid routes) 47.4 / 100.2 / 62.9 / 165.0 -> 46.4 / 95.6 /
+        59.7 / 165.0 us, Mixtral-8x7B 1 / 16 tokens (2 / 32 routes) 88.4 / 293.9 -> 84.1 /
+        281.8; but DeepSeek-V3 64 and 128 tokens (64, 128 routes) 218.0 / 344.8 -> 224.7
+        / 358.0 (PDL with FC2 copying after its wait: 235.0 / 373.6).
     """
 
     pdl: bool | None = None
@@ -218,6 +228,11 @@ class TritonOptions:
     blocks_last: bool = True
     gluon_upto: float = 4.0
     quantize_decoded: bool = True
+    gluon_pdl_upto: float = 32.0
+
+    def gluon_pdl(self, n_routes: int, num_experts: int) -> bool:
+        """Whether a call's Gluon kernels join the PDL chain (``gluon_pdl_upto``)."""
+        return self.valid_rows(n_routes, num_experts) * num_experts <= self.gluon_pdl_upto
 
     def split_for(self, n_routes: int, num_experts: int) -> bool:
         """Whether loop 3 splits K for a call of ``n_routes`` routes over the experts."""
@@ -323,6 +338,9 @@ class TritonOptions:
         g = self.gluon_upto
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not g > 0:
             raise ValueError(f"gluon_upto: expected a number > 0, got {g!r}")
+        g = self.gluon_pdl_upto
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
+            raise ValueError(f"gluon_pdl_upto: expected a number >= 0, got {g!r}")
 
 
 def use_pdl(opt: TritonOptions, device: torch.device) -> bool:
@@ -538,6 +556,7 @@ def _gemm(
     blocks_last: bool = False,
     a_decoded: torch.Tensor | None = None,
     early_weights: bool = False,
+    gluon_pdl: bool = True,
 ) -> None:
     """One grouped GEMM. ``out_fp4`` = (scales, globals, static table): ``out`` receives
     NVFP4 codes of the FC1 activation instead of bf16 (static W4A4). ``dense``: decode
@@ -550,7 +569,8 @@ def _gemm(
     already decoded for the Gluon kernel (``quantize_rows(decoded=...)``), else decoded
     here by ``dense_rows`` when that kernel runs. ``early_weights``: the sort ran at least
     two kernels before this one (FC2), so with ``pdl`` the Gluon kernel issues its first
-    weight copies before it waits (``gluon_ws.split_partials_tma``)."""
+    weight copies before it waits (``gluon_ws.split_partials_tma``). ``gluon_pdl``: the
+    Gluon kernel too is launched with ``pdl`` (``TritonOptions.gluon_pdl``)."""
     a_fp4 = a_scales is not None
     order = k_order(int(chunked), k, cfg.block_k)
     if dense:
@@ -617,7 +637,8 @@ def _gemm(
                 a_src, sort.sorted_routes, w_codes, w_scales, sort.block_expert,
                 sort.block_start, sort.block_end, part, n=n, topk=topk, gated=gated,
                 gather=a_gather, block_m=cfg.block_m, seg=SEGMENT, ws_rows=ws_rows,
-                a_unit_order=a_fp4, pdl=pdl, early_weights=early_weights, **kw,
+                a_unit_order=a_fp4, pdl=pdl and gluon_pdl, early_weights=early_weights,
+                **kw,
             )  # fmt: skip
             if epi:
                 return
@@ -842,6 +863,7 @@ def expert_gemms(
             a = a_unit_order
         else:
             a = dense_rows(a, None, decode_asm=opt.decode_asm, poison=opt.poison, order=64)
+    gpdl = opt.gluon_pdl(n_routes, e_count)
     famax = None
     if opt.amax_in_fc1(mode, act_scale):
         famax = amax_zero if amax_zero is not None else torch.zeros(1, device=dev)
@@ -853,7 +875,7 @@ def expert_gemms(
         dense=dense, poison=opt.poison, gluon=opt.gluon_decode,
         counters=counters[0] if counters else None, amax_out=famax,
         a_ordered=ordered, out_ordered=ordered, blocks_last=opt.blocks_last,
-        a_decoded=a_decoded,
+        a_decoded=a_decoded, gluon_pdl=gpdl,
     )  # fmt: skip
 
     # FC2 input.
@@ -896,7 +918,7 @@ def expert_gemms(
         pdl=pdl, decode_asm=opt.decode_asm, chunked=opt.chunked, split=split2, dense=dense,
         poison=opt.poison, gluon=opt.gluon_decode,
         counters=counters[1] if counters else None, a_ordered=ordered,
-        blocks_last=opt.blocks_last, a_decoded=b_dec, early_weights=True,
+        blocks_last=opt.blocks_last, a_decoded=b_dec, early_weights=True, gluon_pdl=gpdl,
     )  # fmt: skip
     return dest
 
