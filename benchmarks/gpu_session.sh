@@ -24,12 +24,13 @@
 #   bash benchmarks/gpu_session.sh stagek     # Gluon ring stages below 256 K: bits and time
 #   bash benchmarks/gpu_session.sh pdl        # the Gluon kernels in the PDL chain: time, tests
 #   bash benchmarks/gpu_session.sh final      # session 11's checks: kernels, Gluon, bench
+#   bash benchmarks/gpu_session.sh final2     # runner, phases, HF; memcheck over Gluon PDL
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -257,6 +258,16 @@ final)
         -k "(stage_k_and_pdl_gpu and pdl) or (w4a4 and quantize_decoded)"
     step bench 120 python3 -m fp4moe bench --num-tokens 1 8 16 32 64 128 --iters 10 \
         --out "$out/bench"
+    ;;
+final2)
+    # CUDA-graph replays with new routes (FC2 reads the schedule before its grid wait),
+    # the workspace estimate, HF; memcheck over the Gluon kernels in the PDL chain
+    step others 150 python3 -m pytest -m gpu --device cuda -q \
+        tests/test_runner.py tests/test_phases.py tests/test_hf_gpu.py
+    step memcheck_pdl 170 compute-sanitizer --tool memcheck python3 -m pytest -m gpu \
+        --device cuda -q tests/test_gluon_ws.py -k "stage_k_and_pdl_gpu and 16 and sk128"
+    step gluon_w4a4 150 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
+        -k "w4a4 and quantize_decoded"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.
