@@ -8,9 +8,10 @@ each GEMM (FC1 gathered and gated, FC2 on sorted rows) with 8- and 16-row tiles,
 split GEMM against the Gluon kernel (its last unit of a tile runs the epilogue), bitwise
 compared and timed with CUDA events over CUDA-graph replays; then the whole call both
 ways (``TritonOptions.gluon_decode``). ``--buffers``: the kernel's ring
-(``gluon_ws.BUFFERS``), ``--wgmma``, ``--four-boxes`` (``gluon_ws.CODE_BOX3`` off),
-``--stage-k`` (the ring's stage, ``gluon_ws.STAGE_K``; every pair of ``--buffers`` and
-``--stage-k`` is timed against one loop 3 time a token count), ``--gluon-upto``,
+(``gluon_ws.BUFFERS``), ``--wgmma``, ``--codes`` (the code copies), ``--four-boxes``,
+``--stage-k`` (the ring's stage, ``gluon_ws.STAGE_K``), ``--pdl`` (every combination of
+``--buffers``, ``--stage-k``, ``--pdl`` and ``--codes`` is timed against one loop 3 time
+a token count), ``--gluon-upto``,
 ``--split-k`` and ``--whole-only`` as their help says.
 """
 
@@ -70,16 +71,21 @@ def main() -> None:
                    help="the Gluon kernels' PDL, each timed: plain launches (gluon_ws.PDL "
                    "off), PDL (EARLY_WEIGHTS off), PDL with FC2's first weight copies "
                    "before its wait (the default)")  # fmt: skip
+    p.add_argument("--codes", nargs="+", default=["wide"], choices=("wide", "box3", "four"),
+                   help="the code copies a stage, each timed: one 2-D box [64, 128] with a "
+                   "128-byte swizzle (gluon_ws.CODE_WIDE, the default), one 3-D box [4, 64, "
+                   "32] (CODE_BOX3), four [64, 32] boxes")  # fmt: skip
     p.add_argument("--split-k", action="store_true",
                    help="whole calls with TritonOptions.split_k=True (64 tokens, up)")  # fmt: skip
     p.add_argument("--whole-only", action="store_true", help="time the whole calls only")
     p.add_argument("--four-boxes", action="store_true",
-                   help="CODE_BOX3 off: a stage's codes as four 2-D TMA boxes")  # fmt: skip
+                   help="--codes four: a stage's codes as four 2-D TMA boxes")  # fmt: skip
     p.add_argument("--gluon-upto", type=float, default=TritonOptions().gluon_upto,
                    help="whole calls: TritonOptions.gluon_upto (routes an expert)")  # fmt: skip
     a = p.parse_args()
     gluon_ws.ASYNC_WGMMA = a.wgmma == "async"
-    gluon_ws.CODE_BOX3 = not a.four_boxes
+    if a.four_boxes:
+        a.codes = ["four"]
     pr = PRESETS[a.preset]
     dev = "cuda"
     torch.manual_seed(0)
@@ -89,7 +95,7 @@ def main() -> None:
     ex = fp4moe.prepare_experts(w13, w2)
     del w13, w2
     rows = []
-    variants = list(itertools.product(a.buffers, a.stage_k, a.pdl))
+    variants = list(itertools.product(a.buffers, a.stage_k, a.pdl, a.codes))
     for t in a.tokens:
         gluon_ws.BUFFERS, gluon_ws.STAGE_K = variants[0][:2]
         nb = gluon_ws.BUFFERS
@@ -145,15 +151,17 @@ def main() -> None:
             return y.clone(), timed(whole)
 
         y3, us3 = whole_call(False)
-        for nb, sk, pdl in variants:
+        for nb, sk, pdl, codes in variants:
             gluon_ws.BUFFERS, gluon_ws.STAGE_K = nb, sk
+            gluon_ws.CODE_WIDE, gluon_ws.CODE_BOX3 = codes == "wide", codes != "four"
             gluon_ws.PDL, gluon_ws.EARLY_WEIGHTS = pdl != "off", pdl == "early"
             yg, usg = whole_call(True)
             same = bool(torch.equal(y3, yg))
-            rows.append(dict(tokens=t, buffers=nb, stage_k=sk, pdl=pdl, gemm="call", same=same,
+            rows.append(dict(tokens=t, buffers=nb, stage_k=sk, pdl=pdl, codes=codes,
+                             gemm="call", same=same,
                              loop3_us=us3, gluon_us=usg))  # fmt: skip
-            print(f"B{nb} SK{sk} PDL-{pdl} T={t:5d} whole call same {same}  loop 3 {us3:7.1f} "
-                  f"us  with gluon {usg:7.1f} us", flush=True)  # fmt: skip
+            print(f"B{nb} SK{sk} PDL-{pdl} {codes} T={t:5d} whole call same {same}  loop 3 "
+                  f"{us3:7.1f} us  with gluon {usg:7.1f} us", flush=True)  # fmt: skip
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -41,10 +41,11 @@ def test_tma_split_kernel_compiles_for_sm90():
         "        ptx = c.asm['ptx']\n"
         "        assert 'atom.global.gpu.acq_rel.add' in ptx and '.local' not in ptx\n"
         "        assert ('atom.global.gpu.relaxed.add.f32' in ptx) == fused\n"
-        "    c = compile_sm90(n=n, k=k, gated=g, block_m=8, asynchronous=True, buffers=1,\n"
-        "                     epilogue=True, box3=True)  # CODE_BOX3: a box a stage\n"
-        "    assert c.asm['ptx'].count('cp.async.bulk.tensor') == copies * 2 // 5\n"
-        "    assert '.local' not in c.asm['ptx']\n"
+        "    for box in (1, 2):  # CODE_BOX3, CODE_WIDE: a box a stage and weight\n"
+        "        c = compile_sm90(n=n, k=k, gated=g, block_m=8, asynchronous=True,\n"
+        "                         buffers=1, epilogue=True, box3=box)\n"
+        "        assert c.asm['ptx'].count('cp.async.bulk.tensor') == copies * 2 // 5\n"
+        "        assert '.local' not in c.asm['ptx']\n"
         "print('ok')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -161,10 +162,13 @@ def test_tma_split_gpu(monkeypatch, t, asynchronous, buffers):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 16, "one-expert"])
-@pytest.mark.parametrize("variant", ["sk64-b2", "sk128-b2", "sk128-b3", "pdl-off", "pdl-late"])
+@pytest.mark.parametrize(
+    "variant", ["sk64-b2", "sk128-b2", "sk128-b3", "pdl-off", "pdl-late", "box3"]
+)
 def test_tma_stage_k_and_pdl_gpu(monkeypatch, t, variant):
-    """Ring stages of 64 and 128 K (the scales in their own ring), and the Gluon kernels
-    launched without PDL or with PDL but FC2 copying only after its wait: loop 3's bits
+    """Ring stages of 64 and 128 K (the scales in their own ring; the 3-D code boxes), the
+    Gluon kernels launched without PDL or with PDL but FC2 copying only after its wait,
+    and the 3-D code boxes at 256 K (``CODE_WIDE`` off): loop 3's bits
     for whole W4A16 and W4A4 per-token calls (deterministic finalize), every route on one
     expert too."""
     from fp4moe.kernels import gluon_ws
@@ -176,6 +180,8 @@ def test_tma_stage_k_and_pdl_gpu(monkeypatch, t, variant):
         monkeypatch.setattr(gluon_ws, "BUFFERS", int(nb))
     elif variant == "pdl-off":
         monkeypatch.setattr(gluon_ws, "PDL", False)
+    elif variant == "box3":  # one 3-D box of 32-byte rows a stage (CODE_WIDE off)
+        monkeypatch.setattr(gluon_ws, "CODE_WIDE", False)
     else:
         monkeypatch.setattr(gluon_ws, "EARLY_WEIGHTS", False)
     e, h, i, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
@@ -198,12 +204,14 @@ def test_tma_stage_k_and_pdl_gpu(monkeypatch, t, variant):
 @pytest.mark.parametrize("t", [1, 16])
 @pytest.mark.parametrize("mode", MODES[:2], ids=_mode_id)
 def test_tma_four_boxes_gpu(monkeypatch, t, mode):
-    """``gluon_ws.CODE_BOX3`` off: a stage's codes as four 2-D TMA boxes (the default is
-    one 3-D box, ``test_tma_split_gpu``) give loop 3's bits, W4A16 and W4A4 per-token."""
+    """``gluon_ws.CODE_BOX3`` and ``CODE_WIDE`` off: a stage's codes as four 2-D TMA boxes
+    (the default is one wide box, ``test_tma_split_gpu``) give loop 3's bits, W4A16 and
+    W4A4 per-token."""
     from fp4moe.kernels import gluon_ws
     from test_kernels import _experts
 
     monkeypatch.setattr(gluon_ws, "CODE_BOX3", False)
+    monkeypatch.setattr(gluon_ws, "CODE_WIDE", False)
     m, sc = mode
     e, h, i, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
     experts = _experts(e, h, i, seed=0, device="cuda")

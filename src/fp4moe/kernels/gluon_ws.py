@@ -17,7 +17,11 @@ operations). W4A4 reads its activation rows already decoded (``A_UNIT_ORDER``).
 
 Measured on the H200 (docs/perf-notes.md, session 9): one buffer, asynchronous wgmma and
 the epilogue in the kernel are the fastest; DeepSeek-V3 EP8 W4A16 whole calls 10% to 16%
-faster than loop 3 at 1 to 32 tokens.
+faster than loop 3 at 1 to 32 tokens. Session 11: the codes of a stage as one [64, 128]
+box with a 128-byte swizzle (``CODE_WIDE``: 128-byte rows in the TMA requests, 2% to 7%
+off whole calls), the kernels in the call's PDL chain up to 32 expected valid routes
+(``TritonOptions.gluon_pdl_upto``; FC2 issues its first copies before its wait,
+``EARLY_WEIGHTS``); ring stages of 64 or 128 K (``STAGE_K``) measured no faster.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ ASYNC_WGMMA = True
 # quarter of the copies, and of the bar.sync Triton puts between them (FC1: 49 -> 25 a
 # program). The default since session 10: the same bits, whole W4A16 calls (DeepSeek-V3
 # EP8, two rounds each) 1 / 8 / 16 / 32 tokens 48.8 / 99.7 / 59.9 / 168.3 -> 47.0 / 96.4 /
-# 58.8 / 161.6 us (gluon_experiment.py --whole-only [--four-boxes])
+# 58.8 / 161.6 us (gluon_experiment.py --whole-only [--four-boxes]). Used where CODE_WIDE
+# is off or does not apply (stages below 256 K).
 CODE_BOX3 = True
 # K elements a stage of the code ring (64, 128 or 256: one, two or four units). The scales
 # come in groups of 256 K (their TMA box is 16 bytes wide), loaded with the first stage of
@@ -63,6 +68,15 @@ PDL = True  # the Gluon kernels join the call's PDL chain (off: plain launches, 
 CODE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
 SCALE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
 CODE_SMEM3 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
+# A stage's codes of one weight as one 2-D box [64 rows, 128 bytes] with a 128-byte swizzle
+# (the unit reads stay free of bank conflicts) instead of CODE_BOX3's box of 32-byte rows:
+# the TMA requests read 128 contiguous bytes a row instead of 32. The default since session
+# 11: the same bits, whole W4A16 calls (gluon_experiment.py --codes box3 wide, two rounds)
+# DeepSeek-V3 EP8 1 / 8 / 16 / 32 tokens 48.7 / 96.6 / 60.4 / 164.7 -> 47.2 / 92.8 / 58.3 /
+# 156.8 us, 64 / 128 tokens 222.4 / 345.0 -> 207.3 / 326.8, Mixtral-8x7B 16 tokens 287.0 ->
+# 268.8. Needs STAGE_K 256.
+CODE_WIDE = True
+CODE_SMEM_W = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 
 
 def scale_slots(buffers: int, stage_k: int) -> int:
@@ -84,7 +98,10 @@ def _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row, k0, st: gl.constexpr, w: 
     BOX3 the same bytes as [2 * NB, UPS, 64, 32]; ``sbuf``: [2 * NBS, 64, 16]."""
     b: gl.constexpr = st % NB
     SK: gl.constexpr = UPS * UNIT
-    if BOX3:
+    if BOX3 == 2:  # one 2-D box [64 rows, SK / 2 bytes], 128-byte swizzle (CODE_WIDE)
+        tma.async_copy_global_to_shared(c_desc, [row, (k0 + st * SK) // 2], bar,
+                                        cdst.index(w * NB + b))  # fmt: skip
+    elif BOX3:
         tma.async_copy_global_to_shared(c_desc, [(k0 + st * SK) // UNIT, row, 0], bar,
                                         cdst.index(w * NB + b))  # fmt: skip
     else:
@@ -101,12 +118,16 @@ def _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row, k0, st: gl.constexpr, w: 
 
 @gluon.jit
 def _smem_unit(cbuf, sbuf, kb: gl.constexpr, w: gl.constexpr, NB: gl.constexpr,
-               UPS: gl.constexpr = 4, NBS: gl.constexpr = 1):  # fmt: skip
+               UPS: gl.constexpr = 4, NBS: gl.constexpr = 1,
+               WIDE: gl.constexpr = False):  # fmt: skip
     """Unit ``kb`` of the segment of weight ``w`` from shared memory (its stage's ring
     buffer, its scale group's buffer): codes [64, 4, 8] in ``_L3`` and e4m3 scales [64, 4]
     in its slice, as the kernel's decode takes."""
     b: gl.constexpr = (kb // UPS) % NB
-    codes = cbuf.index((w * NB + b) * UPS + kb % UPS).load(_CL)
+    if WIDE:  # [64, SK / 2] swizzled stage buffers: the unit's 32 bytes of each row
+        codes = cbuf.index(w * NB + b).slice(32 * (kb % UPS), 32, dim=1).load(_CL)
+    else:
+        codes = cbuf.index((w * NB + b) * UPS + kb % UPS).load(_CL)
     codes = gl.convert_layout(gl.reshape(codes, [64, 4, 8]), _L3, assert_trivial=True)
     SL: gl.constexpr = gl.SliceLayout(2, _L3)
     sc = sbuf.index(w * NBS + (kb // 4) % NBS).slice(4 * (kb % 4), 4, dim=1).load(SL)
@@ -223,7 +244,8 @@ def tma_split_kernel(
     A_UNIT_ORDER: gl.constexpr = False,  # x's rows already in the unit order (W4A4's
     # decoded rows, ``dequant.dense_rows(order=64)``)
     A_FP4: gl.constexpr = False,  # EPILOGUE: times the activation global (W4A4)
-    BOX3: gl.constexpr = False,  # c_desc: [K/64, rows, 32] with [SK / 64, 64, 32] boxes
+    BOX3: gl.constexpr = 0,  # c_desc: 1 [K/64, rows, 32] with [SK / 64, 64, 32] boxes; 2
+    # [rows, K/2] with [64, SK / 2] boxes, 128-byte swizzle (CODE_WIDE); 0 [64, 32] boxes
     SK: gl.constexpr = 256,  # K elements a ring stage (64, 128 or 256)
     USE_PDL: gl.constexpr = False,  # programmatic dependent launch (launch_pdl=True)
     EARLY_W: gl.constexpr = False,  # USE_PDL: the first stages' copies before the wait
@@ -258,8 +280,11 @@ def tma_split_kernel(
         k0 = s_id * SEG
 
         # ---- the ring's first stages, first (one elected thread issues the copies)
-        cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB * UPS, 64, 32], CODE_SMEM)
-        if BOX3:  # the same bytes (unswizzled) as [stage buffers, UPS, 64, 32] for the copies
+        if BOX3 == 2:
+            cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB, 64, SK // 2], CODE_SMEM_W)
+        else:
+            cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB * UPS, 64, 32], CODE_SMEM)
+        if BOX3 == 1:  # the same bytes (unswizzled) as [stage buffers, UPS, 64, 32] for the copies
             cdst = cbuf._reinterpret(gl.uint8, [NW * NB, UPS, 64, 32], CODE_SMEM3)
         else:
             cdst = cbuf
@@ -299,7 +324,7 @@ def tma_split_kernel(
             if kb % UPS == 0:
                 mbarrier.wait(bars.index((kb // UPS) % NB), (kb // UPS // NB) % 2)
             xb = xs.slice(kb * BM, BM).permute((1, 0))
-            gc, gs = _smem_unit(cbuf, sbuf, kb, 0, NB, UPS, NBS)
+            gc, gs = _smem_unit(cbuf, sbuf, kb, 0, NB, UPS, NBS, BOX3 == 2)
             wg = _decode_unit(gc, gs, A_L)
             if ASYNC:
                 if kb > 0:
@@ -313,14 +338,14 @@ def tma_split_kernel(
                 acc_g = warpgroup_mma(wg, xb, acc_g, is_async=True)
                 pg = wg  # noqa: F841 (read by the next unrolled unit)
                 if GATED:
-                    uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS)
+                    uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS, BOX3 == 2)
                     wu = _decode_unit(uc, us, A_L)
                     acc_u = warpgroup_mma(wu, xb, acc_u, is_async=True)
                     pu = wu  # noqa: F841
             else:
                 acc_g = warpgroup_mma(wg, xb, acc_g)
                 if GATED:
-                    uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS)
+                    uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS, BOX3 == 2)
                     acc_u = warpgroup_mma(_decode_unit(uc, us, A_L), xb, acc_u)
             # the stage's buffer is read: refill it with stage + NB (ring only)
             if kb % UPS == UPS - 1 and kb // UPS + NB < NS:
@@ -355,17 +380,20 @@ def tma_split_kernel(
             )  # fmt: skip
 
 
-def descriptors(codes: torch.Tensor, scales: torch.Tensor, box3: bool = False,
+def descriptors(codes: torch.Tensor, scales: torch.Tensor, box3: int = 0,
                 stage_k: int = 256):  # fmt: skip
     """TMA descriptors of one GEMM's weights: codes uint8 [E, W_ROWS, K/2] as [E * W_ROWS,
-    K/2] with [64, 32] boxes (``box3``: as [K/64, E * W_ROWS, 32], strides 32 and K/2
-    bytes, with [stage_k / 64, 64, 32] boxes), scales e4m3 [E, W_ROWS, K/16] (as bytes)
-    with [64, 16] boxes."""
+    K/2] with [64, 32] boxes (``box3`` 1: as [K/64, E * W_ROWS, 32], strides 32 and K/2
+    bytes, with [stage_k / 64, 64, 32] boxes; 2: [64, stage_k / 2] boxes, 128-byte
+    swizzle, ``CODE_WIDE``), scales e4m3 [E, W_ROWS, K/16] (as bytes) with [64, 16]
+    boxes."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     c2 = codes.reshape(-1, codes.shape[-1])
     s2 = scales.view(torch.uint8).reshape(-1, scales.shape[-1])
-    if box3:
+    if box3 == 2:
+        cd = TensorDescriptor.from_tensor(c2, [64, stage_k // 2], CODE_SMEM_W)
+    elif box3:
         rows, kh = c2.shape
         cd = TensorDescriptor(c2, [kh // 32, rows, 32], [32, kh, 1], [stage_k // 64, 64, 32],
                               CODE_SMEM3)  # fmt: skip
@@ -421,7 +449,8 @@ def split_partials_tma(
                      or (fused and topk_w is None)):  # fmt: skip
         raise ValueError("split_partials_tma: out needs counters (cdiv(n, 64) * blocks "
                          "int32 zeros), w_global, and topk_w when fused")  # fmt: skip
-    c_desc, s_desc = descriptors(codes, scales, CODE_BOX3, stage_k)
+    box = 2 if CODE_WIDE and stage_k == 256 else int(CODE_BOX3)
+    c_desc, s_desc = descriptors(codes, scales, box, stage_k)
     pdl = pdl and PDL
     grid = (tiles, segs, blocks) if blocks_last else (tiles, blocks, segs)
     dummy = part
@@ -434,7 +463,7 @@ def split_partials_tma(
         SEG=seg, ASYNC=asynchronous, BLOCKS_LAST=blocks_last,
         NBUF=BUFFERS if buffers is None else buffers, EPILOGUE=epilogue,
         FUSED=fused and epilogue, OUT_SCALE=out_scale, A_UNIT_ORDER=a_unit_order,
-        A_FP4=a_global is not None and epilogue, BOX3=CODE_BOX3, SK=stage_k, USE_PDL=pdl,
+        A_FP4=a_global is not None and epilogue, BOX3=box, SK=stage_k, USE_PDL=pdl,
         EARLY_W=pdl and early_weights and EARLY_WEIGHTS, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
 
@@ -450,13 +479,15 @@ def compile_sm90(
     epilogue: bool = False,
     fused: bool = False,
     a_fp4: bool = False,
-    box3: bool = False,
+    box3: int = 0,
     stage_k: int = 256,
     pdl: bool = False,
     early_weights: bool = False,
 ):
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
-    layout conversions are asserted trivial at compile time. Returns the compiled kernel."""
+    layout conversions are asserted trivial at compile time. ``box3``: the code copies
+    (0 four 2-D boxes a stage, 1 one 3-D box, 2 one wide swizzled box). Returns the
+    compiled kernel."""
     ptrs = {
         "x_ptr": "*bf16", "sorted_routes_ptr": "*i32", "block_expert_ptr": "*i32",
         "block_start_ptr": "*i32", "block_end_ptr": "*i32", "part_ptr": "*fp32",
@@ -464,7 +495,9 @@ def compile_sm90(
         "out_ptr": "*fp32" if fused else "*bf16", "a_global_ptr": "*fp32",
     }  # fmt: skip
     descs = {
-        "c_desc": f"tensordesc<u8[{stage_k // 64}, 64, 32],{CODE_SMEM3!r}>"
+        "c_desc": f"tensordesc<u8[64, {stage_k // 2}],{CODE_SMEM_W!r}>"
+        if box3 == 2
+        else f"tensordesc<u8[{stage_k // 64}, 64, 32],{CODE_SMEM3!r}>"
         if box3
         else f"tensordesc<u8[64, 32],{CODE_SMEM!r}>",
         "s_desc": f"tensordesc<u8[64, 16],{SCALE_SMEM!r}>",
@@ -472,7 +505,7 @@ def compile_sm90(
     const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated, BM=block_m, SEG=1024,
                  ASYNC=asynchronous, BLOCKS_LAST=True, NBUF=buffers, EPILOGUE=epilogue,
                  FUSED=fused, OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_UNIT_ORDER=a_fp4,
-                 A_FP4=a_fp4, BOX3=box3, SK=stage_k, USE_PDL=pdl,
+                 A_FP4=a_fp4, BOX3=int(box3), SK=stage_k, USE_PDL=pdl,
                  EARLY_W=pdl and early_weights)  # fmt: skip
     return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows",), gluon=True,
                                descs=descs, num_warps=4, launch_pdl=pdl)  # fmt: skip
