@@ -75,3 +75,21 @@ def test_blocks_last_same_main_loop():
     assert len(grid) == len(blast) == 3  # the header, FC1, FC2
     for g, b in zip(grid[1:], blast[1:]):
         assert g[3:] == b[3:], (g, b)  # registers, spill, instructions a weight, opcodes
+
+
+def test_decode_layout_search():
+    """benchmarks/decode_layout_search.py (perf notes, session 11): no code layout gives
+    a bf16 pair register from one funnel shift and one AND over 1 or 2 words; the same
+    search finds a layout where one exists (a target whose shifts tile a word)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(TOOL), "decode_layout_search.py")
+    spec = importlib.util.spec_from_file_location("decode_layout_search", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for words in (1, 2):
+        found, nodes = mod.exact_cover(words)
+        assert found is None and nodes < 2_000_000  # exhaustive: none exists
+    mod.TARGET = (0, 1, 2, 3, 16, 17, 18, 19)  # four shifts (0, 4, 8, 12) tile a word
+    found, _ = mod.exact_cover(1)
+    assert found is not None and len(found) == 4
