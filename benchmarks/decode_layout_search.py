@@ -8,8 +8,9 @@ With the codes stored in some other bit order, one register could come from a fu
 shift of two code words (``shf.r.wrap``: a window of 32 bits of their 64) and one AND
 with 0x81C081C0: 1 instruction a weight, plus 0.5 for the scale's fma, against 2.25
 now (a PRMT per 4 values, then AND, IMAD, AND and the fma per pair). That needs the
-registers' 8-bit sets (the target set shifted) to tile the stored bits exactly. This script searches every choice of word pair and shift over
-``--words`` words (4 registers a word) by exact cover. CPU only; session 11 found none
+registers' 8-bit sets (the target set shifted) to tile the stored bits exactly. This
+script searches every choice of word pair and shift over ``--words`` words (4 registers
+a word) by exact cover. CPU only; session 11 found none
 for 1, 2 or 4 words (docs/perf-notes.md).
 """
 

@@ -19,6 +19,16 @@ from testing import TOL, rel_err
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 
 
+def _compile_check(code: str) -> None:
+    """Run ``code`` (compiles for sm_90 and prints ok) in a process without the
+    interpreter: this one has the kernels imported for it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=600)  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_tma_split_kernel_compiles_for_sm90():
     """Both GEMMs, both tile heights, both main loops: wgmma, no spill, every TMA copy of
     the segment issued (FC1: 4 stages x 2 weights x (4 code boxes + 1 scale box) = 40);
@@ -48,11 +58,7 @@ def test_tma_split_kernel_compiles_for_sm90():
         "        assert '.local' not in c.asm['ptx']\n"
         "print('ok')\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=env, timeout=600)  # fmt: skip
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    _compile_check(code)
 
 
 def test_tma_stage_k_and_pdl_compile_for_sm90():
@@ -86,11 +92,7 @@ def test_tma_stage_k_and_pdl_compile_for_sm90():
         "assert 'griddepcontrol' not in c.asm['ptx'] and not c.metadata.launch_pdl\n"
         "print('ok')\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=env, timeout=600)  # fmt: skip
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    _compile_check(code)
 
 
 def test_split_partials_bad_arguments():
@@ -121,6 +123,24 @@ def test_split_partials_bad_arguments():
                                     w_global=part[0, 0], **kw)  # fmt: skip
 
 
+def _deepseek_case(t, *, seed: int, expert: int):
+    """DeepSeek-V3 EP8 experts, x and routes on the GPU for ``t`` tokens, or 16 tokens
+    with "one-expert" (top-1 on ``expert``, the other routes masked) or "all-masked"."""
+    from test_kernels import _experts
+
+    e, h, i, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
+    experts = _experts(e, h, i, seed=0, device="cuda")
+    n = t if isinstance(t, int) else 16
+    x = _x(n, h, seed=seed, device="cuda")
+    ids, w = _gpu_routes(n, k, e, e_total, seed=seed)
+    if t == "one-expert":
+        ids = torch.full_like(ids, expert)
+        ids[:, 1:] = -1
+    elif t == "all-masked":
+        ids = torch.full_like(ids, -1)
+    return experts, x, ids, w
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 3, 16, 64, "one-expert", "all-masked"])
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
@@ -132,20 +152,10 @@ def test_tma_split_gpu(monkeypatch, t, asynchronous, buffers):
     (zeros, no NaN from the poisoned buffers), too. ``buffers``: the
     segment's four stages through a one-buffer ring, or all in shared memory at once."""
     from fp4moe.kernels import gluon_ws
-    from test_kernels import _experts
 
     monkeypatch.setattr(gluon_ws, "ASYNC_WGMMA", asynchronous)
     monkeypatch.setattr(gluon_ws, "BUFFERS", buffers)
-    e, h, i, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
-    experts = _experts(e, h, i, seed=0, device="cuda")
-    n = t if isinstance(t, int) else 16
-    x = _x(n, h, seed=7, device="cuda")
-    ids, w = _gpu_routes(n, k, e, e_total, seed=7)
-    if t == "one-expert":
-        ids = torch.full_like(ids, 5)
-        ids[:, 1:] = -1  # top-1 on expert 5, the other routes masked
-    elif t == "all-masked":
-        ids = torch.full_like(ids, -1)
+    experts, x, ids, w = _deepseek_case(t, seed=7, expert=5)
     for fused in (False, True):
         a = moe_triton(x, ids, w, experts, mode="w4a16", fused_finalize=fused,
                        options=TritonOptions(poison=True, gluon_decode=False))  # fmt: skip
@@ -172,7 +182,6 @@ def test_tma_stage_k_and_pdl_gpu(monkeypatch, t, variant):
     for whole W4A16 and W4A4 per-token calls (deterministic finalize), every route on one
     expert too."""
     from fp4moe.kernels import gluon_ws
-    from test_kernels import _experts
 
     if variant.startswith("sk"):
         sk, nb = variant[2:].split("-b")
@@ -184,14 +193,7 @@ def test_tma_stage_k_and_pdl_gpu(monkeypatch, t, variant):
         monkeypatch.setattr(gluon_ws, "CODE_WIDE", False)
     else:
         monkeypatch.setattr(gluon_ws, "EARLY_WEIGHTS", False)
-    e, h, i, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
-    experts = _experts(e, h, i, seed=0, device="cuda")
-    n = t if isinstance(t, int) else 16
-    x = _x(n, h, seed=17, device="cuda")
-    ids, w = _gpu_routes(n, k, e, e_total, seed=17)
-    if t == "one-expert":
-        ids = torch.full_like(ids, 3)
-        ids[:, 1:] = -1
+    experts, x, ids, w = _deepseek_case(t, seed=17, expert=3)
     for m, sc in MODES[:2]:
         a = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
                        options=TritonOptions(poison=True, gluon_decode=False))  # fmt: skip
