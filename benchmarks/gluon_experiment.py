@@ -67,10 +67,13 @@ def main() -> None:
                    help="gluon_ws.BUFFERS, each timed (1, 2 or 4)")  # fmt: skip
     p.add_argument("--stage-k", type=int, nargs="+", default=[gluon_ws.STAGE_K],
                    help="gluon_ws.STAGE_K, each timed (64, 128 or 256)")  # fmt: skip
-    p.add_argument("--pdl", nargs="+", default=["early"], choices=("off", "on", "early"),
-                   help="the Gluon kernels' PDL, each timed: plain launches (gluon_ws.PDL "
+    p.add_argument("--pdl", nargs="+", default=["rule"],
+                   choices=("rule", "off", "on", "early"),
+                   help="the Gluon kernels' PDL, each timed: the library's rule (the "
+                   "default: early copies up to TritonOptions.gluon_pdl_upto valid routes, "
+                   "plain launches above), or at every size plain launches (gluon_ws.PDL "
                    "off), PDL (EARLY_WEIGHTS off), PDL with FC2's first weight copies "
-                   "before its wait (the default)")  # fmt: skip
+                   "before its wait")  # fmt: skip
     p.add_argument("--codes", nargs="+", default=["wide"], choices=("wide", "box3", "four"),
                    help="the code copies a stage, each timed: one 2-D box [64, 128] with a "
                    "128-byte swizzle (gluon_ws.CODE_WIDE, the default), one 3-D box [4, 64, "
@@ -136,11 +139,11 @@ def main() -> None:
 
         # 2. The whole call (W4A16, deterministic finalize, PDL, CUDA graph): loop 3 once,
         # then each (buffers, stage_k) of the Gluon kernels.
-        def whole_call(g):
+        def whole_call(g, pdl="rule"):
+            rule = {} if pdl == "rule" else dict(gluon_pdl_upto=float("inf"))
             opt = TritonOptions(valid_fraction=pr.local_experts / pr.experts, gluon_decode=g,
                                 split_k=True if a.split_k else None,
-                                gluon_upto=a.gluon_upto,
-                                gluon_pdl_upto=float("inf"))  # --pdl decides  # fmt: skip
+                                gluon_upto=a.gluon_upto, **rule)  # fmt: skip
 
             def whole(opt=opt):
                 return moe_triton(x, ids, wts, ex, mode="w4a16",
@@ -154,8 +157,8 @@ def main() -> None:
         for nb, sk, pdl, codes in variants:
             gluon_ws.BUFFERS, gluon_ws.STAGE_K = nb, sk
             gluon_ws.CODE_WIDE, gluon_ws.CODE_BOX3 = codes == "wide", codes != "four"
-            gluon_ws.PDL, gluon_ws.EARLY_WEIGHTS = pdl != "off", pdl == "early"
-            yg, usg = whole_call(True)
+            gluon_ws.PDL, gluon_ws.EARLY_WEIGHTS = pdl != "off", pdl in ("early", "rule")
+            yg, usg = whole_call(True, pdl)
             same = bool(torch.equal(y3, yg))
             rows.append(dict(tokens=t, buffers=nb, stage_k=sk, pdl=pdl, codes=codes,
                              gemm="call", same=same,
