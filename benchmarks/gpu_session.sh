@@ -25,12 +25,13 @@
 #   bash benchmarks/gpu_session.sh pdl        # the Gluon kernels in the PDL chain: time, tests
 #   bash benchmarks/gpu_session.sh final      # session 11's checks: kernels, Gluon, bench
 #   bash benchmarks/gpu_session.sh final2     # runner, phases, HF; memcheck over Gluon PDL
+#   bash benchmarks/gpu_session.sh fc1early   # W4A4's FC1 copies before its wait: bits, time
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -268,6 +269,14 @@ final2)
         --device cuda -q tests/test_gluon_ws.py -k "stage_k_and_pdl_gpu and 16 and sk128"
     step gluon_w4a4 150 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
         -k "w4a4 and quantize_decoded"
+    ;;
+fc1early)
+    # TritonOptions.fc1_early (built in session 11 after the GPU time ran out)
+    step fc1early_test 150 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
+        -k "fc1_early"
+    step fc1early 150 python3 benchmarks/sweep_decode.py --tokens 1 16 32 \
+        --modes w4a4-token w4a4-tensor --variants c3 c3-fc1early --iters 12 \
+        --out "$out/fc1early.json"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

@@ -20,8 +20,9 @@ c3-ordx (ordered_x: W4A16 activation rows in the unit order), c3-noblast (blocks
 off: split K on the (tiles, blocks, segments) grid, the default up to session 9; c3 is
 the (tiles, segments, blocks) grid, named c3-blast in session 9's data), c3-noqdec
 (TritonOptions.quantize_decoded off: W4A4's decoded rows by dense_rows launches; session
-10's data has c3-qdec, the option on, before it became the default), c3-nogluon
-(gluon_decode off: loop 3 at decode sizes too).
+10's data has c3-qdec, the option on, before it became the default), c3-fc1early
+(TritonOptions.fc1_early: W4A4's FC1 issues weight copies before its grid wait),
+c3-nogluon (gluon_decode off: loop 3 at decode sizes too).
 """
 
 from __future__ import annotations
@@ -178,6 +179,10 @@ def main() -> None:
                 # default since session 10 takes them from the quantize kernels)
                 "c3-noqdec": TritonOptions(
                     chunked=3, valid_fraction=p.local_experts / p.experts, quantize_decoded=False
+                ),
+                # W4A4: FC1's Gluon programs issue weight copies before their grid wait
+                "c3-fc1early": TritonOptions(
+                    chunked=3, valid_fraction=p.local_experts / p.experts, fc1_early=True
                 ),
                 # loop 3 everywhere (the Gluon kernels off; the same bits)
                 "c3-nogluon": TritonOptions(

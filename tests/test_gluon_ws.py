@@ -347,3 +347,50 @@ def test_quantize_decoded_plumbing(interpret, device, monkeypatch, mode):
     moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
                options=TritonOptions(quantize_decoded=False))  # fmt: skip
     assert seen == []
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_fc1_early_plumbing(interpret, device, monkeypatch, mode):
+    """``TritonOptions.fc1_early``: ``moe_triton`` lets FC1 issue its weight copies before
+    its grid wait only for W4A4 (a quantize kernel runs between the sort and FC1) and only
+    with the option; FC2 always may (the sort is two kernels back). The call's bits do not
+    change (in the interpreter loop 3 runs and ignores the flag)."""
+    from fp4moe.kernels import launch
+    from test_kernels import _experts, _routes
+
+    m, sc = mode
+    experts = _experts(4, 128, 64, seed=5, device=device)
+    x = _x(5, 128, seed=5, device=device)
+    ids, w = _routes(5, 2, 4, seed=5, device=device, masked=0.2)
+    seen = []
+    real = launch._gemm
+
+    def spy(*args, **kw):
+        seen.append((kw["gated"], kw.get("early_weights", False)))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(launch, "_gemm", spy)
+    base = moe_triton(x, ids, w, experts, mode=m, act_scale=sc)
+    assert seen == [(True, False), (False, True)]
+    seen.clear()
+    out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                     options=TritonOptions(fc1_early=True))  # fmt: skip
+    assert seen == [(True, m == "w4a4"), (False, True)]
+    assert torch.equal(out, base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16])
+@pytest.mark.parametrize("mode", MODES[1:], ids=_mode_id)
+def test_fc1_early_gpu(t, mode):
+    """``fc1_early`` on the GPU: W4A4's FC1 on the Gluon kernel issuing its first weight
+    copies before its grid wait gives loop 3's bits, deterministic finalize, every W4A4
+    scale mode."""
+    m, sc = mode
+    experts, x, ids, w = _deepseek_case(t, seed=19, expert=0)
+    a = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                   options=TritonOptions(poison=True, gluon_decode=False))  # fmt: skip
+    b = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                   options=TritonOptions(poison=True, fc1_early=True))  # fmt: skip
+    assert torch.equal(a, b)

@@ -208,6 +208,12 @@ class TritonOptions:
         59.7 / 165.0 us, Mixtral-8x7B 1 / 16 tokens (2 / 32 routes) 88.4 / 293.9 -> 84.1 /
         281.8; but DeepSeek-V3 64 and 128 tokens (64, 128 routes) 218.0 / 344.8 -> 224.7
         / 358.0 (PDL with FC2 copying after its wait: 235.0 / 373.6).
+    fc1_early: W4A4 through ``moe_triton``: FC1's Gluon programs, too, issue their first
+        weight copies before their grid wait (``early_weights``), as FC2's do: a quantize
+        kernel that waited for the sort runs between the sort and FC1, so the schedule is
+        complete when FC1's programs start. The same bits. Off: built in session 11 after
+        the GPU time ran out, not measured (``sweep_decode.py --modes w4a4-token
+        w4a4-tensor --variants c3 c3-fc1early``).
     """
 
     pdl: bool | None = None
@@ -229,6 +235,7 @@ class TritonOptions:
     gluon_upto: float = 4.0
     quantize_decoded: bool = True
     gluon_pdl_upto: float = 32.0
+    fc1_early: bool = False
 
     def gluon_pdl(self, n_routes: int, num_experts: int) -> bool:
         """Whether a call's Gluon kernels join the PDL chain (``gluon_pdl_upto``)."""
@@ -807,6 +814,7 @@ def expert_gemms(
     amax_zero: torch.Tensor | None = None,
     a_unit_order: torch.Tensor | None = None,
     a_decoded: torch.Tensor | None = None,
+    fc1_early_weights: bool = False,
 ) -> torch.Tensor:
     """The expert work of a call, on routes already sorted (``sort``): FC1 with SwiGLU,
     for W4A4 the quantization of FC1's output, and FC2.
@@ -830,6 +838,9 @@ def expert_gemms(
             reordered here, one more kernel).
         a_decoded: W4A4's FC1 input rows decoded (``quantize_rows(decoded=...)``), for FC1
             on the Gluon kernel; None: decoded there if needed.
+        fc1_early_weights: a kernel that waited for the sort runs between the sort and
+            FC1, so FC1's Gluon programs may issue weight copies before their grid wait
+            (``TritonOptions.fc1_early``).
 
     Returns:
         bf16 [T * topk, H] route rows in sorted order (rows past the valid count
@@ -875,7 +886,7 @@ def expert_gemms(
         dense=dense, poison=opt.poison, gluon=opt.gluon_decode,
         counters=counters[0] if counters else None, amax_out=famax,
         a_ordered=ordered, out_ordered=ordered, blocks_last=opt.blocks_last,
-        a_decoded=a_decoded, gluon_pdl=gpdl,
+        a_decoded=a_decoded, gluon_pdl=gpdl, early_weights=fc1_early_weights,
     )  # fmt: skip
 
     # FC2 input.
@@ -997,6 +1008,7 @@ def moe_triton(
         act_scale=act_scale, topk=topk, a_gather=a_gather, route_weights=w_flat,
         fused_into=fused, options=opt, pdl=pdl, counters=counters, amax_zero=amax_zero,
         a_unit_order=sort.x_ordered, a_decoded=a_dec,
+        fc1_early_weights=mode == "w4a4" and opt.fc1_early,  # a quantize kernel between
     )  # fmt: skip
     if fused_finalize:
         return dest.to(torch.bfloat16)
