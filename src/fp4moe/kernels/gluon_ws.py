@@ -216,7 +216,7 @@ def _last_unit_epilogue(
 def tma_split_kernel(
     x_ptr,  # bf16 [rows, K]: FC1 the tokens (gathered by route // TOPK), FC2 sorted rows
     sorted_routes_ptr,  # int32 [T*TOPK]
-    c_desc,  # TMA descriptor: uint8 [E * W_ROWS, K/2] codes, box [64, 32]
+    c_desc,  # TMA descriptor of the uint8 [E * W_ROWS, K/2] codes (its box: BOX3)
     s_desc,  # TMA descriptor: uint8 [E * W_ROWS, K/16] e4m3 scale bits, box [64, 16]
     block_expert_ptr,
     block_start_ptr,
