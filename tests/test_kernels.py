@@ -1198,6 +1198,17 @@ def test_dense_rows_match_reference(interpret, device, order, h):
         assert torch.isnan(out[n:]).all()
         out = dense_rows(codes, scales, count=count, poison=True, order=order).float()
         assert torch.equal(out[:n], ref[:n]) and torch.isnan(out[n:]).all()
+    # gathered: output row r is source row index[r] // div (sorted routes -> token rows)
+    g = torch.Generator().manual_seed(h)
+    index = torch.randint(0, 37 * 3, (50,), generator=g, dtype=torch.int32)
+    want = chunk_order(x[(index // 3).long()], torch.float32, order)
+    assert torch.equal(dense_rows(x, order=order, index=index, div=3).float(), want)
+    count = torch.tensor([20], dtype=torch.int32)
+    out = dense_rows(x, order=order, index=index, div=3, count=count, poison=True).float()
+    assert torch.equal(out[:20], want[:20]) and torch.isnan(out[20:]).all()
+    idx = torch.randint(0, 64, (9,), generator=g, dtype=torch.int32)
+    got = dense_rows(codes, scales, order=order, index=idx).float()
+    assert torch.equal(got, ref[idx.long()])
 
 
 def test_dense_rows_bad_input():
@@ -1219,6 +1230,14 @@ def test_dense_rows_bad_input():
         dense_rows(codes, scales, order=48)
     with pytest.raises(ValueError, match="src"):
         dense_rows(codes, scales, order=64)  # K = 32
+    i32 = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="index"):
+        dense_rows(codes, scales, index=i32.long())
+    with pytest.raises(ValueError, match="index"):
+        dense_rows(codes, scales, index=i32.reshape(3, 1))
+    for bad in (0, -2, True, 1.5):
+        with pytest.raises(ValueError, match="div"):
+            dense_rows(codes, scales, index=i32, div=bad)
 
 
 @pytest.mark.gpu

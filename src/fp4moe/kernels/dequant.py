@@ -102,6 +102,7 @@ def dense_rows_kernel(
     scales_ptr,  # float8_e4m3fn [R, K/16] (FP4)
     count_ptr,  # int32 [1]: rows past it are left unwritten (HAS_COUNT)
     out_ptr,  # DOT_DTYPE [R, K], chunk order
+    index_ptr,  # int32 [R]: output row r is source row index[r] // DIV (GATHER)
     R,
     K: tl.constexpr,
     BR: tl.constexpr,
@@ -111,12 +112,18 @@ def dense_rows_kernel(
     DECODE_ASM: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     ORDER: tl.constexpr = 32,
+    GATHER: tl.constexpr = False,
+    DIV: tl.constexpr = 1,
 ):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = rows < R
     if HAS_COUNT:  # a block past the count loads and stores nothing
         rmask = rmask & (rows < tl.load(count_ptr))
-    r64 = rows.to(tl.int64)
+    o64 = rows.to(tl.int64)
+    if GATHER:
+        r64 = (tl.load(index_ptr + rows, mask=rmask, other=0) // DIV).to(tl.int64)
+    else:
+        r64 = o64
     kb = tl.program_id(1)
     kk = kb * BK + tl.arange(0, BK)
     if FP4:
@@ -131,7 +138,7 @@ def dense_rows_kernel(
     else:  # bf16 values, only reordered: the GEMM's register permutation, done once
         x = tl.load(src_ptr + r64[:, None] * K + kk[None, :], mask=rmask[:, None], other=0.0)
         v = order_rows(x.to(DOT_DTYPE), BR, BK, ORDER)
-    tl.store(out_ptr + r64[:, None] * K + kk[None, :], v, mask=rmask[:, None])
+    tl.store(out_ptr + o64[:, None] * K + kk[None, :], v, mask=rmask[:, None])
 
 
 def dense_rows(
@@ -142,6 +149,8 @@ def dense_rows(
     decode_asm: bool = True,
     poison: bool = False,
     order: int = 32,
+    index: torch.Tensor | None = None,
+    div: int = 1,
 ) -> torch.Tensor:
     """Activation rows as the dense GEMM loads them: NVFP4 rows decoded like
     ``dense_weights``, or bf16 rows put in chunk order (``chunk_order``), values unchanged.
@@ -154,9 +163,13 @@ def dense_rows(
             never loads); read on the device, so no host synchronization.
         poison: fill the unwritten rows with NaN (tests).
         order: the K order, 32 or 64 (K a multiple of it), as the GEMM's ``ORDER``.
+        index: int32 [R'], or None: output row r is source row ``index[r] // div`` (e.g.
+            the sorted routes and top-k: each route's token row in sorted order); R'
+            rows out, ``count`` applying to them.
+        div: the divisor of ``index`` (>= 1).
 
     Returns:
-        [R, K] bf16 on a GPU, fp32 in the interpreter.
+        [R, K] (R' with ``index``) bf16 on a GPU, fp32 in the interpreter.
     """
     from .launch import _empty, interpreting  # (launch imports this module)
 
@@ -179,15 +192,29 @@ def dense_rows(
         raise ValueError(
             f"count: expected one int32 element, got {count.dtype} {list(count.shape)}"
         )
+    if index is not None:
+        if index.dtype != torch.int32 or index.dim() != 1:
+            raise ValueError(
+                f"index: expected one dimension of int32, got {index.dtype} "
+                f"{list(index.shape)}"
+            )
+        if isinstance(div, bool) or not isinstance(div, int) or div < 1:
+            raise ValueError(f"div: expected an int >= 1, got {div!r}")
+        if index.device != src.device:
+            raise ValueError(f"index: on {index.device}, src on {src.device}")
+        r_out = index.shape[0]
+    else:
+        r_out = r
     interp = interpreting()
-    out = _empty((r, k), torch.float32 if interp else torch.bfloat16, src.device, poison)
-    if r:
+    out = _empty((r_out, k), torch.float32 if interp else torch.bfloat16, src.device, poison)
+    if r_out and r:
         br, bk, warps = decode_tile(k, interp)
         src = src.contiguous()
-        dense_rows_kernel[(triton.cdiv(r, br), k // bk)](
+        dense_rows_kernel[(triton.cdiv(r_out, br), k // bk)](
             src, scales.contiguous() if fp4 else src, count if count is not None else src, out,
-            r, K=k, BR=br, BK=bk, FP4=fp4, HAS_COUNT=count is not None,
-            DECODE_ASM=decode_asm and fp4 and not interp,
-            DOT_DTYPE=tl.float32 if interp else tl.bfloat16, ORDER=order, num_warps=warps,
+            index if index is not None else src, r_out, K=k, BR=br, BK=bk, FP4=fp4,
+            HAS_COUNT=count is not None, DECODE_ASM=decode_asm and fp4 and not interp,
+            DOT_DTYPE=tl.float32 if interp else tl.bfloat16, ORDER=order,
+            GATHER=index is not None, DIV=div, num_warps=warps,
         )  # fmt: skip
     return out
