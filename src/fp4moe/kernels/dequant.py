@@ -195,8 +195,7 @@ def dense_rows(
     if index is not None:
         if index.dtype != torch.int32 or index.dim() != 1:
             raise ValueError(
-                f"index: expected one dimension of int32, got {index.dtype} "
-                f"{list(index.shape)}"
+                f"index: expected one dimension of int32, got {index.dtype} {list(index.shape)}"
             )
         if isinstance(div, bool) or not isinstance(div, int) or div < 1:
             raise ValueError(f"div: expected an int >= 1, got {div!r}")
