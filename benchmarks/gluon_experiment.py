@@ -9,9 +9,9 @@ split GEMM against the Gluon kernel (its last unit of a tile runs the epilogue),
 compared and timed with CUDA events over CUDA-graph replays; then the whole call both
 ways (``TritonOptions.gluon_decode``). ``--buffers``: the kernel's ring
 (``gluon_ws.BUFFERS``), ``--wgmma``, ``--codes`` (the code copies), ``--four-boxes``,
-``--stage-k`` (the ring's stage, ``gluon_ws.STAGE_K``), ``--pdl`` (every combination of
-``--buffers``, ``--stage-k``, ``--pdl`` and ``--codes`` is timed against one loop 3 time
-a token count), ``--gluon-upto``,
+``--stage-k`` (the ring's stage, ``gluon_ws.STAGE_K``), ``--pdl``, ``--a-tma`` (every
+combination of ``--buffers``, ``--stage-k``, ``--pdl``, ``--codes`` and ``--a-tma`` is
+timed against one loop 3 time a token count), ``--gluon-upto``,
 ``--split-k`` and ``--whole-only`` as their help says.
 """
 
@@ -78,6 +78,9 @@ def main() -> None:
                    help="the code copies a stage, each timed: one 2-D box [64, 128] with a "
                    "128-byte swizzle (gluon_ws.CODE_WIDE, the default), one 3-D box [4, 64, "
                    "32] (CODE_BOX3), four [64, 32] boxes")  # fmt: skip
+    p.add_argument("--a-tma", nargs="+", default=["off"], choices=("off", "on"),
+                   help="TritonOptions.gluon_a_tma, each timed: the activation rows by TMA "
+                   "with each stage")  # fmt: skip
     p.add_argument("--split-k", action="store_true",
                    help="whole calls with TritonOptions.split_k=True (64 tokens, up)")  # fmt: skip
     p.add_argument("--whole-only", action="store_true", help="time the whole calls only")
@@ -98,7 +101,7 @@ def main() -> None:
     ex = fp4moe.prepare_experts(w13, w2)
     del w13, w2
     rows = []
-    variants = list(itertools.product(a.buffers, a.stage_k, a.pdl, a.codes))
+    variants = list(itertools.product(a.buffers, a.stage_k, a.pdl, a.codes, a.a_tma))
     for t in a.tokens:
         gluon_ws.BUFFERS, gluon_ws.STAGE_K = variants[0][:2]
         nb = gluon_ws.BUFFERS
@@ -139,8 +142,9 @@ def main() -> None:
 
         # 2. The whole call (W4A16, deterministic finalize, PDL, CUDA graph): loop 3 once,
         # then each (buffers, stage_k) of the Gluon kernels.
-        def whole_call(g, pdl="rule"):
+        def whole_call(g, pdl="rule", atma="off"):
             rule = {} if pdl == "rule" else dict(gluon_pdl_upto=float("inf"))
+            rule["gluon_a_tma"] = atma == "on"
             opt = TritonOptions(valid_fraction=pr.local_experts / pr.experts, gluon_decode=g,
                                 split_k=True if a.split_k else None,
                                 gluon_upto=a.gluon_upto, **rule)  # fmt: skip
@@ -154,17 +158,18 @@ def main() -> None:
             return y.clone(), timed(whole)
 
         y3, us3 = whole_call(False)
-        for nb, sk, pdl, codes in variants:
+        for nb, sk, pdl, codes, atma in variants:
             gluon_ws.BUFFERS, gluon_ws.STAGE_K = nb, sk
             gluon_ws.CODE_WIDE, gluon_ws.CODE_BOX3 = codes == "wide", codes != "four"
             gluon_ws.PDL, gluon_ws.EARLY_WEIGHTS = pdl != "off", pdl in ("early", "rule")
-            yg, usg = whole_call(True, pdl)
+            yg, usg = whole_call(True, pdl, atma)
             same = bool(torch.equal(y3, yg))
             rows.append(dict(tokens=t, buffers=nb, stage_k=sk, pdl=pdl, codes=codes,
-                             gemm="call", same=same,
+                             a_tma=atma, gemm="call", same=same,
                              loop3_us=us3, gluon_us=usg))  # fmt: skip
-            print(f"B{nb} SK{sk} PDL-{pdl} {codes} T={t:5d} whole call same {same}  loop 3 "
-                  f"{us3:7.1f} us  with gluon {usg:7.1f} us", flush=True)  # fmt: skip
+            print(f"B{nb} SK{sk} PDL-{pdl} {codes} atma-{atma} T={t:5d} whole call same "
+                  f"{same}  loop 3 {us3:7.1f} us  with gluon {usg:7.1f} us",
+                  flush=True)  # fmt: skip
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)

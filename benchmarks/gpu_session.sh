@@ -26,12 +26,13 @@
 #   bash benchmarks/gpu_session.sh final      # session 11's checks: kernels, Gluon, bench
 #   bash benchmarks/gpu_session.sh final2     # runner, phases, HF; memcheck over Gluon PDL
 #   bash benchmarks/gpu_session.sh fc1early   # W4A4's FC1 copies before its wait: bits, time
+#   bash benchmarks/gpu_session.sh atma       # the Gluon GEMMs' rows by TMA: bits, time
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -277,6 +278,17 @@ fc1early)
     step fc1early 150 python3 benchmarks/sweep_decode.py --tokens 1 16 32 \
         --modes w4a4-token w4a4-tensor --variants c3 c3-fc1early --iters 12 \
         --out "$out/fc1early.json"
+    ;;
+atma)
+    # TritonOptions.gluon_a_tma (built in session 11 after the GPU time ran out): bits of
+    # every mode first, then whole W4A16 calls with and without it, alternating
+    step atma_test 240 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
+        -k "a_tma_gpu"
+    step atma 150 python3 benchmarks/gluon_experiment.py --whole-only \
+        --tokens 1 8 16 32 64 128 --a-tma off on off on --out "$out/atma-deepseek.json"
+    step atma_w4a4 120 python3 benchmarks/sweep_decode.py --tokens 1 16 32 \
+        --modes w4a4-token w4a4-tensor --variants c3 c3-atma --iters 12 \
+        --out "$out/atma-w4a4.json"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

@@ -22,6 +22,7 @@ the (tiles, segments, blocks) grid, named c3-blast in session 9's data), c3-noqd
 (TritonOptions.quantize_decoded off: W4A4's decoded rows by dense_rows launches; session
 10's data has c3-qdec, the option on, before it became the default), c3-fc1early
 (TritonOptions.fc1_early: W4A4's FC1 issues weight copies before its grid wait),
+c3-atma (TritonOptions.gluon_a_tma: the Gluon GEMMs' rows by TMA),
 c3-nogluon (gluon_decode off: loop 3 at decode sizes too).
 """
 
@@ -183,6 +184,10 @@ def main() -> None:
                 # W4A4: FC1's Gluon programs issue weight copies before their grid wait
                 "c3-fc1early": TritonOptions(
                     chunked=3, valid_fraction=p.local_experts / p.experts, fc1_early=True
+                ),
+                # the Gluon GEMMs' activation rows by TMA with each stage (the same bits)
+                "c3-atma": TritonOptions(
+                    chunked=3, valid_fraction=p.local_experts / p.experts, gluon_a_tma=True
                 ),
                 # loop 3 everywhere (the Gluon kernels off; the same bits)
                 "c3-nogluon": TritonOptions(

@@ -95,6 +95,38 @@ def test_tma_stage_k_and_pdl_compile_for_sm90():
     _compile_check(code)
 
 
+def test_tma_a_tma_compiles_for_sm90():
+    """``A_TMA``: the activation rows come with each stage as one 3-D box (FC1: 16 weight
+    copies + 4 row copies a 1024-K segment; FC2: 8 + 4), no register staging of the
+    segment (no shared stores but the epilogue's), less shared memory, no spill; with
+    early weights (FC2 under PDL) the rows' first copy comes after the grid wait and the
+    weights' before it; ``out_unit_order`` compiles (FC1's epilogue)."""
+    pytest.importorskip("triton")
+    code = (
+        "from fp4moe.kernels.gluon_ws import compile_sm90\n"
+        "for n, k, g, copies in ((2048, 7168, True, 20), (7168, 2048, False, 12)):\n"
+        "    for bm in (8, 16):\n"
+        "        kw = dict(n=n, k=k, gated=g, block_m=bm, asynchronous=True, buffers=1,\n"
+        "                  epilogue=True, box3=2)\n"
+        "        base = compile_sm90(**kw)\n"
+        "        c = compile_sm90(**kw, a_tma=True, out_unit_order=g)\n"
+        "        ptx = c.asm['ptx']\n"
+        "        assert ptx.count('cp.async.bulk.tensor') == copies, (n, bm)\n"
+        "        assert ptx.count('cp.async.bulk.tensor.3d') == 4, (n, bm)\n"
+        "        assert '.local' not in ptx and 'wgmma.mma_async' in ptx\n"
+        "        assert c.metadata.shared < base.metadata.shared - 4096 * bm // 8\n"
+        "        assert base.asm['ptx'].count('st.shared') > ptx.count('st.shared')\n"
+        "c = compile_sm90(n=7168, k=2048, gated=False, block_m=8, asynchronous=True,\n"
+        "                 buffers=1, epilogue=True, box3=2, a_tma=True, pdl=True,\n"
+        "                 early_weights=True)\n"
+        "ptx = c.asm['ptx']\n"
+        "w = ptx.index('griddepcontrol.wait')\n"
+        "assert ptx.index('cp.async.bulk.tensor.2d') < w < ptx.index('cp.async.bulk.tensor.3d')\n"
+        "print('ok')\n"
+    )
+    _compile_check(code)
+
+
 def test_split_partials_bad_arguments():
     """A segment that is no multiple of a stage, a bad tile height, and the epilogue
     without its counters or router weights are refused before anything is launched."""
@@ -394,3 +426,62 @@ def test_fc1_early_gpu(t, mode):
     b = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
                    options=TritonOptions(poison=True, fc1_early=True))  # fmt: skip
     assert torch.equal(a, b)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_gluon_a_tma_plumbing(interpret, device, monkeypatch, mode):
+    """``TritonOptions.gluon_a_tma`` where the Gluon kernels would run (forced here; the
+    interpreter runs loop 3): W4A16's FC1 writes unit-order rows that FC2 reads as such,
+    both GEMMs take ``a_tma``; W4A4's FC2 takes it, its FC1 only for static scales (the
+    decoded rows in sorted order; the others are staged in the kernel, which decides that
+    itself). Off by default. Loop 3 reads and writes the unit order too
+    (``ordered_x``), so the call's bits do not change."""
+    from fp4moe.kernels import launch
+    from test_kernels import _experts, _routes
+
+    m, sc = mode
+    experts = _experts(4, 128, 64, seed=9, device=device)
+    x = _x(5, 128, seed=9, device=device)
+    ids, w = _routes(5, 2, 4, seed=9, device=device, masked=0.2)
+    base = moe_triton(x, ids, w, experts, mode=m, act_scale=sc)
+    seen = []
+    real = launch._gemm
+
+    def spy(*args, **kw):
+        seen.append(tuple(kw.get(f, False) for f in ("a_tma", "out_ordered", "a_ordered")))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(launch, "_gemm", spy)
+    monkeypatch.setattr(TritonOptions, "gluon_runs", lambda self, *a: True)
+    moe_triton(x, ids, w, experts, mode=m, act_scale=sc)
+    assert seen == [(False, False, False)] * 2  # off by default
+    seen.clear()
+    out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                     options=TritonOptions(gluon_a_tma=True))  # fmt: skip
+    if m == "w4a16":
+        assert seen == [(True, True, False), (True, False, True)]
+    else:  # FC1's own decision comes in _gemm (token-order rows: staged)
+        assert seen == [(True, False, False), (True, False, False)]
+    assert torch.equal(out, base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16, 64, "one-expert"])
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_gluon_a_tma_gpu(t, mode):
+    """``gluon_a_tma`` on the GPU: loop 3's bits for whole calls (deterministic finalize),
+    the fused finalize within the tolerance, every mode; W4A16's FC1 input gathered into
+    sorted unit order and FC1's rows written so for FC2."""
+    m, sc = mode
+    experts, x, ids, w = _deepseek_case(t, seed=23, expert=1)
+    for fused in (False, True):
+        a = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused,
+                       options=TritonOptions(poison=True, gluon_decode=False))  # fmt: skip
+        b = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused,
+                       options=TritonOptions(poison=True, gluon_a_tma=True))  # fmt: skip
+        if fused:
+            ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
+            assert rel_err(b, ref) <= TOL[m]
+        else:
+            assert torch.equal(a, b), (m, sc)

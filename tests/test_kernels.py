@@ -664,6 +664,9 @@ def test_workspace_bytes_counts_segment_partials(monkeypatch):
     assert workspace_bytes(16, 8, 7168, 2048, 32) == workspace_bytes(
         16, 8, 7168, 2048, 32, options=TritonOptions(gluon_decode=False)
     )
+    # gluon_a_tma: W4A16's FC1 input rows gathered in sorted order, in FC1's phase
+    atma = workspace_bytes(16, 8, 7168, 2048, 32, options=TritonOptions(gluon_a_tma=True))
+    assert atma - workspace_bytes(16, 8, 7168, 2048, 32) == 16 * 8 * 7168 * 2
     monkeypatch.setattr(launch, "hopper_device", lambda: False)
     assert workspace_bytes(16, 8, 7168, 2048, 32, **w4a4) == gl_off
 

@@ -77,6 +77,10 @@ CODE_SMEM3 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank
 # 268.8. Needs STAGE_K 256.
 CODE_WIDE = True
 CODE_SMEM_W = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+# A_TMA (TritonOptions.gluon_a_tma): x's rows, already sorted and in the unit order, come by
+# TMA with each stage as one [SK / 64, BM, 64] box of the view [K/64, rows, 64]: 128-byte
+# rows with the 128-byte swizzle of the wgmma B tiles _stage_x writes
+X_SMEM3 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
 
 
 def scale_slots(buffers: int, stage_k: int) -> int:
@@ -151,7 +155,7 @@ def _last_unit_epilogue(
     sorted_routes_ptr, out_ptr, a_global_ptr, stride, N: gl.constexpr, K: gl.constexpr,
     TOPK: gl.constexpr, GATED: gl.constexpr, BM: gl.constexpr, SEG: gl.constexpr,
     FUSED: gl.constexpr, OUT_SCALE: gl.constexpr, MMA: gl.constexpr,
-    A_GATHER: gl.constexpr, A_FP4: gl.constexpr,
+    A_GATHER: gl.constexpr, A_FP4: gl.constexpr, OUT_UNIT: gl.constexpr = False,
 ):  # fmt: skip
     """After a unit wrote its partial: the tile's last unit to finish sums the partials
     in segment order from zero, ((0 + P_0) + P_1) + ..., and writes the W4A16 output with
@@ -209,7 +213,13 @@ def _last_unit_epilogue(
             gl.atomic_add(out_ptr + tok[None, :] * N + on[:, None], contrib, mask=mask,
                           sem="relaxed")  # fmt: skip
         else:
-            gl.store(out_ptr + om.to(gl.int64)[None, :] * N + on[:, None], y, mask=mask)
+            if OUT_UNIT:  # each 64 columns in the unit order (FC2's TMA rows, A_TMA)
+                j = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+                pos = 16 * ((j // 4) % 4) + 8 * (j % 2) + 2 * (j // 16) + (j // 2) % 2
+                col = pid_n * 64 + pos
+            else:
+                col = on
+            gl.store(out_ptr + om.to(gl.int64)[None, :] * N + col[:, None], y, mask=mask)
 
 
 @gluon.jit
@@ -218,6 +228,8 @@ def tma_split_kernel(
     sorted_routes_ptr,  # int32 [T*TOPK]
     c_desc,  # TMA descriptor of the uint8 [E * W_ROWS, K/2] codes (its box: BOX3)
     s_desc,  # TMA descriptor: uint8 [E * W_ROWS, K/16] e4m3 scale bits, box [64, 16]
+    x_desc,  # A_TMA: TMA descriptor of x (rows in sorted and unit order) as [K/64, rows, 64]
+    # with [SK / 64, BM, 64] boxes (else any descriptor, unused)
     block_expert_ptr,
     block_start_ptr,
     block_end_ptr,
@@ -249,6 +261,8 @@ def tma_split_kernel(
     SK: gl.constexpr = 256,  # K elements a ring stage (64, 128 or 256)
     USE_PDL: gl.constexpr = False,  # programmatic dependent launch (launch_pdl=True)
     EARLY_W: gl.constexpr = False,  # USE_PDL: the first stages' copies before the wait
+    A_TMA: gl.constexpr = False,  # x's rows (sorted, unit order) by TMA with each stage
+    OUT_UNIT: gl.constexpr = False,  # EPILOGUE: bf16 rows with each 64 columns in unit order
 ):
     pid_n = gl.program_id(0)
     if BLOCKS_LAST:
@@ -293,7 +307,14 @@ def tma_split_kernel(
         for b in gl.static_range(NB):
             mbarrier.init(bars.index(b), count=1)
         row = e * w_rows + pid_n * 64
-        CODE_BYTES: gl.constexpr = NW * UPS * 64 * 32
+        if A_TMA:  # x's ring: [stage buffers * UPS * BM, 64], each unit's rows a wgmma B
+            XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
+            xr = gl.allocate_shared_memory(gl.bfloat16, [NB * UPS * BM, UNIT], XS)
+            xdst = xr._reinterpret(gl.bfloat16, [NB, UPS, BM, UNIT], X_SMEM3)
+            ACT_BYTES: gl.constexpr = UPS * BM * UNIT * 2
+        else:
+            ACT_BYTES: gl.constexpr = 0
+        CODE_BYTES: gl.constexpr = NW * UPS * 64 * 32 + ACT_BYTES
         SCALE_BYTES: gl.constexpr = NW * 64 * 16
         for st in gl.static_range(NB):
             bar = bars.index(st)
@@ -305,13 +326,21 @@ def tma_split_kernel(
             if GATED:
                 _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row + N, k0, st, 1, NB, BOX3,
                              UPS, NBS)  # fmt: skip
+            if A_TMA and not EARLY_W:
+                tma.async_copy_global_to_shared(x_desc, [(k0 + st * SK) // UNIT, start, 0],
+                                                bar, xdst.index(st))  # fmt: skip
 
         if USE_PDL and EARLY_W:  # the weights' first stages fly while the last kernel ends
             _gdc_wait_release()
+            if A_TMA:  # x comes from the kernel just waited for
+                for st in gl.static_range(NB):
+                    tma.async_copy_global_to_shared(x_desc, [(k0 + st * SK) // UNIT, start, 0],
+                                                    bars.index(st), xdst.index(st))  # fmt: skip
 
         # ---- activations of the segment, in unit order, into shared memory [NU * BM, 64]
-        xs = _stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K, TOPK, A_GATHER, BM, SEG,
-                      A_UNIT_ORDER)  # fmt: skip
+        if not A_TMA:
+            xs = _stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K, TOPK, A_GATHER, BM,
+                          SEG, A_UNIT_ORDER)  # fmt: skip
 
         # ---- decode and multiply, stage by stage as the copies land
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
@@ -323,7 +352,10 @@ def tma_split_kernel(
         for kb in gl.static_range(NU):
             if kb % UPS == 0:
                 mbarrier.wait(bars.index((kb // UPS) % NB), (kb // UPS // NB) % 2)
-            xb = xs.slice(kb * BM, BM).permute((1, 0))
+            if A_TMA:
+                xb = xr.slice(((kb // UPS) % NB * UPS + kb % UPS) * BM, BM).permute((1, 0))
+            else:
+                xb = xs.slice(kb * BM, BM).permute((1, 0))
             gc, gs = _smem_unit(cbuf, sbuf, kb, 0, NB, UPS, NBS, BOX3 == 2)
             wg = _decode_unit(gc, gs, A_L)
             if ASYNC:
@@ -349,6 +381,12 @@ def tma_split_kernel(
                     acc_u = warpgroup_mma(_decode_unit(uc, us, A_L), xb, acc_u)
             # the stage's buffer is read: refill it with stage + NB (ring only)
             if kb % UPS == UPS - 1 and kb // UPS + NB < NS:
+                if A_TMA and ASYNC:  # the stage's x rows are read by the wgmma in flight
+                    if GATED:
+                        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0,
+                                                          deps=(acc_g, acc_u))  # fmt: skip
+                    else:
+                        acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
                 gl.thread_barrier()  # every warp's shared loads of the buffer done
                 fence_async_shared()  # ordered before the TMA writes (async proxy)
                 bar = bars.index((kb // UPS) % NB)
@@ -361,6 +399,11 @@ def tma_split_kernel(
                 if GATED:
                     _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row + N, k0, kb // UPS + NB, 1,
                                  NB, BOX3, UPS, NBS)  # fmt: skip
+                if A_TMA:
+                    tma.async_copy_global_to_shared(
+                        x_desc, [(k0 + (kb // UPS + NB) * SK) // UNIT, start, 0], bar,
+                        xdst.index((kb // UPS) % NB),
+                    )  # fmt: skip
         if ASYNC:
             if GATED:
                 acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
@@ -376,7 +419,7 @@ def tma_split_kernel(
             _last_unit_epilogue(
                 pid_m, pid_n, e, start, end, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr,
                 sorted_routes_ptr, out_ptr, a_global_ptr, stride, N, K, TOPK, GATED, BM, SEG,
-                FUSED, OUT_SCALE, MMA, A_GATHER, A_FP4,
+                FUSED, OUT_SCALE, MMA, A_GATHER, A_FP4, OUT_UNIT,
             )  # fmt: skip
 
 
@@ -411,6 +454,7 @@ def split_partials_tma(
     topk_w: torch.Tensor | None = None, fused: bool = False, out_scale: float = 1.0,
     a_unit_order: bool = False, a_global: torch.Tensor | None = None,
     stage_k: int | None = None, pdl: bool = False, early_weights: bool = False,
+    a_tma: bool = False, out_unit_order: bool = False,
 ) -> None:  # fmt: skip
     """Launch ``tma_split_kernel``: fp32 ``part`` [K / seg, ws_rows, (2 if gated) * n]
     receives loop 3's segment partials P_s of every valid row. ``x``: bf16 [., K], the
@@ -432,7 +476,12 @@ def split_partials_tma(
     ``pdl``: launched with programmatic dependent launch (each program waits for the
     preceding kernel, then releases the next). ``early_weights`` (with ``pdl``): the
     schedule (``block_*``) was complete before the preceding kernel started, as for FC2,
-    so each program issues its first weight copies before it waits (``EARLY_WEIGHTS``)."""
+    so each program issues its first weight copies before it waits (``EARLY_WEIGHTS``).
+
+    ``a_tma``: ``x``'s rows are in sorted order (not ``gather``) and in the unit order, and
+    come by TMA with each stage (``A_TMA``) instead of the program's staging of its
+    segment. ``out_unit_order``: the epilogue writes bf16 rows with each 64 columns in the
+    unit order (for a next GEMM with ``a_tma``)."""
     k = x.shape[1]
     if asynchronous is None:
         asynchronous = ASYNC_WGMMA
@@ -449,13 +498,25 @@ def split_partials_tma(
                      or (fused and topk_w is None)):  # fmt: skip
         raise ValueError("split_partials_tma: out needs counters (cdiv(n, 64) * blocks "
                          "int32 zeros), w_global, and topk_w when fused")  # fmt: skip
+    if a_tma and (gather or x.dtype != torch.bfloat16 or x.dim() != 2):
+        raise ValueError("split_partials_tma: a_tma needs x as bf16 [rows, K] in sorted order "
+                         "(gather False)")  # fmt: skip
+    if out_unit_order and (not epilogue or fused):
+        raise ValueError("split_partials_tma: out_unit_order needs out as bf16 rows")
     box = 2 if CODE_WIDE and stage_k == 256 else int(CODE_BOX3)
     c_desc, s_desc = descriptors(codes, scales, box, stage_k)
+    x_desc = c_desc
+    if a_tma:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        x = x.contiguous()
+        x_desc = TensorDescriptor(x, [k // 64, x.shape[0], 64], [64, k, 1],
+                                  [stage_k // 64, block_m, 64], X_SMEM3)  # fmt: skip
     pdl = pdl and PDL
     grid = (tiles, segs, blocks) if blocks_last else (tiles, blocks, segs)
     dummy = part
     tma_split_kernel[grid](
-        x, sorted_routes, c_desc, s_desc, block_expert, block_start, block_end, part,
+        x, sorted_routes, c_desc, s_desc, x_desc, block_expert, block_start, block_end, part,
         counters if epilogue else dummy, w_global if epilogue else dummy,
         topk_w if fused else dummy, out if epilogue else dummy,
         a_global if a_global is not None else dummy, ws_rows,
@@ -464,7 +525,8 @@ def split_partials_tma(
         NBUF=BUFFERS if buffers is None else buffers, EPILOGUE=epilogue,
         FUSED=fused and epilogue, OUT_SCALE=out_scale, A_UNIT_ORDER=a_unit_order,
         A_FP4=a_global is not None and epilogue, BOX3=box, SK=stage_k, USE_PDL=pdl,
-        EARLY_W=pdl and early_weights and EARLY_WEIGHTS, num_warps=4, launch_pdl=pdl,
+        EARLY_W=pdl and early_weights and EARLY_WEIGHTS, A_TMA=a_tma,
+        OUT_UNIT=out_unit_order, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -483,6 +545,8 @@ def compile_sm90(
     stage_k: int = 256,
     pdl: bool = False,
     early_weights: bool = False,
+    a_tma: bool = False,
+    out_unit_order: bool = False,
 ):
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
     layout conversions are asserted trivial at compile time. ``box3``: the code copies
@@ -502,10 +566,16 @@ def compile_sm90(
         else f"tensordesc<u8[64, 32],{CODE_SMEM!r}>",
         "s_desc": f"tensordesc<u8[64, 16],{SCALE_SMEM!r}>",
     }
-    const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated, BM=block_m, SEG=1024,
+    descs["x_desc"] = (
+        f"tensordesc<bf16[{stage_k // 64}, {block_m}, 64],{X_SMEM3!r}>"
+        if a_tma
+        else descs["c_desc"]
+    )
+    const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated and not a_tma, BM=block_m,
+                 SEG=1024,
                  ASYNC=asynchronous, BLOCKS_LAST=True, NBUF=buffers, EPILOGUE=epilogue,
                  FUSED=fused, OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_UNIT_ORDER=a_fp4,
                  A_FP4=a_fp4, BOX3=int(box3), SK=stage_k, USE_PDL=pdl,
-                 EARLY_W=pdl and early_weights)  # fmt: skip
+                 EARLY_W=pdl and early_weights, A_TMA=a_tma, OUT_UNIT=out_unit_order)  # fmt: skip
     return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows",), gluon=True,
                                descs=descs, num_warps=4, launch_pdl=pdl)  # fmt: skip

@@ -214,6 +214,15 @@ class TritonOptions:
         complete when FC1's programs start. The same bits. Off: built in session 11 after
         the GPU time ran out, not measured (``sweep_decode.py --modes w4a4-token
         w4a4-tensor --variants c3 c3-fc1early``).
+    gluon_a_tma: the Gluon kernels take their activation rows by TMA with each stage of
+        weights (``gluon_ws`` ``A_TMA``) instead of staging a segment's rows through
+        registers first: 12 KB less shared memory a program (8-row tiles) and no gathered
+        loads in the prologue. The rows must be in sorted and unit order: W4A16's FC1
+        input is gathered so once a call (``dense_rows(index=...)``), FC1 then writes its
+        output rows in the unit order for FC2; W4A4's decoded rows are in that order
+        already, except FC1's per-token and per-tensor ones (in token order: staged as
+        before). The same bits. Off: built in session 11 after the GPU time ran out, not
+        run on a GPU (``gluon_experiment.py --a-tma off on``).
     """
 
     pdl: bool | None = None
@@ -236,6 +245,7 @@ class TritonOptions:
     quantize_decoded: bool = True
     gluon_pdl_upto: float = 32.0
     fc1_early: bool = False
+    gluon_a_tma: bool = False
 
     def gluon_pdl(self, n_routes: int, num_experts: int) -> bool:
         """Whether a call's Gluon kernels join the PDL chain (``gluon_pdl_upto``)."""
@@ -564,6 +574,7 @@ def _gemm(
     a_decoded: torch.Tensor | None = None,
     early_weights: bool = False,
     gluon_pdl: bool = True,
+    a_tma: bool = False,
 ) -> None:
     """One grouped GEMM. ``out_fp4`` = (scales, globals, static table): ``out`` receives
     NVFP4 codes of the FC1 activation instead of bf16 (static W4A4). ``dense``: decode
@@ -577,7 +588,11 @@ def _gemm(
     here by ``dense_rows`` when that kernel runs. ``early_weights``: the sort ran at least
     two kernels before this one (FC2), so with ``pdl`` the Gluon kernel issues its first
     weight copies before it waits (``gluon_ws.split_partials_tma``). ``gluon_pdl``: the
-    Gluon kernel too is launched with ``pdl`` (``TritonOptions.gluon_pdl``)."""
+    Gluon kernel too is launched with ``pdl`` (``TritonOptions.gluon_pdl``). ``a_tma``: the
+    Gluon kernel loads its activation rows by TMA (``TritonOptions.gluon_a_tma``): W4A16
+    rows gathered here into sorted unit order (``a_gather``) or given so (``a_ordered``),
+    W4A4 decoded rows in sorted order; with ``out_ordered`` its epilogue writes unit-order
+    rows."""
     a_fp4 = a_scales is not None
     order = k_order(int(chunked), k, cfg.block_k)
     if dense:
@@ -631,6 +646,16 @@ def _gemm(
                 count = None if a_gather else sort.expert_offsets[-1:]
                 a_src = dense_rows(a, a_scales, count=count, decode_asm=decode_asm,
                                    poison=poison, order=64)  # fmt: skip
+            gather = a_gather
+            if a_tma and a_fp4 and a_gather:
+                a_tma = False  # decoded rows in token order: staged by the program
+            elif a_tma and a_gather:  # W4A16: x's rows of the sorted routes, unit order
+                a_src = dense_rows(a, index=sort.sorted_routes, div=topk,
+                                   count=sort.expert_offsets[-1:], poison=poison,
+                                   order=64)  # fmt: skip
+                gather = False
+            elif a_tma and not a_fp4 and not a_ordered:
+                a_tma = False  # bf16 rows not in the unit order
             # the last unit of a tile sums and runs the epilogue itself, except for NVFP4
             # output or the fused amax: then the split kernel below does (REDUCE_ONLY)
             epi = out_fp4 is None and amax_out is None
@@ -640,12 +665,14 @@ def _gemm(
                 kw = dict(out=out, counters=cnt, w_global=w_global, topk_w=topk_w,
                           fused=fused, out_scale=out_scale,
                           a_global=a_global if a_fp4 else None)  # fmt: skip
+            if epi and out_ordered:  # FC1 for FC2 with a_tma: unit-order rows
+                kw["out_unit_order"] = True
             gluon_ws.split_partials_tma(
                 a_src, sort.sorted_routes, w_codes, w_scales, sort.block_expert,
                 sort.block_start, sort.block_end, part, n=n, topk=topk, gated=gated,
-                gather=a_gather, block_m=cfg.block_m, seg=SEGMENT, ws_rows=ws_rows,
-                a_unit_order=a_fp4, pdl=pdl and gluon_pdl, early_weights=early_weights,
-                **kw,
+                gather=gather, block_m=cfg.block_m, seg=SEGMENT, ws_rows=ws_rows,
+                a_unit_order=a_fp4 or a_ordered, pdl=pdl and gluon_pdl,
+                early_weights=early_weights, a_tma=a_tma, **kw,
             )  # fmt: skip
             if epi:
                 return
@@ -875,6 +902,13 @@ def expert_gemms(
         else:
             a = dense_rows(a, None, decode_asm=opt.decode_asm, poison=opt.poison, order=64)
     gpdl = opt.gluon_pdl(n_routes, e_count)
+    # gluon_a_tma: the Gluon GEMMs' activation rows by TMA; W4A16's FC1 then writes its
+    # rows in the unit order for FC2 (both GEMMs on the Gluon kernels)
+    g1 = opt.gluon_runs(split1, h, w4a4, cfg1)
+    g2 = opt.gluon_runs(split2, inter, w4a4, cfg2)
+    mid_unit = opt.gluon_a_tma and g1 and g2 and not w4a4 and not ordered
+    atma1 = opt.gluon_a_tma and g1 and not ordered
+    atma2 = opt.gluon_a_tma and g2 and (w4a4 or mid_unit)
     famax = None
     if opt.amax_in_fc1(mode, act_scale):
         famax = amax_zero if amax_zero is not None else torch.zeros(1, device=dev)
@@ -885,8 +919,8 @@ def expert_gemms(
         decode_asm=opt.decode_asm, out_fp4=out_fp4, chunked=opt.chunked, split=split1,
         dense=dense, poison=opt.poison, gluon=opt.gluon_decode,
         counters=counters[0] if counters else None, amax_out=famax,
-        a_ordered=ordered, out_ordered=ordered, blocks_last=opt.blocks_last,
-        a_decoded=a_decoded, gluon_pdl=gpdl, early_weights=fc1_early_weights,
+        a_ordered=ordered, out_ordered=ordered or mid_unit, blocks_last=opt.blocks_last,
+        a_decoded=a_decoded, gluon_pdl=gpdl, early_weights=fc1_early_weights, a_tma=atma1,
     )  # fmt: skip
 
     # FC2 input.
@@ -928,8 +962,9 @@ def expert_gemms(
         n=h, k=inter, topk=topk, gated=False, a_gather=False, fused=fused_into is not None,
         pdl=pdl, decode_asm=opt.decode_asm, chunked=opt.chunked, split=split2, dense=dense,
         poison=opt.poison, gluon=opt.gluon_decode,
-        counters=counters[1] if counters else None, a_ordered=ordered,
+        counters=counters[1] if counters else None, a_ordered=ordered or mid_unit,
         blocks_last=opt.blocks_last, a_decoded=b_dec, early_weights=True, gluon_pdl=gpdl,
+        a_tma=atma2,
     )  # fmt: skip
     return dest
 
@@ -1121,6 +1156,8 @@ def workspace_bytes(
                     tmp1 += rows1
             if opt.gluon_runs(s2, i, True, cfgs[1]):
                 tmp2 += n * i * 2
+        elif opt.gluon_a_tma and opt.gluon_runs(s1, h, False, cfgs[0]):
+            tmp1 += n * h * 2  # FC1's input rows gathered in sorted unit order (bf16)
     fc1 = common + act + tmp1
     fc2 = common + act + b_in + rows_out + tmp2
     fin = common + rows_out + t * h * 2  # the bf16 output
