@@ -280,8 +280,8 @@ fc1early)
         --out "$out/fc1early.json"
     ;;
 atma)
-    # TritonOptions.gluon_a_tma (built in session 11 after the GPU time ran out): bits of
-    # every mode first, then whole W4A16 calls with and without it, alternating
+    # TritonOptions.gluon_a_tma (session 11: correct, no gain at 16 and 64 tokens, 6 us
+    # lost at 1): bits of every mode first, then whole calls with and without it
     step atma_test 240 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
         -k "a_tma_gpu"
     step atma 150 python3 benchmarks/gluon_experiment.py --whole-only \
