@@ -155,6 +155,33 @@ def test_split_partials_bad_arguments():
                                     w_global=part[0, 0], **kw)  # fmt: skip
 
 
+def _same_as_loop3(x, ids, w, experts, m, sc, **options):
+    """The call with ``options`` against loop 3 (``gluon_decode`` off), both poisoned:
+    the same bits with deterministic finalize, the fused finalize within the tolerance
+    of the reference."""
+    for fused in (False, True):
+        a = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused,
+                       options=TritonOptions(poison=True, gluon_decode=False))  # fmt: skip
+        b = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused,
+                       options=TritonOptions(poison=True, **options))  # fmt: skip
+        if fused:
+            ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
+            assert rel_err(b, ref) <= TOL[m], (m, sc)
+        else:
+            assert torch.equal(a, b), (m, sc)
+
+
+def _small_case(device, *, seed: int):
+    """Interpreter-sized experts (4 of H 128, I 64), 5 tokens of x and top-2 routes, a
+    fifth of them masked."""
+    from test_kernels import _experts, _routes
+
+    experts = _experts(4, 128, 64, seed=seed, device=device)
+    x = _x(5, 128, seed=seed, device=device)
+    ids, w = _routes(5, 2, 4, seed=seed, device=device, masked=0.2)
+    return experts, x, ids, w
+
+
 def _deepseek_case(t, *, seed: int, expert: int):
     """DeepSeek-V3 EP8 experts, x and routes on the GPU for ``t`` tokens, or 16 tokens
     with "one-expert" (top-1 on ``expert``, the other routes masked) or "all-masked"."""
@@ -273,16 +300,7 @@ def test_tma_split_w4a4_gpu(t, mode, qdec):
     experts = _experts(e, h, i, seed=0, device="cuda")
     x = _x(t, h, seed=11, device="cuda")
     ids, w = _gpu_routes(t, k, e, e_total, seed=11)
-    for fused in (False, True):
-        a = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused,
-                       options=TritonOptions(poison=True, gluon_decode=False))  # fmt: skip
-        b = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused,
-                       options=TritonOptions(poison=True, quantize_decoded=qdec))  # fmt: skip
-        if fused:
-            ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
-            assert rel_err(b, ref) <= TOL["w4a4"]
-        else:
-            assert torch.equal(a, b)
+    _same_as_loop3(x, ids, w, experts, m, sc, quantize_decoded=qdec)
 
 
 @pytest.mark.kernel
@@ -350,12 +368,9 @@ def test_quantize_decoded_plumbing(interpret, device, monkeypatch, mode):
     unless static W4A4's FC1 writes NVFP4 itself, of FC2's input get decoded buffers of
     the right shape, and the call's bits do not change."""
     from fp4moe.kernels import launch
-    from test_kernels import _experts, _routes
 
     m, sc = mode
-    experts = _experts(4, 128, 64, seed=3, device=device)
-    x = _x(5, 128, seed=3, device=device)
-    ids, w = _routes(5, 2, 4, seed=3, device=device, masked=0.2)
+    experts, x, ids, w = _small_case(device, seed=3)
     base = moe_triton(x, ids, w, experts, mode=m, act_scale=sc)
     seen = []
     real = launch.quantize_rows
@@ -389,12 +404,9 @@ def test_fc1_early_plumbing(interpret, device, monkeypatch, mode):
     with the option; FC2 always may (the sort is two kernels back). The call's bits do not
     change (in the interpreter loop 3 runs and ignores the flag)."""
     from fp4moe.kernels import launch
-    from test_kernels import _experts, _routes
 
     m, sc = mode
-    experts = _experts(4, 128, 64, seed=5, device=device)
-    x = _x(5, 128, seed=5, device=device)
-    ids, w = _routes(5, 2, 4, seed=5, device=device, masked=0.2)
+    experts, x, ids, w = _small_case(device, seed=5)
     seen = []
     real = launch._gemm
 
@@ -438,12 +450,9 @@ def test_gluon_a_tma_plumbing(interpret, device, monkeypatch, mode):
     itself). Off by default. Loop 3 reads and writes the unit order too
     (``ordered_x``), so the call's bits do not change."""
     from fp4moe.kernels import launch
-    from test_kernels import _experts, _routes
 
     m, sc = mode
-    experts = _experts(4, 128, 64, seed=9, device=device)
-    x = _x(5, 128, seed=9, device=device)
-    ids, w = _routes(5, 2, 4, seed=9, device=device, masked=0.2)
+    experts, x, ids, w = _small_case(device, seed=9)
     base = moe_triton(x, ids, w, experts, mode=m, act_scale=sc)
     seen = []
     real = launch._gemm
@@ -475,13 +484,4 @@ def test_gluon_a_tma_gpu(t, mode):
     sorted unit order and FC1's rows written so for FC2."""
     m, sc = mode
     experts, x, ids, w = _deepseek_case(t, seed=23, expert=1)
-    for fused in (False, True):
-        a = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused,
-                       options=TritonOptions(poison=True, gluon_decode=False))  # fmt: skip
-        b = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused,
-                       options=TritonOptions(poison=True, gluon_a_tma=True))  # fmt: skip
-        if fused:
-            ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
-            assert rel_err(b, ref) <= TOL[m]
-        else:
-            assert torch.equal(a, b), (m, sc)
+    _same_as_loop3(x, ids, w, experts, m, sc, gluon_a_tma=True)
