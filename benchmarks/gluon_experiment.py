@@ -9,9 +9,9 @@ split GEMM against the Gluon kernel (its last unit of a tile runs the epilogue),
 compared and timed with CUDA events over CUDA-graph replays; then the whole call both
 ways (``TritonOptions.gluon_decode``). ``--buffers``: the kernel's ring
 (``gluon_ws.BUFFERS``), ``--wgmma``, ``--codes`` (the code copies), ``--four-boxes``,
-``--stage-k`` (the ring's stage, ``gluon_ws.STAGE_K``), ``--pdl``, ``--a-tma`` (every
-combination of ``--buffers``, ``--stage-k``, ``--pdl``, ``--codes`` and ``--a-tma`` is
-timed against one loop 3 time a token count), ``--gluon-upto``,
+``--stage-k`` (the ring's stage, ``gluon_ws.STAGE_K``), ``--pdl``, ``--a-tma``, ``--diag``
+(every combination of ``--buffers``, ``--stage-k``, ``--pdl``, ``--codes``, ``--a-tma`` and
+``--diag`` is timed against one loop 3 time a token count), ``--gluon-upto``,
 ``--split-k`` and ``--whole-only`` as their help says.
 """
 
@@ -81,6 +81,9 @@ def main() -> None:
     p.add_argument("--a-tma", nargs="+", default=["off"], choices=("off", "on"),
                    help="TritonOptions.gluon_a_tma, each timed: the activation rows by TMA "
                    "with each stage")  # fmt: skip
+    p.add_argument("--diag", type=int, nargs="+", default=[0], choices=(0, 1, 2),
+                   help="gluon_ws.DIAG, each timed (1 and 2 give WRONG results, for timing "
+                   "only: 1 no decode, 2 no copies and no waits)")  # fmt: skip
     p.add_argument("--split-k", action="store_true",
                    help="whole calls with TritonOptions.split_k=True (64 tokens, up)")  # fmt: skip
     p.add_argument("--whole-only", action="store_true", help="time the whole calls only")
@@ -101,9 +104,10 @@ def main() -> None:
     ex = fp4moe.prepare_experts(w13, w2)
     del w13, w2
     rows = []
-    variants = list(itertools.product(a.buffers, a.stage_k, a.pdl, a.codes, a.a_tma))
+    variants = list(itertools.product(a.buffers, a.stage_k, a.pdl, a.codes, a.a_tma, a.diag))
     for t in a.tokens:
         gluon_ws.BUFFERS, gluon_ws.STAGE_K = variants[0][:2]
+        gluon_ws.DIAG = 0
         nb = gluon_ws.BUFFERS
         ids, wts = make_routes(pr, t, t, dev)
         nr = ids.numel()
@@ -158,16 +162,17 @@ def main() -> None:
             return y.clone(), timed(whole)
 
         y3, us3 = whole_call(False)
-        for nb, sk, pdl, codes, atma in variants:
+        for nb, sk, pdl, codes, atma, diag in variants:
+            gluon_ws.DIAG = diag
             gluon_ws.BUFFERS, gluon_ws.STAGE_K = nb, sk
             gluon_ws.CODE_WIDE, gluon_ws.CODE_BOX3 = codes == "wide", codes != "four"
             gluon_ws.PDL, gluon_ws.EARLY_WEIGHTS = pdl != "off", pdl in ("early", "rule")
             yg, usg = whole_call(True, pdl, atma)
             same = bool(torch.equal(y3, yg))
             rows.append(dict(tokens=t, buffers=nb, stage_k=sk, pdl=pdl, codes=codes,
-                             a_tma=atma, gemm="call", same=same,
+                             a_tma=atma, diag=diag, gemm="call", same=same,
                              loop3_us=us3, gluon_us=usg))  # fmt: skip
-            print(f"B{nb} SK{sk} PDL-{pdl} {codes} atma-{atma} T={t:5d} whole call same "
+            print(f"B{nb} SK{sk} PDL-{pdl} {codes} atma-{atma} diag{diag} T={t:5d} whole call same "
                   f"{same}  loop 3 {us3:7.1f} us  with gluon {usg:7.1f} us",
                   flush=True)  # fmt: skip
     if a.out:

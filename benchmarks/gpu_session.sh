@@ -27,12 +27,13 @@
 #   bash benchmarks/gpu_session.sh final2     # runner, phases, HF; memcheck over Gluon PDL
 #   bash benchmarks/gpu_session.sh fc1early   # W4A4's FC1 copies before its wait: bits, time
 #   bash benchmarks/gpu_session.sh atma       # the Gluon GEMMs' rows by TMA: bits, time
+#   bash benchmarks/gpu_session.sh diag       # the Gluon GEMMs without decode / without copies
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -289,6 +290,17 @@ atma)
     step atma_w4a4 120 python3 benchmarks/sweep_decode.py --tokens 1 16 32 \
         --modes w4a4-token w4a4-tensor --variants c3 c3-atma --iters 12 \
         --out "$out/atma-w4a4.json"
+    ;;
+diag)
+    # Where the Gluon GEMMs' time goes (gluon_ws.DIAG, wrong results, timing only): whole
+    # calls and each kernel with the decode left out (1) and with the copies and their
+    # waits left out (2), against the real kernel (0)
+    step diag 150 python3 benchmarks/gluon_experiment.py --whole-only --tokens 1 16 64 \
+        --diag 0 1 2 0 1 2 --out "$out/diag.json"
+    for d in 0 1 2; do
+        step "kernels_$d" 60 python3 benchmarks/profile_call.py --kernels --calls 5 \
+            --tokens 16 --diag "$d"
+    done
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

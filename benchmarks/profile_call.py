@@ -28,8 +28,15 @@ p.add_argument("--split-k", action="store_true", help="TritonOptions.split_k=Tru
 p.add_argument("--gluon-tma", type=int, default=None, metavar="BUFFERS",
                help="gluon_ws.BUFFERS of the Gluon GEMMs (default: the library's); "
                "0: gluon_decode off (loop 3)")  # fmt: skip
+p.add_argument("--diag", type=int, default=0, choices=(0, 1, 2),
+               help="gluon_ws.DIAG: 1 and 2 give WRONG results, timing only (1 the Gluon "
+               "GEMMs without their decode, 2 without their copies and waits)")  # fmt: skip
 a = p.parse_args()
 pr = PRESETS[a.preset]
+if a.diag:
+    from fp4moe.kernels import gluon_ws
+
+    gluon_ws.DIAG = a.diag
 torch.manual_seed(0)
 ex = random_experts(pr)
 x = torch.randn(a.tokens, pr.hidden, device="cuda").to(torch.bfloat16)

@@ -58,8 +58,11 @@ _L3 = gl.constexpr(
 
 
 @gluon.jit
-def _decode_unit(codes, sc, A_L: gl.constexpr):
-    """Decode one unit ([64 rows, 64 K]) of weights into the wgmma A fragment."""
+def _decode_unit(codes, sc, A_L: gl.constexpr, DIAG: gl.constexpr = 0):
+    """Decode one unit ([64 rows, 64 K]) of weights into the wgmma A fragment (``DIAG``
+    1: zeros instead, for timing the kernel without its decode; ``gluon_ws.DIAG``)."""
+    if DIAG == 1:
+        return gl.zeros([64, UNIT], gl.bfloat16, layout=A_L)
     sb = (sc.to(gl.float32) * 3.32306998946229e35).to(gl.bfloat16)
     sb, codes = gl.broadcast(gl.expand_dims(sb, 2), codes)
     codes = gl.convert_layout(gl.reshape(codes, [64, 32]), _CL, assert_trivial=True)

@@ -64,6 +64,10 @@ STAGE = 256  # K elements a scale group; a segment is a multiple of it
 # first weight copies before they wait for FC1's rows: those bytes fly during FC1's tail
 EARLY_WEIGHTS = True
 PDL = True  # the Gluon kernels join the call's PDL chain (off: plain launches, as before)
+# Timing diagnostics, WRONG RESULTS (gluon_experiment.py --diag): 1 the weights not decoded
+# (zeros: the copies, shared loads of the scales' layout aside, and wgmmas alone), 2 no
+# copies and no waits (the decode of whatever shared memory holds: issue alone)
+DIAG = 0
 # TMA destinations, unswizzled: a [64, 32] code box is 64 rows of 32 bytes
 CODE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
 SCALE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
@@ -263,6 +267,8 @@ def tma_split_kernel(
     EARLY_W: gl.constexpr = False,  # USE_PDL: the first stages' copies before the wait
     A_TMA: gl.constexpr = False,  # x's rows (sorted, unit order) by TMA with each stage
     OUT_UNIT: gl.constexpr = False,  # EPILOGUE: bf16 rows with each 64 columns in unit order
+    DIAG: gl.constexpr = 0,  # timing only, wrong results: 1 no decode (zero weights), 2 no
+    # copies and no waits (decodes whatever shared memory holds); see DIAG below
 ):
     pid_n = gl.program_id(0)
     if BLOCKS_LAST:
@@ -316,7 +322,7 @@ def tma_split_kernel(
             ACT_BYTES: gl.constexpr = 0
         CODE_BYTES: gl.constexpr = NW * UPS * 64 * 32 + ACT_BYTES
         SCALE_BYTES: gl.constexpr = NW * 64 * 16
-        for st in gl.static_range(NB):
+        for st in gl.static_range(NB if DIAG != 2 else 0):
             bar = bars.index(st)
             if st % R == 0:
                 mbarrier.expect(bar, CODE_BYTES + SCALE_BYTES)
@@ -333,7 +339,7 @@ def tma_split_kernel(
         if USE_PDL and EARLY_W:  # the weights' first stages fly while the last kernel ends
             _gdc_wait_release()
             if A_TMA:  # x comes from the kernel just waited for
-                for st in gl.static_range(NB):
+                for st in gl.static_range(NB if DIAG != 2 else 0):
                     tma.async_copy_global_to_shared(x_desc, [(k0 + st * SK) // UNIT, start, 0],
                                                     bars.index(st), xdst.index(st))  # fmt: skip
 
@@ -350,14 +356,14 @@ def tma_split_kernel(
         acc_g = gl.zeros([64, BM], gl.float32, layout=MMA)
         acc_u = gl.zeros([64, BM], gl.float32, layout=MMA)
         for kb in gl.static_range(NU):
-            if kb % UPS == 0:
+            if kb % UPS == 0 and DIAG != 2:
                 mbarrier.wait(bars.index((kb // UPS) % NB), (kb // UPS // NB) % 2)
             if A_TMA:
                 xb = xr.slice(((kb // UPS) % NB * UPS + kb % UPS) * BM, BM).permute((1, 0))
             else:
                 xb = xs.slice(kb * BM, BM).permute((1, 0))
             gc, gs = _smem_unit(cbuf, sbuf, kb, 0, NB, UPS, NBS, BOX3 == 2)
-            wg = _decode_unit(gc, gs, A_L)
+            wg = _decode_unit(gc, gs, A_L, DIAG)
             if ASYNC:
                 if kb > 0:
                     if GATED:
@@ -371,16 +377,16 @@ def tma_split_kernel(
                 pg = wg  # noqa: F841 (read by the next unrolled unit)
                 if GATED:
                     uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS, BOX3 == 2)
-                    wu = _decode_unit(uc, us, A_L)
+                    wu = _decode_unit(uc, us, A_L, DIAG)
                     acc_u = warpgroup_mma(wu, xb, acc_u, is_async=True)
                     pu = wu  # noqa: F841
             else:
                 acc_g = warpgroup_mma(wg, xb, acc_g)
                 if GATED:
                     uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS, BOX3 == 2)
-                    acc_u = warpgroup_mma(_decode_unit(uc, us, A_L), xb, acc_u)
+                    acc_u = warpgroup_mma(_decode_unit(uc, us, A_L, DIAG), xb, acc_u)
             # the stage's buffer is read: refill it with stage + NB (ring only)
-            if kb % UPS == UPS - 1 and kb // UPS + NB < NS:
+            if kb % UPS == UPS - 1 and kb // UPS + NB < NS and DIAG != 2:
                 if A_TMA and ASYNC:  # the stage's x rows are read by the wgmma in flight
                     if GATED:
                         acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0,
@@ -526,7 +532,7 @@ def split_partials_tma(
         FUSED=fused and epilogue, OUT_SCALE=out_scale, A_UNIT_ORDER=a_unit_order,
         A_FP4=a_global is not None and epilogue, BOX3=box, SK=stage_k, USE_PDL=pdl,
         EARLY_W=pdl and early_weights and EARLY_WEIGHTS, A_TMA=a_tma,
-        OUT_UNIT=out_unit_order, num_warps=4, launch_pdl=pdl,
+        OUT_UNIT=out_unit_order, DIAG=DIAG, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -547,6 +553,7 @@ def compile_sm90(
     early_weights: bool = False,
     a_tma: bool = False,
     out_unit_order: bool = False,
+    diag: int = 0,
 ):
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
     layout conversions are asserted trivial at compile time. ``box3``: the code copies
@@ -576,6 +583,7 @@ def compile_sm90(
                  ASYNC=asynchronous, BLOCKS_LAST=True, NBUF=buffers, EPILOGUE=epilogue,
                  FUSED=fused, OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_UNIT_ORDER=a_fp4,
                  A_FP4=a_fp4, BOX3=int(box3), SK=stage_k, USE_PDL=pdl,
-                 EARLY_W=pdl and early_weights, A_TMA=a_tma, OUT_UNIT=out_unit_order)  # fmt: skip
+                 EARLY_W=pdl and early_weights, A_TMA=a_tma, OUT_UNIT=out_unit_order,
+                 DIAG=diag)  # fmt: skip
     return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows",), gluon=True,
                                descs=descs, num_warps=4, launch_pdl=pdl)  # fmt: skip
