@@ -151,53 +151,41 @@ def main() -> None:
         for mode in a.modes:
             m, sc = MODES[mode]
             ref = moe_reference(x, ids, w, ex, mode=m, act_scale=sc).float()
+
+            def c3(**kw):  # loop 3 with the preset's valid share of routes, as the bench
+                return TritonOptions(chunked=3, valid_fraction=p.local_experts / p.experts, **kw)
+
             variants = {
                 "c2": TritonOptions(chunked=2, dense_above=None),
                 "old": TritonOptions(chunked=0, decode_asm=False),
                 # the defaults (dense above dense_above valid rows, the preset's valid share
                 # of routes as `fp4moe bench` passes it)
-                "c3": TritonOptions(chunked=3, valid_fraction=p.local_experts / p.experts),
+                "c3": c3(),
                 "c3-nodense": TritonOptions(chunked=3, dense_above=None),
                 "c3-nosplit": TritonOptions(chunked=3, split_k=False, dense_above=None),
                 "c3-split": TritonOptions(chunked=3, split_k=True, dense_above=None),
                 "c3-dense": TritonOptions(chunked=3, dense_above=0),  # decoded weights loaded
                 # the defaults with the chunk-a-program quantize (launch.QUANTIZE_SPLIT_ROWS)
-                "c3-qsplit": TritonOptions(chunked=3, valid_fraction=p.local_experts / p.experts),
+                "c3-qsplit": c3(),
                 # W4A16 activation rows in the unit order (ordered_x; the same bits)
-                "c3-ordx": TritonOptions(
-                    chunked=3, valid_fraction=p.local_experts / p.experts, ordered_x=True
-                ),
+                "c3-ordx": c3(ordered_x=True),
                 # split K with the row blocks before the K segments in the 3-D grid
                 # (blocks_last off, the default up to session 9; the same bits)
-                "c3-noblast": TritonOptions(
-                    chunked=3, valid_fraction=p.local_experts / p.experts, blocks_last=False
-                ),
+                "c3-noblast": c3(blocks_last=False),
                 # per-tensor W4A4's FC1-output amax in FC1's epilogue (the same bits)
-                "c3-famax": TritonOptions(
-                    chunked=3, valid_fraction=p.local_experts / p.experts, fused_amax=True
-                ),
+                "c3-famax": c3(fused_amax=True),
                 # W4A4 on the Gluon kernels: decoded rows by dense_rows launches (the
                 # default since session 10 takes them from the quantize kernels)
-                "c3-noqdec": TritonOptions(
-                    chunked=3, valid_fraction=p.local_experts / p.experts, quantize_decoded=False
-                ),
+                "c3-noqdec": c3(quantize_decoded=False),
                 # W4A4: FC1's Gluon programs issue weight copies before their grid wait
-                "c3-fc1early": TritonOptions(
-                    chunked=3, valid_fraction=p.local_experts / p.experts, fc1_early=True
-                ),
+                "c3-fc1early": c3(fc1_early=True),
                 # the Gluon GEMMs' activation rows by TMA with each stage (the same bits)
-                "c3-atma": TritonOptions(
-                    chunked=3, valid_fraction=p.local_experts / p.experts, gluon_a_tma=True
-                ),
+                "c3-atma": c3(gluon_a_tma=True),
                 # loop 3 everywhere (the Gluon kernels off; the same bits)
-                "c3-nogluon": TritonOptions(
-                    chunked=3, valid_fraction=p.local_experts / p.experts, gluon_decode=False
-                ),
+                "c3-nogluon": c3(gluon_decode=False),
             }
             for seg in a.segments:  # another K segment (launch.SEGMENT): other bits
-                variants[f"c3-seg{seg}"] = TritonOptions(
-                    chunked=3, valid_fraction=p.local_experts / p.experts
-                )
+                variants[f"c3-seg{seg}"] = c3()
             if sc == "per_tensor":  # the amaxes on the device against torch ops
                 variants["c2-torch-amax"] = TritonOptions(
                     chunked=2, device_amax=False, dense_above=None
