@@ -84,6 +84,9 @@ def main() -> None:
     p.add_argument("--diag", type=int, nargs="+", default=[0], choices=(0, 1, 2),
                    help="gluon_ws.DIAG, each timed (1 and 2 give WRONG results, for timing "
                    "only: 1 no decode, 2 no copies and no waits)")  # fmt: skip
+    p.add_argument("--grid-blocks", nargs="+", default=["off"],
+                   help="TritonOptions.gluon_grid_blocks, each timed: off (the worst-case "
+                   "grid), auto, or a number of row blocks")  # fmt: skip
     p.add_argument("--split-k", action="store_true",
                    help="whole calls with TritonOptions.split_k=True (64 tokens, up)")  # fmt: skip
     p.add_argument("--whole-only", action="store_true", help="time the whole calls only")
@@ -104,7 +107,11 @@ def main() -> None:
     ex = fp4moe.prepare_experts(w13, w2)
     del w13, w2
     rows = []
-    variants = list(itertools.product(a.buffers, a.stage_k, a.pdl, a.codes, a.a_tma, a.diag))
+    for g in a.grid_blocks:
+        if g not in ("off", "auto") and not g.isdigit():
+            p.error(f"--grid-blocks: off, auto or a number, got {g!r}")
+    variants = list(itertools.product(a.buffers, a.stage_k, a.pdl, a.codes, a.a_tma, a.diag,
+                                      a.grid_blocks))  # fmt: skip
     for t in a.tokens:
         gluon_ws.BUFFERS, gluon_ws.STAGE_K = variants[0][:2]
         gluon_ws.DIAG = 0
@@ -146,9 +153,10 @@ def main() -> None:
 
         # 2. The whole call (W4A16, deterministic finalize, PDL, CUDA graph): loop 3 once,
         # then each (buffers, stage_k) of the Gluon kernels.
-        def whole_call(g, pdl="rule", atma="off"):
+        def whole_call(g, pdl="rule", atma="off", gb="off"):
             rule = {} if pdl == "rule" else dict(gluon_pdl_upto=float("inf"))
             rule["gluon_a_tma"] = atma == "on"
+            rule["gluon_grid_blocks"] = None if gb == "off" else gb if gb == "auto" else int(gb)
             opt = TritonOptions(valid_fraction=pr.local_experts / pr.experts, gluon_decode=g,
                                 split_k=True if a.split_k else None,
                                 gluon_upto=a.gluon_upto, **rule)  # fmt: skip
@@ -162,17 +170,18 @@ def main() -> None:
             return y.clone(), timed(whole)
 
         y3, us3 = whole_call(False)
-        for nb, sk, pdl, codes, atma, diag in variants:
+        for nb, sk, pdl, codes, atma, diag, gb in variants:
             gluon_ws.DIAG = diag
             gluon_ws.BUFFERS, gluon_ws.STAGE_K = nb, sk
             gluon_ws.CODE_WIDE, gluon_ws.CODE_BOX3 = codes == "wide", codes != "four"
             gluon_ws.PDL, gluon_ws.EARLY_WEIGHTS = pdl != "off", pdl in ("early", "rule")
-            yg, usg = whole_call(True, pdl, atma)
+            yg, usg = whole_call(True, pdl, atma, gb)
             same = bool(torch.equal(y3, yg))
             rows.append(dict(tokens=t, buffers=nb, stage_k=sk, pdl=pdl, codes=codes,
-                             a_tma=atma, diag=diag, gemm="call", same=same,
+                             a_tma=atma, diag=diag, grid_blocks=gb, gemm="call", same=same,
                              loop3_us=us3, gluon_us=usg))  # fmt: skip
-            print(f"B{nb} SK{sk} PDL-{pdl} {codes} atma-{atma} diag{diag} T={t:5d} whole call same "
+            print(f"B{nb} SK{sk} PDL-{pdl} {codes} atma-{atma} diag{diag} gb-{gb} T={t:5d} "
+                  f"whole call same "
                   f"{same}  loop 3 {us3:7.1f} us  with gluon {usg:7.1f} us",
                   flush=True)  # fmt: skip
     if a.out:

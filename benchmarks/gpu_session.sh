@@ -28,12 +28,14 @@
 #   bash benchmarks/gpu_session.sh fc1early   # W4A4's FC1 copies before its wait: bits, time
 #   bash benchmarks/gpu_session.sh atma       # the Gluon GEMMs' rows by TMA: bits, time
 #   bash benchmarks/gpu_session.sh diag       # the Gluon GEMMs without decode / without copies
+#   bash benchmarks/gpu_session.sh s12a       # diag, then test_kernels' GPU suite (CODE_WIDE)
+#   bash benchmarks/gpu_session.sh grid       # the Gluon grid at the expected blocks: time, bits
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -301,6 +303,32 @@ diag)
         step "kernels_$d" 60 python3 benchmarks/profile_call.py --kernels --calls 5 \
             --tokens 16 --diag "$d"
     done
+    ;;
+s12a)
+    # Session 12's first call: where the Gluon GEMMs' time goes (diag), then the kernels'
+    # GPU suite with CODE_WIDE the default (not run with it in session 11)
+    step diag 150 python3 benchmarks/gluon_experiment.py --whole-only --tokens 1 16 64 \
+        --diag 0 1 2 0 1 2 --out "$out/diag.json"
+    for d in 0 1 2; do
+        step "kernels_$d" 45 python3 benchmarks/profile_call.py --kernels --calls 5 \
+            --tokens 16 --diag "$d"
+    done
+    step kernels 270 python3 -m pytest -m gpu --device cuda tests/test_kernels.py -q
+    ;;
+grid)
+    # TritonOptions.gluon_grid_blocks (session 12): the Gluon GEMMs' grid at a few row blocks,
+    # each program looping over its share of the valid ones, against the worst-case grid
+    step grid 200 python3 benchmarks/gluon_experiment.py --whole-only \
+        --tokens 1 8 16 32 64 128 --grid-blocks off auto 4 8 off auto \
+        --out "$out/grid-deepseek.json"
+    step grid_mixtral 60 python3 benchmarks/gluon_experiment.py --whole-only \
+        --preset mixtral-8x7b --tokens 1 16 --grid-blocks off auto off auto \
+        --out "$out/grid-mixtral.json"
+    step grid_w4a4 130 python3 benchmarks/sweep_decode.py --tokens 1 16 32 \
+        --modes w4a4-token w4a4-tensor --variants c3 c3-gbauto c3-fc1early --iters 12 \
+        --out "$out/grid-w4a4.json"
+    step grid_tests 180 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
+        -k "grid_blocks and (graph or one-expert or all-masked or 1-16 or 3-64 or auto-64)"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

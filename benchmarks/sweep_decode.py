@@ -23,6 +23,9 @@ the (tiles, segments, blocks) grid, named c3-blast in session 9's data), c3-noqd
 10's data has c3-qdec, the option on, before it became the default), c3-fc1early
 (TritonOptions.fc1_early: W4A4's FC1 issues weight copies before its grid wait),
 c3-atma (TritonOptions.gluon_a_tma: the Gluon GEMMs' rows by TMA),
+c3-gbauto, c3-gbworst (TritonOptions.gluon_grid_blocks "auto" and None: the Gluon GEMMs'
+grid at the expected valid row blocks, each program looping over its share, or at the
+worst case),
 c3-nogluon (gluon_decode off: loop 3 at decode sizes too).
 """
 
@@ -181,6 +184,9 @@ def main() -> None:
                 "c3-fc1early": c3(fc1_early=True),
                 # the Gluon GEMMs' activation rows by TMA with each stage (the same bits)
                 "c3-atma": c3(gluon_a_tma=True),
+                # the Gluon GEMMs' grid: expected valid row blocks (looped) or worst case
+                "c3-gbauto": c3(gluon_grid_blocks="auto"),
+                "c3-gbworst": c3(gluon_grid_blocks=None),
                 # loop 3 everywhere (the Gluon kernels off; the same bits)
                 "c3-nogluon": c3(gluon_decode=False),
             }

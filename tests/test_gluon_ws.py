@@ -494,3 +494,148 @@ def test_gluon_a_tma_gpu(t, mode):
     m, sc = mode
     experts, x, ids, w = _deepseek_case(t, seed=23, expert=1)
     _same_as_loop3(x, ids, w, experts, m, sc, gluon_a_tma=True)
+
+
+def test_tma_grid_blocks_compiles_for_sm90():
+    """``LOOP`` (``grid_blocks``): each program loops over its row blocks; the body is
+    compiled once (the same TMA copies as without the loop), its registers capped by
+    ``LOOP_MAXNREG`` (the loop let them grow past 160) with no spill and the same shared
+    memory, and under PDL with early weights one grid wait (the first block's)."""
+    pytest.importorskip("triton")
+    code = (
+        "from fp4moe.kernels.gluon_ws import compile_sm90, LOOP_MAXNREG\n"
+        "for n, k, g in ((2048, 7168, True), (7168, 2048, False)):\n"
+        "    for bm in (8, 16):\n"
+        "        kw = dict(n=n, k=k, gated=g, block_m=bm, asynchronous=True, buffers=1,\n"
+        "                  epilogue=True, box3=2, pdl=True, early_weights=not g)\n"
+        "        base = compile_sm90(**kw)\n"
+        "        c = compile_sm90(**kw, loop_blocks=1, maxnreg=LOOP_MAXNREG[g, bm])\n"
+        "        ptx = c.asm['ptx']\n"
+        "        assert '.local' not in ptx and 'wgmma.mma_async' in ptx, (n, bm)\n"
+        "        assert f'.maxnreg {LOOP_MAXNREG[g, bm]}' in ptx, (n, bm)\n"
+        "        assert ptx.count('cp.async.bulk.tensor') == \\\n"
+        "            base.asm['ptx'].count('cp.async.bulk.tensor'), (n, bm)\n"
+        "        assert ptx.count('griddepcontrol.wait') == 1, (n, bm)\n"
+        "        assert c.metadata.shared == base.metadata.shared, (n, bm)\n"
+        "        assert 'ld.global.cg' in ptx\n"
+        "c = compile_sm90(n=2048, k=7168, gated=True, block_m=8, asynchronous=True, buffers=1,\n"
+        "                 epilogue=True, box3=2, a_fp4=True, loop_blocks=1, maxnreg=80)\n"
+        "assert '.local' not in c.asm['ptx']\n"
+        "print('ok')\n"
+    )
+    _compile_check(code)
+
+
+def test_grid_blocks_rule():
+    """``TritonOptions.grid_blocks``: None the worst case (0), an int capped by the
+    schedule's blocks, "auto" the expected valid blocks (touched experts + valid routes / 8,
+    plus 2) of evenly spread routes; bad values are refused by name."""
+    from fp4moe.kernels.sort import max_blocks
+
+    opt = TritonOptions(valid_fraction=1 / 8)
+    assert opt.grid_blocks(128, 32, 8, max_blocks(128, 32, 8)) == 0  # the default
+    fixed = TritonOptions(gluon_grid_blocks=5)
+    assert fixed.grid_blocks(128, 32, 8, 48) == 5
+    assert fixed.grid_blocks(8, 32, 8, 3) == 3
+    auto = TritonOptions(valid_fraction=1 / 8, gluon_grid_blocks="auto")
+    # DeepSeek-V3 EP8: 1, 16 and 128 tokens (8 routes each, an eighth of them local)
+    assert [auto.grid_blocks(8 * t, 32, 8, max_blocks(8 * t, 32, 8)) for t in (1, 16, 128)] == [
+        4, 17, 50,
+    ]  # fmt: skip
+    assert auto.grid_blocks(0, 32, 8, 0) == 0  # no routes: no loop
+    # Mixtral (every route local, 8 experts): capped by the worst case
+    full = TritonOptions(valid_fraction=1.0, gluon_grid_blocks="auto")
+    assert full.grid_blocks(2, 8, 8, max_blocks(2, 8, 8)) == max_blocks(2, 8, 8)
+    for bad in (0, -2, True, 2.5, "all"):
+        with pytest.raises(ValueError, match="gluon_grid_blocks"):
+            TritonOptions(gluon_grid_blocks=bad)
+
+
+def test_grid_blocks_bad_arguments():
+    """``split_partials_tma``: ``grid_blocks`` must be an int >= 0 and needs the sort's
+    ``valid_blocks``; refused before anything is launched."""
+    pytest.importorskip("triton.experimental.gluon")
+    from fp4moe.kernels import gluon_ws
+
+    x = torch.zeros(4, 2048, dtype=torch.bfloat16)
+    i32 = torch.zeros(4, dtype=torch.int32)
+    codes = torch.zeros(2, 64, 1024, dtype=torch.uint8)
+    scales = torch.zeros(2, 64, 128, dtype=torch.uint8)
+    part = torch.zeros(2, 4, 64)
+    kw = dict(n=64, topk=1, gated=False, gather=False, ws_rows=4, block_m=8)
+    args = (x, i32, codes, scales, i32, i32, i32, part)
+    with pytest.raises(ValueError, match="valid_blocks"):
+        gluon_ws.split_partials_tma(*args, grid_blocks=2, **kw)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="grid_blocks"):
+            gluon_ws.split_partials_tma(*args, grid_blocks=bad, valid_blocks=i32[:1], **kw)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("mode", MODES[:2], ids=_mode_id)
+def test_grid_blocks_plumbing(interpret, device, monkeypatch, mode):
+    """``gluon_grid_blocks`` reaches both GEMMs as ``grid_blocks`` (0 by default), and
+    the call's bits do not change (the interpreter runs loop 3, which has no such grid)."""
+    from fp4moe.kernels import launch
+
+    m, sc = mode
+    experts, x, ids, w = _small_case(device, seed=3)
+    base = moe_triton(x, ids, w, experts, mode=m, act_scale=sc)
+    seen = []
+    real = launch._gemm
+
+    def spy(*args, **kw):
+        seen.append(kw.get("grid_blocks", 0))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(launch, "_gemm", spy)
+    moe_triton(x, ids, w, experts, mode=m, act_scale=sc)
+    assert seen == [0, 0]
+    seen.clear()
+    out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                     options=TritonOptions(gluon_grid_blocks=2))  # fmt: skip
+    assert seen == [2, 2]
+    assert torch.equal(out, base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16, 64, "one-expert", "all-masked"])
+@pytest.mark.parametrize("gb", [1, 3, "auto"])
+@pytest.mark.parametrize("mode", MODES[:3], ids=_mode_id)
+def test_gluon_grid_blocks_gpu(t, gb, mode):
+    """``gluon_grid_blocks`` on the GPU: loop 3's bits for whole calls (deterministic
+    finalize), the fused finalize within the tolerance; 1 and 3 row blocks make every
+    program loop over several valid blocks (16 tokens on one expert: 2 blocks; 64 tokens:
+    about 27), "auto" leaves a few empty programs; every route masked gives zeros."""
+    m, sc = mode
+    experts, x, ids, w = _deepseek_case(t, seed=29, expert=4)
+    _same_as_loop3(x, ids, w, experts, m, sc, gluon_grid_blocks=gb)
+    if t == "all-masked":
+        out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                         options=TritonOptions(poison=True, gluon_grid_blocks=gb))  # fmt: skip
+        assert not out.float().abs().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gb", [2, "auto"])
+def test_gluon_grid_blocks_graph_replay_gpu(gb):
+    """A CUDA graph captured with ``gluon_grid_blocks`` replays other routes, with more
+    valid row blocks than the grid has as well as fewer, with loop 3's bits (the loop's
+    count is read on the device at each replay)."""
+    import fp4moe
+    from test_kernels import _experts
+
+    e, h, i, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
+    experts = _experts(e, h, i, seed=0, device="cuda")
+    runner = fp4moe.MoERunner(experts, max_tokens=64, top_k=k, mode="w4a16",
+                              options=TritonOptions(gluon_grid_blocks=gb))  # fmt: skip
+    for t in (1, 16, 64):
+        runner(_x(t, h, seed=1, device="cuda"), *_gpu_routes(t, k, e, e_total, seed=1))
+    for t, seed in ((16, 2), (16, 3), (1, 4), (64, 5), (16, 6)):
+        x = _x(t, h, seed=seed, device="cuda")
+        ids, w = _gpu_routes(t, k, e, e_total, seed=seed)
+        if seed == 6:  # every route on experts 0 .. 3: 4 x 4 row blocks of 8
+            ids = torch.arange(t * k, device="cuda").reshape(t, k) % 4
+        want = moe_triton(x, ids, w, experts, mode="w4a16",
+                          options=TritonOptions(gluon_decode=False))  # fmt: skip
+        assert torch.equal(runner(x, ids, w), want), (t, seed)

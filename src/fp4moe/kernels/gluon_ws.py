@@ -85,6 +85,12 @@ CODE_SMEM_W = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, r
 # TMA with each stage as one [SK / 64, BM, 64] box of the view [K/64, rows, 64]: 128-byte
 # rows with the 128-byte swizzle of the wgmma B tiles _stage_x writes
 X_SMEM3 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+# LOOP (grid_blocks): the loop over row blocks lets the compiler hoist the body's
+# address arithmetic out of it, 66 -> 211 registers for FC1 and 51 -> 168 for FC2 (8-row
+# tiles), which would leave 2 programs an SM. Capped at what the shared memory's programs
+# an SM allow (65536 / (128 threads x programs), multiples of 8), no spill at these caps
+# (FC1 / FC2, 8-row tiles: 6 / 8 programs; 16-row: 4 / 5); keyed (gated, block_m).
+LOOP_MAXNREG = {(True, 8): 80, (False, 8): 64, (True, 16): 128, (False, 16): 96}
 
 
 def scale_slots(buffers: int, stage_k: int) -> int:
@@ -237,6 +243,7 @@ def tma_split_kernel(
     block_expert_ptr,
     block_start_ptr,
     block_end_ptr,
+    valid_blocks_ptr,  # int32 [1]: the schedule's valid blocks (they come first; LOOP)
     part_ptr,  # fp32 [segments, ws_rows, (2 if GATED) * N]
     cnt_ptr,  # int32 [tiles * blocks] zeros: units done a tile (EPILOGUE; left at zero)
     w_global_ptr,  # fp32 [E] or [E, 2] (GATED): the weights' global scales (EPILOGUE)
@@ -244,6 +251,7 @@ def tma_split_kernel(
     out_ptr,  # EPILOGUE: bf16 [ws_rows, N] rows in sorted order, or fp32 [T, N] (FUSED)
     a_global_ptr,  # fp32 [rows of x]: W4A4's activation global scales (A_FP4, EPILOGUE)
     ws_rows,
+    loop_step,  # LOOP: the grid's row blocks (program m takes blocks m, m + loop_step, ...)
     N: gl.constexpr,
     K: gl.constexpr,
     TOPK: gl.constexpr,
@@ -269,6 +277,8 @@ def tma_split_kernel(
     OUT_UNIT: gl.constexpr = False,  # EPILOGUE: bf16 rows with each 64 columns in unit order
     DIAG: gl.constexpr = 0,  # timing only, wrong results: 1 no decode (zero weights), 2 no
     # copies and no waits (decodes whatever shared memory holds); see DIAG below
+    LOOP: gl.constexpr = False,  # the grid has loop_step row blocks, not the worst case;
+    # program m takes the valid blocks m, m + loop_step, ... (grid_blocks)
 ):
     pid_n = gl.program_id(0)
     if BLOCKS_LAST:
@@ -281,6 +291,43 @@ def tma_split_kernel(
         _gdc_wait_release()
     # EARLY_W: the schedule was written two kernels back (the kernel before this one waited
     # for it before it released this one), so it is read before the wait, from L2
+    if LOOP:
+        nvalid = gl.load(valid_blocks_ptr, cache_modifier=".cg")
+        for pm in range(pid_m, nvalid, loop_step):
+            if pm != pid_m:  # the last block's shared loads done before new copies land
+                gl.thread_barrier()
+                fence_async_shared()
+            _block_work(
+                x_ptr, sorted_routes_ptr, c_desc, s_desc, x_desc, block_expert_ptr,
+                block_start_ptr, block_end_ptr, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr,
+                out_ptr, a_global_ptr, ws_rows, pm, pid_n, s_id, pm == pid_m, N, K, TOPK,
+                GATED, A_GATHER, BM, SEG, ASYNC, NBUF, EPILOGUE, FUSED, OUT_SCALE,
+                A_UNIT_ORDER, A_FP4, BOX3, SK, USE_PDL, EARLY_W, A_TMA, OUT_UNIT, DIAG,
+            )  # fmt: skip
+    else:
+        _block_work(
+            x_ptr, sorted_routes_ptr, c_desc, s_desc, x_desc, block_expert_ptr,
+            block_start_ptr, block_end_ptr, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr,
+            out_ptr, a_global_ptr, ws_rows, pid_m, pid_n, s_id, True, N, K, TOPK, GATED,
+            A_GATHER, BM, SEG, ASYNC, NBUF, EPILOGUE, FUSED, OUT_SCALE, A_UNIT_ORDER, A_FP4,
+            BOX3, SK, USE_PDL, EARLY_W, A_TMA, OUT_UNIT, DIAG,
+        )  # fmt: skip
+
+
+@gluon.jit
+def _block_work(
+    x_ptr, sorted_routes_ptr, c_desc, s_desc, x_desc, block_expert_ptr, block_start_ptr,
+    block_end_ptr, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr, out_ptr, a_global_ptr,
+    ws_rows, pid_m, pid_n, s_id, first, N: gl.constexpr, K: gl.constexpr,
+    TOPK: gl.constexpr, GATED: gl.constexpr, A_GATHER: gl.constexpr, BM: gl.constexpr,
+    SEG: gl.constexpr, ASYNC: gl.constexpr, NBUF: gl.constexpr, EPILOGUE: gl.constexpr,
+    FUSED: gl.constexpr, OUT_SCALE: gl.constexpr, A_UNIT_ORDER: gl.constexpr,
+    A_FP4: gl.constexpr, BOX3: gl.constexpr, SK: gl.constexpr, USE_PDL: gl.constexpr,
+    EARLY_W: gl.constexpr, A_TMA: gl.constexpr, OUT_UNIT: gl.constexpr, DIAG: gl.constexpr,
+):  # fmt: skip
+    """One (weight tile ``pid_n``, K segment ``s_id``, row block ``pid_m``) unit of
+    ``tma_split_kernel`` (its arguments). ``first``: the program's first block, which
+    waits for the preceding kernel under PDL with ``EARLY_W``."""
     e = gl.load(block_expert_ptr + pid_m, cache_modifier=".cg")
     if e >= 0:
         start = gl.load(block_start_ptr + pid_m, cache_modifier=".cg")
@@ -337,7 +384,8 @@ def tma_split_kernel(
                                                 bar, xdst.index(st))  # fmt: skip
 
         if USE_PDL and EARLY_W:  # the weights' first stages fly while the last kernel ends
-            _gdc_wait_release()
+            if first:
+                _gdc_wait_release()
             if A_TMA:  # x comes from the kernel just waited for
                 for st in gl.static_range(NB if DIAG != 2 else 0):
                     tma.async_copy_global_to_shared(x_desc, [(k0 + st * SK) // UNIT, start, 0],
@@ -461,6 +509,7 @@ def split_partials_tma(
     a_unit_order: bool = False, a_global: torch.Tensor | None = None,
     stage_k: int | None = None, pdl: bool = False, early_weights: bool = False,
     a_tma: bool = False, out_unit_order: bool = False,
+    valid_blocks: torch.Tensor | None = None, grid_blocks: int = 0,
 ) -> None:  # fmt: skip
     """Launch ``tma_split_kernel``: fp32 ``part`` [K / seg, ws_rows, (2 if gated) * n]
     receives loop 3's segment partials P_s of every valid row. ``x``: bf16 [., K], the
@@ -487,7 +536,14 @@ def split_partials_tma(
     ``a_tma``: ``x``'s rows are in sorted order (not ``gather``) and in the unit order, and
     come by TMA with each stage (``A_TMA``) instead of the program's staging of its
     segment. ``out_unit_order``: the epilogue writes bf16 rows with each 64 columns in the
-    unit order (for a next GEMM with ``a_tma``)."""
+    unit order (for a next GEMM with ``a_tma``).
+
+    ``grid_blocks`` > 0 (with ``valid_blocks``, the sort's int32 [1] count of valid row
+    blocks): the grid has that many row blocks instead of the schedule's worst case, and
+    program m takes the valid blocks m, m + grid_blocks, ... in turn, so the worst case's
+    empty programs (each holds a slot for a load's latency) are not launched; any count
+    of valid blocks is served (``TritonOptions.gluon_grid_blocks``). The same units: the
+    same bits."""
     k = x.shape[1]
     if asynchronous is None:
         asynchronous = ASYNC_WGMMA
@@ -509,6 +565,12 @@ def split_partials_tma(
                          "(gather False)")  # fmt: skip
     if out_unit_order and (not epilogue or fused):
         raise ValueError("split_partials_tma: out_unit_order needs out as bf16 rows")
+    if isinstance(grid_blocks, bool) or not isinstance(grid_blocks, int) or grid_blocks < 0:
+        raise ValueError(f"split_partials_tma: grid_blocks must be an int >= 0, got "
+                         f"{grid_blocks!r}")  # fmt: skip
+    if grid_blocks and valid_blocks is None:
+        raise ValueError("split_partials_tma: grid_blocks needs valid_blocks (the sort's)")
+    grid_blocks = min(grid_blocks, blocks)
     box = 2 if CODE_WIDE and stage_k == 256 else int(CODE_BOX3)
     c_desc, s_desc = descriptors(codes, scales, box, stage_k)
     x_desc = c_desc
@@ -519,20 +581,23 @@ def split_partials_tma(
         x_desc = TensorDescriptor(x, [k // 64, x.shape[0], 64], [64, k, 1],
                                   [stage_k // 64, block_m, 64], X_SMEM3)  # fmt: skip
     pdl = pdl and PDL
-    grid = (tiles, segs, blocks) if blocks_last else (tiles, blocks, segs)
+    gb = grid_blocks or blocks
+    grid = (tiles, segs, gb) if blocks_last else (tiles, gb, segs)
     dummy = part
     tma_split_kernel[grid](
-        x, sorted_routes, c_desc, s_desc, x_desc, block_expert, block_start, block_end, part,
+        x, sorted_routes, c_desc, s_desc, x_desc, block_expert, block_start, block_end,
+        valid_blocks if grid_blocks else block_end, part,
         counters if epilogue else dummy, w_global if epilogue else dummy,
         topk_w if fused else dummy, out if epilogue else dummy,
-        a_global if a_global is not None else dummy, ws_rows,
+        a_global if a_global is not None else dummy, ws_rows, gb,
         N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=gather, BM=block_m,
         SEG=seg, ASYNC=asynchronous, BLOCKS_LAST=blocks_last,
         NBUF=BUFFERS if buffers is None else buffers, EPILOGUE=epilogue,
         FUSED=fused and epilogue, OUT_SCALE=out_scale, A_UNIT_ORDER=a_unit_order,
         A_FP4=a_global is not None and epilogue, BOX3=box, SK=stage_k, USE_PDL=pdl,
         EARLY_W=pdl and early_weights and EARLY_WEIGHTS, A_TMA=a_tma,
-        OUT_UNIT=out_unit_order, DIAG=DIAG, num_warps=4, launch_pdl=pdl,
+        OUT_UNIT=out_unit_order, DIAG=DIAG, LOOP=grid_blocks > 0, num_warps=4,
+        launch_pdl=pdl, **({"maxnreg": LOOP_MAXNREG[gated, block_m]} if grid_blocks else {}),
     )  # fmt: skip
 
 
@@ -554,6 +619,8 @@ def compile_sm90(
     a_tma: bool = False,
     out_unit_order: bool = False,
     diag: int = 0,
+    loop_blocks: int = 0,
+    maxnreg: int | None = None,
 ):
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
     layout conversions are asserted trivial at compile time. ``box3``: the code copies
@@ -561,7 +628,8 @@ def compile_sm90(
     compiled kernel."""
     ptrs = {
         "x_ptr": "*bf16", "sorted_routes_ptr": "*i32", "block_expert_ptr": "*i32",
-        "block_start_ptr": "*i32", "block_end_ptr": "*i32", "part_ptr": "*fp32",
+        "block_start_ptr": "*i32", "block_end_ptr": "*i32", "valid_blocks_ptr": "*i32",
+        "part_ptr": "*fp32",
         "cnt_ptr": "*i32", "w_global_ptr": "*fp32", "topk_w_ptr": "*fp32",
         "out_ptr": "*fp32" if fused else "*bf16", "a_global_ptr": "*fp32",
     }  # fmt: skip
@@ -584,6 +652,8 @@ def compile_sm90(
                  FUSED=fused, OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_UNIT_ORDER=a_fp4,
                  A_FP4=a_fp4, BOX3=int(box3), SK=stage_k, USE_PDL=pdl,
                  EARLY_W=pdl and early_weights, A_TMA=a_tma, OUT_UNIT=out_unit_order,
-                 DIAG=diag)  # fmt: skip
-    return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows",), gluon=True,
-                               descs=descs, num_warps=4, launch_pdl=pdl)  # fmt: skip
+                 DIAG=diag, LOOP=loop_blocks > 0)  # fmt: skip
+    opts = {} if maxnreg is None else {"maxnreg": maxnreg}
+    return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows", "loop_step"),
+                               gluon=True, descs=descs, num_warps=4, launch_pdl=pdl,
+                               **opts)  # fmt: skip

@@ -225,6 +225,15 @@ class TritonOptions:
         (session 11, ``gluon_experiment.py --whole-only --a-tma off on``, DeepSeek-V3
         EP8 W4A16 1 / 16 / 64 tokens 43.9 / 60.2 / 206.2 -> 50.0 / 60.0 / 206.2 us: the
         gather launch costs 6 us at 1 token, the GEMMs do not gain).
+    gluon_grid_blocks: the row blocks of the Gluon kernels' grid. None: the schedule's
+        worst case (``max_blocks``: every route in an expert of its own), whose empty
+        programs each hold one of the SM's few slots (shared memory allows 6 to 8) for a
+        load's latency before they exit: at 16 tokens of DeepSeek-V3 EP8, 36 of 40 row
+        blocks are empty, 8064 programs a GEMM. An int G, or "auto" (the expected valid
+        blocks, routes spread evenly: touched experts + valid routes / 8, plus 2): the
+        grid has G row blocks and program m takes the valid blocks m, m + G, ... (the
+        sort's ``valid_blocks``), so any routing is served and at most G - valid blocks
+        are empty. The same units and sums: the same bits.
     """
 
     pdl: bool | None = None
@@ -248,6 +257,19 @@ class TritonOptions:
     gluon_pdl_upto: float = 32.0
     fc1_early: bool = False
     gluon_a_tma: bool = False
+    gluon_grid_blocks: int | str | None = None
+
+    def grid_blocks(self, n_routes: int, num_experts: int, block_m: int, max_b: int) -> int:
+        """The Gluon kernels' grid row blocks (``gluon_grid_blocks``; 0: the worst case
+        ``max_b``, every row block a program of its own)."""
+        g = self.gluon_grid_blocks
+        if g is None or max_b <= 0:
+            return 0
+        if g == "auto":
+            valid = self.valid_rows(n_routes, num_experts) * num_experts
+            touched = num_experts * (1.0 - (1.0 - 1.0 / max(num_experts, 1)) ** valid)
+            g = math.ceil(touched + valid / block_m) + 2
+        return max(1, min(int(g), max_b))
 
     def gluon_pdl(self, n_routes: int, num_experts: int) -> bool:
         """Whether a call's Gluon kernels join the PDL chain (``gluon_pdl_upto``)."""
@@ -360,6 +382,11 @@ class TritonOptions:
         g = self.gluon_pdl_upto
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
             raise ValueError(f"gluon_pdl_upto: expected a number >= 0, got {g!r}")
+        g = self.gluon_grid_blocks
+        if g is not None and g != "auto" and (isinstance(g, bool) or not isinstance(g, int)
+                                              or g < 1):  # fmt: skip
+            raise ValueError(f"gluon_grid_blocks: expected None, 'auto' or an int >= 1, "
+                             f"got {g!r}")  # fmt: skip
 
 
 def use_pdl(opt: TritonOptions, device: torch.device) -> bool:
@@ -577,6 +604,7 @@ def _gemm(
     early_weights: bool = False,
     gluon_pdl: bool = True,
     a_tma: bool = False,
+    grid_blocks: int = 0,
 ) -> None:
     """One grouped GEMM. ``out_fp4`` = (scales, globals, static table): ``out`` receives
     NVFP4 codes of the FC1 activation instead of bf16 (static W4A4). ``dense``: decode
@@ -594,7 +622,8 @@ def _gemm(
     Gluon kernel loads its activation rows by TMA (``TritonOptions.gluon_a_tma``): W4A16
     rows gathered here into sorted unit order (``a_gather``) or given so (``a_ordered``),
     W4A4 decoded rows in sorted order; with ``out_ordered`` its epilogue writes unit-order
-    rows."""
+    rows. ``grid_blocks``: the Gluon kernel's grid row blocks (0: the worst case;
+    ``TritonOptions.grid_blocks``)."""
     a_fp4 = a_scales is not None
     order = k_order(int(chunked), k, cfg.block_k)
     if dense:
@@ -674,7 +703,8 @@ def _gemm(
                 sort.block_start, sort.block_end, part, n=n, topk=topk, gated=gated,
                 gather=gather, block_m=cfg.block_m, seg=SEGMENT, ws_rows=ws_rows,
                 a_unit_order=a_fp4 or a_ordered, pdl=pdl and gluon_pdl,
-                early_weights=early_weights, a_tma=a_tma, **kw,
+                early_weights=early_weights, a_tma=a_tma, valid_blocks=sort.valid_blocks,
+                grid_blocks=grid_blocks, **kw,
             )  # fmt: skip
             if epi:
                 return
@@ -911,6 +941,8 @@ def expert_gemms(
     mid_unit = opt.gluon_a_tma and g1 and g2 and not w4a4 and not ordered
     atma1 = opt.gluon_a_tma and g1 and not ordered
     atma2 = opt.gluon_a_tma and g2 and (w4a4 or mid_unit)
+    gb1 = opt.grid_blocks(n_routes, e_count, cfg1.block_m, sort.num_blocks)
+    gb2 = opt.grid_blocks(n_routes, e_count, cfg2.block_m, sort.num_blocks)
     famax = None
     if opt.amax_in_fc1(mode, act_scale):
         famax = amax_zero if amax_zero is not None else torch.zeros(1, device=dev)
@@ -923,6 +955,7 @@ def expert_gemms(
         counters=counters[0] if counters else None, amax_out=famax,
         a_ordered=ordered, out_ordered=ordered or mid_unit, blocks_last=opt.blocks_last,
         a_decoded=a_decoded, gluon_pdl=gpdl, early_weights=fc1_early_weights, a_tma=atma1,
+        grid_blocks=gb1,
     )  # fmt: skip
 
     # FC2 input.
@@ -966,7 +999,7 @@ def expert_gemms(
         poison=opt.poison, gluon=opt.gluon_decode,
         counters=counters[1] if counters else None, a_ordered=ordered or mid_unit,
         blocks_last=opt.blocks_last, a_decoded=b_dec, early_weights=True, gluon_pdl=gpdl,
-        a_tma=atma2,
+        a_tma=atma2, grid_blocks=gb2,
     )  # fmt: skip
     return dest
 
