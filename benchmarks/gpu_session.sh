@@ -30,12 +30,13 @@
 #   bash benchmarks/gpu_session.sh diag       # the Gluon GEMMs without decode / without copies
 #   bash benchmarks/gpu_session.sh s12a       # diag, then test_kernels' GPU suite (CODE_WIDE)
 #   bash benchmarks/gpu_session.sh grid       # the Gluon grid at the expected blocks: time, bits
+#   bash benchmarks/gpu_session.sh grid2      # the same after the register fix, shorter
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -329,6 +330,19 @@ grid)
         --out "$out/grid-w4a4.json"
     step grid_tests 180 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
         -k "grid_blocks and (graph or one-expert or all-masked or 1-16 or 3-64 or auto-64)"
+    ;;
+grid2)
+    # gluon_grid_blocks after session 12's register fix (the rows' buffer indexed by an
+    # opaque zero: FC1 211 -> 80 registers): whole W4A16 calls, then bits, then W4A4
+    step grid 170 python3 benchmarks/gluon_experiment.py --whole-only \
+        --tokens 1 8 16 32 64 128 --grid-blocks off auto 4 off auto \
+        --out "$out/grid2-deepseek.json"
+    step grid_tests 170 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
+        -k "grid_blocks and (graph or (w4a16 and (one-expert or all-masked or 1-16 or 3-64 \
+        or auto-64)) or (per_token and (one-expert or auto-16)))"
+    step grid_w4a4 100 python3 benchmarks/sweep_decode.py --tokens 1 16 32 \
+        --modes w4a4-token w4a4-tensor --variants c3 c3-gbauto --iters 12 \
+        --out "$out/grid2-w4a4.json"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

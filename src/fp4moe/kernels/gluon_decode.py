@@ -85,11 +85,13 @@ def _decode_unit(codes, sc, A_L: gl.constexpr, DIAG: gl.constexpr = 0):
 @gluon.jit
 def _stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K: gl.constexpr, TOPK: gl.constexpr,
              A_GATHER: gl.constexpr, BM: gl.constexpr, SEG: gl.constexpr,
-             A_UNIT_ORDER: gl.constexpr = False):  # fmt: skip
+             A_UNIT_ORDER: gl.constexpr = False, HAS_DST: gl.constexpr = False,
+             dst=0):  # fmt: skip
     """The row block's activations of one K segment in the unit order, in shared memory
     [SEG / 64 * BM, 64] (unit-major), fenced and synchronized for the wgmma: rows
     ``start`` .. ``end`` (A_GATHER: tokens route // TOPK of the sorted routes), zeros past
-    ``end``; A_UNIT_ORDER: the rows are in the unit order already (only unit-major)."""
+    ``end``; A_UNIT_ORDER: the rows are in the unit order already (only unit-major);
+    HAS_DST: into ``dst`` instead of a buffer of its own."""
     NU: gl.constexpr = SEG // UNIT
     XM: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     offs_m = start + gl.arange(0, BM, layout=gl.SliceLayout(1, XM))
@@ -109,7 +111,10 @@ def _stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K: gl.constexpr, TOPK: gl
         x = gl.permute(x, [1, 0, 3, 5, 2, 4])  # [unit, m, s, b, q, a]
     x = gl.reshape(x, [NU * BM, UNIT])
     XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
-    xs = gl.allocate_shared_memory(gl.bfloat16, [NU * BM, UNIT], XS)
+    if HAS_DST:  # the caller's buffer [NU * BM, 64] of that layout
+        xs = dst
+    else:
+        xs = gl.allocate_shared_memory(gl.bfloat16, [NU * BM, UNIT], XS)
     xs.store(x)
     fence_async_shared()
     gl.thread_barrier()

@@ -85,11 +85,11 @@ CODE_SMEM_W = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, r
 # TMA with each stage as one [SK / 64, BM, 64] box of the view [K/64, rows, 64]: 128-byte
 # rows with the 128-byte swizzle of the wgmma B tiles _stage_x writes
 X_SMEM3 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
-# LOOP (grid_blocks): the loop over row blocks lets the compiler hoist the body's
-# address arithmetic out of it, 66 -> 211 registers for FC1 and 51 -> 168 for FC2 (8-row
-# tiles), which would leave 2 programs an SM. Capped at what the shared memory's programs
-# an SM allow (65536 / (128 threads x programs), multiples of 8), no spill at these caps
-# (FC1 / FC2, 8-row tiles: 6 / 8 programs; 16-row: 4 / 5); keyed (gated, block_m).
+# LOOP (grid_blocks): registers capped at what the shared memory's programs an SM allow
+# (65536 / (128 threads x programs), multiples of 8; FC1 / FC2, 8-row tiles: 6 / 8
+# programs, 16-row: 4 / 5), keyed (gated, block_m). Uncapped the loop needs 79 / 56 (8-row
+# tiles) against 66 / 51 without it; before the rows' buffer was indexed by an opaque zero
+# it needed 211 / 168 (hoisted wgmma descriptors), and the cap spilled.
 LOOP_MAXNREG = {(True, 8): 80, (False, 8): 64, (True, 16): 128, (False, 16): 96}
 
 
@@ -293,17 +293,50 @@ def tma_split_kernel(
     # for it before it released this one), so it is read before the wait, from L2
     if LOOP:
         nvalid = gl.load(valid_blocks_ptr, cache_modifier=".cg")
+        # the buffers and barriers once, outside the loop (allocated in it, their addresses
+        # left the uniform registers: 3880 -> 4440 instructions, and spills under the cap)
+        UPS: gl.constexpr = SK // UNIT
+        NS: gl.constexpr = SEG // SK
+        R: gl.constexpr = 4 // UPS
+        NB: gl.constexpr = min(NBUF, NS)
+        NBS: gl.constexpr = (NB + R - 2) // R + 1
+        gl.static_assert(NS % NB == 0, "LOOP needs the ring's buffers to divide the stages")
+        if GATED:
+            NW: gl.constexpr = 2
+        else:
+            NW: gl.constexpr = 1
+        if BOX3 == 2:
+            cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB, 64, SK // 2], CODE_SMEM_W)
+        else:
+            cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB * UPS, 64, 32], CODE_SMEM)
+        sbuf = gl.allocate_shared_memory(gl.uint8, [NW * NBS, 64, 16], SCALE_SMEM)
+        bars = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(NB):
+            mbarrier.init(bars.index(b), count=1)
+        XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
+        if A_TMA:
+            xbuf = gl.allocate_shared_memory(gl.bfloat16, [1, NB * UPS * BM, UNIT], XS)
+        else:
+            xbuf = gl.allocate_shared_memory(gl.bfloat16, [1, SEG // UNIT * BM, UNIT], XS)
+        ph = 0
         for pm in range(pid_m, nvalid, loop_step):
             if pm != pid_m:  # the last block's shared loads done before new copies land
                 gl.thread_barrier()
                 fence_async_shared()
+            # the rows' buffer through an index the compiler cannot hoist (an opaque zero):
+            # else the wgmma descriptors of its 16 unit slices are computed once before the
+            # loop and held in vector registers (FC1 211 registers instead of 66, 260 R2UR)
+            z = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                          is_pure=False, pack=1)  # fmt: skip
             _block_work(
                 x_ptr, sorted_routes_ptr, c_desc, s_desc, x_desc, block_expert_ptr,
                 block_start_ptr, block_end_ptr, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr,
                 out_ptr, a_global_ptr, ws_rows, pm, pid_n, s_id, pm == pid_m, N, K, TOPK,
                 GATED, A_GATHER, BM, SEG, ASYNC, NBUF, EPILOGUE, FUSED, OUT_SCALE,
                 A_UNIT_ORDER, A_FP4, BOX3, SK, USE_PDL, EARLY_W, A_TMA, OUT_UNIT, DIAG,
+                True, cbuf, sbuf, bars, xbuf.index(z), ph,
             )  # fmt: skip
+            ph = (ph + NS // NB) % 2  # each buffer's barrier completes NS / NB times a block
     else:
         _block_work(
             x_ptr, sorted_routes_ptr, c_desc, s_desc, x_desc, block_expert_ptr,
@@ -324,10 +357,13 @@ def _block_work(
     FUSED: gl.constexpr, OUT_SCALE: gl.constexpr, A_UNIT_ORDER: gl.constexpr,
     A_FP4: gl.constexpr, BOX3: gl.constexpr, SK: gl.constexpr, USE_PDL: gl.constexpr,
     EARLY_W: gl.constexpr, A_TMA: gl.constexpr, OUT_UNIT: gl.constexpr, DIAG: gl.constexpr,
+    PRE: gl.constexpr = False, pre_c=0, pre_s=0, pre_bars=0, pre_x=0, ph=0,
 ):  # fmt: skip
     """One (weight tile ``pid_n``, K segment ``s_id``, row block ``pid_m``) unit of
     ``tma_split_kernel`` (its arguments). ``first``: the program's first block, which
-    waits for the preceding kernel under PDL with ``EARLY_W``."""
+    waits for the preceding kernel under PDL with ``EARLY_W``. ``PRE``: the shared
+    buffers and initialized barriers come from the caller (``pre_*``, the loop over
+    blocks allocates them once), ``ph`` the barriers' phase at this block's start."""
     e = gl.load(block_expert_ptr + pid_m, cache_modifier=".cg")
     if e >= 0:
         start = gl.load(block_start_ptr + pid_m, cache_modifier=".cg")
@@ -347,7 +383,9 @@ def _block_work(
         k0 = s_id * SEG
 
         # ---- the ring's first stages, first (one elected thread issues the copies)
-        if BOX3 == 2:
+        if PRE:
+            cbuf = pre_c
+        elif BOX3 == 2:
             cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB, 64, SK // 2], CODE_SMEM_W)
         else:
             cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB * UPS, 64, 32], CODE_SMEM)
@@ -355,14 +393,21 @@ def _block_work(
             cdst = cbuf._reinterpret(gl.uint8, [NW * NB, UPS, 64, 32], CODE_SMEM3)
         else:
             cdst = cbuf
-        sbuf = gl.allocate_shared_memory(gl.uint8, [NW * NBS, 64, 16], SCALE_SMEM)
-        bars = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(NB):
-            mbarrier.init(bars.index(b), count=1)
+        if PRE:
+            sbuf = pre_s
+            bars = pre_bars
+        else:
+            sbuf = gl.allocate_shared_memory(gl.uint8, [NW * NBS, 64, 16], SCALE_SMEM)
+            bars = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+            for b in gl.static_range(NB):
+                mbarrier.init(bars.index(b), count=1)
         row = e * w_rows + pid_n * 64
         if A_TMA:  # x's ring: [stage buffers * UPS * BM, 64], each unit's rows a wgmma B
             XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
-            xr = gl.allocate_shared_memory(gl.bfloat16, [NB * UPS * BM, UNIT], XS)
+            if PRE:
+                xr = pre_x
+            else:
+                xr = gl.allocate_shared_memory(gl.bfloat16, [NB * UPS * BM, UNIT], XS)
             xdst = xr._reinterpret(gl.bfloat16, [NB, UPS, BM, UNIT], X_SMEM3)
             ACT_BYTES: gl.constexpr = UPS * BM * UNIT * 2
         else:
@@ -394,7 +439,7 @@ def _block_work(
         # ---- activations of the segment, in unit order, into shared memory [NU * BM, 64]
         if not A_TMA:
             xs = _stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K, TOPK, A_GATHER, BM,
-                          SEG, A_UNIT_ORDER)  # fmt: skip
+                          SEG, A_UNIT_ORDER, PRE, pre_x)  # fmt: skip
 
         # ---- decode and multiply, stage by stage as the copies land
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
@@ -405,7 +450,7 @@ def _block_work(
         acc_u = gl.zeros([64, BM], gl.float32, layout=MMA)
         for kb in gl.static_range(NU):
             if kb % UPS == 0 and DIAG != 2:
-                mbarrier.wait(bars.index((kb // UPS) % NB), (kb // UPS // NB) % 2)
+                mbarrier.wait(bars.index((kb // UPS) % NB), (kb // UPS // NB + ph) % 2)
             if A_TMA:
                 xb = xr.slice(((kb // UPS) % NB * UPS + kb % UPS) * BM, BM).permute((1, 0))
             else:
@@ -463,8 +508,9 @@ def _block_work(
                 acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
             else:
                 acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
-        for b in gl.static_range(NB):
-            mbarrier.invalidate(bars.index(b))
+        if not PRE:
+            for b in gl.static_range(NB):
+                mbarrier.invalidate(bars.index(b))
 
         # ---- partials, as loop 3's split programs write them
         stride = _store_partials(acc_g, acc_u, part_ptr, pid_n, start, end, s_id, ws_rows,
