@@ -31,12 +31,13 @@
 #   bash benchmarks/gpu_session.sh s12a       # diag, then test_kernels' GPU suite (CODE_WIDE)
 #   bash benchmarks/gpu_session.sh grid       # the Gluon grid at the expected blocks: time, bits
 #   bash benchmarks/gpu_session.sh grid2      # the same after the register fix, shorter
+#   bash benchmarks/gpu_session.sh s12c       # session 12's last call: tests, then the bench
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -343,6 +344,18 @@ grid2)
     step grid_w4a4 100 python3 benchmarks/sweep_decode.py --tokens 1 16 32 \
         --modes w4a4-token w4a4-tensor --variants c3 c3-gbauto --iters 12 \
         --out "$out/grid2-w4a4.json"
+    ;;
+s12c)
+    # Session 12's last call: the graph-replay grid test that failed in grid2 (its message),
+    # fc1_early (now the default) against loop 3, runner and phases, then the bench
+    step grid_graph 90 python3 -m pytest -m gpu --device cuda -q -x tests/test_gluon_ws.py \
+        -k "grid_blocks_graph_replay_gpu"
+    step fc1early_test 90 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
+        -k "fc1_early_gpu"
+    step others 140 python3 -m pytest -m gpu --device cuda -q tests/test_runner.py \
+        tests/test_phases.py
+    step deepseek 240 python3 -m fp4moe bench --num-tokens 1 8 16 32 64 128 256 1024 4096 \
+        8192 16384 --iters 10 --out "$out/deepseek"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

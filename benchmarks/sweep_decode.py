@@ -21,7 +21,8 @@ off: split K on the (tiles, blocks, segments) grid, the default up to session 9;
 the (tiles, segments, blocks) grid, named c3-blast in session 9's data), c3-noqdec
 (TritonOptions.quantize_decoded off: W4A4's decoded rows by dense_rows launches; session
 10's data has c3-qdec, the option on, before it became the default), c3-fc1early
-(TritonOptions.fc1_early: W4A4's FC1 issues weight copies before its grid wait),
+(TritonOptions.fc1_early: W4A4's FC1 issues weight copies before its grid wait; the
+default since session 12, c3-nofc1early without),
 c3-atma (TritonOptions.gluon_a_tma: the Gluon GEMMs' rows by TMA),
 c3-gbauto, c3-gbworst (TritonOptions.gluon_grid_blocks "auto" and None: the Gluon GEMMs'
 grid at the expected valid row blocks, each program looping over its share, or at the
@@ -180,8 +181,10 @@ def main() -> None:
                 # W4A4 on the Gluon kernels: decoded rows by dense_rows launches (the
                 # default since session 10 takes them from the quantize kernels)
                 "c3-noqdec": c3(quantize_decoded=False),
-                # W4A4: FC1's Gluon programs issue weight copies before their grid wait
+                # W4A4: FC1's Gluon programs issue weight copies before their grid wait (the
+                # default since session 12; c3-nofc1early without)
                 "c3-fc1early": c3(fc1_early=True),
+                "c3-nofc1early": c3(fc1_early=False),
                 # the Gluon GEMMs' activation rows by TMA with each stage (the same bits)
                 "c3-atma": c3(gluon_a_tma=True),
                 # the Gluon GEMMs' grid: expected valid row blocks (looped) or worst case

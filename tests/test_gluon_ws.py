@@ -410,8 +410,8 @@ def test_quantize_decoded_plumbing(interpret, device, monkeypatch, mode):
 def test_fc1_early_plumbing(interpret, device, monkeypatch, mode):
     """``TritonOptions.fc1_early``: ``moe_triton`` lets FC1 issue its weight copies before
     its grid wait only for W4A4 (a quantize kernel runs between the sort and FC1) and only
-    with the option; FC2 always may (the sort is two kernels back). The call's bits do not
-    change (in the interpreter loop 3 runs and ignores the flag)."""
+    with the option (on by default); FC2 always may (the sort is two kernels back). The
+    call's bits do not change (in the interpreter loop 3 runs and ignores the flag)."""
     from fp4moe.kernels import launch
 
     m, sc = mode
@@ -424,11 +424,11 @@ def test_fc1_early_plumbing(interpret, device, monkeypatch, mode):
         return real(*args, **kw)
 
     monkeypatch.setattr(launch, "_gemm", spy)
-    base = moe_triton(x, ids, w, experts, mode=m, act_scale=sc)
+    base = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                      options=TritonOptions(fc1_early=False))  # fmt: skip
     assert seen == [(True, False), (False, True)]
     seen.clear()
-    out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
-                     options=TritonOptions(fc1_early=True))  # fmt: skip
+    out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc)
     assert seen == [(True, m == "w4a4"), (False, True)]
     assert torch.equal(out, base)
 

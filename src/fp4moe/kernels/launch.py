@@ -211,9 +211,10 @@ class TritonOptions:
     fc1_early: W4A4 through ``moe_triton``: FC1's Gluon programs, too, issue their first
         weight copies before their grid wait (``early_weights``), as FC2's do: a quantize
         kernel that waited for the sort runs between the sort and FC1, so the schedule is
-        complete when FC1's programs start. The same bits. Off: built in session 11 after
-        the GPU time ran out, not measured (``sweep_decode.py --modes w4a4-token
-        w4a4-tensor --variants c3 c3-fc1early``).
+        complete when FC1's programs start. The same bits. On since session 12
+        (``sweep_decode.py --modes w4a4-token w4a4-tensor --variants c3 c3-fc1early``,
+        DeepSeek-V3 EP8 1 / 16 / 32 tokens): per-token 53.3 / 64.8 / 161.7 -> 51.9 /
+        61.1 / 157.5 us, per-tensor 54.1 / 66.9 / 165.9 -> 54.4 / 65.1 / 164.5.
     gluon_a_tma: the Gluon kernels take their activation rows by TMA with each stage of
         weights (``gluon_ws`` ``A_TMA``) instead of staging a segment's rows through
         registers first: 12 KB less shared memory a program (8-row tiles) and no gathered
@@ -255,7 +256,7 @@ class TritonOptions:
     gluon_upto: float = 4.0
     quantize_decoded: bool = True
     gluon_pdl_upto: float = 32.0
-    fc1_early: bool = False
+    fc1_early: bool = True
     gluon_a_tma: bool = False
     gluon_grid_blocks: int | str | None = None
 
