@@ -32,12 +32,13 @@
 #   bash benchmarks/gpu_session.sh grid       # the Gluon grid at the expected blocks: time, bits
 #   bash benchmarks/gpu_session.sh grid2      # the same after the register fix, shorter
 #   bash benchmarks/gpu_session.sh s12c       # session 12's last call: tests, then the bench
+#   bash benchmarks/gpu_session.sh s12d       # the grid graph test again, Gluon bits, Qwen3/Mixtral
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -356,6 +357,18 @@ s12c)
         tests/test_phases.py
     step deepseek 240 python3 -m fp4moe bench --num-tokens 1 8 16 32 64 128 256 1024 4096 \
         8192 16384 --iters 10 --out "$out/deepseek"
+    ;;
+s12d)
+    # The grid graph-replay test after its int32 fix, the default Gluon path's bits (CODE_WIDE,
+    # fc1_early), then Qwen3 and Mixtral benches at decode and prefill sizes
+    step grid_graph 90 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
+        -k "grid_blocks_graph_replay_gpu"
+    step gluon 90 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
+        -k "(tma_split_gpu and async and ring1) or (tma_split_w4a4_gpu and quantize_decoded)"
+    short=(--num-tokens 1 16 64 256 8192 --iters 10)
+    step qwen3 100 python3 -m fp4moe bench --preset qwen3-30b-a3b "${short[@]}" --out "$out/qwen3"
+    step mixtral 130 python3 -m fp4moe bench --preset mixtral-8x7b "${short[@]}" \
+        --out "$out/mixtral"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

@@ -650,7 +650,7 @@ def test_gluon_grid_blocks_graph_replay_gpu(gb):
         x = _x(t, h, seed=seed, device="cuda")
         ids, w = _gpu_routes(t, k, e, e_total, seed=seed)
         if seed == 6:  # every route on experts 0 .. 3: 4 x 4 row blocks of 8
-            ids = torch.arange(t * k, device="cuda").reshape(t, k) % 4
+            ids = (torch.arange(t * k, device="cuda").reshape(t, k) % 4).to(torch.int32)
         want = moe_triton(x, ids, w, experts, mode="w4a16",
                           options=TritonOptions(gluon_decode=False))  # fmt: skip
         assert torch.equal(runner(x, ids, w), want), (t, seed)
