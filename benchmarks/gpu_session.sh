@@ -33,12 +33,13 @@
 #   bash benchmarks/gpu_session.sh grid2      # the same after the register fix, shorter
 #   bash benchmarks/gpu_session.sh s12c       # session 12's last call: tests, then the bench
 #   bash benchmarks/gpu_session.sh s12d       # the grid graph test again, Gluon bits, Qwen3/Mixtral
+#   bash benchmarks/gpu_session.sh s12e       # per-tensor W4A4 without its amax kernel: bits, time
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -369,6 +370,14 @@ s12d)
     step qwen3 100 python3 -m fp4moe bench --preset qwen3-30b-a3b "${short[@]}" --out "$out/qwen3"
     step mixtral 130 python3 -m fp4moe bench --preset mixtral-8x7b "${short[@]}" \
         --out "$out/mixtral"
+    ;;
+s12e)
+    # TritonOptions.amax_self_upto (session 12): per-tensor W4A4's quantize kernel takes the
+    # amax itself for small inputs; bits (quantize and whole calls), then time
+    step tests 110 python3 -m pytest -m "gpu or kernel" --device cuda -q tests/test_kernels.py \
+        -k "amax_self or per_tensor_quantize or (gpu_shapes and per_tensor and (-1- or -3-))"
+    step sweep 80 python3 benchmarks/sweep_decode.py --tokens 1 2 4 --modes w4a4-tensor \
+        w4a4-token --variants c3 c3-noamaxself --iters 12 --out "$out/amaxself.json"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

@@ -24,7 +24,8 @@ the (tiles, segments, blocks) grid, named c3-blast in session 9's data), c3-noqd
 (TritonOptions.fc1_early: W4A4's FC1 issues weight copies before its grid wait; the
 default since session 12, c3-nofc1early without),
 c3-atma (TritonOptions.gluon_a_tma: the Gluon GEMMs' rows by TMA),
-c3-gbauto, c3-gbworst (TritonOptions.gluon_grid_blocks "auto" and None: the Gluon GEMMs'
+c3-noamaxself (TritonOptions.amax_self_upto 0: per-tensor W4A4's amax kernel at every
+size), c3-gbauto, c3-gbworst (TritonOptions.gluon_grid_blocks "auto" and None: the Gluon GEMMs'
 grid at the expected valid row blocks, each program looping over its share, or at the
 worst case),
 c3-nogluon (gluon_decode off: loop 3 at decode sizes too).
@@ -187,6 +188,8 @@ def main() -> None:
                 "c3-nofc1early": c3(fc1_early=False),
                 # the Gluon GEMMs' activation rows by TMA with each stage (the same bits)
                 "c3-atma": c3(gluon_a_tma=True),
+                # per-tensor W4A4: the amax kernel kept at every size (amax_self_upto 0)
+                "c3-noamaxself": c3(amax_self_upto=0),
                 # the Gluon GEMMs' grid: expected valid row blocks (looped) or worst case
                 "c3-gbauto": c3(gluon_grid_blocks="auto"),
                 "c3-gbworst": c3(gluon_grid_blocks=None),

@@ -514,11 +514,12 @@ def test_per_tensor_quantize_on_device_bit_identical(
     interpret, device, monkeypatch, rows, count, split
 ):
     """Per-tensor W4A4 on the device (amax_rows: atomic max, then the quantize kernel takes
-    the global from it): codes, scales and global bit-identical to quantize_nvfp4 on the
-    counted rows; no rows (or all zero) gives amax 0 and global 1."""
+    the global from it; or MODE_AMAX_SELF, the quantize kernel's programs taking the amax
+    of the counted rows themselves): codes, scales and global bit-identical to
+    quantize_nvfp4 on the counted rows; no rows (or all zero) gives amax 0 and global 1."""
     from fp4moe.kernels import launch
     from fp4moe.kernels.launch import amax_rows, quantize_rows
-    from fp4moe.kernels.quantize import MODE_FROM_AMAX
+    from fp4moe.kernels.quantize import MODE_AMAX_SELF, MODE_FROM_AMAX
     from fp4moe.nvfp4 import quantize_nvfp4
 
     # split: few rows, each row's amax in one wide load and a chunk of a row a program
@@ -531,19 +532,28 @@ def test_per_tensor_quantize_on_device_bit_identical(
     amax = amax_rows(x, rows, count=cnt)
     assert amax.item() == (x[:n].abs().amax().float().item() if n else 0.0)
     codes, scales, glob = quantize_rows(x, rows, mode=MODE_FROM_AMAX, table=amax, count=cnt)
+    # MODE_AMAX_SELF: every program takes the amax of the counted rows itself
+    own = quantize_rows(x, rows, mode=MODE_AMAX_SELF, count=cnt, poison=True)
     if n == 0:
         assert amax.item() == 0.0
         return
     q = quantize_nvfp4(x[:n])
-    assert torch.equal(codes[:n], q.codes)
-    assert torch.equal(scales[:n].view(torch.uint8), q.scales.view(torch.uint8))
-    assert torch.equal(glob[:n], q.global_scale.expand(n))
+    for c_, s_, g_ in ((codes, scales, glob), own):
+        assert torch.equal(c_[:n], q.codes)
+        assert torch.equal(s_[:n].view(torch.uint8), q.scales.view(torch.uint8))
+        assert torch.equal(g_[:n], q.global_scale.expand(n))
 
 
 def _quantize_split_cases(device, rows, c, seed):
     """(x, kwargs) cases of ``quantize_rows`` for every mode, gathered or not, with and
     without a device count; x has a zero row and saturating and tiny blocks."""
-    from fp4moe.kernels.quantize import MODE_FROM_AMAX, MODE_PER_ROW, MODE_SCALAR, MODE_STATIC
+    from fp4moe.kernels.quantize import (
+        MODE_AMAX_SELF,
+        MODE_FROM_AMAX,
+        MODE_PER_ROW,
+        MODE_SCALAR,
+        MODE_STATIC,
+    )
 
     x = _x(2 * rows + 1, c, seed=seed, device=device)
     x[min(2, rows - 1)] = 0.0
@@ -558,6 +568,7 @@ def _quantize_split_cases(device, rows, c, seed):
         (MODE_STATIC, dict(table=table, row_expert=row_expert)),
         (MODE_SCALAR, dict(table=table[1:2])),
         (MODE_FROM_AMAX, dict(table=torch.tensor([7.5], device=device))),
+        (MODE_AMAX_SELF, {}),
     ]
     for gather in (False, True):
         for count in (None, max(rows // 2, 1)):
@@ -1421,3 +1432,39 @@ def test_moe_triton_no_tokens(interpret, device, mode):
             out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused,
                              options=opt)  # fmt: skip
             assert out.shape == (0, 64) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("fused", [False, True], ids=["deterministic", "fused"])
+def test_amax_self_plumbing(interpret, device, monkeypatch, fused):
+    """Per-tensor W4A4 with ``amax_self_upto``: inputs up to that many elements skip the
+    amax kernel (the quantize kernel takes the amax itself), larger ones and 0 keep it;
+    the same bits either way."""
+    from fp4moe.kernels import launch
+
+    experts = _experts(4, 128, 64, seed=2, device=device)
+    x = _x(5, 128, seed=2, device=device)
+    ids, w = _routes(5, 2, 4, seed=2, device=device, masked=0.2)
+    calls = []
+    real = launch.amax_rows
+
+    def spy(*a, **kw):
+        calls.append(a[0].shape)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(launch, "amax_rows", spy)
+    outs = {}
+    # FC1: 5 x 128 = 640 elements, FC2: 10 routes x 64 = 640
+    for upto, n_amax in ((0, 2), (639, 2), (640, 0), (16384, 0)):
+        calls.clear()
+        outs[upto] = moe_triton(x, ids, w, experts, mode="w4a4", act_scale="per_tensor",
+                                fused_finalize=fused,
+                                options=TritonOptions(amax_self_upto=upto))  # fmt: skip
+        assert len(calls) == n_amax, (upto, calls)
+    if not fused:
+        assert all(torch.equal(outs[0], o) for o in outs.values())
+    ref = moe_reference(x, ids, w, experts, mode="w4a4", act_scale="per_tensor")
+    assert rel_err(outs[16384], ref) <= TOL["w4a4"]
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="amax_self_upto"):
+            TritonOptions(amax_self_upto=bad)

@@ -25,6 +25,7 @@ from .dequant import dense_rows, dense_weights
 from .finalize import finalize_block_h, finalize_kernel
 from .gemm import GemmConfig, choose_gemm_config, moe_gemm_kernel
 from .quantize import (
+    MODE_AMAX_SELF,
     MODE_FROM_AMAX,
     MODE_PER_ROW,
     MODE_SCALAR,
@@ -226,6 +227,13 @@ class TritonOptions:
         (session 11, ``gluon_experiment.py --whole-only --a-tma off on``, DeepSeek-V3
         EP8 W4A16 1 / 16 / 64 tokens 43.9 / 60.2 / 206.2 -> 50.0 / 60.0 / 206.2 us: the
         gather launch costs 6 us at 1 token, the GEMMs do not gain).
+    amax_self_upto: per-tensor W4A4 (``device_amax``, no expert parallelism): where the
+        rows to quantize hold at most this many elements (FC1: tokens x H; FC2: all routes x
+        I, the host's bound), the quantize kernel takes the amax itself
+        (``quantize.MODE_AMAX_SELF``: each program reads every counted row) instead of an
+        amax kernel before it: one launch less. The amax is a max, exact in any order: the
+        same bits. 16384 since session 12 (DeepSeek-V3 EP8: FC1 and FC2 at 1 token, FC1 at
+        2); 0 turns it off.
     gluon_grid_blocks: the row blocks of the Gluon kernels' grid. None: the schedule's
         worst case (``max_blocks``: every route in an expert of its own), whose empty
         programs each hold one of the SM's few slots (shared memory allows 6 to 8) for a
@@ -259,6 +267,7 @@ class TritonOptions:
     fc1_early: bool = True
     gluon_a_tma: bool = False
     gluon_grid_blocks: int | str | None = None
+    amax_self_upto: int = 16384
 
     def grid_blocks(self, n_routes: int, num_experts: int, block_m: int, max_b: int) -> int:
         """The Gluon kernels' grid row blocks (``gluon_grid_blocks``; 0: the worst case
@@ -383,6 +392,9 @@ class TritonOptions:
         g = self.gluon_pdl_upto
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
             raise ValueError(f"gluon_pdl_upto: expected a number >= 0, got {g!r}")
+        u = self.amax_self_upto
+        if isinstance(u, bool) or not isinstance(u, int) or u < 0:
+            raise ValueError(f"amax_self_upto: expected an int >= 0, got {u!r}")
         g = self.gluon_grid_blocks
         if g is not None and g != "auto" and (isinstance(g, bool) or not isinstance(g, int)
                                               or g < 1):  # fmt: skip
@@ -742,8 +754,11 @@ def _gemm(
 def _per_tensor_table(src, rows, count, opt, pdl, amax_reduce):
     """Quantize mode and table for a per-tensor global over the first ``rows`` rows of
     ``src`` (``count``: a device scalar limiting them): the amax on the device
-    (``device_amax``) or with torch ops; ``amax_reduce`` maps the amax (expert parallelism:
-    an all-reduce max over the ranks)."""
+    (``device_amax``; small inputs: taken by the quantize kernel itself, ``amax_self_upto``)
+    or with torch ops; ``amax_reduce`` maps the amax (expert parallelism: an all-reduce max
+    over the ranks)."""
+    if opt.device_amax and amax_reduce is None and rows * src.shape[1] <= opt.amax_self_upto:
+        return MODE_AMAX_SELF, None
     if opt.device_amax:
         amax = amax_rows(src, rows, count=count, pdl=pdl)
         if amax_reduce is not None:

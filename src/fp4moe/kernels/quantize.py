@@ -15,6 +15,7 @@ import triton.language as tl
 from .common import nibble_to_f16, order_rows, to_e4m3
 
 __all__ = [
+    "MODE_AMAX_SELF",
     "MODE_FROM_AMAX",
     "MODE_PER_ROW",
     "MODE_SCALAR",
@@ -28,6 +29,10 @@ MODE_PER_ROW = 0  # global = amax(row) / 2688 (1 where the row is 0)
 MODE_STATIC = 1  # global = table[row_expert[i]]
 MODE_SCALAR = 2  # global = table[0]
 MODE_FROM_AMAX = 3  # global = table[0] / 2688 (1 where it is 0): table[0] an amax
+# global = amax / 2688 (1 where it is 0), the amax over the first (counted) rows of src
+# taken by every program itself: MODE_FROM_AMAX's global without the amax kernel, for
+# inputs small enough that each program can read them all
+MODE_AMAX_SELF = 4
 
 
 @triton.jit
@@ -137,8 +142,16 @@ def quantize_rows_kernel(
         g = tl.load(table_ptr + tl.load(row_expert_ptr + i))
     elif MODE == 2:
         g = tl.load(table_ptr)
-    else:
+    elif MODE == 3:
         a = tl.load(table_ptr)
+        g = tl.where(a == 0.0, 1.0, tl.math.div_rn(a, 2688.0))
+    else:  # the amax of rows 0 .. count - 1 of src (not gathered), as amax_rows_kernel
+        nr = _row_count(n_rows_ptr, n_rows, COUNT_FROM_PTR)
+        a = _row_amax(src_ptr, C, AMAX_C)  # row 0 (nr > i >= 0 here)
+        r = 1
+        while r < nr:  # (a `for` over a runtime bound is fussy in the interpreter)
+            a = tl.maximum(a, _row_amax(src_ptr + r.to(tl.int64) * C, C, AMAX_C))
+            r += 1
         g = tl.where(a == 0.0, 1.0, tl.math.div_rn(a, 2688.0))
     if SPLIT_C:  # one chunk a program (grid axis 1); the row's global stored once
         tl.store(global_out_ptr + i, g, mask=tl.program_id(1) == 0)
