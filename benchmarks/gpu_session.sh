@@ -34,12 +34,13 @@
 #   bash benchmarks/gpu_session.sh s12c       # session 12's last call: tests, then the bench
 #   bash benchmarks/gpu_session.sh s12d       # the grid graph test again, Gluon bits, Qwen3/Mixtral
 #   bash benchmarks/gpu_session.sh s12e       # per-tensor W4A4 without its amax kernel: bits, time
+#   bash benchmarks/gpu_session.sh s12f       # the same at 1 token after the compile fix
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -378,6 +379,13 @@ s12e)
         -k "amax_self or per_tensor_quantize or (gpu_shapes and per_tensor and (-1- or -3-))"
     step sweep 80 python3 benchmarks/sweep_decode.py --tokens 1 2 4 --modes w4a4-tensor \
         w4a4-token --variants c3 c3-noamaxself --iters 12 --out "$out/amaxself.json"
+    ;;
+s12f)
+    # s12e's 1-token per-tensor cases after quantize_rows_kernel stopped specializing n_rows
+    step tests 80 python3 -m pytest -m "gpu or kernel" --device cuda -q tests/test_kernels.py \
+        -k "gpu_shapes and per_tensor and -1-"
+    step sweep 50 python3 benchmarks/sweep_decode.py --tokens 1 --modes w4a4-tensor \
+        --variants c3 c3-noamaxself --iters 12 --out "$out/amaxself-1.json"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

@@ -92,7 +92,9 @@ def amax_rows_kernel(
     tl.atomic_max(amax_ptr, _row_amax(src_ptr + i.to(tl.int64) * C, C, BLOCK_C), sem="relaxed")
 
 
-@triton.jit
+# n_rows not specialized: a row count of 1 made a constant that broke Triton 3.6's
+# coalesce pass on sm_90 in MODE_AMAX_SELF's row loop (PassManager::run failed)
+@triton.jit(do_not_specialize=["n_rows"])
 def quantize_rows_kernel(
     src_ptr,  # bf16 [src_rows, C]
     src_index_ptr,  # int32 [rows]: src row = src_index[i] // DIV (GATHER)
