@@ -654,3 +654,29 @@ def test_gluon_grid_blocks_graph_replay_gpu(gb):
         want = moe_triton(x, ids, w, experts, mode="w4a16",
                           options=TritonOptions(gluon_decode=False))  # fmt: skip
         assert torch.equal(runner(x, ids, w), want), (t, seed)
+
+
+def test_quantize_amax_self_compiles_for_sm90():
+    """``quantize_rows_kernel`` in ``MODE_AMAX_SELF`` (the row loop over a count) compiles
+    for sm_90 in both grids, with the count given and from a pointer; its ``n_rows`` is not
+    specialized, since a count of 1 (a constant) broke Triton 3.6's coalesce pass there."""
+    pytest.importorskip("triton")
+    code = (
+        "import triton.language as tl\n"
+        "from fp4moe.kernels.common import compile_sm90\n"
+        "from fp4moe.kernels.quantize import MODE_AMAX_SELF, quantize_rows_kernel as k\n"
+        "assert k.do_not_specialize == ['n_rows']\n"
+        "ptrs = {'src_ptr': '*bf16', 'src_index_ptr': '*i32', 'n_rows_ptr': '*i32',\n"
+        "        'codes_ptr': '*u8', 'scales_ptr': '*fp8e4nv', 'global_out_ptr': '*fp32',\n"
+        "        'table_ptr': '*fp32', 'row_expert_ptr': '*i32'}\n"
+        "for split in (False, True):\n"
+        "    for cfp in (False, True):\n"
+        "        const = dict(C=7168, MODE=MODE_AMAX_SELF, GATHER=False, DIV=1,\n"
+        "                     COUNT_FROM_PTR=cfp, BLOCK_C=512, USE_PDL=True, INTERPRET=False,\n"
+        "                     AMAX_C=1024, SPLIT_C=split, dec_ptr=None, DEC=False,\n"
+        "                     DEC_DTYPE=tl.bfloat16)\n"
+        "        c = compile_sm90(k, ptrs, const, ints=('n_rows',), num_warps=4)\n"
+        "        assert '.local' not in c.asm['ptx']\n"
+        "print('ok')\n"
+    )
+    _compile_check(code)
