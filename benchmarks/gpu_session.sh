@@ -35,12 +35,13 @@
 #   bash benchmarks/gpu_session.sh s12d       # the grid graph test again, Gluon bits, Qwen3/Mixtral
 #   bash benchmarks/gpu_session.sh s12e       # per-tensor W4A4 without its amax kernel: bits, time
 #   bash benchmarks/gpu_session.sh s12f       # the same at 1 token after the compile fix
+#   bash benchmarks/gpu_session.sh timeline   # the Gluon GEMMs' per-program phase timeline
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -386,6 +387,17 @@ s12f)
         -k "gpu_shapes and per_tensor and -1-"
     step sweep 50 python3 benchmarks/sweep_decode.py --tokens 1 --modes w4a4-tensor \
         --variants c3 c3-noamaxself --iters 12 --out "$out/amaxself-1.json"
+    ;;
+timeline)
+    # Where each Gluon program's time goes (gluon_ws.TRACE, built in session 12 after the
+    # GPU time ran out): phase stamps of every program, DeepSeek-V3 and Mixtral, W4A16 and
+    # W4A4 per-token
+    step timeline 120 python3 benchmarks/gluon_timeline.py --tokens 1 16 64 \
+        --out "$out/timeline-deepseek.json"
+    step timeline_w4a4 60 python3 benchmarks/gluon_timeline.py --tokens 1 16 \
+        --mode w4a4-token --out "$out/timeline-deepseek-w4a4.json"
+    step timeline_mixtral 60 python3 benchmarks/gluon_timeline.py --preset mixtral-8x7b \
+        --tokens 1 16 --out "$out/timeline-mixtral.json"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

@@ -68,6 +68,17 @@ PDL = True  # the Gluon kernels join the call's PDL chain (off: plain launches, 
 # (zeros: the copies, shared loads of the scales' layout aside, and wgmmas alone), 2 no
 # copies and no waits (the decode of whatever shared memory holds: issue alone)
 DIAG = 0
+# Per-program timeline (benchmarks/gluon_timeline.py; the results stay right): with TRACE
+# each launch records, a program, TRACE_FIELDS int64 stamps into a buffer appended to
+# TRACES as (launch facts, buffer): %globaltimer at the start and end, %clock64 at each
+# phase boundary, the SM and the block's expert (-1: an empty program). Eager calls only
+# (the buffer is allocated a launch); not with grid_blocks.
+TRACE = False
+TRACES: list = []
+TRACE_FIELDS = 16
+# the stamps' columns
+T_GSTART, T_GEND, T_START, T_WAIT, T_SCHED, T_ISSUE, T_X, T_W0, T_LOOP, T_PART, T_END = range(11)
+T_SM, T_EXPERT = 11, 12
 # TMA destinations, unswizzled: a [64, 32] code box is 64 rows of 32 bytes
 CODE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
 SCALE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
@@ -233,6 +244,22 @@ def _last_unit_epilogue(
 
 
 @gluon.jit
+def _stamp(ptr, which: gl.constexpr):
+    """TRACE: the SM's cycle counter (``which`` 0), the global nanosecond timer (1) or the
+    SM's id (2) stored at ``ptr``."""
+    if which == 0:
+        v = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64,
+                                      is_pure=False, pack=1)  # fmt: skip
+    elif which == 1:
+        v = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
+                                      is_pure=False, pack=1)  # fmt: skip
+    else:
+        v = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1).to(gl.int64)  # fmt: skip
+    gl.store(ptr, v)
+
+
+@gluon.jit
 def tma_split_kernel(
     x_ptr,  # bf16 [rows, K]: FC1 the tokens (gathered by route // TOPK), FC2 sorted rows
     sorted_routes_ptr,  # int32 [T*TOPK]
@@ -250,6 +277,7 @@ def tma_split_kernel(
     topk_w_ptr,  # fp32 [T*TOPK] router weights (FUSED)
     out_ptr,  # EPILOGUE: bf16 [ws_rows, N] rows in sorted order, or fp32 [T, N] (FUSED)
     a_global_ptr,  # fp32 [rows of x]: W4A4's activation global scales (A_FP4, EPILOGUE)
+    trace_ptr,  # TRACE: int64 [programs, TRACE_FIELDS] stamps
     ws_rows,
     loop_step,  # LOOP: the grid's row blocks (program m takes blocks m, m + loop_step, ...)
     N: gl.constexpr,
@@ -279,6 +307,7 @@ def tma_split_kernel(
     # copies and no waits (decodes whatever shared memory holds); see DIAG below
     LOOP: gl.constexpr = False,  # the grid has loop_step row blocks, not the worst case;
     # program m takes the valid blocks m, m + loop_step, ... (grid_blocks)
+    TRACE: gl.constexpr = False,  # stamps into trace_ptr (gluon_ws.TRACE)
 ):
     pid_n = gl.program_id(0)
     if BLOCKS_LAST:
@@ -287,8 +316,17 @@ def tma_split_kernel(
     else:
         pid_m = gl.program_id(1)
         s_id = gl.program_id(2)
+    gl.static_assert(not (TRACE and LOOP), "TRACE needs the worst-case grid")
+    slot = pid_n + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
+    tb = trace_ptr + slot.to(gl.int64) * 16
+    if TRACE:
+        _stamp(tb + 2, 0)  # T_START
+        _stamp(tb + 0, 1)  # T_GSTART
+        _stamp(tb + 11, 2)  # T_SM
     if USE_PDL and not EARLY_W:
         _gdc_wait_release()
+    if TRACE:
+        _stamp(tb + 3, 0)  # T_WAIT
     # EARLY_W: the schedule was written two kernels back (the kernel before this one waited
     # for it before it released this one), so it is read before the wait, from L2
     if LOOP:
@@ -343,8 +381,11 @@ def tma_split_kernel(
             block_start_ptr, block_end_ptr, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr,
             out_ptr, a_global_ptr, ws_rows, pid_m, pid_n, s_id, True, N, K, TOPK, GATED,
             A_GATHER, BM, SEG, ASYNC, NBUF, EPILOGUE, FUSED, OUT_SCALE, A_UNIT_ORDER, A_FP4,
-            BOX3, SK, USE_PDL, EARLY_W, A_TMA, OUT_UNIT, DIAG,
+            BOX3, SK, USE_PDL, EARLY_W, A_TMA, OUT_UNIT, DIAG, TRACE=TRACE, tb=tb,
         )  # fmt: skip
+        if TRACE:
+            _stamp(tb + 10, 0)  # T_END
+            _stamp(tb + 1, 1)  # T_GEND
 
 
 @gluon.jit
@@ -358,13 +399,18 @@ def _block_work(
     A_FP4: gl.constexpr, BOX3: gl.constexpr, SK: gl.constexpr, USE_PDL: gl.constexpr,
     EARLY_W: gl.constexpr, A_TMA: gl.constexpr, OUT_UNIT: gl.constexpr, DIAG: gl.constexpr,
     PRE: gl.constexpr = False, pre_c=0, pre_s=0, pre_bars=0, pre_x=0, ph=0,
+    TRACE: gl.constexpr = False, tb=0,
 ):  # fmt: skip
     """One (weight tile ``pid_n``, K segment ``s_id``, row block ``pid_m``) unit of
     ``tma_split_kernel`` (its arguments). ``first``: the program's first block, which
     waits for the preceding kernel under PDL with ``EARLY_W``. ``PRE``: the shared
     buffers and initialized barriers come from the caller (``pre_*``, the loop over
-    blocks allocates them once), ``ph`` the barriers' phase at this block's start."""
+    blocks allocates them once), ``ph`` the barriers' phase at this block's start.
+    ``TRACE``: phase stamps at ``tb`` (``gluon_ws.TRACE``)."""
     e = gl.load(block_expert_ptr + pid_m, cache_modifier=".cg")
+    if TRACE:
+        gl.store(tb + 12, e.to(gl.int64))  # T_EXPERT
+        _stamp(tb + 4, 0)  # T_SCHED
     if e >= 0:
         start = gl.load(block_start_ptr + pid_m, cache_modifier=".cg")
         end = gl.load(block_end_ptr + pid_m, cache_modifier=".cg")
@@ -436,6 +482,8 @@ def _block_work(
                     tma.async_copy_global_to_shared(x_desc, [(k0 + st * SK) // UNIT, start, 0],
                                                     bars.index(st), xdst.index(st))  # fmt: skip
 
+        if TRACE:
+            _stamp(tb + 5, 0)  # T_ISSUE
         # ---- activations of the segment, in unit order, into shared memory [NU * BM, 64]
         if not A_TMA:
             xs = _stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K, TOPK, A_GATHER, BM,
@@ -449,8 +497,12 @@ def _block_work(
         acc_g = gl.zeros([64, BM], gl.float32, layout=MMA)
         acc_u = gl.zeros([64, BM], gl.float32, layout=MMA)
         for kb in gl.static_range(NU):
+            if kb == 0 and TRACE:
+                _stamp(tb + 6, 0)  # T_X
             if kb % UPS == 0 and DIAG != 2:
                 mbarrier.wait(bars.index((kb // UPS) % NB), (kb // UPS // NB + ph) % 2)
+            if kb == 0 and TRACE:
+                _stamp(tb + 7, 0)  # T_W0
             if A_TMA:
                 xb = xr.slice(((kb // UPS) % NB * UPS + kb % UPS) * BM, BM).permute((1, 0))
             else:
@@ -512,9 +564,13 @@ def _block_work(
             for b in gl.static_range(NB):
                 mbarrier.invalidate(bars.index(b))
 
+        if TRACE:
+            _stamp(tb + 8, 0)  # T_LOOP
         # ---- partials, as loop 3's split programs write them
         stride = _store_partials(acc_g, acc_u, part_ptr, pid_n, start, end, s_id, ws_rows,
                                  N, GATED, BM, MMA)  # fmt: skip
+        if TRACE:
+            _stamp(tb + 9, 0)  # T_PART
         if EPILOGUE:  # loop 3's split epilogue (gemm._split_unit, _epilogue): the same bits
             _last_unit_epilogue(
                 pid_m, pid_n, e, start, end, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr,
@@ -630,20 +686,26 @@ def split_partials_tma(
     gb = grid_blocks or blocks
     grid = (tiles, segs, gb) if blocks_last else (tiles, gb, segs)
     dummy = part
+    trace = dummy
+    if TRACE and not grid_blocks:
+        trace = torch.full((tiles * segs * gb, TRACE_FIELDS), -1, dtype=torch.int64,
+                           device=x.device)  # fmt: skip
+        TRACES.append((dict(n=n, k=k, gated=gated, block_m=block_m, grid=grid), trace))
     tma_split_kernel[grid](
         x, sorted_routes, c_desc, s_desc, x_desc, block_expert, block_start, block_end,
         valid_blocks if grid_blocks else block_end, part,
         counters if epilogue else dummy, w_global if epilogue else dummy,
         topk_w if fused else dummy, out if epilogue else dummy,
-        a_global if a_global is not None else dummy, ws_rows, gb,
+        a_global if a_global is not None else dummy, trace, ws_rows, gb,
         N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=gather, BM=block_m,
         SEG=seg, ASYNC=asynchronous, BLOCKS_LAST=blocks_last,
         NBUF=BUFFERS if buffers is None else buffers, EPILOGUE=epilogue,
         FUSED=fused and epilogue, OUT_SCALE=out_scale, A_UNIT_ORDER=a_unit_order,
         A_FP4=a_global is not None and epilogue, BOX3=box, SK=stage_k, USE_PDL=pdl,
         EARLY_W=pdl and early_weights and EARLY_WEIGHTS, A_TMA=a_tma,
-        OUT_UNIT=out_unit_order, DIAG=DIAG, LOOP=grid_blocks > 0, num_warps=4,
-        launch_pdl=pdl, **({"maxnreg": LOOP_MAXNREG[gated, block_m]} if grid_blocks else {}),
+        OUT_UNIT=out_unit_order, DIAG=DIAG, LOOP=grid_blocks > 0, TRACE=trace is not dummy,
+        num_warps=4, launch_pdl=pdl,
+        **({"maxnreg": LOOP_MAXNREG[gated, block_m]} if grid_blocks else {}),
     )  # fmt: skip
 
 
@@ -667,6 +729,7 @@ def compile_sm90(
     diag: int = 0,
     loop_blocks: int = 0,
     maxnreg: int | None = None,
+    trace: bool = False,
 ):
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
     layout conversions are asserted trivial at compile time. ``box3``: the code copies
@@ -678,6 +741,7 @@ def compile_sm90(
         "part_ptr": "*fp32",
         "cnt_ptr": "*i32", "w_global_ptr": "*fp32", "topk_w_ptr": "*fp32",
         "out_ptr": "*fp32" if fused else "*bf16", "a_global_ptr": "*fp32",
+        "trace_ptr": "*i64",
     }  # fmt: skip
     descs = {
         "c_desc": f"tensordesc<u8[64, {stage_k // 2}],{CODE_SMEM_W!r}>"
@@ -698,7 +762,7 @@ def compile_sm90(
                  FUSED=fused, OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_UNIT_ORDER=a_fp4,
                  A_FP4=a_fp4, BOX3=int(box3), SK=stage_k, USE_PDL=pdl,
                  EARLY_W=pdl and early_weights, A_TMA=a_tma, OUT_UNIT=out_unit_order,
-                 DIAG=diag, LOOP=loop_blocks > 0)  # fmt: skip
+                 DIAG=diag, LOOP=loop_blocks > 0, TRACE=trace)  # fmt: skip
     opts = {} if maxnreg is None else {"maxnreg": maxnreg}
     return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows", "loop_step"),
                                gluon=True, descs=descs, num_warps=4, launch_pdl=pdl,
