@@ -392,6 +392,7 @@ timeline)
     # Where each Gluon program's time goes (gluon_ws.TRACE, built in session 12 after the
     # GPU time ran out): phase stamps of every program, DeepSeek-V3 and Mixtral, W4A16 and
     # W4A4 per-token
+    step trace_test 60 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_timeline.py
     step timeline 120 python3 benchmarks/gluon_timeline.py --tokens 1 16 64 \
         --out "$out/timeline-deepseek.json"
     step timeline_w4a4 60 python3 benchmarks/gluon_timeline.py --tokens 1 16 \

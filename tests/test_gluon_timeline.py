@@ -78,3 +78,30 @@ def test_traced_kernel_compiles_for_sm90():
         "print('ok')\n"
     )
     _compile_check(code)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16])
+def test_trace_gpu(monkeypatch, t):
+    """On the GPU: a traced call gives the untraced call's bits, both Gluon GEMMs record
+    every program, and each valid program's stamps run forward through its phases."""
+    from fp4moe.kernels import gluon_ws as g
+    from fp4moe.kernels.launch import TritonOptions, moe_triton
+    from test_gluon_ws import _deepseek_case
+
+    experts, x, ids, w = _deepseek_case(t, seed=31, expert=2)
+    want = moe_triton(x, ids, w, experts, options=TritonOptions(poison=True))
+    monkeypatch.setattr(g, "TRACE", True)
+    monkeypatch.setattr(g, "TRACES", [])
+    got = moe_triton(x, ids, w, experts, options=TritonOptions(poison=True))
+    assert torch.equal(want, got)
+    assert [f["gated"] for f, _ in g.TRACES] == [True, False]
+    cols = [g.T_START, g.T_WAIT, g.T_SCHED, g.T_ISSUE, g.T_X, g.T_W0, g.T_LOOP, g.T_PART,
+            g.T_END]  # fmt: skip
+    for _, tr in g.TRACES:
+        tr = tr.cpu()
+        assert bool((tr[:, g.T_START] >= 0).all())  # every program recorded
+        v = tr[tr[:, g.T_EXPERT] >= 0]
+        assert v.shape[0] > 0
+        assert bool((v[:, cols].diff(dim=1) >= 0).all())
+        assert bool((v[:, g.T_GEND] >= v[:, g.T_GSTART]).all())
