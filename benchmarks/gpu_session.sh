@@ -53,6 +53,17 @@ step() {  # step NAME SECONDS COMMAND...
     echo "   exit $? ($name)" | tee -a "$out/steps.txt"
     tail -3 "$out/$name.log"
 }
+diag_steps() {
+    # Where the Gluon GEMMs' time goes (gluon_ws.DIAG, wrong results, timing only): whole
+    # calls and each kernel with the decode left out (1) and with the copies and their
+    # waits left out (2), against the real kernel (0)
+    step diag 150 python3 benchmarks/gluon_experiment.py --whole-only --tokens 1 16 64 \
+        --diag 0 1 2 0 1 2 --out "$out/diag.json"
+    for d in 0 1 2; do
+        step "kernels_$d" 45 python3 benchmarks/profile_call.py --kernels --calls 5 \
+            --tokens 16 --diag "$d"
+    done
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$out/smi.txt" 2>&1
 case "$part" in
 tests)
@@ -300,25 +311,12 @@ atma)
         --out "$out/atma-w4a4.json"
     ;;
 diag)
-    # Where the Gluon GEMMs' time goes (gluon_ws.DIAG, wrong results, timing only): whole
-    # calls and each kernel with the decode left out (1) and with the copies and their
-    # waits left out (2), against the real kernel (0)
-    step diag 150 python3 benchmarks/gluon_experiment.py --whole-only --tokens 1 16 64 \
-        --diag 0 1 2 0 1 2 --out "$out/diag.json"
-    for d in 0 1 2; do
-        step "kernels_$d" 60 python3 benchmarks/profile_call.py --kernels --calls 5 \
-            --tokens 16 --diag "$d"
-    done
+    diag_steps
     ;;
 s12a)
     # Session 12's first call: where the Gluon GEMMs' time goes (diag), then the kernels'
     # GPU suite with CODE_WIDE the default (not run with it in session 11)
-    step diag 150 python3 benchmarks/gluon_experiment.py --whole-only --tokens 1 16 64 \
-        --diag 0 1 2 0 1 2 --out "$out/diag.json"
-    for d in 0 1 2; do
-        step "kernels_$d" 45 python3 benchmarks/profile_call.py --kernels --calls 5 \
-            --tokens 16 --diag "$d"
-    done
+    diag_steps
     step kernels 270 python3 -m pytest -m gpu --device cuda tests/test_kernels.py -q
     ;;
 grid)

@@ -137,8 +137,9 @@ def test_tma_a_tma_compiles_for_sm90():
 
 
 def test_split_partials_bad_arguments():
-    """A segment that is no multiple of a stage, a bad tile height, and the epilogue
-    without its counters or router weights are refused before anything is launched."""
+    """A segment that is no multiple of a stage, a bad tile height, the epilogue without
+    its counters or router weights, and a bad ``grid_blocks`` (or one without the sort's
+    ``valid_blocks``) are refused before anything is launched."""
     pytest.importorskip("triton.experimental.gluon")
     from fp4moe.kernels import gluon_ws
 
@@ -162,6 +163,13 @@ def test_split_partials_bad_arguments():
     with pytest.raises(ValueError, match="topk_w"):
         gluon_ws.split_partials_tma(*args, block_m=8, out=out, counters=cnt, fused=True,
                                     w_global=part[0, 0], **kw)  # fmt: skip
+    # grid_blocks: an int >= 0, and it needs the sort's valid_blocks
+    with pytest.raises(ValueError, match="valid_blocks"):
+        gluon_ws.split_partials_tma(*args, block_m=8, grid_blocks=2, **kw)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="grid_blocks"):
+            gluon_ws.split_partials_tma(*args, block_m=8, grid_blocks=bad,
+                                        valid_blocks=i32[:1], **kw)  # fmt: skip
 
 
 def _same_as_loop3(x, ids, w, experts, m, sc, **options):
@@ -189,6 +197,21 @@ def _small_case(device, *, seed: int):
     x = _x(5, 128, seed=seed, device=device)
     ids, w = _routes(5, 2, 4, seed=seed, device=device, masked=0.2)
     return experts, x, ids, w
+
+
+def _spy_gemm(monkeypatch, pick):
+    """Record ``pick(kwargs)`` of every ``launch._gemm`` call from now on (the list)."""
+    from fp4moe.kernels import launch
+
+    seen = []
+    real = launch._gemm
+
+    def spy(*args, **kw):
+        seen.append(pick(kw))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(launch, "_gemm", spy)
+    return seen
 
 
 def _deepseek_case(t, *, seed: int, expert: int):
@@ -412,18 +435,9 @@ def test_fc1_early_plumbing(interpret, device, monkeypatch, mode):
     its grid wait only for W4A4 (a quantize kernel runs between the sort and FC1) and only
     with the option (on by default); FC2 always may (the sort is two kernels back). The
     call's bits do not change (in the interpreter loop 3 runs and ignores the flag)."""
-    from fp4moe.kernels import launch
-
     m, sc = mode
     experts, x, ids, w = _small_case(device, seed=5)
-    seen = []
-    real = launch._gemm
-
-    def spy(*args, **kw):
-        seen.append((kw["gated"], kw.get("early_weights", False)))
-        return real(*args, **kw)
-
-    monkeypatch.setattr(launch, "_gemm", spy)
+    seen = _spy_gemm(monkeypatch, lambda kw: (kw["gated"], kw.get("early_weights", False)))
     base = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
                       options=TritonOptions(fc1_early=False))  # fmt: skip
     assert seen == [(True, False), (False, True)]
@@ -458,19 +472,11 @@ def test_gluon_a_tma_plumbing(interpret, device, monkeypatch, mode):
     decoded rows in sorted order; the others are staged in the kernel, which decides that
     itself). Off by default. Loop 3 reads and writes the unit order too
     (``ordered_x``), so the call's bits do not change."""
-    from fp4moe.kernels import launch
-
     m, sc = mode
     experts, x, ids, w = _small_case(device, seed=9)
     base = moe_triton(x, ids, w, experts, mode=m, act_scale=sc)
-    seen = []
-    real = launch._gemm
-
-    def spy(*args, **kw):
-        seen.append(tuple(kw.get(f, False) for f in ("a_tma", "out_ordered", "a_ordered")))
-        return real(*args, **kw)
-
-    monkeypatch.setattr(launch, "_gemm", spy)
+    fields = ("a_tma", "out_ordered", "a_ordered")
+    seen = _spy_gemm(monkeypatch, lambda kw: tuple(kw.get(f, False) for f in fields))
     monkeypatch.setattr(TritonOptions, "gluon_runs", lambda self, *a: True)
     moe_triton(x, ids, w, experts, mode=m, act_scale=sc)
     assert seen == [(False, False, False)] * 2  # off by default
@@ -566,44 +572,15 @@ def test_grid_blocks_rule():
             TritonOptions(gluon_grid_blocks=bad)
 
 
-def test_grid_blocks_bad_arguments():
-    """``split_partials_tma``: ``grid_blocks`` must be an int >= 0 and needs the sort's
-    ``valid_blocks``; refused before anything is launched."""
-    pytest.importorskip("triton.experimental.gluon")
-    from fp4moe.kernels import gluon_ws
-
-    x = torch.zeros(4, 2048, dtype=torch.bfloat16)
-    i32 = torch.zeros(4, dtype=torch.int32)
-    codes = torch.zeros(2, 64, 1024, dtype=torch.uint8)
-    scales = torch.zeros(2, 64, 128, dtype=torch.uint8)
-    part = torch.zeros(2, 4, 64)
-    kw = dict(n=64, topk=1, gated=False, gather=False, ws_rows=4, block_m=8)
-    args = (x, i32, codes, scales, i32, i32, i32, part)
-    with pytest.raises(ValueError, match="valid_blocks"):
-        gluon_ws.split_partials_tma(*args, grid_blocks=2, **kw)
-    for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="grid_blocks"):
-            gluon_ws.split_partials_tma(*args, grid_blocks=bad, valid_blocks=i32[:1], **kw)
-
-
 @pytest.mark.kernel
 @pytest.mark.parametrize("mode", MODES[:2], ids=_mode_id)
 def test_grid_blocks_plumbing(interpret, device, monkeypatch, mode):
     """``gluon_grid_blocks`` reaches both GEMMs as ``grid_blocks`` (0 by default), and
     the call's bits do not change (the interpreter runs loop 3, which has no such grid)."""
-    from fp4moe.kernels import launch
-
     m, sc = mode
     experts, x, ids, w = _small_case(device, seed=3)
     base = moe_triton(x, ids, w, experts, mode=m, act_scale=sc)
-    seen = []
-    real = launch._gemm
-
-    def spy(*args, **kw):
-        seen.append(kw.get("grid_blocks", 0))
-        return real(*args, **kw)
-
-    monkeypatch.setattr(launch, "_gemm", spy)
+    seen = _spy_gemm(monkeypatch, lambda kw: kw.get("grid_blocks", 0))
     moe_triton(x, ids, w, experts, mode=m, act_scale=sc)
     assert seen == [0, 0]
     seen.clear()
