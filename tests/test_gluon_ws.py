@@ -66,7 +66,8 @@ def test_tma_stage_k_and_pdl_compile_for_sm90():
     scale box once a 256-K group (FC1, one segment of 1024 K: 16 / 8 stages x 2 weights
     + 4 groups x 2), no spill, the scale ring of ``scale_slots``; with ``pdl`` one grid
     wait and one release, FC1 waiting before any copy (its schedule comes from the kernel
-    just before) and FC2 with ``early_weights`` issuing copies before it."""
+    just before) and FC2 with ``early_weights`` issuing copies before it. K segments of 512
+    (``seg``) compile with half the copies and the activation rows' shared memory."""
     pytest.importorskip("triton")
     code = (
         "from fp4moe.kernels.gluon_ws import compile_sm90, scale_slots\n"
@@ -90,6 +91,12 @@ def test_tma_stage_k_and_pdl_compile_for_sm90():
         "    assert first == early, (n, early)\n"
         "c = compile_sm90(n=7168, k=2048, gated=False, block_m=8, buffers=1, epilogue=True)\n"
         "assert 'griddepcontrol' not in c.asm['ptx'] and not c.metadata.launch_pdl\n"
+        "# K segments of 512 (launch.SEGMENT): half the copies and the rows' shared memory\n"
+        "kw = dict(n=2048, k=7168, gated=True, block_m=8, asynchronous=True, buffers=1,\n"
+        "          epilogue=True, box3=2)\n"
+        "a, b = compile_sm90(**kw), compile_sm90(**kw, seg=512)\n"
+        "assert b.asm['ptx'].count('cp.async.bulk.tensor') == 8 and '.local' not in b.asm['ptx']\n"
+        "assert b.metadata.shared == a.metadata.shared - 8 * 512 * 2\n"
         "print('ok')\n"
     )
     _compile_check(code)

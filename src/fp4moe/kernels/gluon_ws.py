@@ -730,6 +730,7 @@ def compile_sm90(
     loop_blocks: int = 0,
     maxnreg: int | None = None,
     trace: bool = False,
+    seg: int = 1024,
 ):
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
     layout conversions are asserted trivial at compile time. ``box3``: the code copies
@@ -757,7 +758,7 @@ def compile_sm90(
         else descs["c_desc"]
     )
     const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated and not a_tma, BM=block_m,
-                 SEG=1024,
+                 SEG=seg,
                  ASYNC=asynchronous, BLOCKS_LAST=True, NBUF=buffers, EPILOGUE=epilogue,
                  FUSED=fused, OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_UNIT_ORDER=a_fp4,
                  A_FP4=a_fp4, BOX3=int(box3), SK=stage_k, USE_PDL=pdl,
