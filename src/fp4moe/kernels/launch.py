@@ -233,7 +233,8 @@ class TritonOptions:
         (``quantize.MODE_AMAX_SELF``: each program reads every counted row) instead of an
         amax kernel before it: one launch less. The amax is a max, exact in any order: the
         same bits. 16384 since session 12 (DeepSeek-V3 EP8: FC1 and FC2 at 1 token, FC1 at
-        2); 0 turns it off.
+        2; per-tensor W4A4 at 1 token 56.0 -> 52.2 us, ``sweep_decode.py --variants c3
+        c3-noamaxself``); 0 turns it off.
     gluon_grid_blocks: the row blocks of the Gluon kernels' grid. None: the schedule's
         worst case (``max_blocks``: every route in an expert of its own), whose empty
         programs each hold one of the SM's few slots (shared memory allows 6 to 8) for a
@@ -242,7 +243,10 @@ class TritonOptions:
         blocks, routes spread evenly: touched experts + valid routes / 8, plus 2): the
         grid has G row blocks and program m takes the valid blocks m, m + G, ... (the
         sort's ``valid_blocks``), so any routing is served and at most G - valid blocks
-        are empty. The same units and sums: the same bits.
+        are empty. The same units and sums: the same bits. Off: no gain on the H200
+        (session 12, ``gluon_experiment.py --whole-only --grid-blocks off auto``, W4A16 1
+        / 16 / 64 / 128 tokens 44.3 / 60.2 / 209.7 / 329.7 -> 46.9 / 60.1 / 212.0 / 317.4
+        us): the empty programs cost the Gluon kernels nothing measurable.
     """
 
     pdl: bool | None = None
