@@ -137,23 +137,22 @@ def quantize_rows_kernel(
     row = src_ptr + src * C
     cols = tl.arange(0, BLOCK_C)
 
-    if MODE == 0:
-        a = _row_amax(row, C, AMAX_C)  # SPLIT_C: every chunk's program reads the whole row
-        g = tl.where(a == 0.0, 1.0, tl.math.div_rn(a, 2688.0))
-    elif MODE == 1:
+    if MODE == 1:
         g = tl.load(table_ptr + tl.load(row_expert_ptr + i))
     elif MODE == 2:
         g = tl.load(table_ptr)
-    elif MODE == 3:
-        a = tl.load(table_ptr)
-        g = tl.where(a == 0.0, 1.0, tl.math.div_rn(a, 2688.0))
-    else:  # the amax of rows 0 .. count - 1 of src (not gathered), as amax_rows_kernel
-        nr = _row_count(n_rows_ptr, n_rows, COUNT_FROM_PTR)
-        a = _row_amax(src_ptr, C, AMAX_C)  # row 0 (nr > i >= 0 here)
-        r = 1
-        while r < nr:  # (a `for` over a runtime bound is fussy in the interpreter)
-            a = tl.maximum(a, _row_amax(src_ptr + r.to(tl.int64) * C, C, AMAX_C))
-            r += 1
+    else:  # the global from an amax: the row's, a given one, or the counted rows'
+        if MODE == 0:
+            a = _row_amax(row, C, AMAX_C)  # SPLIT_C: every chunk's program reads the row
+        elif MODE == 3:
+            a = tl.load(table_ptr)
+        else:  # the amax of rows 0 .. count - 1 of src (not gathered), as amax_rows_kernel
+            nr = _row_count(n_rows_ptr, n_rows, COUNT_FROM_PTR)
+            a = _row_amax(src_ptr, C, AMAX_C)  # row 0 (nr > i >= 0 here)
+            r = 1
+            while r < nr:  # (a `for` over a runtime bound is fussy in the interpreter)
+                a = tl.maximum(a, _row_amax(src_ptr + r.to(tl.int64) * C, C, AMAX_C))
+                r += 1
         g = tl.where(a == 0.0, 1.0, tl.math.div_rn(a, 2688.0))
     if SPLIT_C:  # one chunk a program (grid axis 1); the row's global stored once
         tl.store(global_out_ptr + i, g, mask=tl.program_id(1) == 0)
