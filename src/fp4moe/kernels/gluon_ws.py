@@ -160,6 +160,28 @@ def _smem_unit(cbuf, sbuf, kb: gl.constexpr, w: gl.constexpr, NB: gl.constexpr,
 
 
 @gluon.jit
+def _stage_buffers(GATED: gl.constexpr, NB: gl.constexpr, NBS: gl.constexpr,
+                   UPS: gl.constexpr, BOX3: gl.constexpr):  # fmt: skip
+    """A program's shared buffers for the weights of ``NB`` ring stages of ``UPS`` units
+    (codes: [NW * NB, 64, SK / 2] swizzled with BOX3 2, else [NW * NB * UPS, 64, 32];
+    scales [NW * NBS, 64, 16]; NW 2 when GATED) and the stages' ``NB`` mbarriers,
+    initialized."""
+    if GATED:
+        NW: gl.constexpr = 2
+    else:
+        NW: gl.constexpr = 1
+    if BOX3 == 2:
+        cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB, 64, UPS * UNIT // 2], CODE_SMEM_W)
+    else:
+        cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB * UPS, 64, 32], CODE_SMEM)
+    sbuf = gl.allocate_shared_memory(gl.uint8, [NW * NBS, 64, 16], SCALE_SMEM)
+    bars = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(NB):
+        mbarrier.init(bars.index(b), count=1)
+    return cbuf, sbuf, bars
+
+
+@gluon.jit
 def _gdc_wait_release():
     """Programmatic dependent launch: wait for the preceding kernel's writes, then let the
     next kernel's programs start (``tl.extra.cuda.gdc_wait`` / ``gdc_launch_dependents``;
@@ -331,26 +353,15 @@ def tma_split_kernel(
     # for it before it released this one), so it is read before the wait, from L2
     if LOOP:
         nvalid = gl.load(valid_blocks_ptr, cache_modifier=".cg")
-        # the buffers and barriers once, outside the loop (allocated in it, their addresses
-        # left the uniform registers: 3880 -> 4440 instructions, and spills under the cap)
+        # the buffers once, before the loop: the barriers are initialized once and their
+        # phase carried (ph), and the rows' buffer can be indexed by the opaque zero below
         UPS: gl.constexpr = SK // UNIT
         NS: gl.constexpr = SEG // SK
         R: gl.constexpr = 4 // UPS
         NB: gl.constexpr = min(NBUF, NS)
         NBS: gl.constexpr = (NB + R - 2) // R + 1
         gl.static_assert(NS % NB == 0, "LOOP needs the ring's buffers to divide the stages")
-        if GATED:
-            NW: gl.constexpr = 2
-        else:
-            NW: gl.constexpr = 1
-        if BOX3 == 2:
-            cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB, 64, SK // 2], CODE_SMEM_W)
-        else:
-            cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB * UPS, 64, 32], CODE_SMEM)
-        sbuf = gl.allocate_shared_memory(gl.uint8, [NW * NBS, 64, 16], SCALE_SMEM)
-        bars = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(NB):
-            mbarrier.init(bars.index(b), count=1)
+        cbuf, sbuf, bars = _stage_buffers(GATED, NB, NBS, UPS, BOX3)
         XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
         if A_TMA:
             xbuf = gl.allocate_shared_memory(gl.bfloat16, [1, NB * UPS * BM, UNIT], XS)
@@ -431,22 +442,14 @@ def _block_work(
         # ---- the ring's first stages, first (one elected thread issues the copies)
         if PRE:
             cbuf = pre_c
-        elif BOX3 == 2:
-            cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB, 64, SK // 2], CODE_SMEM_W)
+            sbuf = pre_s
+            bars = pre_bars
         else:
-            cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB * UPS, 64, 32], CODE_SMEM)
+            cbuf, sbuf, bars = _stage_buffers(GATED, NB, NBS, UPS, BOX3)
         if BOX3 == 1:  # the same bytes (unswizzled) as [stage buffers, UPS, 64, 32] for the copies
             cdst = cbuf._reinterpret(gl.uint8, [NW * NB, UPS, 64, 32], CODE_SMEM3)
         else:
             cdst = cbuf
-        if PRE:
-            sbuf = pre_s
-            bars = pre_bars
-        else:
-            sbuf = gl.allocate_shared_memory(gl.uint8, [NW * NBS, 64, 16], SCALE_SMEM)
-            bars = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-            for b in gl.static_range(NB):
-                mbarrier.init(bars.index(b), count=1)
         row = e * w_rows + pid_n * 64
         if A_TMA:  # x's ring: [stage buffers * UPS * BM, 64], each unit's rows a wgmma B
             XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
