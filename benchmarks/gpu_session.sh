@@ -36,12 +36,14 @@
 #   bash benchmarks/gpu_session.sh s12e       # per-tensor W4A4 without its amax kernel: bits, time
 #   bash benchmarks/gpu_session.sh s12f       # the same at 1 token after the compile fix
 #   bash benchmarks/gpu_session.sh timeline   # the Gluon GEMMs' per-program phase timeline
+#   bash benchmarks/gpu_session.sh s13a       # timeline, then Gluon K segments of 512
+#   bash benchmarks/gpu_session.sh s13b       # gluon_persist: bits, then time
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -397,6 +399,32 @@ timeline)
         --mode w4a4-token --out "$out/timeline-deepseek-w4a4.json"
     step timeline_mixtral 60 python3 benchmarks/gluon_timeline.py --preset mixtral-8x7b \
         --tokens 1 16 --out "$out/timeline-mixtral.json"
+    ;;
+s13a)
+    # Session 13's first call: the timeline part, then Gluon K segments of 512 against 1024
+    # at decode sizes (other bits: checked against the reference only)
+    step trace_test 60 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_timeline.py
+    step timeline 120 python3 benchmarks/gluon_timeline.py --tokens 1 16 64 \
+        --out "$out/timeline-deepseek.json"
+    step timeline_w4a4 60 python3 benchmarks/gluon_timeline.py --tokens 1 16 \
+        --mode w4a4-token --out "$out/timeline-deepseek-w4a4.json"
+    step timeline_mixtral 60 python3 benchmarks/gluon_timeline.py --preset mixtral-8x7b \
+        --tokens 1 16 --out "$out/timeline-mixtral.json"
+    step seg512 150 python3 benchmarks/sweep_decode.py --tokens 1 16 32 --modes w4a16 \
+        --variants c3 c3-seg512 --segments 512 --iters 12 --out "$out/seg512.json"
+    ;;
+s13b)
+    # TritonOptions.gluon_persist (session 13): bits first (whole calls against loop 3, a
+    # CUDA graph's replays), then time against the worst-case grid at decode sizes
+    step persist_tests 200 python3 -m pytest -m gpu --device cuda -q -x tests/test_gluon_ws.py \
+        -k "persist and (graph or (w4a16 and (one-expert or all-masked or 1-16 or auto-64)) \
+        or 1-64 or (per_token and auto-1))"
+    step persist 200 python3 benchmarks/sweep_decode.py --tokens 1 8 16 32 64 128 256 \
+        --modes w4a16 --variants c3 c3-persist c3-persist4 c3-persist-u8 --iters 12 \
+        --out "$out/persist.json"
+    step persist_w4a4 90 python3 benchmarks/sweep_decode.py --tokens 1 16 64 \
+        --modes w4a4-token w4a4-tensor --variants c3 c3-persist --iters 12 \
+        --out "$out/persist-w4a4.json"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

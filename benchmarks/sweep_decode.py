@@ -27,7 +27,9 @@ c3-atma (TritonOptions.gluon_a_tma: the Gluon GEMMs' rows by TMA),
 c3-noamaxself (TritonOptions.amax_self_upto 0: per-tensor W4A4's amax kernel at every
 size), c3-gbauto, c3-gbworst (TritonOptions.gluon_grid_blocks "auto" and None: the Gluon GEMMs'
 grid at the expected valid row blocks, each program looping over its share, or at the
-worst case),
+worst case), c3-persist, c3-persistN (TritonOptions.gluon_persist "auto" and N programs
+an SM: the Gluon GEMMs as persistent programs that issue the next unit's copies early),
+c3-persist-u8 (the same, with the Gluon GEMMs up to 8 expected valid rows an expert),
 c3-nogluon (gluon_decode off: loop 3 at decode sizes too).
 """
 
@@ -196,6 +198,13 @@ def main() -> None:
                 # loop 3 everywhere (the Gluon kernels off; the same bits)
                 "c3-nogluon": c3(gluon_decode=False),
             }
+            # the Gluon GEMMs as persistent programs: as many as the SMs hold, or N an SM
+            variants["c3-persist"] = c3(gluon_persist="auto")
+            # ... and taking calls of up to 8 expected valid rows an expert (gluon_upto 8)
+            variants["c3-persist-u8"] = c3(gluon_persist="auto", gluon_upto=8.0)
+            for name in a.variants:
+                if name.startswith("c3-persist") and name[10:].isdigit():
+                    variants[name] = c3(gluon_persist=int(name[10:]))
             for seg in a.segments:  # another K segment (launch.SEGMENT): other bits
                 variants[f"c3-seg{seg}"] = c3()
             if sc == "per_tensor":  # the amaxes on the device against torch ops

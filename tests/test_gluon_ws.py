@@ -177,6 +177,16 @@ def test_split_partials_bad_arguments():
         with pytest.raises(ValueError, match="grid_blocks"):
             gluon_ws.split_partials_tma(*args, block_m=8, grid_blocks=bad,
                                         valid_blocks=i32[:1], **kw)  # fmt: skip
+    # persist: an int >= 0, with the sort's valid_blocks, not with a_tma or grid_blocks
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="persist"):
+            gluon_ws.split_partials_tma(*args, block_m=8, persist=bad, valid_blocks=i32[:1],
+                                        **kw)  # fmt: skip
+    with pytest.raises(ValueError, match="persist needs valid_blocks"):
+        gluon_ws.split_partials_tma(*args, block_m=8, persist=4, **kw)
+    with pytest.raises(ValueError, match="persist needs valid_blocks"):
+        gluon_ws.split_partials_tma(*args, block_m=8, persist=4, valid_blocks=i32[:1],
+                                    grid_blocks=2, **kw)  # fmt: skip
 
 
 def _same_as_loop3(x, ids, w, experts, m, sc, **options):
@@ -554,6 +564,71 @@ def test_tma_grid_blocks_compiles_for_sm90():
     _compile_check(code)
 
 
+def test_tma_persist_compiles_for_sm90():
+    """``PERSIST`` (``gluon_persist``): one loop over a program's units, compiled once: the
+    body's TMA copies plus one stage's (the next unit's first, 2 code and 2 scale boxes
+    for FC1, 1 and 1 for FC2), one grid wait under PDL with early weights, no local
+    memory, and registers within ``PERSIST_PER_SM``'s count (uncapped: FC1 / FC2 72 / 56
+    at 8 rows against 66 / 51 without the loop); the slots it assumes fit the shared
+    memory."""
+    pytest.importorskip("triton")
+    code = (
+        "import os, re, subprocess, tempfile, triton\n"
+        "from fp4moe.kernels.gluon_ws import compile_sm90, PERSIST_PER_SM\n"
+        "tool = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin',\n"
+        "                    'cuobjdump')\n"
+        "for n, k, g, extra in ((2048, 7168, True, 4), (7168, 2048, False, 2)):\n"
+        "    for bm in (8, 16):\n"
+        "        kw = dict(n=n, k=k, gated=g, block_m=bm, asynchronous=True, buffers=1,\n"
+        "                  epilogue=True, box3=2, pdl=True, early_weights=True)\n"
+        "        base = compile_sm90(**kw)\n"
+        "        c = compile_sm90(**kw, persist=True)\n"
+        "        ptx = c.asm['ptx']\n"
+        "        assert '.local' not in ptx and 'wgmma.mma_async' in ptx, (n, bm)\n"
+        "        assert ptx.count('cp.async.bulk.tensor') == \\\n"
+        "            base.asm['ptx'].count('cp.async.bulk.tensor') + extra, (n, bm)\n"
+        "        assert ptx.count('griddepcontrol.wait') == 1, (n, bm)\n"
+        "        with tempfile.TemporaryDirectory() as tmp:\n"
+        "            path = os.path.join(tmp, 'k.cubin')\n"
+        "            open(path, 'wb').write(c.asm['cubin'])\n"
+        "            res = subprocess.run([tool, '-res-usage', path], capture_output=True,\n"
+        "                                 text=True, check=True).stdout\n"
+        "        regs = int(re.search(r'REG:(\\d+)', res).group(1))\n"
+        "        slots = PERSIST_PER_SM[g, bm]\n"
+        "        assert regs * 128 * slots <= 65536, (n, bm, regs)\n"
+        "        assert (c.metadata.shared + 1024) * slots <= 228 * 1024, (n, bm)\n"
+        "c = compile_sm90(n=2048, k=7168, gated=True, block_m=8, asynchronous=True, buffers=1,\n"
+        "                 epilogue=True, box3=2, a_fp4=True, persist=True)\n"
+        "assert '.local' not in c.asm['ptx']\n"
+        "print('ok')\n"
+    )
+    _compile_check(code)
+
+
+def test_persist_rule(monkeypatch):
+    """``TritonOptions.persist_programs``: off by default, on the CPU and with
+    ``gluon_grid_blocks``; "auto" the SMs times ``PERSIST_PER_SM``, an int that many an
+    SM; bad values are refused by name."""
+    from fp4moe.kernels.gluon_ws import PERSIST_PER_SM
+
+    class Props:
+        multi_processor_count = 132
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props())
+    cuda = torch.device("cuda")
+    assert TritonOptions().persist_programs(True, 8, cuda) == 0
+    auto = TritonOptions(gluon_persist="auto")
+    for (g, bm), n in PERSIST_PER_SM.items():
+        assert auto.persist_programs(g, bm, cuda) == 132 * n
+    assert auto.persist_programs(True, 8, torch.device("cpu")) == 0
+    assert TritonOptions(gluon_persist=3).persist_programs(False, 16, cuda) == 396
+    both = TritonOptions(gluon_persist="auto", gluon_grid_blocks=4)
+    assert both.persist_programs(True, 8, cuda) == 0
+    for bad in (0, -1, True, 1.5, "all"):
+        with pytest.raises(ValueError, match="gluon_persist"):
+            TritonOptions(gluon_persist=bad)
+
+
 def test_grid_blocks_rule():
     """``TritonOptions.grid_blocks``: None the worst case (0), an int capped by the
     schedule's blocks, "auto" the expected valid blocks (touched experts + valid routes / 8,
@@ -613,6 +688,45 @@ def test_gluon_grid_blocks_gpu(t, gb, mode):
         out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
                          options=TritonOptions(poison=True, gluon_grid_blocks=gb))  # fmt: skip
         assert not out.float().abs().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16, 64, "one-expert", "all-masked"])
+@pytest.mark.parametrize("ps", [1, "auto"])
+@pytest.mark.parametrize("mode", MODES[:3], ids=_mode_id)
+def test_gluon_persist_gpu(t, ps, mode):
+    """``gluon_persist`` on the GPU: loop 3's bits for whole calls (deterministic
+    finalize), the fused finalize within the tolerance; one program an SM (132) makes
+    programs take several units (16 tokens: about 7, 64: about 40) with the next unit's
+    copies issued in the last, "auto" fills the SMs; every route masked gives zeros."""
+    m, sc = mode
+    experts, x, ids, w = _deepseek_case(t, seed=31, expert=5)
+    _same_as_loop3(x, ids, w, experts, m, sc, gluon_persist=ps)
+    if t == "all-masked":
+        out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                         options=TritonOptions(poison=True, gluon_persist=ps))  # fmt: skip
+        assert not out.float().abs().any()
+
+
+@pytest.mark.gpu
+def test_gluon_persist_graph_replay_gpu():
+    """A CUDA graph captured with ``gluon_persist`` replays other routes (more and fewer
+    units than programs) with loop 3's bits: the unit count is read on the device."""
+    import fp4moe
+    from test_kernels import _experts
+
+    e, h, i, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
+    experts = _experts(e, h, i, seed=0, device="cuda")
+    runner = fp4moe.MoERunner(experts, max_tokens=64, top_k=k, mode="w4a16",
+                              options=TritonOptions(gluon_persist="auto"))  # fmt: skip
+    for t, seed in ((16, 2), (1, 4), (64, 5), (16, 6)):
+        x = _x(t, h, seed=seed, device="cuda")
+        ids, w = _gpu_routes(t, k, e, e_total, seed=seed)
+        if seed == 6:  # every route on experts 0 .. 3
+            ids = (torch.arange(t * k, device="cuda").reshape(t, k) % 4).to(torch.int32)
+        want = moe_triton(x, ids, w, experts, mode="w4a16",
+                          options=TritonOptions(gluon_decode=False))  # fmt: skip
+        assert torch.equal(runner(x, ids, w), want), (t, seed)
 
 
 @pytest.mark.gpu

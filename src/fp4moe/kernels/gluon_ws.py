@@ -104,6 +104,12 @@ X_SMEM3 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank
 LOOP_MAXNREG = {(True, 8): 80, (False, 8): 64, (True, 16): 128, (False, 16): 96}
 
 
+# PERSIST's programs an SM, keyed (gated, block_m): the slots of the compiled kernel (FC1 /
+# FC2 with CODE_WIDE, the epilogue and PDL: 8-row tiles 72 / 56 registers, 34.9 / 25.7 KB
+# of shared memory, so 6 / 8 programs an SM; 16-row 92 / 86 and 51.3 / 42.1 KB, so 4 / 5)
+PERSIST_PER_SM = {(True, 8): 6, (False, 8): 8, (True, 16): 4, (False, 16): 5}
+
+
 def scale_slots(buffers: int, stage_k: int) -> int:
     """Scale-group buffers a ring of ``buffers`` code stages of ``stage_k`` needs: every
     group any ``buffers`` consecutive stages touch (groups of 256 K, ``256 // stage_k``
@@ -330,6 +336,9 @@ def tma_split_kernel(
     LOOP: gl.constexpr = False,  # the grid has loop_step row blocks, not the worst case;
     # program m takes the valid blocks m, m + loop_step, ... (grid_blocks)
     TRACE: gl.constexpr = False,  # stamps into trace_ptr (gluon_ws.TRACE)
+    PERSIST: gl.constexpr = False,  # a 1-D grid of loop_step programs, each taking the
+    # units u = program, program + loop_step, ... of the valid blocks (tile fastest, then
+    # segment, then block) and issuing the next unit's first stages in its last ones
 ):
     pid_n = gl.program_id(0)
     if BLOCKS_LAST:
@@ -338,7 +347,8 @@ def tma_split_kernel(
     else:
         pid_m = gl.program_id(1)
         s_id = gl.program_id(2)
-    gl.static_assert(not (TRACE and LOOP), "TRACE needs the worst-case grid")
+    gl.static_assert(not (TRACE and (LOOP or PERSIST)), "TRACE needs the worst-case grid")
+    gl.static_assert(not (LOOP and PERSIST), "LOOP or PERSIST, not both")
     slot = pid_n + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
     tb = trace_ptr + slot.to(gl.int64) * 16
     if TRACE:
@@ -351,7 +361,15 @@ def tma_split_kernel(
         _stamp(tb + 3, 0)  # T_WAIT
     # EARLY_W: the schedule was written two kernels back (the kernel before this one waited
     # for it before it released this one), so it is read before the wait, from L2
-    if LOOP:
+    if PERSIST:
+        _persistent(
+            x_ptr, sorted_routes_ptr, c_desc, s_desc, x_desc, block_expert_ptr,
+            block_start_ptr, block_end_ptr, valid_blocks_ptr, part_ptr, cnt_ptr, w_global_ptr,
+            topk_w_ptr, out_ptr, a_global_ptr, ws_rows, loop_step, N, K, TOPK, GATED,
+            A_GATHER, BM, SEG, ASYNC, NBUF, EPILOGUE, FUSED, OUT_SCALE, A_UNIT_ORDER, A_FP4,
+            BOX3, SK, USE_PDL, EARLY_W, A_TMA, OUT_UNIT, DIAG,
+        )  # fmt: skip
+    elif LOOP:
         nvalid = gl.load(valid_blocks_ptr, cache_modifier=".cg")
         # the buffers once, before the loop: the barriers are initialized once and their
         # phase carried (ph), and the rows' buffer can be indexed by the opaque zero below
@@ -400,6 +418,72 @@ def tma_split_kernel(
 
 
 @gluon.jit
+def _persistent(
+    x_ptr, sorted_routes_ptr, c_desc, s_desc, x_desc, block_expert_ptr, block_start_ptr,
+    block_end_ptr, valid_blocks_ptr, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr, out_ptr,
+    a_global_ptr, ws_rows, step, N: gl.constexpr, K: gl.constexpr, TOPK: gl.constexpr,
+    GATED: gl.constexpr, A_GATHER: gl.constexpr, BM: gl.constexpr, SEG: gl.constexpr,
+    ASYNC: gl.constexpr, NBUF: gl.constexpr, EPILOGUE: gl.constexpr, FUSED: gl.constexpr,
+    OUT_SCALE: gl.constexpr, A_UNIT_ORDER: gl.constexpr, A_FP4: gl.constexpr,
+    BOX3: gl.constexpr, SK: gl.constexpr, USE_PDL: gl.constexpr, EARLY_W: gl.constexpr,
+    A_TMA: gl.constexpr, OUT_UNIT: gl.constexpr, DIAG: gl.constexpr,
+):  # fmt: skip
+    """``tma_split_kernel`` with PERSIST: program p of ``step`` takes the units u = p,
+    p + step, ... below (valid blocks) x tiles x segments, u = tile + tiles * (segment +
+    segments * block) (the worst-case grid's order). The buffers and barriers are set up
+    once; each unit's last ring stages are refilled with the next unit's first ones, so
+    the weight copies never stop between a program's units (its partials, epilogue, next
+    schedule reads and activation staging run while they fly)."""
+    UPS: gl.constexpr = SK // UNIT
+    NS: gl.constexpr = SEG // SK
+    R: gl.constexpr = 4 // UPS
+    NB: gl.constexpr = min(NBUF, NS)
+    NBS: gl.constexpr = (NB + R - 2) // R + 1
+    gl.static_assert(NS % NB == 0, "PERSIST needs the ring's buffers to divide the stages")
+    gl.static_assert((NS // R) % NBS == 0, "PERSIST: a segment's scale groups fill the slots")
+    gl.static_assert(not A_TMA, "PERSIST stages its rows (no A_TMA)")
+    TILES: gl.constexpr = (N + 63) // 64
+    SEGS: gl.constexpr = K // SEG
+    if GATED:
+        W_ROWS: gl.constexpr = 2 * N
+    else:
+        W_ROWS: gl.constexpr = N
+    cbuf, sbuf, bars = _stage_buffers(GATED, NB, NBS, UPS, BOX3)
+    XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
+    xbuf = gl.allocate_shared_memory(gl.bfloat16, [1, SEG // UNIT * BM, UNIT], XS)
+    nunits = gl.load(valid_blocks_ptr, cache_modifier=".cg") * (TILES * SEGS)
+    pid = gl.program_id(0)
+    ph = 0
+    for u in range(pid, nunits, step):
+        if u != pid:  # the last unit's shared loads (rows) done before this one's staging
+            gl.thread_barrier()
+            fence_async_shared()
+        pid_n = u % TILES
+        s_id = (u // TILES) % SEGS
+        pm = u // (TILES * SEGS)
+        # the next unit's weight rows, for its first stages issued in this unit's last ones
+        un = u + step
+        has_next = un < nunits
+        e_n = gl.load(block_expert_ptr + gl.where(has_next, un // (TILES * SEGS), pm),
+                      cache_modifier=".cg")  # fmt: skip
+        n_row = e_n * W_ROWS + (un % TILES) * 64
+        n_k0 = ((un // TILES) % SEGS) * SEG
+        # the rows' buffer through an opaque zero, as LOOP's (no hoisted descriptors)
+        z = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)  # fmt: skip
+        _block_work(
+            x_ptr, sorted_routes_ptr, c_desc, s_desc, x_desc, block_expert_ptr,
+            block_start_ptr, block_end_ptr, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr,
+            out_ptr, a_global_ptr, ws_rows, pm, pid_n, s_id, u == pid, N, K, TOPK,
+            GATED, A_GATHER, BM, SEG, ASYNC, NBUF, EPILOGUE, FUSED, OUT_SCALE,
+            A_UNIT_ORDER, A_FP4, BOX3, SK, USE_PDL, EARLY_W, A_TMA, OUT_UNIT, DIAG,
+            True, cbuf, sbuf, bars, xbuf.index(z), ph,
+            NEXT=True, has_next=has_next, n_row=n_row, n_k0=n_k0,
+        )  # fmt: skip
+        ph = (ph + NS // NB) % 2
+
+
+@gluon.jit
 def _block_work(
     x_ptr, sorted_routes_ptr, c_desc, s_desc, x_desc, block_expert_ptr, block_start_ptr,
     block_end_ptr, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr, out_ptr, a_global_ptr,
@@ -411,13 +495,17 @@ def _block_work(
     EARLY_W: gl.constexpr, A_TMA: gl.constexpr, OUT_UNIT: gl.constexpr, DIAG: gl.constexpr,
     PRE: gl.constexpr = False, pre_c=0, pre_s=0, pre_bars=0, pre_x=0, ph=0,
     TRACE: gl.constexpr = False, tb=0,
+    NEXT: gl.constexpr = False, has_next=False, n_row=0, n_k0=0,
 ):  # fmt: skip
     """One (weight tile ``pid_n``, K segment ``s_id``, row block ``pid_m``) unit of
     ``tma_split_kernel`` (its arguments). ``first``: the program's first block, which
     waits for the preceding kernel under PDL with ``EARLY_W``. ``PRE``: the shared
     buffers and initialized barriers come from the caller (``pre_*``, the loop over
     blocks allocates them once), ``ph`` the barriers' phase at this block's start.
-    ``TRACE``: phase stamps at ``tb`` (``gluon_ws.TRACE``)."""
+    ``TRACE``: phase stamps at ``tb`` (``gluon_ws.TRACE``). ``NEXT`` (PERSIST): the
+    ring's first stages were issued by the program's last unit unless ``first``, and with
+    ``has_next`` this unit's last stages are refilled with the first ones of the next
+    unit (weight rows from ``n_row``, K from ``n_k0``)."""
     e = gl.load(block_expert_ptr + pid_m, cache_modifier=".cg")
     if TRACE:
         gl.store(tb + 12, e.to(gl.int64))  # T_EXPERT
@@ -463,19 +551,21 @@ def _block_work(
             ACT_BYTES: gl.constexpr = 0
         CODE_BYTES: gl.constexpr = NW * UPS * 64 * 32 + ACT_BYTES
         SCALE_BYTES: gl.constexpr = NW * 64 * 16
-        for st in gl.static_range(NB if DIAG != 2 else 0):
-            bar = bars.index(st)
-            if st % R == 0:
-                mbarrier.expect(bar, CODE_BYTES + SCALE_BYTES)
-            else:
-                mbarrier.expect(bar, CODE_BYTES)
-            _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row, k0, st, 0, NB, BOX3, UPS, NBS)
-            if GATED:
-                _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row + N, k0, st, 1, NB, BOX3,
-                             UPS, NBS)  # fmt: skip
-            if A_TMA and not EARLY_W:
-                tma.async_copy_global_to_shared(x_desc, [(k0 + st * SK) // UNIT, start, 0],
-                                                bar, xdst.index(st))  # fmt: skip
+        if (not NEXT) or first:
+            for st in gl.static_range(NB if DIAG != 2 else 0):
+                bar = bars.index(st)
+                if st % R == 0:
+                    mbarrier.expect(bar, CODE_BYTES + SCALE_BYTES)
+                else:
+                    mbarrier.expect(bar, CODE_BYTES)
+                _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row, k0, st, 0, NB, BOX3, UPS,
+                             NBS)  # fmt: skip
+                if GATED:
+                    _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row + N, k0, st, 1, NB,
+                                 BOX3, UPS, NBS)  # fmt: skip
+                if A_TMA and not EARLY_W:
+                    tma.async_copy_global_to_shared(x_desc, [(k0 + st * SK) // UNIT, start, 0],
+                                                    bar, xdst.index(st))  # fmt: skip
 
         if USE_PDL and EARLY_W:  # the weights' first stages fly while the last kernel ends
             if first:
@@ -558,6 +648,23 @@ def _block_work(
                         x_desc, [(k0 + (kb // UPS + NB) * SK) // UNIT, start, 0], bar,
                         xdst.index((kb // UPS) % NB),
                     )  # fmt: skip
+            elif NEXT and kb % UPS == UPS - 1 and DIAG != 2:  # noqa: SIM102 (compile time)
+                # the last stages: refill with the next unit's first (stage kb // UPS + NB
+                # - NS of it, which maps to this very buffer as NS % NB == 0); at run time
+                if has_next:
+                    gl.thread_barrier()
+                    fence_async_shared()
+                    bar = bars.index((kb // UPS) % NB)
+                    st2: gl.constexpr = kb // UPS + NB - NS
+                    if st2 % R == 0:
+                        mbarrier.expect(bar, CODE_BYTES + SCALE_BYTES)
+                    else:
+                        mbarrier.expect(bar, CODE_BYTES)
+                    _issue_stage(c_desc, s_desc, cdst, sbuf, bar, n_row, n_k0, st2, 0, NB,
+                                 BOX3, UPS, NBS)  # fmt: skip
+                    if GATED:
+                        _issue_stage(c_desc, s_desc, cdst, sbuf, bar, n_row + N, n_k0, st2,
+                                     1, NB, BOX3, UPS, NBS)  # fmt: skip
         if ASYNC:
             if GATED:
                 acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
@@ -614,7 +721,7 @@ def split_partials_tma(
     a_unit_order: bool = False, a_global: torch.Tensor | None = None,
     stage_k: int | None = None, pdl: bool = False, early_weights: bool = False,
     a_tma: bool = False, out_unit_order: bool = False,
-    valid_blocks: torch.Tensor | None = None, grid_blocks: int = 0,
+    valid_blocks: torch.Tensor | None = None, grid_blocks: int = 0, persist: int = 0,
 ) -> None:  # fmt: skip
     """Launch ``tma_split_kernel``: fp32 ``part`` [K / seg, ws_rows, (2 if gated) * n]
     receives loop 3's segment partials P_s of every valid row. ``x``: bf16 [., K], the
@@ -648,7 +755,12 @@ def split_partials_tma(
     program m takes the valid blocks m, m + grid_blocks, ... in turn, so the worst case's
     empty programs (each holds a slot for a load's latency) are not launched; any count
     of valid blocks is served (``TritonOptions.gluon_grid_blocks``). The same units: the
-    same bits."""
+    same bits.
+
+    ``persist`` > 0 (with ``valid_blocks``; not with ``a_tma`` or ``grid_blocks``): a 1-D
+    grid of at most that many programs, each taking every ``persist``-th unit of the valid
+    blocks and issuing the next unit's first weight copies while it finishes this one
+    (``TritonOptions.gluon_persist``). The same units: the same bits."""
     k = x.shape[1]
     if asynchronous is None:
         asynchronous = ASYNC_WGMMA
@@ -675,6 +787,11 @@ def split_partials_tma(
                          f"{grid_blocks!r}")  # fmt: skip
     if grid_blocks and valid_blocks is None:
         raise ValueError("split_partials_tma: grid_blocks needs valid_blocks (the sort's)")
+    if isinstance(persist, bool) or not isinstance(persist, int) or persist < 0:
+        raise ValueError(f"split_partials_tma: persist must be an int >= 0, got {persist!r}")
+    if persist and (valid_blocks is None or a_tma or grid_blocks):
+        raise ValueError("split_partials_tma: persist needs valid_blocks, and neither a_tma "
+                         "nor grid_blocks")  # fmt: skip
     grid_blocks = min(grid_blocks, blocks)
     box = 2 if CODE_WIDE and stage_k == 256 else int(CODE_BOX3)
     c_desc, s_desc = descriptors(codes, scales, box, stage_k)
@@ -688,15 +805,18 @@ def split_partials_tma(
     pdl = pdl and PDL
     gb = grid_blocks or blocks
     grid = (tiles, segs, gb) if blocks_last else (tiles, gb, segs)
+    if persist:
+        gb = min(persist, tiles * segs * blocks)  # the loop's step
+        grid = (gb,)
     dummy = part
     trace = dummy
-    if TRACE and not grid_blocks:
+    if TRACE and not grid_blocks and not persist:
         trace = torch.full((tiles * segs * gb, TRACE_FIELDS), -1, dtype=torch.int64,
                            device=x.device)  # fmt: skip
         TRACES.append((dict(n=n, k=k, gated=gated, block_m=block_m, grid=grid), trace))
     tma_split_kernel[grid](
         x, sorted_routes, c_desc, s_desc, x_desc, block_expert, block_start, block_end,
-        valid_blocks if grid_blocks else block_end, part,
+        valid_blocks if grid_blocks or persist else block_end, part,
         counters if epilogue else dummy, w_global if epilogue else dummy,
         topk_w if fused else dummy, out if epilogue else dummy,
         a_global if a_global is not None else dummy, trace, ws_rows, gb,
@@ -707,8 +827,8 @@ def split_partials_tma(
         A_FP4=a_global is not None and epilogue, BOX3=box, SK=stage_k, USE_PDL=pdl,
         EARLY_W=pdl and early_weights and EARLY_WEIGHTS, A_TMA=a_tma,
         OUT_UNIT=out_unit_order, DIAG=DIAG, LOOP=grid_blocks > 0, TRACE=trace is not dummy,
-        num_warps=4, launch_pdl=pdl,
-        **({"maxnreg": LOOP_MAXNREG[gated, block_m]} if grid_blocks else {}),
+        PERSIST=persist > 0, num_warps=4, launch_pdl=pdl,
+        **({"maxnreg": LOOP_MAXNREG[gated, block_m]} if grid_blocks or persist else {}),
     )  # fmt: skip
 
 
@@ -734,6 +854,7 @@ def compile_sm90(
     maxnreg: int | None = None,
     trace: bool = False,
     seg: int = 1024,
+    persist: bool = False,
 ):
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
     layout conversions are asserted trivial at compile time. ``box3``: the code copies
@@ -766,7 +887,7 @@ def compile_sm90(
                  FUSED=fused, OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_UNIT_ORDER=a_fp4,
                  A_FP4=a_fp4, BOX3=int(box3), SK=stage_k, USE_PDL=pdl,
                  EARLY_W=pdl and early_weights, A_TMA=a_tma, OUT_UNIT=out_unit_order,
-                 DIAG=diag, LOOP=loop_blocks > 0, TRACE=trace)  # fmt: skip
+                 DIAG=diag, LOOP=loop_blocks > 0, TRACE=trace, PERSIST=persist)  # fmt: skip
     opts = {} if maxnreg is None else {"maxnreg": maxnreg}
     return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows", "loop_step"),
                                gluon=True, descs=descs, num_warps=4, launch_pdl=pdl,

@@ -247,6 +247,15 @@ class TritonOptions:
         (session 12, ``gluon_experiment.py --whole-only --grid-blocks off auto``, W4A16 1
         / 16 / 64 / 128 tokens 44.3 / 60.2 / 209.7 / 329.7 -> 46.9 / 60.1 / 212.0 / 317.4
         us): the empty programs cost the Gluon kernels nothing measurable.
+    gluon_persist: the Gluon kernels as persistent programs (``gluon_ws`` PERSIST): None
+        off; "auto" as many programs as the SMs hold (``gluon_ws.PERSIST_PER_SM`` an SM);
+        an int, that many programs an SM. Program p takes every P-th unit (weight tile, K
+        segment, valid row block) and issues the next unit's first weight copies in its
+        last ring stage, so its copies do not stop between units (the worst-case grid's
+        programs each pay their schedule reads, row staging and epilogue with no copy in
+        flight, and a second wave pays the whole chain again). Not with
+        ``gluon_a_tma`` or ``gluon_grid_blocks`` (those win). The same units and sums: the
+        same bits.
     """
 
     pdl: bool | None = None
@@ -272,6 +281,7 @@ class TritonOptions:
     gluon_a_tma: bool = False
     gluon_grid_blocks: int | str | None = None
     amax_self_upto: int = 16384
+    gluon_persist: int | str | None = None
 
     def grid_blocks(self, n_routes: int, num_experts: int, block_m: int, max_b: int) -> int:
         """The Gluon kernels' grid row blocks (``gluon_grid_blocks``; 0: the worst case
@@ -284,6 +294,18 @@ class TritonOptions:
             touched = num_experts * (1.0 - (1.0 - 1.0 / max(num_experts, 1)) ** valid)
             g = math.ceil(touched + valid / block_m) + 2
         return max(1, min(int(g), max_b))
+
+    def persist_programs(self, gated: bool, block_m: int, device: torch.device) -> int:
+        """The Gluon kernel's persistent programs on ``device`` (``gluon_persist``; 0:
+        off)."""
+        p = self.gluon_persist
+        if p is None or device.type != "cuda" or self.gluon_grid_blocks is not None:
+            return 0
+        if p == "auto":
+            from .gluon_ws import PERSIST_PER_SM
+
+            p = PERSIST_PER_SM.get((gated, block_m), 4)
+        return int(p) * torch.cuda.get_device_properties(device).multi_processor_count
 
     def gluon_pdl(self, n_routes: int, num_experts: int) -> bool:
         """Whether a call's Gluon kernels join the PDL chain (``gluon_pdl_upto``)."""
@@ -403,6 +425,11 @@ class TritonOptions:
         if g is not None and g != "auto" and (isinstance(g, bool) or not isinstance(g, int)
                                               or g < 1):  # fmt: skip
             raise ValueError(f"gluon_grid_blocks: expected None, 'auto' or an int >= 1, "
+                             f"got {g!r}")  # fmt: skip
+        g = self.gluon_persist
+        if g is not None and g != "auto" and (isinstance(g, bool) or not isinstance(g, int)
+                                              or g < 1):  # fmt: skip
+            raise ValueError(f"gluon_persist: expected None, 'auto' or an int >= 1, "
                              f"got {g!r}")  # fmt: skip
 
 
@@ -622,6 +649,7 @@ def _gemm(
     gluon_pdl: bool = True,
     a_tma: bool = False,
     grid_blocks: int = 0,
+    persist: int = 0,
 ) -> None:
     """One grouped GEMM. ``out_fp4`` = (scales, globals, static table): ``out`` receives
     NVFP4 codes of the FC1 activation instead of bf16 (static W4A4). ``dense``: decode
@@ -640,7 +668,8 @@ def _gemm(
     rows gathered here into sorted unit order (``a_gather``) or given so (``a_ordered``),
     W4A4 decoded rows in sorted order; with ``out_ordered`` its epilogue writes unit-order
     rows. ``grid_blocks``: the Gluon kernel's grid row blocks (0: the worst case;
-    ``TritonOptions.grid_blocks``)."""
+    ``TritonOptions.grid_blocks``). ``persist``: the Gluon kernel's persistent programs
+    (0: off; ``TritonOptions.persist_programs``), unless its rows come by TMA."""
     a_fp4 = a_scales is not None
     order = k_order(int(chunked), k, cfg.block_k)
     if dense:
@@ -721,7 +750,7 @@ def _gemm(
                 gather=gather, block_m=cfg.block_m, seg=SEGMENT, ws_rows=ws_rows,
                 a_unit_order=a_fp4 or a_ordered, pdl=pdl and gluon_pdl,
                 early_weights=early_weights, a_tma=a_tma, valid_blocks=sort.valid_blocks,
-                grid_blocks=grid_blocks, **kw,
+                grid_blocks=grid_blocks, persist=0 if a_tma or grid_blocks else persist, **kw,
             )  # fmt: skip
             if epi:
                 return
@@ -963,6 +992,8 @@ def expert_gemms(
     atma2 = opt.gluon_a_tma and g2 and (w4a4 or mid_unit)
     gb1 = opt.grid_blocks(n_routes, e_count, cfg1.block_m, sort.num_blocks)
     gb2 = opt.grid_blocks(n_routes, e_count, cfg2.block_m, sort.num_blocks)
+    ps1 = opt.persist_programs(True, cfg1.block_m, dev)
+    ps2 = opt.persist_programs(False, cfg2.block_m, dev)
     famax = None
     if opt.amax_in_fc1(mode, act_scale):
         famax = amax_zero if amax_zero is not None else torch.zeros(1, device=dev)
@@ -975,7 +1006,7 @@ def expert_gemms(
         counters=counters[0] if counters else None, amax_out=famax,
         a_ordered=ordered, out_ordered=ordered or mid_unit, blocks_last=opt.blocks_last,
         a_decoded=a_decoded, gluon_pdl=gpdl, early_weights=fc1_early_weights, a_tma=atma1,
-        grid_blocks=gb1,
+        grid_blocks=gb1, persist=ps1,
     )  # fmt: skip
 
     # FC2 input.
@@ -1019,7 +1050,7 @@ def expert_gemms(
         poison=opt.poison, gluon=opt.gluon_decode,
         counters=counters[1] if counters else None, a_ordered=ordered or mid_unit,
         blocks_last=opt.blocks_last, a_decoded=b_dec, early_weights=True, gluon_pdl=gpdl,
-        a_tma=atma2, grid_blocks=gb2,
+        a_tma=atma2, grid_blocks=gb2, persist=ps2,
     )  # fmt: skip
     return dest
 
