@@ -38,12 +38,13 @@
 #   bash benchmarks/gpu_session.sh timeline   # the Gluon GEMMs' per-program phase timeline
 #   bash benchmarks/gpu_session.sh s13a       # timeline, then Gluon K segments of 512
 #   bash benchmarks/gpu_session.sh s13b       # gluon_persist: bits, then time
+#   bash benchmarks/gpu_session.sh s13c       # TILED weights: time; test_kernels, runner, phases
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -425,6 +426,15 @@ s13b)
     step persist_w4a4 90 python3 benchmarks/sweep_decode.py --tokens 1 16 64 \
         --modes w4a4-token w4a4-tensor --variants c3 c3-persist --iters 12 \
         --out "$out/persist-w4a4.json"
+    ;;
+s13c)
+    # gluon_ws.TILED (timing only: a tiled copy of the weights, contiguous 8 KB a stage),
+    # then test_kernels' GPU suite with fc1_early the default, runner and phases
+    step tiled 110 python3 benchmarks/sweep_decode.py --tokens 1 16 64 --modes w4a16 \
+        --variants c3 c3-tiled --iters 12 --out "$out/tiled.json"
+    step kernels 300 python3 -m pytest -m gpu --device cuda tests/test_kernels.py -q
+    step others 120 python3 -m pytest -m gpu --device cuda -q tests/test_runner.py \
+        tests/test_phases.py
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

@@ -30,6 +30,8 @@ grid at the expected valid row blocks, each program looping over its share, or a
 worst case), c3-persist, c3-persistN (TritonOptions.gluon_persist "auto" and N programs
 an SM: the Gluon GEMMs as persistent programs that issue the next unit's copies early),
 c3-persist-u8 (the same, with the Gluon GEMMs up to 8 expected valid rows an expert),
+c3-tiled (gluon_ws.TILED: the Gluon GEMMs read a tiled copy of the weights, contiguous
+8 KB a stage; timing only, the same bits),
 c3-nogluon (gluon_decode off: loop 3 at decode sizes too).
 """
 
@@ -41,7 +43,7 @@ import json
 import torch
 
 from fp4moe.bench import MODES, PRESETS, card_ceilings, make_routes, random_experts, time_us
-from fp4moe.kernels import launch
+from fp4moe.kernels import gluon_ws, launch
 from fp4moe.kernels.gemm import GemmConfig
 from fp4moe.kernels.launch import TritonOptions, moe_triton
 from fp4moe.reference import moe_reference
@@ -200,6 +202,7 @@ def main() -> None:
             }
             # the Gluon GEMMs as persistent programs: as many as the SMs hold, or N an SM
             variants["c3-persist"] = c3(gluon_persist="auto")
+            variants["c3-tiled"] = c3()  # with gluon_ws.TILED set below
             # ... and taking calls of up to 8 expected valid rows an expert (gluon_upto 8)
             variants["c3-persist-u8"] = c3(gluon_persist="auto", gluon_upto=8.0)
             for name in a.variants:
@@ -249,6 +252,7 @@ def main() -> None:
             for name, opt in variants.items():
                 launch.QUANTIZE_SPLIT_ROWS = QSPLIT_ROWS if name == "c3-qsplit" else qsplit0
                 launch.SEGMENT = int(name[6:]) if name.startswith("c3-seg") else segment0
+                gluon_ws.TILED = name == "c3-tiled"
                 try:
                     out = moe_triton(x, ids, w, ex, mode=m, act_scale=sc, options=opt)
                     torch.cuda.synchronize()

@@ -605,6 +605,32 @@ def test_tma_persist_compiles_for_sm90():
     _compile_check(code)
 
 
+def test_tiled_weights_layout():
+    """``gluon_ws.tiled_weights`` (the TILED experiment): the box the kernel reads for the
+    64-row tile of ``row`` and 256-K stage ``st``, rows (row // 64 * K/256 + st) * 64 ..
+    + 63 of the tiled copy, holds exactly those rows' 128 code bytes and 16 scale bytes of
+    that stage; the copy is made once a tensor."""
+    pytest.importorskip("triton.experimental.gluon")
+    from fp4moe.kernels import gluon_ws
+
+    g = torch.Generator().manual_seed(3)
+    e, r, k = 2, 192, 1024
+    codes = torch.randint(0, 256, (e, r, k // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(0, 127, (e, r, k // 16), generator=g, dtype=torch.uint8)
+    scales = scales.view(torch.float8_e4m3fn)
+    c, s = gluon_ws.tiled_weights(codes, scales)
+    ks = k // 256
+    cf, sf = codes.reshape(-1, k // 2), scales.view(torch.uint8).reshape(-1, k // 16)
+    for row in range(0, e * r, 64):
+        for st in range(ks):
+            at = (row // 64 * ks + st) * 64
+            assert torch.equal(c[at : at + 64], cf[row : row + 64, st * 128 : st * 128 + 128])
+            assert torch.equal(s[at : at + 64], sf[row : row + 64, st * 16 : st * 16 + 16])
+    again = gluon_ws.tiled_weights(codes, scales)
+    assert again[0] is c and again[1] is s
+    gluon_ws.TILED_CACHE.clear()
+
+
 def test_persist_rule(monkeypatch):
     """``TritonOptions.persist_programs``: off by default, on the CPU and with
     ``gluon_grid_blocks``; "auto" the SMs times ``PERSIST_PER_SM``, an int that many an

@@ -91,6 +91,13 @@ CODE_SMEM3 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank
 # 156.8 us, 64 / 128 tokens 222.4 / 345.0 -> 207.3 / 326.8, Mixtral-8x7B 16 tokens 287.0 ->
 # 268.8. Needs STAGE_K 256.
 CODE_WIDE = True
+# Experiment (session 13, off): the Gluon kernels read a tiled copy of the weights
+# (``tiled_weights``: each 64-row tile's 256-K stage as 8 KB of contiguous codes and 1 KB
+# of scales) instead of 64 rows of 128 bytes (and 16 bytes of scales) K/2 bytes apart, to
+# measure what the weights' row-major layout costs the copies. Timing only (a second
+# copy of the weights, made once a tensor and kept in TILED_CACHE); the same bits.
+TILED = False
+TILED_CACHE: dict = {}
 CODE_SMEM_W = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 # A_TMA (TritonOptions.gluon_a_tma): x's rows, already sorted and in the unit order, come by
 # TMA with each stage as one [SK / 64, BM, 64] box of the view [K/64, rows, 64]: 128-byte
@@ -121,7 +128,7 @@ def scale_slots(buffers: int, stage_k: int) -> int:
 @gluon.jit
 def _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row, k0, st: gl.constexpr, w: gl.constexpr,
                  NB: gl.constexpr, BOX3: gl.constexpr, UPS: gl.constexpr = 4,
-                 NBS: gl.constexpr = 1):  # fmt: skip
+                 NBS: gl.constexpr = 1, KS: gl.constexpr = 0):  # fmt: skip
     """TMA copies of stage ``st`` (``UPS`` units: that many code boxes, or one 3-D box)
     of weight ``w`` (0 gate, 1 up) into ring buffer ``st % NB``, completing on ``bar``,
     and when the stage starts a scale group of 256 K (``4 // UPS`` stages), the group's
@@ -129,7 +136,11 @@ def _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row, k0, st: gl.constexpr, w: 
     BOX3 the same bytes as [2 * NB, UPS, 64, 32]; ``sbuf``: [2 * NBS, 64, 16]."""
     b: gl.constexpr = st % NB
     SK: gl.constexpr = UPS * UNIT
-    if BOX3 == 2:  # one 2-D box [64 rows, SK / 2 bytes], 128-byte swizzle (CODE_WIDE)
+    if BOX3 == 3:  # TILED: the same box from the tiled copy ([64-row tile, K / 256] blocks
+        # of [64, 128] bytes, KS = K / 256 blocks a tile; scales the same with [64, 16])
+        tma.async_copy_global_to_shared(c_desc, [(row // 64 * KS + (k0 + st * SK) // 256) * 64,
+                                                 0], bar, cdst.index(w * NB + b))  # fmt: skip
+    elif BOX3 == 2:  # one 2-D box [64 rows, SK / 2 bytes], 128-byte swizzle (CODE_WIDE)
         tma.async_copy_global_to_shared(c_desc, [row, (k0 + st * SK) // 2], bar,
                                         cdst.index(w * NB + b))  # fmt: skip
     elif BOX3:
@@ -143,8 +154,13 @@ def _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row, k0, st: gl.constexpr, w: 
     R: gl.constexpr = 4 // UPS
     if st % R == 0:
         g: gl.constexpr = st // R
-        tma.async_copy_global_to_shared(s_desc, [row, (k0 + g * 256) // 16], bar,
-                                        sbuf.index(w * NBS + g % NBS))  # fmt: skip
+        if BOX3 == 3:
+            tma.async_copy_global_to_shared(s_desc, [(row // 64 * KS + (k0 + g * 256) // 256)
+                                                     * 64, 0], bar,
+                                            sbuf.index(w * NBS + g % NBS))  # fmt: skip
+        else:
+            tma.async_copy_global_to_shared(s_desc, [row, (k0 + g * 256) // 16], bar,
+                                            sbuf.index(w * NBS + g % NBS))  # fmt: skip
 
 
 @gluon.jit
@@ -176,7 +192,7 @@ def _stage_buffers(GATED: gl.constexpr, NB: gl.constexpr, NBS: gl.constexpr,
         NW: gl.constexpr = 2
     else:
         NW: gl.constexpr = 1
-    if BOX3 == 2:
+    if BOX3 >= 2:
         cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB, 64, UPS * UNIT // 2], CODE_SMEM_W)
     else:
         cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB * UPS, 64, 32], CODE_SMEM)
@@ -324,7 +340,8 @@ def tma_split_kernel(
     A_UNIT_ORDER: gl.constexpr = False,  # x's rows already in the unit order (W4A4's
     # decoded rows, ``dequant.dense_rows(order=64)``)
     A_FP4: gl.constexpr = False,  # EPILOGUE: times the activation global (W4A4)
-    BOX3: gl.constexpr = 0,  # c_desc: 1 [K/64, rows, 32] with [SK / 64, 64, 32] boxes; 2
+    BOX3: gl.constexpr = 0,  # c_desc: 3 TILED (``tiled_weights``) with [64, 128] boxes; 1
+    # [K/64, rows, 32] with [SK / 64, 64, 32] boxes; 2
     # [rows, K/2] with [64, SK / 2] boxes, 128-byte swizzle (CODE_WIDE); 0 [64, 32] boxes
     SK: gl.constexpr = 256,  # K elements a ring stage (64, 128 or 256)
     USE_PDL: gl.constexpr = False,  # programmatic dependent launch (launch_pdl=True)
@@ -559,10 +576,10 @@ def _block_work(
                 else:
                     mbarrier.expect(bar, CODE_BYTES)
                 _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row, k0, st, 0, NB, BOX3, UPS,
-                             NBS)  # fmt: skip
+                             NBS, K // 256)  # fmt: skip
                 if GATED:
                     _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row + N, k0, st, 1, NB,
-                                 BOX3, UPS, NBS)  # fmt: skip
+                                 BOX3, UPS, NBS, K // 256)  # fmt: skip
                 if A_TMA and not EARLY_W:
                     tma.async_copy_global_to_shared(x_desc, [(k0 + st * SK) // UNIT, start, 0],
                                                     bar, xdst.index(st))  # fmt: skip
@@ -600,7 +617,7 @@ def _block_work(
                 xb = xr.slice(((kb // UPS) % NB * UPS + kb % UPS) * BM, BM).permute((1, 0))
             else:
                 xb = xs.slice(kb * BM, BM).permute((1, 0))
-            gc, gs = _smem_unit(cbuf, sbuf, kb, 0, NB, UPS, NBS, BOX3 == 2)
+            gc, gs = _smem_unit(cbuf, sbuf, kb, 0, NB, UPS, NBS, BOX3 >= 2)
             wg = _decode_unit(gc, gs, A_L, DIAG)
             if ASYNC:
                 if kb > 0:
@@ -614,14 +631,14 @@ def _block_work(
                 acc_g = warpgroup_mma(wg, xb, acc_g, is_async=True)
                 pg = wg  # noqa: F841 (read by the next unrolled unit)
                 if GATED:
-                    uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS, BOX3 == 2)
+                    uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS, BOX3 >= 2)
                     wu = _decode_unit(uc, us, A_L, DIAG)
                     acc_u = warpgroup_mma(wu, xb, acc_u, is_async=True)
                     pu = wu  # noqa: F841
             else:
                 acc_g = warpgroup_mma(wg, xb, acc_g)
                 if GATED:
-                    uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS, BOX3 == 2)
+                    uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS, BOX3 >= 2)
                     acc_u = warpgroup_mma(_decode_unit(uc, us, A_L, DIAG), xb, acc_u)
             # the stage's buffer is read: refill it with stage + NB (ring only)
             if kb % UPS == UPS - 1 and kb // UPS + NB < NS and DIAG != 2:
@@ -639,10 +656,10 @@ def _block_work(
                 else:
                     mbarrier.expect(bar, CODE_BYTES)
                 _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row, k0, kb // UPS + NB, 0, NB,
-                             BOX3, UPS, NBS)  # fmt: skip
+                             BOX3, UPS, NBS, K // 256)  # fmt: skip
                 if GATED:
                     _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row + N, k0, kb // UPS + NB, 1,
-                                 NB, BOX3, UPS, NBS)  # fmt: skip
+                                 NB, BOX3, UPS, NBS, K // 256)  # fmt: skip
                 if A_TMA:
                     tma.async_copy_global_to_shared(
                         x_desc, [(k0 + (kb // UPS + NB) * SK) // UNIT, start, 0], bar,
@@ -661,10 +678,10 @@ def _block_work(
                     else:
                         mbarrier.expect(bar, CODE_BYTES)
                     _issue_stage(c_desc, s_desc, cdst, sbuf, bar, n_row, n_k0, st2, 0, NB,
-                                 BOX3, UPS, NBS)  # fmt: skip
+                                 BOX3, UPS, NBS, K // 256)  # fmt: skip
                     if GATED:
                         _issue_stage(c_desc, s_desc, cdst, sbuf, bar, n_row + N, n_k0, st2,
-                                     1, NB, BOX3, UPS, NBS)  # fmt: skip
+                                     1, NB, BOX3, UPS, NBS, K // 256)  # fmt: skip
         if ASYNC:
             if GATED:
                 acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
@@ -689,6 +706,23 @@ def _block_work(
             )  # fmt: skip
 
 
+def tiled_weights(codes: torch.Tensor, scales: torch.Tensor):
+    """The tiled copy of one GEMM's weights (``TILED``): codes uint8 [E, W_ROWS, K/2] as
+    [E * W_ROWS / 64 * K / 256 * 64, 128] (tile-major, then 256-K stage, then row) and
+    e4m3 scales [E, W_ROWS, K/16] as uint8 [same rows, 16]; W_ROWS % 64 == 0, K % 256 ==
+    0. Made once per tensor (``TILED_CACHE``)."""
+    key = (codes.data_ptr(), tuple(codes.shape), scales.data_ptr())
+    hit = TILED_CACHE.get(key)
+    if hit is None or hit[0] is not codes or hit[1] is not scales:  # (a reused address)
+        e, r, kh = codes.shape
+        ks = kh * 2 // 256
+        c = codes.reshape(e * r // 64, 64, ks, 128).permute(0, 2, 1, 3).contiguous()
+        sc = scales.view(torch.uint8).reshape(e * r // 64, 64, ks, 16)
+        sc = sc.permute(0, 2, 1, 3).contiguous()
+        hit = TILED_CACHE[key] = (codes, scales, c.reshape(-1, 128), sc.reshape(-1, 16))
+    return hit[2], hit[3]
+
+
 def descriptors(codes: torch.Tensor, scales: torch.Tensor, box3: int = 0,
                 stage_k: int = 256):  # fmt: skip
     """TMA descriptors of one GEMM's weights: codes uint8 [E, W_ROWS, K/2] as [E * W_ROWS,
@@ -698,6 +732,10 @@ def descriptors(codes: torch.Tensor, scales: torch.Tensor, box3: int = 0,
     boxes."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    if box3 == 3:  # TILED
+        c2, s2 = tiled_weights(codes, scales)
+        return (TensorDescriptor.from_tensor(c2, [64, 128], CODE_SMEM_W),
+                TensorDescriptor.from_tensor(s2, [64, 16], SCALE_SMEM))  # fmt: skip
     c2 = codes.reshape(-1, codes.shape[-1])
     s2 = scales.view(torch.uint8).reshape(-1, scales.shape[-1])
     if box3 == 2:
@@ -794,6 +832,8 @@ def split_partials_tma(
                          "nor grid_blocks")  # fmt: skip
     grid_blocks = min(grid_blocks, blocks)
     box = 2 if CODE_WIDE and stage_k == 256 else int(CODE_BOX3)
+    if TILED and box == 2 and codes.shape[1] % 64 == 0:
+        box = 3
     c_desc, s_desc = descriptors(codes, scales, box, stage_k)
     x_desc = c_desc
     if a_tma:
@@ -870,7 +910,7 @@ def compile_sm90(
     }  # fmt: skip
     descs = {
         "c_desc": f"tensordesc<u8[64, {stage_k // 2}],{CODE_SMEM_W!r}>"
-        if box3 == 2
+        if box3 >= 2
         else f"tensordesc<u8[{stage_k // 64}, 64, 32],{CODE_SMEM3!r}>"
         if box3
         else f"tensordesc<u8[64, 32],{CODE_SMEM!r}>",
