@@ -39,12 +39,13 @@
 #   bash benchmarks/gpu_session.sh s13a       # timeline, then Gluon K segments of 512
 #   bash benchmarks/gpu_session.sh s13b       # gluon_persist: bits, then time
 #   bash benchmarks/gpu_session.sh s13c       # TILED weights: time; test_kernels, runner, phases
+#   bash benchmarks/gpu_session.sh s13d       # bench at every count; runner, phases, HF tests
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -435,6 +436,15 @@ s13c)
     step kernels 300 python3 -m pytest -m gpu --device cuda tests/test_kernels.py -q
     step others 120 python3 -m pytest -m gpu --device cuda -q tests/test_runner.py \
         tests/test_phases.py
+    ;;
+s13d)
+    # Session 13's last call: the bench at every count with amax_self_upto (session 12's
+    # estimate replaced), then runner, phases and the HF GPU tests
+    step deepseek 260 python3 -m fp4moe bench --num-tokens 1 8 16 32 64 128 256 1024 4096 \
+        8192 16384 --iters 10 --out "$out/deepseek"
+    step others 200 python3 -m pytest -m gpu --device cuda -q tests/test_runner.py \
+        tests/test_phases.py
+    step hf 100 python3 -m pytest -m gpu --device cuda -q tests/test_hf_gpu.py
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.
