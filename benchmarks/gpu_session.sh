@@ -40,12 +40,13 @@
 #   bash benchmarks/gpu_session.sh s13b       # gluon_persist: bits, then time
 #   bash benchmarks/gpu_session.sh s13c       # TILED weights: time; test_kernels, runner, phases
 #   bash benchmarks/gpu_session.sh s13d       # bench at every count; runner, phases, HF tests
+#   bash benchmarks/gpu_session.sh s13e       # memcheck with shorter limits
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -445,6 +446,14 @@ s13d)
     step others 200 python3 -m pytest -m gpu --device cuda -q tests/test_runner.py \
         tests/test_phases.py
     step hf 100 python3 -m pytest -m gpu --device cuda -q tests/test_hf_gpu.py
+    ;;
+s13e)
+    # memcheck with session 13's defaults (fc1_early, amax_self_upto), shorter limits
+    step memcheck 300 compute-sanitizer --tool memcheck python3 -m pytest -m gpu \
+        --device cuda -q tests/test_kernels.py -k "test_moe_gpu_shapes and 64-qwen3 or \
+        test_segmented_loop_gpu and w4a16 or dense_path_gpu and 64"
+    step memcheck_tma 150 compute-sanitizer --tool memcheck python3 -m pytest -m gpu \
+        --device cuda -q tests/test_gluon_ws.py -k "async and (16 or one)"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.
