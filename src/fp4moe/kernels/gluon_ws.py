@@ -96,6 +96,8 @@ CODE_WIDE = True
 # of scales) instead of 64 rows of 128 bytes (and 16 bytes of scales) K/2 bytes apart, to
 # measure what the weights' row-major layout costs the copies. Timing only (a second
 # copy of the weights, made once a tensor and kept in TILED_CACHE); the same bits.
+# Measured (session 13, ``sweep_decode.py --variants c3 c3-tiled``, W4A16 1 / 16 / 64
+# tokens 45.2 / 61.6 / 212.8 -> 45.1 / 60.1 / 209.3 us): within noise, so the layout stays.
 TILED = False
 TILED_CACHE: dict = {}
 CODE_SMEM_W = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -113,7 +115,8 @@ LOOP_MAXNREG = {(True, 8): 80, (False, 8): 64, (True, 16): 128, (False, 16): 96}
 
 # PERSIST's programs an SM, keyed (gated, block_m): the slots of the compiled kernel (FC1 /
 # FC2 with CODE_WIDE, the epilogue and PDL: 8-row tiles 72 / 56 registers, 34.9 / 25.7 KB
-# of shared memory, so 6 / 8 programs an SM; 16-row 92 / 86 and 51.3 / 42.1 KB, so 4 / 5)
+# of shared memory, so 6 / 8 programs an SM; 16-row 92 / 86 and 51.3 / 42.1 KB, so 4 / 5).
+# PERSIST is off (TritonOptions.gluon_persist): slower than the worst-case grid (session 13)
 PERSIST_PER_SM = {(True, 8): 6, (False, 8): 8, (True, 16): 4, (False, 16): 5}
 
 

@@ -255,7 +255,11 @@ class TritonOptions:
         programs each pay their schedule reads, row staging and epilogue with no copy in
         flight, and a second wave pays the whole chain again). Not with
         ``gluon_a_tma`` or ``gluon_grid_blocks`` (those win). The same units and sums: the
-        same bits.
+        same bits. Off: slower on the H200 (session 13, ``sweep_decode.py --variants c3
+        c3-persist``, DeepSeek-V3 EP8 W4A16 1 / 8 / 16 / 32 / 64 / 128 tokens 45.1 / 90.7
+        / 58.8 / 155.7 / 205.6 / 330.1 -> 46.3 / 97.1 / 56.0 / 175.8 / 224.5 / 374.4 us):
+        the hardware hands a freed slot the next program at once, while a fixed stride
+        holds a program's later units behind its slow ones.
     """
 
     pdl: bool | None = None
