@@ -41,12 +41,13 @@
 #   bash benchmarks/gpu_session.sh s13c       # TILED weights: time; test_kernels, runner, phases
 #   bash benchmarks/gpu_session.sh s13d       # bench at every count; runner, phases, HF tests
 #   bash benchmarks/gpu_session.sh s13e       # memcheck with shorter limits
+#   bash benchmarks/gpu_session.sh s14a       # two ring buffers with rows by TMA: time
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -454,6 +455,15 @@ s13e)
         test_segmented_loop_gpu and w4a16 or dense_path_gpu and 64"
     step memcheck_tma 150 compute-sanitizer --tool memcheck python3 -m pytest -m gpu \
         --device cuda -q tests/test_gluon_ws.py -k "async and (16 or one)"
+    ;;
+s14a)
+    # Next session's first call: two ring buffers with the rows by TMA (a stage at a time),
+    # so each program's next copy flies while it decodes (session 13 item 7); whole calls
+    # against loop 3's bits, then the TMA stream's ceiling again for the same run
+    step buffers 300 python3 benchmarks/gluon_experiment.py --whole-only --tokens 1 16 64 \
+        128 --buffers 1 2 --a-tma off on --out "$out/buffers-deepseek.json"
+    step stream 60 python3 benchmarks/tma_stream.py --per-sm 2 4 6 8 --buffers 1 2 \
+        --out "$out/tma-stream.json"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.
