@@ -9,9 +9,10 @@ split GEMM against the Gluon kernel (its last unit of a tile runs the epilogue),
 compared and timed with CUDA events over CUDA-graph replays; then the whole call both
 ways (``TritonOptions.gluon_decode``). ``--buffers``: the kernel's ring
 (``gluon_ws.BUFFERS``), ``--wgmma``, ``--codes`` (the code copies), ``--four-boxes``,
-``--stage-k`` (the ring's stage, ``gluon_ws.STAGE_K``), ``--pdl``, ``--a-tma``, ``--diag``
-(every combination of ``--buffers``, ``--stage-k``, ``--pdl``, ``--codes``, ``--a-tma`` and
-``--diag`` is timed against one loop 3 time a token count), ``--gluon-upto``,
+``--stage-k`` (the ring's stage, ``gluon_ws.STAGE_K``), ``--pdl``, ``--a-tma``, ``--x-ring``,
+``--diag`` (every combination of ``--buffers``, ``--stage-k``, ``--pdl``, ``--codes``,
+``--a-tma``, ``--x-ring`` and ``--diag`` is timed against one loop 3 time a token count),
+``--gluon-upto``,
 ``--split-k`` and ``--whole-only`` as their help says.
 """
 
@@ -81,6 +82,9 @@ def main() -> None:
     p.add_argument("--a-tma", nargs="+", default=["off"], choices=("off", "on"),
                    help="TritonOptions.gluon_a_tma, each timed: the activation rows by TMA "
                    "with each stage")  # fmt: skip
+    p.add_argument("--x-ring", nargs="+", default=["off"], choices=("off", "on"),
+                   help="gluon_ws.X_RING, each timed: the activation rows a ring stage at a "
+                   "time (without --a-tma)")  # fmt: skip
     p.add_argument("--diag", type=int, nargs="+", default=[0], choices=(0, 1, 2),
                    help="gluon_ws.DIAG, each timed (1 and 2 give WRONG results, for timing "
                    "only: 1 no decode, 2 no copies and no waits)")  # fmt: skip
@@ -111,7 +115,7 @@ def main() -> None:
         if g not in ("off", "auto") and not g.isdigit():
             p.error(f"--grid-blocks: off, auto or a number, got {g!r}")
     variants = list(itertools.product(a.buffers, a.stage_k, a.pdl, a.codes, a.a_tma, a.diag,
-                                      a.grid_blocks))  # fmt: skip
+                                      a.grid_blocks, a.x_ring))  # fmt: skip
     for t in a.tokens:
         gluon_ws.BUFFERS, gluon_ws.STAGE_K = variants[0][:2]
         gluon_ws.DIAG = 0
@@ -170,7 +174,10 @@ def main() -> None:
             return y.clone(), timed(whole)
 
         y3, us3 = whole_call(False)
-        for nb, sk, pdl, codes, atma, diag, gb in variants:
+        for nb, sk, pdl, codes, atma, diag, gb, xring in variants:
+            if xring == "on" and atma == "on":
+                continue  # the rows come one way
+            gluon_ws.X_RING = xring == "on"
             gluon_ws.DIAG = diag
             gluon_ws.BUFFERS, gluon_ws.STAGE_K = nb, sk
             gluon_ws.CODE_WIDE, gluon_ws.CODE_BOX3 = codes == "wide", codes != "four"
@@ -178,9 +185,11 @@ def main() -> None:
             yg, usg = whole_call(True, pdl, atma, gb)
             same = bool(torch.equal(y3, yg))
             rows.append(dict(tokens=t, buffers=nb, stage_k=sk, pdl=pdl, codes=codes,
-                             a_tma=atma, diag=diag, grid_blocks=gb, gemm="call", same=same,
+                             a_tma=atma, diag=diag, grid_blocks=gb, x_ring=xring, gemm="call",
+                             same=same,
                              loop3_us=us3, gluon_us=usg))  # fmt: skip
-            print(f"B{nb} SK{sk} PDL-{pdl} {codes} atma-{atma} diag{diag} gb-{gb} T={t:5d} "
+            print(f"B{nb} SK{sk} PDL-{pdl} {codes} atma-{atma} xring-{xring} diag{diag} gb-{gb} "
+                  f"T={t:5d} "
                   f"whole call same "
                   f"{same}  loop 3 {us3:7.1f} us  with gluon {usg:7.1f} us",
                   flush=True)  # fmt: skip

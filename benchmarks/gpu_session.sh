@@ -41,7 +41,7 @@
 #   bash benchmarks/gpu_session.sh s13c       # TILED weights: time; test_kernels, runner, phases
 #   bash benchmarks/gpu_session.sh s13d       # bench at every count; runner, phases, HF tests
 #   bash benchmarks/gpu_session.sh s13e       # memcheck with shorter limits
-#   bash benchmarks/gpu_session.sh s14a       # two ring buffers with rows by TMA: time
+#   bash benchmarks/gpu_session.sh s14a       # two ring buffers (rows by TMA or X_RING): time
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
@@ -457,11 +457,16 @@ s13e)
         --device cuda -q tests/test_gluon_ws.py -k "async and (16 or one)"
     ;;
 s14a)
-    # Next session's first call: two ring buffers with the rows by TMA (a stage at a time),
-    # so each program's next copy flies while it decodes (session 13 item 7); whole calls
-    # against loop 3's bits, then the TMA stream's ceiling again for the same run
+    # Next session's first call: two ring buffers, with the rows by TMA (gluon_a_tma) or a
+    # ring stage at a time (gluon_ws.X_RING, FC1), so each program's next copy flies while
+    # it decodes (session 13 item 7): X_RING's bits, then whole calls against loop 3's
+    # bits; PERSIST again without the register cap that spilled FC2; the TMA ceiling
+    step x_ring_tests 120 python3 -m pytest -m gpu --device cuda -q -x tests/test_gluon_ws.py \
+        -k "x_ring_gpu and (w4a16 or (per_token and (1-64 or 2-16)))"
     step buffers 300 python3 benchmarks/gluon_experiment.py --whole-only --tokens 1 16 64 \
-        128 --buffers 1 2 --a-tma off on --out "$out/buffers-deepseek.json"
+        128 --buffers 1 2 --a-tma off on --x-ring off on --out "$out/buffers-deepseek.json"
+    step persist 80 python3 benchmarks/sweep_decode.py --tokens 16 32 64 --modes w4a16 \
+        --variants c3 c3-persist --iters 12 --out "$out/persist-uncapped.json"
     step stream 60 python3 benchmarks/tma_stream.py --per-sm 2 4 6 8 --buffers 1 2 \
         --out "$out/tma-stream.json"
     ;;

@@ -605,6 +605,73 @@ def test_tma_persist_compiles_for_sm90():
     _compile_check(code)
 
 
+def test_tma_x_ring_compiles_for_sm90():
+    """``XRING`` (``gluon_ws.X_RING``): the rows a ring stage at a time in two buffers of
+    SK / 64 * BM rows instead of the segment's 16 units: the same TMA copies, wgmma, no
+    local memory, shared memory smaller by (SEG - 2 SK) * BM * 2 bytes; FC1's 8-row tiles
+    under ``X_RING_MAXNREG`` without a stack, so two weight buffers fit 5 programs an SM.
+    Not with A_TMA, LOOP or PERSIST (a compile-time assertion)."""
+    pytest.importorskip("triton")
+    code = (
+        "import os, re, subprocess, tempfile, triton\n"
+        "from fp4moe.kernels.gluon_ws import compile_sm90, X_RING_MAXNREG\n"
+        "tool = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin',\n"
+        "                    'cuobjdump')\n"
+        "def res(c):\n"
+        "    with tempfile.TemporaryDirectory() as tmp:\n"
+        "        path = os.path.join(tmp, 'k.cubin')\n"
+        "        open(path, 'wb').write(c.asm['cubin'])\n"
+        "        return subprocess.run([tool, '-res-usage', path], capture_output=True,\n"
+        "                              text=True, check=True).stdout\n"
+        "for n, k, g in ((2048, 7168, True), (7168, 2048, False)):\n"
+        "    for bm in (8, 16):\n"
+        "        for nb in (1, 2):\n"
+        "            kw = dict(n=n, k=k, gated=g, block_m=bm, asynchronous=True, buffers=nb,\n"
+        "                      epilogue=True, box3=2, pdl=True, early_weights=True)\n"
+        "            base = compile_sm90(**kw)\n"
+        "            c = compile_sm90(**kw, x_ring=True, maxnreg=X_RING_MAXNREG.get((g, bm)))\n"
+        "            ptx = c.asm['ptx']\n"
+        "            assert '.local' not in ptx and 'wgmma.mma_async' in ptx, (n, bm, nb)\n"
+        "            assert ptx.count('cp.async.bulk.tensor') == \\\n"
+        "                base.asm['ptx'].count('cp.async.bulk.tensor'), (n, bm, nb)\n"
+        "            saved = (1024 - 2 * 256) * bm * 2\n"
+        "            assert c.metadata.shared == base.metadata.shared - saved, (n, bm, nb)\n"
+        "            if (g, bm) in X_RING_MAXNREG:\n"
+        "                assert 'STACK:0' in res(c), (n, bm, nb)\n"
+        "                if nb == 2:\n"
+        "                    assert 5 * (c.metadata.shared + 1024) <= 228 * 1024\n"
+        "try:\n"
+        "    compile_sm90(n=2048, k=7168, gated=True, block_m=8, buffers=1, box3=2,\n"
+        "                 x_ring=True, persist=True)\n"
+        "    raise SystemExit('XRING with PERSIST compiled')\n"
+        "except Exception as exc:\n"
+        "    assert 'XRING' in str(exc) or 'XRING' in repr(exc.__cause__), exc\n"
+        "print('ok')\n"
+    )
+    _compile_check(code)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16, 64, "one-expert", "all-masked"])
+@pytest.mark.parametrize("buffers", [1, 2])
+@pytest.mark.parametrize("mode", MODES[:3], ids=_mode_id)
+def test_gluon_x_ring_gpu(monkeypatch, t, buffers, mode):
+    """``gluon_ws.X_RING`` on the GPU (FC1's 8-row tiles), with one and two weight
+    buffers: loop 3's bits for whole calls (deterministic finalize), the fused finalize
+    within the tolerance, every mode; every route masked gives zeros."""
+    from fp4moe.kernels import gluon_ws
+
+    monkeypatch.setattr(gluon_ws, "X_RING", True)
+    monkeypatch.setattr(gluon_ws, "BUFFERS", buffers)
+    m, sc = mode
+    experts, x, ids, w = _deepseek_case(t, seed=37, expert=6)
+    _same_as_loop3(x, ids, w, experts, m, sc)
+    if t == "all-masked":
+        out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                         options=TritonOptions(poison=True))  # fmt: skip
+        assert not out.float().abs().any()
+
+
 def test_tiled_weights_layout():
     """``gluon_ws.tiled_weights`` (the TILED experiment): the box the kernel reads for the
     64-row tile of ``row`` and 256-K stage ``st``, rows (row // 64 * K/256 + st) * 64 ..

@@ -122,6 +122,41 @@ def _stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K: gl.constexpr, TOPK: gl
 
 
 @gluon.jit
+def _x_rows(sorted_routes_ptr, start, end, TOPK: gl.constexpr, A_GATHER: gl.constexpr,
+            BM: gl.constexpr):  # fmt: skip
+    """The row block's source rows of x (A_GATHER: token route // TOPK of the sorted routes,
+    else the sorted row) as int64, and which of the BM rows are valid (``_x_stage``'s
+    layout)."""
+    XM: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    offs_m = start + gl.arange(0, BM, layout=gl.SliceLayout(1, XM))
+    m_ok = offs_m < end
+    if A_GATHER:
+        route = gl.load(sorted_routes_ptr + offs_m, mask=m_ok, other=0)
+        src = route // TOPK
+    else:
+        src = offs_m
+    return gl.where(m_ok, src, 0).to(gl.int64), m_ok
+
+
+@gluon.jit
+def _x_stage(x_ptr, src, m_ok, kbase, K: gl.constexpr, BM: gl.constexpr,
+             SK: gl.constexpr, A_UNIT_ORDER: gl.constexpr = False):  # fmt: skip
+    """Registers of x's rows ``src`` (zeros where not ``m_ok``) at K ``kbase`` .. + SK in
+    the unit order, [SK / 64 * BM, 64] (unit-major), as ``_stage_x`` orders a segment; for
+    a shared buffer of that shape (``gluon_ws.X_RING``)."""
+    XM: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    NU: gl.constexpr = SK // UNIT
+    kk = gl.arange(0, SK, layout=gl.SliceLayout(0, XM))
+    x = gl.load(x_ptr + src[:, None] * K + kbase + kk[None, :], mask=m_ok[:, None], other=0.0)
+    if A_UNIT_ORDER:  # [m, unit, 64] -> [unit, m, 64]
+        x = gl.permute(gl.reshape(x, [BM, NU, UNIT]), [1, 0, 2])
+    else:
+        x = gl.reshape(x, [BM, NU, 4, 4, 2, 2])  # [m, unit, q, s, a, b]
+        x = gl.permute(x, [1, 0, 3, 5, 2, 4])  # [unit, m, s, b, q, a]
+    return gl.reshape(x, [NU * BM, UNIT])
+
+
+@gluon.jit
 def _store_partials(acc_g, acc_u, part_ptr, pid_n, start, end, s_id, ws_rows,
                     N: gl.constexpr, GATED: gl.constexpr, BM: gl.constexpr,
                     MMA: gl.constexpr):  # fmt: skip

@@ -39,7 +39,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .common import compile_sm90 as common_compile_sm90
-from .gluon_decode import _CL, _L3, UNIT, _decode_unit, _stage_x, _store_partials
+from .gluon_decode import (
+    _CL,
+    _L3,
+    UNIT,
+    _decode_unit,
+    _stage_x,
+    _store_partials,
+    _x_rows,
+    _x_stage,
+)
 
 # split_partials_tma's defaults: the ring's stages of 256 K in shared memory (1: 18 KB a
 # program for FC1, so more programs an SM; the fastest of 1, 2, 4 on the H200, session 9),
@@ -64,6 +73,18 @@ STAGE = 256  # K elements a scale group; a segment is a multiple of it
 # first weight copies before they wait for FC1's rows: those bytes fly during FC1's tail
 EARLY_WEIGHTS = True
 PDL = True  # the Gluon kernels join the call's PDL chain (off: plain launches, as before)
+# Experiment (session 13, off, not yet timed): without A_TMA, the activation rows go into
+# shared memory a ring stage at a time (two buffers of SK / 64 * BM rows, the next stage's
+# rows loaded into registers while this stage is decoded) instead of the whole segment
+# before the loop: FC1's shared memory 34.8 -> 26.6 KB at 8-row tiles, so two ring
+# buffers of weights (BUFFERS 2) fit 5 programs an SM without the gather launch that
+# gluon_a_tma needs. The same operands and order: the same bits.
+X_RING = False
+# X_RING applies to these (GEMM, tile height) only, under this register cap: FC1's 8-row
+# tiles need 106 / 108 registers uncapped at one / two ring buffers (4 programs an SM); 80
+# compiles without a stack, so two buffers (45.1 KB) fit 5 programs an SM. FC2 spills
+# below 96, and two buffers fit 6 of its programs without X_RING (34.8 KB, 51 registers).
+X_RING_MAXNREG = {(True, 8): 80}
 # Timing diagnostics, WRONG RESULTS (gluon_experiment.py --diag): 1 the weights not decoded
 # (zeros: the copies, shared loads of the scales' layout aside, and wgmmas alone), 2 no
 # copies and no waits (the decode of whatever shared memory holds: issue alone)
@@ -116,7 +137,9 @@ LOOP_MAXNREG = {(True, 8): 80, (False, 8): 64, (True, 16): 128, (False, 16): 96}
 # PERSIST's programs an SM, keyed (gated, block_m): the slots of the compiled kernel (FC1 /
 # FC2 with CODE_WIDE, the epilogue and PDL: 8-row tiles 72 / 56 registers, 34.9 / 25.7 KB
 # of shared memory, so 6 / 8 programs an SM; 16-row 92 / 86 and 51.3 / 42.1 KB, so 4 / 5).
-# PERSIST is off (TritonOptions.gluon_persist): slower than the worst-case grid (session 13)
+# PERSIST is off (TritonOptions.gluon_persist): slower than the worst-case grid (session 13,
+# measured with LOOP_MAXNREG's caps, which gave FC2's 8-row tiles a 16-byte stack; the
+# launch no longer caps PERSIST)
 PERSIST_PER_SM = {(True, 8): 6, (False, 8): 8, (True, 16): 4, (False, 16): 5}
 
 
@@ -356,6 +379,7 @@ def tma_split_kernel(
     LOOP: gl.constexpr = False,  # the grid has loop_step row blocks, not the worst case;
     # program m takes the valid blocks m, m + loop_step, ... (grid_blocks)
     TRACE: gl.constexpr = False,  # stamps into trace_ptr (gluon_ws.TRACE)
+    XRING: gl.constexpr = False,  # the rows a ring stage at a time (gluon_ws.X_RING)
     PERSIST: gl.constexpr = False,  # a 1-D grid of loop_step programs, each taking the
     # units u = program, program + loop_step, ... of the valid blocks (tile fastest, then
     # segment, then block) and issuing the next unit's first stages in its last ones
@@ -369,6 +393,7 @@ def tma_split_kernel(
         s_id = gl.program_id(2)
     gl.static_assert(not (TRACE and (LOOP or PERSIST)), "TRACE needs the worst-case grid")
     gl.static_assert(not (LOOP and PERSIST), "LOOP or PERSIST, not both")
+    gl.static_assert(not (XRING and (LOOP or PERSIST or A_TMA)), "XRING: the one-block body")
     slot = pid_n + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
     tb = trace_ptr + slot.to(gl.int64) * 16
     if TRACE:
@@ -430,7 +455,7 @@ def tma_split_kernel(
             block_start_ptr, block_end_ptr, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr,
             out_ptr, a_global_ptr, ws_rows, pid_m, pid_n, s_id, True, N, K, TOPK, GATED,
             A_GATHER, BM, SEG, ASYNC, NBUF, EPILOGUE, FUSED, OUT_SCALE, A_UNIT_ORDER, A_FP4,
-            BOX3, SK, USE_PDL, EARLY_W, A_TMA, OUT_UNIT, DIAG, TRACE=TRACE, tb=tb,
+            BOX3, SK, USE_PDL, EARLY_W, A_TMA, OUT_UNIT, DIAG, TRACE=TRACE, tb=tb, XRING=XRING,
         )  # fmt: skip
         if TRACE:
             _stamp(tb + 10, 0)  # T_END
@@ -516,6 +541,7 @@ def _block_work(
     PRE: gl.constexpr = False, pre_c=0, pre_s=0, pre_bars=0, pre_x=0, ph=0,
     TRACE: gl.constexpr = False, tb=0,
     NEXT: gl.constexpr = False, has_next=False, n_row=0, n_k0=0,
+    XRING: gl.constexpr = False,
 ):  # fmt: skip
     """One (weight tile ``pid_n``, K segment ``s_id``, row block ``pid_m``) unit of
     ``tma_split_kernel`` (its arguments). ``first``: the program's first block, which
@@ -525,7 +551,8 @@ def _block_work(
     ``TRACE``: phase stamps at ``tb`` (``gluon_ws.TRACE``). ``NEXT`` (PERSIST): the
     ring's first stages were issued by the program's last unit unless ``first``, and with
     ``has_next`` this unit's last stages are refilled with the first ones of the next
-    unit (weight rows from ``n_row``, K from ``n_k0``)."""
+    unit (weight rows from ``n_row``, K from ``n_k0``). ``XRING``: the rows go into two
+    shared buffers a ring stage at a time (``X_RING``)."""
     e = gl.load(block_expert_ptr + pid_m, cache_modifier=".cg")
     if TRACE:
         gl.store(tb + 12, e.to(gl.int64))  # T_EXPERT
@@ -598,7 +625,12 @@ def _block_work(
         if TRACE:
             _stamp(tb + 5, 0)  # T_ISSUE
         # ---- activations of the segment, in unit order, into shared memory [NU * BM, 64]
-        if not A_TMA:
+        if XRING:  # or a stage at a time: two buffers [UPS * BM, 64], the first stage's now
+            XSL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
+            xs = gl.allocate_shared_memory(gl.bfloat16, [2 * UPS * BM, UNIT], XSL)
+            x_src, x_ok = _x_rows(sorted_routes_ptr, start, end, TOPK, A_GATHER, BM)
+            xv = _x_stage(x_ptr, x_src, x_ok, k0, K, BM, SK, A_UNIT_ORDER)
+        elif not A_TMA:
             xs = _stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K, TOPK, A_GATHER, BM,
                           SEG, A_UNIT_ORDER, PRE, pre_x)  # fmt: skip
 
@@ -610,6 +642,14 @@ def _block_work(
         acc_g = gl.zeros([64, BM], gl.float32, layout=MMA)
         acc_u = gl.zeros([64, BM], gl.float32, layout=MMA)
         for kb in gl.static_range(NU):
+            if XRING and kb % UPS == 0:  # this stage's rows into their buffer (the one the
+                # stage before last read: its wgmmas were waited for), the next stage's loaded
+                xs.slice((kb // UPS) % 2 * UPS * BM, UPS * BM).store(xv)
+                fence_async_shared()
+                gl.thread_barrier()
+                if kb // UPS + 1 < NS:
+                    xv = _x_stage(x_ptr, x_src, x_ok, k0 + (kb // UPS + 1) * SK, K, BM, SK,
+                                  A_UNIT_ORDER)  # fmt: skip
             if kb == 0 and TRACE:
                 _stamp(tb + 6, 0)  # T_X
             if kb % UPS == 0 and DIAG != 2:
@@ -618,6 +658,8 @@ def _block_work(
                 _stamp(tb + 7, 0)  # T_W0
             if A_TMA:
                 xb = xr.slice(((kb // UPS) % NB * UPS + kb % UPS) * BM, BM).permute((1, 0))
+            elif XRING:
+                xb = xs.slice(((kb // UPS) % 2 * UPS + kb % UPS) * BM, BM).permute((1, 0))
             else:
                 xb = xs.slice(kb * BM, BM).permute((1, 0))
             gc, gs = _smem_unit(cbuf, sbuf, kb, 0, NB, UPS, NBS, BOX3 >= 2)
@@ -870,9 +912,25 @@ def split_partials_tma(
         A_FP4=a_global is not None and epilogue, BOX3=box, SK=stage_k, USE_PDL=pdl,
         EARLY_W=pdl and early_weights and EARLY_WEIGHTS, A_TMA=a_tma,
         OUT_UNIT=out_unit_order, DIAG=DIAG, LOOP=grid_blocks > 0, TRACE=trace is not dummy,
-        PERSIST=persist > 0, num_warps=4, launch_pdl=pdl,
-        **({"maxnreg": LOOP_MAXNREG[gated, block_m]} if grid_blocks or persist else {}),
+        PERSIST=persist > 0, XRING=_x_ring(gated, block_m, grid_blocks, persist, a_tma),
+        num_warps=4, launch_pdl=pdl, **_maxnreg(gated, block_m, grid_blocks, persist, a_tma),
     )  # fmt: skip
+
+
+def _x_ring(gated: bool, block_m: int, grid_blocks: int, persist: int, a_tma: bool) -> bool:
+    """Whether a launch stages its rows a ring stage at a time: ``X_RING`` on, a GEMM and
+    tile height of ``X_RING_MAXNREG`` (FC1, 8 rows), the one-block body, rows not by TMA."""
+    return X_RING and (gated, block_m) in X_RING_MAXNREG and not (a_tma or grid_blocks or persist)
+
+
+def _maxnreg(gated: bool, block_m: int, grid_blocks: int, persist: int, a_tma: bool) -> dict:
+    """The launch's register cap: LOOP's (``LOOP_MAXNREG``), X_RING's (``X_RING_MAXNREG``),
+    or none (PERSIST and the one-block body need none)."""
+    if grid_blocks:
+        return {"maxnreg": LOOP_MAXNREG[gated, block_m]}
+    if _x_ring(gated, block_m, grid_blocks, persist, a_tma):
+        return {"maxnreg": X_RING_MAXNREG[gated, block_m]}
+    return {}
 
 
 def compile_sm90(
@@ -898,6 +956,7 @@ def compile_sm90(
     trace: bool = False,
     seg: int = 1024,
     persist: bool = False,
+    x_ring: bool = False,
 ):
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
     layout conversions are asserted trivial at compile time. ``box3``: the code copies
@@ -930,7 +989,8 @@ def compile_sm90(
                  FUSED=fused, OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_UNIT_ORDER=a_fp4,
                  A_FP4=a_fp4, BOX3=int(box3), SK=stage_k, USE_PDL=pdl,
                  EARLY_W=pdl and early_weights, A_TMA=a_tma, OUT_UNIT=out_unit_order,
-                 DIAG=diag, LOOP=loop_blocks > 0, TRACE=trace, PERSIST=persist)  # fmt: skip
+                 DIAG=diag, LOOP=loop_blocks > 0, TRACE=trace, PERSIST=persist,
+                 XRING=x_ring)  # fmt: skip
     opts = {} if maxnreg is None else {"maxnreg": maxnreg}
     return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows", "loop_step"),
                                gluon=True, descs=descs, num_warps=4, launch_pdl=pdl,
