@@ -70,6 +70,26 @@ diag_steps() {
             --tokens 16 --diag "$d"
     done
 }
+timeline_steps() {
+    # Where each Gluon program's time goes (gluon_ws.TRACE): phase stamps of every program,
+    # DeepSeek-V3 and Mixtral, W4A16 and W4A4 per-token
+    step trace_test 60 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_timeline.py
+    step timeline 120 python3 benchmarks/gluon_timeline.py --tokens 1 16 64 \
+        --out "$out/timeline-deepseek.json"
+    step timeline_w4a4 60 python3 benchmarks/gluon_timeline.py --tokens 1 16 \
+        --mode w4a4-token --out "$out/timeline-deepseek-w4a4.json"
+    step timeline_mixtral 60 python3 benchmarks/gluon_timeline.py --preset mixtral-8x7b \
+        --tokens 1 16 --out "$out/timeline-mixtral.json"
+}
+memcheck_steps() {  # memcheck_steps LIMIT LIMIT_TMA
+    # compute-sanitizer over a few shapes of test_kernels, then over the Gluon TMA GEMMs
+    # (the W4A16 decode default since session 9)
+    step memcheck "$1" compute-sanitizer --tool memcheck python3 -m pytest -m gpu \
+        --device cuda -q tests/test_kernels.py -k "test_moe_gpu_shapes and 64-qwen3 or \
+        test_segmented_loop_gpu and w4a16 or dense_path_gpu and 64"
+    step memcheck_tma "$2" compute-sanitizer --tool memcheck python3 -m pytest -m gpu \
+        --device cuda -q tests/test_gluon_ws.py -k "async and (16 or one)"
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$out/smi.txt" 2>&1
 case "$part" in
 tests)
@@ -83,12 +103,7 @@ gluon_tests)
     ;;
 memcheck)
     # 214 s alone on an H200 in session 7; inside `tests` it ran past 240 s.
-    step memcheck 400 compute-sanitizer --tool memcheck python3 -m pytest -m gpu \
-        --device cuda -q tests/test_kernels.py -k "test_moe_gpu_shapes and 64-qwen3 or \
-        test_segmented_loop_gpu and w4a16 or dense_path_gpu and 64"
-    # the Gluon TMA GEMMs (the W4A16 decode default since session 9)
-    step memcheck_tma 200 compute-sanitizer --tool memcheck python3 -m pytest -m gpu \
-        --device cuda -q tests/test_gluon_ws.py -k "async and (16 or one)"
+    memcheck_steps 400 200
     ;;
 sweep)
     # Loop 3 (default) and its configs against loop 2, with bitwise checks; the per-tensor
@@ -357,7 +372,7 @@ s12c)
     # Session 12's last call: the graph-replay grid test that failed in grid2 (its message),
     # fc1_early (now the default) against loop 3, runner and phases, then the bench
     step grid_graph 90 python3 -m pytest -m gpu --device cuda -q -x tests/test_gluon_ws.py \
-        -k "grid_blocks_graph_replay_gpu"
+        -k "loop_graph_replay_gpu and grid_blocks"
     step fc1early_test 90 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
         -k "fc1_early_gpu"
     step others 140 python3 -m pytest -m gpu --device cuda -q tests/test_runner.py \
@@ -369,7 +384,7 @@ s12d)
     # The grid graph-replay test after its int32 fix, the default Gluon path's bits (CODE_WIDE,
     # fc1_early), then Qwen3 and Mixtral benches at decode and prefill sizes
     step grid_graph 90 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
-        -k "grid_blocks_graph_replay_gpu"
+        -k "loop_graph_replay_gpu and grid_blocks"
     step gluon 90 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
         -k "(tma_split_gpu and async and ring1) or (tma_split_w4a4_gpu and quantize_decoded)"
     short=(--num-tokens 1 16 64 256 8192 --iters 10)
@@ -393,27 +408,14 @@ s12f)
         --variants c3 c3-noamaxself --iters 12 --out "$out/amaxself-1.json"
     ;;
 timeline)
-    # Where each Gluon program's time goes (gluon_ws.TRACE, built in session 12 after the
-    # GPU time ran out): phase stamps of every program, DeepSeek-V3 and Mixtral, W4A16 and
-    # W4A4 per-token
-    step trace_test 60 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_timeline.py
-    step timeline 120 python3 benchmarks/gluon_timeline.py --tokens 1 16 64 \
-        --out "$out/timeline-deepseek.json"
-    step timeline_w4a4 60 python3 benchmarks/gluon_timeline.py --tokens 1 16 \
-        --mode w4a4-token --out "$out/timeline-deepseek-w4a4.json"
-    step timeline_mixtral 60 python3 benchmarks/gluon_timeline.py --preset mixtral-8x7b \
-        --tokens 1 16 --out "$out/timeline-mixtral.json"
+    # the per-program timeline (gluon_ws.TRACE, built in session 12 after the GPU time ran
+    # out; first run in s13a)
+    timeline_steps
     ;;
 s13a)
     # Session 13's first call: the timeline part, then Gluon K segments of 512 against 1024
     # at decode sizes (other bits: checked against the reference only)
-    step trace_test 60 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_timeline.py
-    step timeline 120 python3 benchmarks/gluon_timeline.py --tokens 1 16 64 \
-        --out "$out/timeline-deepseek.json"
-    step timeline_w4a4 60 python3 benchmarks/gluon_timeline.py --tokens 1 16 \
-        --mode w4a4-token --out "$out/timeline-deepseek-w4a4.json"
-    step timeline_mixtral 60 python3 benchmarks/gluon_timeline.py --preset mixtral-8x7b \
-        --tokens 1 16 --out "$out/timeline-mixtral.json"
+    timeline_steps
     step seg512 150 python3 benchmarks/sweep_decode.py --tokens 1 16 32 --modes w4a16 \
         --variants c3 c3-seg512 --segments 512 --iters 12 --out "$out/seg512.json"
     ;;
@@ -449,12 +451,9 @@ s13d)
     step hf 100 python3 -m pytest -m gpu --device cuda -q tests/test_hf_gpu.py
     ;;
 s13e)
-    # memcheck with session 13's defaults (fc1_early, amax_self_upto), shorter limits
-    step memcheck 300 compute-sanitizer --tool memcheck python3 -m pytest -m gpu \
-        --device cuda -q tests/test_kernels.py -k "test_moe_gpu_shapes and 64-qwen3 or \
-        test_segmented_loop_gpu and w4a16 or dense_path_gpu and 64"
-    step memcheck_tma 150 compute-sanitizer --tool memcheck python3 -m pytest -m gpu \
-        --device cuda -q tests/test_gluon_ws.py -k "async and (16 or one)"
+    # memcheck with session 13's defaults (fc1_early, amax_self_upto), shorter limits (the
+    # first selection's 300 s cut it after 11 of 12 tests)
+    memcheck_steps 300 150
     ;;
 s14a)
     # Next session's first call: two ring buffers, with the rows by TMA (gluon_a_tma) or a

@@ -120,11 +120,11 @@ def sass_stats(kernel, weights_per_trip: float) -> dict:
         sass = subprocess.run(
             [_tool("cuobjdump"), "-sass", path], capture_output=True, text=True, check=True
         ).stdout
-        res = subprocess.run(
-            [_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True, check=True
-        ).stdout
-    regs = int(re.search(r"REG:(\d+)", res).group(1))
-    spills = int(m.group(1)) if (m := re.search(r"LOCAL:(\d+)", res)) else 0
+    from fp4moe.kernels.common import resource_usage
+
+    res = resource_usage(kernel)
+    regs = res["REG"]
+    spills = res.get("LOCAL", 0)
     insts = []  # (address, opcode)
     branches = []  # (address, target)
     for line in sass.splitlines():

@@ -543,18 +543,11 @@ def test_tma_grid_blocks_compiles_for_sm90():
         "        assert 'ld.global.cg' in ptx\n"
         "# uncapped, the loop's registers stay near the kernel's without it (66 / 51): the\n"
         "# rows' wgmma descriptors are not hoisted out of the loop (211 / 168 when they were)\n"
-        "import os, re, subprocess, tempfile, triton\n"
-        "tool = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin',\n"
-        "                    'cuobjdump')\n"
+        "from fp4moe.kernels.common import resource_usage\n"
         "for n, k, g, most in ((2048, 7168, True, 88), (7168, 2048, False, 64)):\n"
         "    c = compile_sm90(n=n, k=k, gated=g, block_m=8, asynchronous=True, buffers=1,\n"
         "                     epilogue=True, box3=2, loop_blocks=1)\n"
-        "    with tempfile.TemporaryDirectory() as tmp:\n"
-        "        path = os.path.join(tmp, 'k.cubin')\n"
-        "        open(path, 'wb').write(c.asm['cubin'])\n"
-        "        res = subprocess.run([tool, '-res-usage', path], capture_output=True,\n"
-        "                             text=True, check=True).stdout\n"
-        "    regs = int(re.search(r'REG:(\\d+)', res).group(1))\n"
+        "    regs = resource_usage(c)['REG']\n"
         "    assert regs <= most, (n, regs)\n"
         "c = compile_sm90(n=2048, k=7168, gated=True, block_m=8, asynchronous=True, buffers=1,\n"
         "                 epilogue=True, box3=2, a_fp4=True, loop_blocks=1, maxnreg=80)\n"
@@ -573,10 +566,8 @@ def test_tma_persist_compiles_for_sm90():
     memory."""
     pytest.importorskip("triton")
     code = (
-        "import os, re, subprocess, tempfile, triton\n"
+        "from fp4moe.kernels.common import resource_usage\n"
         "from fp4moe.kernels.gluon_ws import compile_sm90, PERSIST_PER_SM\n"
-        "tool = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin',\n"
-        "                    'cuobjdump')\n"
         "for n, k, g, extra in ((2048, 7168, True, 4), (7168, 2048, False, 2)):\n"
         "    for bm in (8, 16):\n"
         "        kw = dict(n=n, k=k, gated=g, block_m=bm, asynchronous=True, buffers=1,\n"
@@ -588,12 +579,9 @@ def test_tma_persist_compiles_for_sm90():
         "        assert ptx.count('cp.async.bulk.tensor') == \\\n"
         "            base.asm['ptx'].count('cp.async.bulk.tensor') + extra, (n, bm)\n"
         "        assert ptx.count('griddepcontrol.wait') == 1, (n, bm)\n"
-        "        with tempfile.TemporaryDirectory() as tmp:\n"
-        "            path = os.path.join(tmp, 'k.cubin')\n"
-        "            open(path, 'wb').write(c.asm['cubin'])\n"
-        "            res = subprocess.run([tool, '-res-usage', path], capture_output=True,\n"
-        "                                 text=True, check=True).stdout\n"
-        "        regs = int(re.search(r'REG:(\\d+)', res).group(1))\n"
+        "        res = resource_usage(c)\n"
+        "        regs = res['REG']\n"
+        "        assert res['STACK'] == 0, (n, bm)\n"
         "        slots = PERSIST_PER_SM[g, bm]\n"
         "        assert regs * 128 * slots <= 65536, (n, bm, regs)\n"
         "        assert (c.metadata.shared + 1024) * slots <= 228 * 1024, (n, bm)\n"
@@ -613,16 +601,8 @@ def test_tma_x_ring_compiles_for_sm90():
     Not with A_TMA, LOOP or PERSIST (a compile-time assertion)."""
     pytest.importorskip("triton")
     code = (
-        "import os, re, subprocess, tempfile, triton\n"
+        "from fp4moe.kernels.common import resource_usage\n"
         "from fp4moe.kernels.gluon_ws import compile_sm90, X_RING_MAXNREG\n"
-        "tool = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin',\n"
-        "                    'cuobjdump')\n"
-        "def res(c):\n"
-        "    with tempfile.TemporaryDirectory() as tmp:\n"
-        "        path = os.path.join(tmp, 'k.cubin')\n"
-        "        open(path, 'wb').write(c.asm['cubin'])\n"
-        "        return subprocess.run([tool, '-res-usage', path], capture_output=True,\n"
-        "                              text=True, check=True).stdout\n"
         "for n, k, g in ((2048, 7168, True), (7168, 2048, False)):\n"
         "    for bm in (8, 16):\n"
         "        for nb in (1, 2):\n"
@@ -637,7 +617,7 @@ def test_tma_x_ring_compiles_for_sm90():
         "            saved = (1024 - 2 * 256) * bm * 2\n"
         "            assert c.metadata.shared == base.metadata.shared - saved, (n, bm, nb)\n"
         "            if (g, bm) in X_RING_MAXNREG:\n"
-        "                assert 'STACK:0' in res(c), (n, bm, nb)\n"
+        "                assert resource_usage(c)['STACK'] == 0, (n, bm, nb)\n"
         "                if nb == 2:\n"
         "                    assert 5 * (c.metadata.shared + 1024) <= 228 * 1024\n"
         "try:\n"
@@ -767,74 +747,47 @@ def test_grid_blocks_plumbing(interpret, device, monkeypatch, mode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 16, 64, "one-expert", "all-masked"])
-@pytest.mark.parametrize("gb", [1, 3, "auto"])
+@pytest.mark.parametrize(
+    "opt",
+    [("gluon_grid_blocks", 1), ("gluon_grid_blocks", 3), ("gluon_grid_blocks", "auto"),
+     ("gluon_persist", 1), ("gluon_persist", "auto")],
+    ids=["grid_blocks-1", "grid_blocks-3", "grid_blocks-auto", "persist-1", "persist-auto"],
+)  # fmt: skip
 @pytest.mark.parametrize("mode", MODES[:3], ids=_mode_id)
-def test_gluon_grid_blocks_gpu(t, gb, mode):
-    """``gluon_grid_blocks`` on the GPU: loop 3's bits for whole calls (deterministic
-    finalize), the fused finalize within the tolerance; 1 and 3 row blocks make every
-    program loop over several valid blocks (16 tokens on one expert: 2 blocks; 64 tokens:
-    about 27), "auto" leaves a few empty programs; every route masked gives zeros."""
+def test_gluon_loop_gpu(t, opt, mode):
+    """The Gluon kernels' loops on the GPU, ``gluon_grid_blocks`` (1 and 3 row blocks make
+    every program loop over several valid blocks: 16 tokens on one expert 2 blocks, 64
+    tokens about 27; "auto" leaves a few empty programs) and ``gluon_persist`` (one
+    program an SM, 132, takes several units: 16 tokens about 7, 64 about 40, with the next
+    unit's copies issued in the last; "auto" fills the SMs): loop 3's bits for whole calls
+    (deterministic finalize), the fused finalize within the tolerance; every route masked
+    gives zeros."""
     m, sc = mode
     experts, x, ids, w = _deepseek_case(t, seed=29, expert=4)
-    _same_as_loop3(x, ids, w, experts, m, sc, gluon_grid_blocks=gb)
+    _same_as_loop3(x, ids, w, experts, m, sc, **dict([opt]))
     if t == "all-masked":
         out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
-                         options=TritonOptions(poison=True, gluon_grid_blocks=gb))  # fmt: skip
+                         options=TritonOptions(poison=True, **dict([opt])))  # fmt: skip
         assert not out.float().abs().any()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 16, 64, "one-expert", "all-masked"])
-@pytest.mark.parametrize("ps", [1, "auto"])
-@pytest.mark.parametrize("mode", MODES[:3], ids=_mode_id)
-def test_gluon_persist_gpu(t, ps, mode):
-    """``gluon_persist`` on the GPU: loop 3's bits for whole calls (deterministic
-    finalize), the fused finalize within the tolerance; one program an SM (132) makes
-    programs take several units (16 tokens: about 7, 64: about 40) with the next unit's
-    copies issued in the last, "auto" fills the SMs; every route masked gives zeros."""
-    m, sc = mode
-    experts, x, ids, w = _deepseek_case(t, seed=31, expert=5)
-    _same_as_loop3(x, ids, w, experts, m, sc, gluon_persist=ps)
-    if t == "all-masked":
-        out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
-                         options=TritonOptions(poison=True, gluon_persist=ps))  # fmt: skip
-        assert not out.float().abs().any()
-
-
-@pytest.mark.gpu
-def test_gluon_persist_graph_replay_gpu():
-    """A CUDA graph captured with ``gluon_persist`` replays other routes (more and fewer
-    units than programs) with loop 3's bits: the unit count is read on the device."""
+@pytest.mark.parametrize(
+    "opt",
+    [{"gluon_grid_blocks": 2}, {"gluon_grid_blocks": "auto"}, {"gluon_persist": "auto"}],
+    ids=["grid_blocks-2", "grid_blocks-auto", "persist-auto"],
+)
+def test_gluon_loop_graph_replay_gpu(opt):
+    """A CUDA graph captured with ``gluon_grid_blocks`` or ``gluon_persist`` replays other
+    routes, with more valid row blocks (units) than the grid has programs as well as
+    fewer, with loop 3's bits: the loops' counts are read on the device at each replay."""
     import fp4moe
     from test_kernels import _experts
 
     e, h, i, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
     experts = _experts(e, h, i, seed=0, device="cuda")
     runner = fp4moe.MoERunner(experts, max_tokens=64, top_k=k, mode="w4a16",
-                              options=TritonOptions(gluon_persist="auto"))  # fmt: skip
-    for t, seed in ((16, 2), (1, 4), (64, 5), (16, 6)):
-        x = _x(t, h, seed=seed, device="cuda")
-        ids, w = _gpu_routes(t, k, e, e_total, seed=seed)
-        if seed == 6:  # every route on experts 0 .. 3
-            ids = (torch.arange(t * k, device="cuda").reshape(t, k) % 4).to(torch.int32)
-        want = moe_triton(x, ids, w, experts, mode="w4a16",
-                          options=TritonOptions(gluon_decode=False))  # fmt: skip
-        assert torch.equal(runner(x, ids, w), want), (t, seed)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("gb", [2, "auto"])
-def test_gluon_grid_blocks_graph_replay_gpu(gb):
-    """A CUDA graph captured with ``gluon_grid_blocks`` replays other routes, with more
-    valid row blocks than the grid has as well as fewer, with loop 3's bits (the loop's
-    count is read on the device at each replay)."""
-    import fp4moe
-    from test_kernels import _experts
-
-    e, h, i, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
-    experts = _experts(e, h, i, seed=0, device="cuda")
-    runner = fp4moe.MoERunner(experts, max_tokens=64, top_k=k, mode="w4a16",
-                              options=TritonOptions(gluon_grid_blocks=gb))  # fmt: skip
+                              options=TritonOptions(**opt))  # fmt: skip
     for t in (1, 16, 64):
         runner(_x(t, h, seed=1, device="cuda"), *_gpu_routes(t, k, e, e_total, seed=1))
     for t, seed in ((16, 2), (16, 3), (1, 4), (64, 5), (16, 6)):

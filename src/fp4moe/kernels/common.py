@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["compile_sm90", "fma_f32", "nibble_to_f16", "order_rows", "to_bf16"]
+__all__ = ["compile_sm90", "fma_f32", "nibble_to_f16", "order_rows", "resource_usage", "to_bf16"]
 
 
 def compile_sm90(fn, ptrs: dict, constexprs: dict, *, ints=(), gluon=False, descs=None,
@@ -30,6 +30,27 @@ def compile_sm90(fn, ptrs: dict, constexprs: dict, *, ints=(), gluon=False, desc
     consts = {(names.index(a),): v for a, v in constexprs.items()}
     src = Source(fn, sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def resource_usage(compiled) -> dict[str, int]:
+    """A compiled kernel's resources as Triton's bundled ``cuobjdump -res-usage`` reports
+    them: REG (registers a thread), STACK and LOCAL (bytes a thread: a spill when not 0),
+    SHARED (static bytes), and the rest of its ``NAME:number`` fields."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True,
+                             check=True).stdout  # fmt: skip
+    line = [ln for ln in out.splitlines() if "REG:" in ln][-1]
+    return {k: int(v) for k, v in re.findall(r"([A-Z]+(?:\[\d+\])?):(\d+)", line)}
 
 
 @triton.jit

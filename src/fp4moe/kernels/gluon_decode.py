@@ -93,23 +93,8 @@ def _stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K: gl.constexpr, TOPK: gl
     ``end``; A_UNIT_ORDER: the rows are in the unit order already (only unit-major);
     HAS_DST: into ``dst`` instead of a buffer of its own."""
     NU: gl.constexpr = SEG // UNIT
-    XM: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    offs_m = start + gl.arange(0, BM, layout=gl.SliceLayout(1, XM))
-    m_ok = offs_m < end
-    if A_GATHER:
-        route = gl.load(sorted_routes_ptr + offs_m, mask=m_ok, other=0)
-        src = route // TOPK
-    else:
-        src = offs_m
-    src = gl.where(m_ok, src, 0).to(gl.int64)
-    kk = gl.arange(0, SEG, layout=gl.SliceLayout(0, XM))
-    x = gl.load(x_ptr + src[:, None] * K + k0 + kk[None, :], mask=m_ok[:, None], other=0.0)
-    if A_UNIT_ORDER:  # [m, unit, 64] -> [unit, m, 64]
-        x = gl.permute(gl.reshape(x, [BM, NU, UNIT]), [1, 0, 2])
-    else:
-        x = gl.reshape(x, [BM, NU, 4, 4, 2, 2])  # [m, unit, q, s, a, b]
-        x = gl.permute(x, [1, 0, 3, 5, 2, 4])  # [unit, m, s, b, q, a]
-    x = gl.reshape(x, [NU * BM, UNIT])
+    src, m_ok = _x_rows(sorted_routes_ptr, start, end, TOPK, A_GATHER, BM)
+    x = _x_stage(x_ptr, src, m_ok, k0, K, BM, SEG, A_UNIT_ORDER)
     XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
     if HAS_DST:  # the caller's buffer [NU * BM, 64] of that layout
         xs = dst
@@ -142,8 +127,9 @@ def _x_rows(sorted_routes_ptr, start, end, TOPK: gl.constexpr, A_GATHER: gl.cons
 def _x_stage(x_ptr, src, m_ok, kbase, K: gl.constexpr, BM: gl.constexpr,
              SK: gl.constexpr, A_UNIT_ORDER: gl.constexpr = False):  # fmt: skip
     """Registers of x's rows ``src`` (zeros where not ``m_ok``) at K ``kbase`` .. + SK in
-    the unit order, [SK / 64 * BM, 64] (unit-major), as ``_stage_x`` orders a segment; for
-    a shared buffer of that shape (``gluon_ws.X_RING``)."""
+    the unit order, [SK / 64 * BM, 64] (unit-major): a segment for ``_stage_x`` (SK = SEG)
+    or a ring stage (``gluon_ws.X_RING``); A_UNIT_ORDER: the rows are in the unit order
+    already."""
     XM: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     NU: gl.constexpr = SK // UNIT
     kk = gl.arange(0, SK, layout=gl.SliceLayout(0, XM))

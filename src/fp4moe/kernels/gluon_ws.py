@@ -416,37 +416,21 @@ def tma_split_kernel(
         )  # fmt: skip
     elif LOOP:
         nvalid = gl.load(valid_blocks_ptr, cache_modifier=".cg")
-        # the buffers once, before the loop: the barriers are initialized once and their
-        # phase carried (ph), and the rows' buffer can be indexed by the opaque zero below
-        UPS: gl.constexpr = SK // UNIT
         NS: gl.constexpr = SEG // SK
-        R: gl.constexpr = 4 // UPS
         NB: gl.constexpr = min(NBUF, NS)
-        NBS: gl.constexpr = (NB + R - 2) // R + 1
-        gl.static_assert(NS % NB == 0, "LOOP needs the ring's buffers to divide the stages")
-        cbuf, sbuf, bars = _stage_buffers(GATED, NB, NBS, UPS, BOX3)
-        XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
-        if A_TMA:
-            xbuf = gl.allocate_shared_memory(gl.bfloat16, [1, NB * UPS * BM, UNIT], XS)
-        else:
-            xbuf = gl.allocate_shared_memory(gl.bfloat16, [1, SEG // UNIT * BM, UNIT], XS)
+        cbuf, sbuf, bars, xbuf = _loop_buffers(GATED, BM, SEG, NBUF, BOX3, SK, A_TMA)
         ph = 0
         for pm in range(pid_m, nvalid, loop_step):
             if pm != pid_m:  # the last block's shared loads done before new copies land
                 gl.thread_barrier()
                 fence_async_shared()
-            # the rows' buffer through an index the compiler cannot hoist (an opaque zero):
-            # else the wgmma descriptors of its 16 unit slices are computed once before the
-            # loop and held in vector registers (FC1 211 registers instead of 66, 260 R2UR)
-            z = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
-                                          is_pure=False, pack=1)  # fmt: skip
             _block_work(
                 x_ptr, sorted_routes_ptr, c_desc, s_desc, x_desc, block_expert_ptr,
                 block_start_ptr, block_end_ptr, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr,
                 out_ptr, a_global_ptr, ws_rows, pm, pid_n, s_id, pm == pid_m, N, K, TOPK,
                 GATED, A_GATHER, BM, SEG, ASYNC, NBUF, EPILOGUE, FUSED, OUT_SCALE,
                 A_UNIT_ORDER, A_FP4, BOX3, SK, USE_PDL, EARLY_W, A_TMA, OUT_UNIT, DIAG,
-                True, cbuf, sbuf, bars, xbuf.index(z), ph,
+                True, cbuf, sbuf, bars, xbuf.index(_opaque_zero()), ph,
             )  # fmt: skip
             ph = (ph + NS // NB) % 2  # each buffer's barrier completes NS / NB times a block
     else:
@@ -460,6 +444,38 @@ def tma_split_kernel(
         if TRACE:
             _stamp(tb + 10, 0)  # T_END
             _stamp(tb + 1, 1)  # T_GEND
+
+
+@gluon.jit
+def _loop_buffers(GATED: gl.constexpr, BM: gl.constexpr, SEG: gl.constexpr,
+                  NBUF: gl.constexpr, BOX3: gl.constexpr, SK: gl.constexpr,
+                  A_TMA: gl.constexpr):  # fmt: skip
+    """LOOP's and PERSIST's shared buffers, set up once before their loop (the barriers
+    initialized once, their phase carried by the caller): ``_stage_buffers``' weights and
+    barriers, and the rows' buffer as [1, rows, 64] (NB stages' rows with A_TMA, else the
+    segment's), to be indexed by ``_opaque_zero``."""
+    UPS: gl.constexpr = SK // UNIT
+    NS: gl.constexpr = SEG // SK
+    R: gl.constexpr = 4 // UPS
+    NB: gl.constexpr = min(NBUF, NS)
+    gl.static_assert(NS % NB == 0, "a loop needs the ring's buffers to divide the stages")
+    cbuf, sbuf, bars = _stage_buffers(GATED, NB, (NB + R - 2) // R + 1, UPS, BOX3)
+    XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
+    if A_TMA:
+        xbuf = gl.allocate_shared_memory(gl.bfloat16, [1, NB * UPS * BM, UNIT], XS)
+    else:
+        xbuf = gl.allocate_shared_memory(gl.bfloat16, [1, SEG // UNIT * BM, UNIT], XS)
+    return cbuf, sbuf, bars, xbuf
+
+
+@gluon.jit
+def _opaque_zero():
+    """An int32 zero the compiler cannot see through, indexing the rows' buffer of LOOP and
+    PERSIST: through a constant index the wgmma descriptors of its 16 unit slices are
+    computed once before the loop and held in vector registers (FC1 211 registers instead
+    of 66, 260 R2UR, session 12)."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                     is_pure=False, pack=1)  # fmt: skip
 
 
 @gluon.jit
@@ -479,13 +495,11 @@ def _persistent(
     once; each unit's last ring stages are refilled with the next unit's first ones, so
     the weight copies never stop between a program's units (its partials, epilogue, next
     schedule reads and activation staging run while they fly)."""
-    UPS: gl.constexpr = SK // UNIT
     NS: gl.constexpr = SEG // SK
-    R: gl.constexpr = 4 // UPS
     NB: gl.constexpr = min(NBUF, NS)
-    NBS: gl.constexpr = (NB + R - 2) // R + 1
-    gl.static_assert(NS % NB == 0, "PERSIST needs the ring's buffers to divide the stages")
-    gl.static_assert((NS // R) % NBS == 0, "PERSIST: a segment's scale groups fill the slots")
+    R: gl.constexpr = 256 // SK
+    gl.static_assert((NS // R) % ((NB + R - 2) // R + 1) == 0,
+                     "PERSIST: a segment's scale groups fill the slots")  # fmt: skip
     gl.static_assert(not A_TMA, "PERSIST stages its rows (no A_TMA)")
     TILES: gl.constexpr = (N + 63) // 64
     SEGS: gl.constexpr = K // SEG
@@ -493,9 +507,7 @@ def _persistent(
         W_ROWS: gl.constexpr = 2 * N
     else:
         W_ROWS: gl.constexpr = N
-    cbuf, sbuf, bars = _stage_buffers(GATED, NB, NBS, UPS, BOX3)
-    XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
-    xbuf = gl.allocate_shared_memory(gl.bfloat16, [1, SEG // UNIT * BM, UNIT], XS)
+    cbuf, sbuf, bars, xbuf = _loop_buffers(GATED, BM, SEG, NBUF, BOX3, SK, A_TMA)
     nunits = gl.load(valid_blocks_ptr, cache_modifier=".cg") * (TILES * SEGS)
     pid = gl.program_id(0)
     ph = 0
@@ -513,16 +525,13 @@ def _persistent(
                       cache_modifier=".cg")  # fmt: skip
         n_row = e_n * W_ROWS + (un % TILES) * 64
         n_k0 = ((un // TILES) % SEGS) * SEG
-        # the rows' buffer through an opaque zero, as LOOP's (no hoisted descriptors)
-        z = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
-                                      is_pure=False, pack=1)  # fmt: skip
         _block_work(
             x_ptr, sorted_routes_ptr, c_desc, s_desc, x_desc, block_expert_ptr,
             block_start_ptr, block_end_ptr, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr,
             out_ptr, a_global_ptr, ws_rows, pm, pid_n, s_id, u == pid, N, K, TOPK,
             GATED, A_GATHER, BM, SEG, ASYNC, NBUF, EPILOGUE, FUSED, OUT_SCALE,
             A_UNIT_ORDER, A_FP4, BOX3, SK, USE_PDL, EARLY_W, A_TMA, OUT_UNIT, DIAG,
-            True, cbuf, sbuf, bars, xbuf.index(z), ph,
+            True, cbuf, sbuf, bars, xbuf.index(_opaque_zero()), ph,
             NEXT=True, has_next=has_next, n_row=n_row, n_k0=n_k0,
         )  # fmt: skip
         ph = (ph + NS // NB) % 2

@@ -259,7 +259,8 @@ class TritonOptions:
         c3-persist``, DeepSeek-V3 EP8 W4A16 1 / 8 / 16 / 32 / 64 / 128 tokens 45.1 / 90.7
         / 58.8 / 155.7 / 205.6 / 330.1 -> 46.3 / 97.1 / 56.0 / 175.8 / 224.5 / 374.4 us):
         the hardware hands a freed slot the next program at once, while a fixed stride
-        holds a program's later units behind its slow ones.
+        holds a program's later units behind its slow ones (measured under a register cap
+        that gave FC2 a 16-byte stack, since removed; ``gpu_session.sh s14a`` re-times it).
     """
 
     pdl: bool | None = None
