@@ -596,9 +596,10 @@ def test_tma_persist_compiles_for_sm90():
 def test_tma_x_ring_compiles_for_sm90():
     """``XRING`` (``gluon_ws.X_RING``): the rows a ring stage at a time in two buffers of
     SK / 64 * BM rows instead of the segment's 16 units: the same TMA copies, wgmma, no
-    local memory, shared memory smaller by (SEG - 2 SK) * BM * 2 bytes; FC1's 8-row tiles
-    under ``X_RING_MAXNREG`` without a stack, so two weight buffers fit 5 programs an SM.
-    Not with A_TMA, LOOP or PERSIST (a compile-time assertion)."""
+    local memory, shared memory smaller by (SEG - 2 SK) * BM * 2 bytes; the 8-row tiles
+    under ``X_RING_MAXNREG`` without a stack, so two weight buffers fit 5 FC1 and 8 FC2
+    programs an SM (registers and shared memory). Not with A_TMA, LOOP or PERSIST (a
+    compile-time assertion)."""
     pytest.importorskip("triton")
     code = (
         "from fp4moe.kernels.common import resource_usage\n"
@@ -617,9 +618,12 @@ def test_tma_x_ring_compiles_for_sm90():
         "            saved = (1024 - 2 * 256) * bm * 2\n"
         "            assert c.metadata.shared == base.metadata.shared - saved, (n, bm, nb)\n"
         "            if (g, bm) in X_RING_MAXNREG:\n"
-        "                assert resource_usage(c)['STACK'] == 0, (n, bm, nb)\n"
+        "                res = resource_usage(c)\n"
+        "                assert res['STACK'] == 0 and res['REG'] <= X_RING_MAXNREG[g, bm]\n"
         "                if nb == 2:\n"
-        "                    assert 5 * (c.metadata.shared + 1024) <= 228 * 1024\n"
+        "                    slots = 5 if g else 8\n"
+        "                    assert slots * (c.metadata.shared + 1024) <= 228 * 1024\n"
+        "                    assert slots * 128 * res['REG'] <= 65536, (n, res)\n"
         "try:\n"
         "    compile_sm90(n=2048, k=7168, gated=True, block_m=8, buffers=1, box3=2,\n"
         "                 x_ring=True, persist=True)\n"
@@ -636,7 +640,7 @@ def test_tma_x_ring_compiles_for_sm90():
 @pytest.mark.parametrize("buffers", [1, 2])
 @pytest.mark.parametrize("mode", MODES[:3], ids=_mode_id)
 def test_gluon_x_ring_gpu(monkeypatch, t, buffers, mode):
-    """``gluon_ws.X_RING`` on the GPU (FC1's 8-row tiles), with one and two weight
+    """``gluon_ws.X_RING`` on the GPU (8-row tiles), with one and two weight
     buffers: loop 3's bits for whole calls (deterministic finalize), the fused finalize
     within the tolerance, every mode; every route masked gives zeros."""
     from fp4moe.kernels import gluon_ws

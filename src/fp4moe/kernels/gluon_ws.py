@@ -76,15 +76,15 @@ PDL = True  # the Gluon kernels join the call's PDL chain (off: plain launches, 
 # Experiment (session 13, off, not yet timed): without A_TMA, the activation rows go into
 # shared memory a ring stage at a time (two buffers of SK / 64 * BM rows, the next stage's
 # rows loaded into registers while this stage is decoded) instead of the whole segment
-# before the loop: FC1's shared memory 34.8 -> 26.6 KB at 8-row tiles, so two ring
-# buffers of weights (BUFFERS 2) fit 5 programs an SM without the gather launch that
-# gluon_a_tma needs. The same operands and order: the same bits.
+# before the loop: 8 KB less shared memory at 8-row tiles (FC1 34.8 -> 26.6 KB), so two
+# ring buffers of weights (BUFFERS 2) fit 5 FC1 and 8 FC2 programs an SM, without the
+# gather launch that gluon_a_tma needs. The same operands and order: the same bits.
 X_RING = False
-# X_RING applies to these (GEMM, tile height) only, under this register cap: FC1's 8-row
-# tiles need 106 / 108 registers uncapped at one / two ring buffers (4 programs an SM); 80
-# compiles without a stack, so two buffers (45.1 KB) fit 5 programs an SM. FC2 spills
-# below 96, and two buffers fit 6 of its programs without X_RING (34.8 KB, 51 registers).
-X_RING_MAXNREG = {(True, 8): 80}
+# X_RING applies to these (GEMM, tile height) only, under this register cap (without a
+# stack; uncapped FC1 / FC2 need 86 / 70): two ring buffers fit 5 FC1 programs an SM
+# (45.1 KB; without X_RING 53.3 KB, 4) and 8 FC2 programs (26.6 KB; without, 34.8 KB, 6).
+# The 16-row tiles keep the segment's rows (FC1 needs 111 registers with X_RING).
+X_RING_MAXNREG = {(True, 8): 72, (False, 8): 64}
 # Timing diagnostics, WRONG RESULTS (gluon_experiment.py --diag): 1 the weights not decoded
 # (zeros: the copies, shared loads of the scales' layout aside, and wgmmas alone), 2 no
 # copies and no waits (the decode of whatever shared memory holds: issue alone)
@@ -636,7 +636,7 @@ def _block_work(
         # ---- activations of the segment, in unit order, into shared memory [NU * BM, 64]
         if XRING:  # or a stage at a time: two buffers [UPS * BM, 64], the first stage's now
             XSL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
-            xs = gl.allocate_shared_memory(gl.bfloat16, [2 * UPS * BM, UNIT], XSL)
+            xs_all = gl.allocate_shared_memory(gl.bfloat16, [1, 2 * UPS * BM, UNIT], XSL)
             x_src, x_ok = _x_rows(sorted_routes_ptr, start, end, TOPK, A_GATHER, BM)
             xv = _x_stage(x_ptr, x_src, x_ok, k0, K, BM, SK, A_UNIT_ORDER)
         elif not A_TMA:
@@ -653,6 +653,9 @@ def _block_work(
         for kb in gl.static_range(NU):
             if XRING and kb % UPS == 0:  # this stage's rows into their buffer (the one the
                 # stage before last read: its wgmmas were waited for), the next stage's loaded
+                # through an opaque zero, as LOOP's rows: else the wgmma descriptors of both
+                # buffers' unit slices are computed up front and held (FC1 106 registers)
+                xs = xs_all.index(_opaque_zero())
                 xs.slice((kb // UPS) % 2 * UPS * BM, UPS * BM).store(xv)
                 fence_async_shared()
                 gl.thread_barrier()
@@ -928,7 +931,7 @@ def split_partials_tma(
 
 def _x_ring(gated: bool, block_m: int, grid_blocks: int, persist: int, a_tma: bool) -> bool:
     """Whether a launch stages its rows a ring stage at a time: ``X_RING`` on, a GEMM and
-    tile height of ``X_RING_MAXNREG`` (FC1, 8 rows), the one-block body, rows not by TMA."""
+    tile height of ``X_RING_MAXNREG`` (8-row tiles), the one-block body, rows not by TMA."""
     return X_RING and (gated, block_m) in X_RING_MAXNREG and not (a_tma or grid_blocks or persist)
 
 
