@@ -116,9 +116,19 @@ def main() -> None:
             p.error(f"--grid-blocks: off, auto or a number, got {g!r}")
     variants = list(itertools.product(a.buffers, a.stage_k, a.pdl, a.codes, a.a_tma, a.diag,
                                       a.grid_blocks, a.x_ring))  # fmt: skip
+
+    def set_flags(nb, sk, pdl, codes, diag, xring):
+        """The module flags of one variant (the kernels' compile-time switches)."""
+        gluon_ws.X_RING = xring == "on"
+        gluon_ws.DIAG = diag
+        gluon_ws.BUFFERS, gluon_ws.STAGE_K = nb, sk
+        gluon_ws.CODE_WIDE, gluon_ws.CODE_BOX3 = codes == "wide", codes != "four"
+        gluon_ws.PDL, gluon_ws.EARLY_WEIGHTS = pdl != "off", pdl in ("early", "rule")
+
     for t in a.tokens:
-        gluon_ws.BUFFERS, gluon_ws.STAGE_K = variants[0][:2]
-        gluon_ws.DIAG = 0
+        # each GEMM alone with the first variant's flags, real results (no DIAG, no X_RING)
+        nb0, sk0, pdl0, codes0 = variants[0][:4]
+        set_flags(nb0, sk0, pdl0, codes0, 0, "off")
         nb = gluon_ws.BUFFERS
         ids, wts = make_routes(pr, t, t, dev)
         nr = ids.numel()
@@ -177,11 +187,7 @@ def main() -> None:
         for nb, sk, pdl, codes, atma, diag, gb, xring in variants:
             if xring == "on" and atma == "on":
                 continue  # the rows come one way
-            gluon_ws.X_RING = xring == "on"
-            gluon_ws.DIAG = diag
-            gluon_ws.BUFFERS, gluon_ws.STAGE_K = nb, sk
-            gluon_ws.CODE_WIDE, gluon_ws.CODE_BOX3 = codes == "wide", codes != "four"
-            gluon_ws.PDL, gluon_ws.EARLY_WEIGHTS = pdl != "off", pdl in ("early", "rule")
+            set_flags(nb, sk, pdl, codes, diag, xring)
             yg, usg = whole_call(True, pdl, atma, gb)
             same = bool(torch.equal(y3, yg))
             rows.append(dict(tokens=t, buffers=nb, stage_k=sk, pdl=pdl, codes=codes,

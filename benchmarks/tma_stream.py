@@ -29,6 +29,17 @@ LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2
 
 
 @gluon.jit
+def _issue(desc, i, tiles, bar, dst, CONTIG: gl.constexpr):
+    """The copy of box ``i`` into ``dst``, completing on ``bar``: ``CONTIG`` the i-th 8 KB,
+    else tile-fastest (row tile i % tiles of column chunk i // tiles)."""
+    mbarrier.expect(bar, 64 * 128)
+    if CONTIG:
+        tma.async_copy_global_to_shared(desc, [i * 64, 0], bar, dst)
+    else:
+        tma.async_copy_global_to_shared(desc, [(i % tiles) * 64, (i // tiles) * 128], bar, dst)
+
+
+@gluon.jit
 def stream_kernel(desc, n_boxes, tiles, NB: gl.constexpr, CONTIG: gl.constexpr):
     pid = gl.program_id(0)
     step = gl.num_programs(0)
@@ -39,24 +50,12 @@ def stream_kernel(desc, n_boxes, tiles, NB: gl.constexpr, CONTIG: gl.constexpr):
     cnt = (n_boxes - pid + step - 1) // step
     for b in gl.static_range(NB):
         if b < cnt:
-            i = pid + b * step
-            mbarrier.expect(bars.index(b), 64 * 128)
-            if CONTIG:
-                tma.async_copy_global_to_shared(desc, [i * 64, 0], bars.index(b), buf.index(b))
-            else:  # tile-fastest: box i is row tile i % tiles of column chunk i // tiles
-                tma.async_copy_global_to_shared(desc, [(i % tiles) * 64, (i // tiles) * 128],
-                                                bars.index(b), buf.index(b))  # fmt: skip
+            _issue(desc, pid + b * step, tiles, bars.index(b), buf.index(b), CONTIG)
     for j in range(cnt):
         s = j % NB
         mbarrier.wait(bars.index(s), (j // NB) % 2)
         if j + NB < cnt:
-            i = pid + (j + NB) * step
-            mbarrier.expect(bars.index(s), 64 * 128)
-            if CONTIG:
-                tma.async_copy_global_to_shared(desc, [i * 64, 0], bars.index(s), buf.index(s))
-            else:
-                tma.async_copy_global_to_shared(desc, [(i % tiles) * 64, (i // tiles) * 128],
-                                                bars.index(s), buf.index(s))  # fmt: skip
+            _issue(desc, pid + (j + NB) * step, tiles, bars.index(s), buf.index(s), CONTIG)
     for b in gl.static_range(NB):
         mbarrier.invalidate(bars.index(b))
 

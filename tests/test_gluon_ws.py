@@ -636,13 +636,13 @@ def test_tma_x_ring_compiles_for_sm90():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 16, 64, "one-expert", "all-masked"])
+@pytest.mark.parametrize("t", [0, 1, 16, 64, "one-expert", "all-masked"])
 @pytest.mark.parametrize("buffers", [1, 2])
 @pytest.mark.parametrize("mode", MODES[:3], ids=_mode_id)
 def test_gluon_x_ring_gpu(monkeypatch, t, buffers, mode):
     """``gluon_ws.X_RING`` on the GPU (8-row tiles), with one and two weight
     buffers: loop 3's bits for whole calls (deterministic finalize), the fused finalize
-    within the tolerance, every mode; every route masked gives zeros."""
+    within the tolerance, every mode; no token, and every route masked gives zeros."""
     from fp4moe.kernels import gluon_ws
 
     monkeypatch.setattr(gluon_ws, "X_RING", True)
@@ -750,7 +750,7 @@ def test_grid_blocks_plumbing(interpret, device, monkeypatch, mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 16, 64, "one-expert", "all-masked"])
+@pytest.mark.parametrize("t", [0, 1, 16, 64, "one-expert", "all-masked"])
 @pytest.mark.parametrize(
     "opt",
     [("gluon_grid_blocks", 1), ("gluon_grid_blocks", 3), ("gluon_grid_blocks", "auto"),
@@ -764,8 +764,8 @@ def test_gluon_loop_gpu(t, opt, mode):
     tokens about 27; "auto" leaves a few empty programs) and ``gluon_persist`` (one
     program an SM, 132, takes several units: 16 tokens about 7, 64 about 40, with the next
     unit's copies issued in the last; "auto" fills the SMs): loop 3's bits for whole calls
-    (deterministic finalize), the fused finalize within the tolerance; every route masked
-    gives zeros."""
+    (deterministic finalize), the fused finalize within the tolerance; no token (an empty
+    grid), and every route masked gives zeros."""
     m, sc = mode
     experts, x, ids, w = _deepseek_case(t, seed=29, expert=4)
     _same_as_loop3(x, ids, w, experts, m, sc, **dict([opt]))

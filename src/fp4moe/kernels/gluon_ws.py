@@ -972,8 +972,8 @@ def compile_sm90(
 ):
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
     layout conversions are asserted trivial at compile time. ``box3``: the code copies
-    (0 four 2-D boxes a stage, 1 one 3-D box, 2 one wide swizzled box). Returns the
-    compiled kernel."""
+    (0 four 2-D boxes a stage, 1 one 3-D box, 2 one wide swizzled box, 3 the same from
+    ``tiled_weights``). Returns the compiled kernel."""
     ptrs = {
         "x_ptr": "*bf16", "sorted_routes_ptr": "*i32", "block_expert_ptr": "*i32",
         "block_start_ptr": "*i32", "block_end_ptr": "*i32", "valid_blocks_ptr": "*i32",

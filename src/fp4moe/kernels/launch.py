@@ -426,16 +426,11 @@ class TritonOptions:
         u = self.amax_self_upto
         if isinstance(u, bool) or not isinstance(u, int) or u < 0:
             raise ValueError(f"amax_self_upto: expected an int >= 0, got {u!r}")
-        g = self.gluon_grid_blocks
-        if g is not None and g != "auto" and (isinstance(g, bool) or not isinstance(g, int)
-                                              or g < 1):  # fmt: skip
-            raise ValueError(f"gluon_grid_blocks: expected None, 'auto' or an int >= 1, "
-                             f"got {g!r}")  # fmt: skip
-        g = self.gluon_persist
-        if g is not None and g != "auto" and (isinstance(g, bool) or not isinstance(g, int)
-                                              or g < 1):  # fmt: skip
-            raise ValueError(f"gluon_persist: expected None, 'auto' or an int >= 1, "
-                             f"got {g!r}")  # fmt: skip
+        for name in ("gluon_grid_blocks", "gluon_persist"):
+            g = getattr(self, name)
+            if g is not None and g != "auto" and (isinstance(g, bool) or not isinstance(g, int)
+                                                  or g < 1):  # fmt: skip
+                raise ValueError(f"{name}: expected None, 'auto' or an int >= 1, got {g!r}")
 
 
 def use_pdl(opt: TritonOptions, device: torch.device) -> bool:
