@@ -10,8 +10,9 @@ compared and timed with CUDA events over CUDA-graph replays; then the whole call
 ways (``TritonOptions.gluon_decode``). ``--buffers``: the kernel's ring
 (``gluon_ws.BUFFERS``), ``--wgmma``, ``--codes`` (the code copies), ``--four-boxes``,
 ``--stage-k`` (the ring's stage, ``gluon_ws.STAGE_K``), ``--pdl``, ``--a-tma``, ``--x-ring``,
-``--diag`` (every combination of ``--buffers``, ``--stage-k``, ``--pdl``, ``--codes``,
-``--a-tma``, ``--x-ring`` and ``--diag`` is timed against one loop 3 time a token count),
+``--l2-ahead``, ``--diag`` (every combination of ``--buffers``, ``--stage-k``, ``--pdl``,
+``--codes``, ``--a-tma``, ``--x-ring``, ``--l2-ahead`` and ``--diag`` is timed against one
+loop 3 time a token count),
 ``--gluon-upto``,
 ``--split-k`` and ``--whole-only`` as their help says.
 """
@@ -85,6 +86,9 @@ def main() -> None:
     p.add_argument("--x-ring", nargs="+", default=["off"], choices=("off", "on"),
                    help="gluon_ws.X_RING, each timed: the activation rows a ring stage at a "
                    "time (without --a-tma)")  # fmt: skip
+    p.add_argument("--l2-ahead", type=int, nargs="+", default=[0],
+                   help="whole calls: stages prefetched into L2 ahead of the ring "
+                        "(gluon_ws.L2_AHEAD)")  # fmt: skip
     p.add_argument("--diag", type=int, nargs="+", default=[0], choices=(0, 1, 2),
                    help="gluon_ws.DIAG, each timed (1 and 2 give WRONG results, for timing "
                    "only: 1 no decode, 2 no copies and no waits)")  # fmt: skip
@@ -115,11 +119,12 @@ def main() -> None:
         if g not in ("off", "auto") and not g.isdigit():
             p.error(f"--grid-blocks: off, auto or a number, got {g!r}")
     variants = list(itertools.product(a.buffers, a.stage_k, a.pdl, a.codes, a.a_tma, a.diag,
-                                      a.grid_blocks, a.x_ring))  # fmt: skip
+                                      a.grid_blocks, a.x_ring, a.l2_ahead))  # fmt: skip
 
-    def set_flags(nb, sk, pdl, codes, diag, xring):
+    def set_flags(nb, sk, pdl, codes, diag, xring, l2=0):
         """The module flags of one variant (the kernels' compile-time switches)."""
         gluon_ws.X_RING = xring == "on"
+        gluon_ws.L2_AHEAD = l2
         gluon_ws.DIAG = diag
         gluon_ws.BUFFERS, gluon_ws.STAGE_K = nb, sk
         gluon_ws.CODE_WIDE, gluon_ws.CODE_BOX3 = codes == "wide", codes != "four"
@@ -184,17 +189,19 @@ def main() -> None:
             return y.clone(), timed(whole)
 
         y3, us3 = whole_call(False)
-        for nb, sk, pdl, codes, atma, diag, gb, xring in variants:
+        for nb, sk, pdl, codes, atma, diag, gb, xring, l2 in variants:
             if xring == "on" and atma == "on":
                 continue  # the rows come one way
-            set_flags(nb, sk, pdl, codes, diag, xring)
+            set_flags(nb, sk, pdl, codes, diag, xring, l2)
             yg, usg = whole_call(True, pdl, atma, gb)
             same = bool(torch.equal(y3, yg))
             rows.append(dict(tokens=t, buffers=nb, stage_k=sk, pdl=pdl, codes=codes,
-                             a_tma=atma, diag=diag, grid_blocks=gb, x_ring=xring, gemm="call",
+                             a_tma=atma, diag=diag, grid_blocks=gb, x_ring=xring, l2_ahead=l2,
+                             gemm="call",
                              same=same,
                              loop3_us=us3, gluon_us=usg))  # fmt: skip
-            print(f"B{nb} SK{sk} PDL-{pdl} {codes} atma-{atma} xring-{xring} diag{diag} gb-{gb} "
+            print(f"B{nb} SK{sk} PDL-{pdl} {codes} atma-{atma} xring-{xring} L2-{l2} diag{diag} "
+                  f"gb-{gb} "
                   f"T={t:5d} "
                   f"whole call same "
                   f"{same}  loop 3 {us3:7.1f} us  with gluon {usg:7.1f} us",

@@ -643,17 +643,78 @@ def test_gluon_x_ring_gpu(monkeypatch, t, buffers, mode):
     """``gluon_ws.X_RING`` on the GPU (8-row tiles), with one and two weight
     buffers: loop 3's bits for whole calls (deterministic finalize), the fused finalize
     within the tolerance, every mode; no token, and every route masked gives zeros."""
+    _flags_same_as_loop3(monkeypatch, dict(X_RING=True, BUFFERS=buffers), t, mode, seed=37,
+                         expert=6)  # fmt: skip
+
+
+def _flags_same_as_loop3(monkeypatch, flags, t, mode, *, seed, expert):
+    """With the ``gluon_ws`` module ``flags`` set: whole calls of ``_deepseek_case(t)``
+    give loop 3's bits (``_same_as_loop3``), and every route masked gives zeros."""
     from fp4moe.kernels import gluon_ws
 
-    monkeypatch.setattr(gluon_ws, "X_RING", True)
-    monkeypatch.setattr(gluon_ws, "BUFFERS", buffers)
+    for name, value in flags.items():
+        monkeypatch.setattr(gluon_ws, name, value)
     m, sc = mode
-    experts, x, ids, w = _deepseek_case(t, seed=37, expert=6)
+    experts, x, ids, w = _deepseek_case(t, seed=seed, expert=expert)
     _same_as_loop3(x, ids, w, experts, m, sc)
     if t == "all-masked":
         out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
                          options=TritonOptions(poison=True))  # fmt: skip
         assert not out.float().abs().any()
+
+
+def test_tma_l2_prefetch_compiles_for_sm90():
+    """``L2`` (``gluon_ws.L2_AHEAD``): the ring's first copies, then the stages beyond it
+    prefetched into L2 with ``cp.async.bulk.prefetch.L2`` (one instruction a thread for
+    the first L2 stages of codes and one of scales, then one pair after each of the next
+    stages lands), with the same TMA copies and wgmma, the same shared memory, no local
+    memory, and registers within the 6 (FC1) / 8 (FC2) programs an SM that its shared
+    memory allows; ``_l2_ahead`` caps it at the stages beyond the ring and keeps it off
+    the loop, the persistent grid and the tiled copy."""
+    pytest.importorskip("triton")
+    code = (
+        "from fp4moe.kernels import gluon_ws\n"
+        "from fp4moe.kernels.common import resource_usage\n"
+        "from fp4moe.kernels.gluon_ws import compile_sm90\n"
+        "for n, k, g in ((2048, 7168, True), (7168, 2048, False)):\n"
+        "    kw = dict(n=n, k=k, gated=g, block_m=8, asynchronous=True, buffers=1,\n"
+        "              epilogue=True, box3=2, pdl=True, early_weights=not g)\n"
+        "    base = compile_sm90(**kw)\n"
+        "    bptx = base.asm['ptx']\n"
+        "    assert 'cp.async.bulk.prefetch.L2' not in bptx\n"
+        "    for l2, issued in ((1, 6), (2, 4), (3, 2)):\n"
+        "        c = compile_sm90(**kw, l2=l2)\n"
+        "        ptx = c.asm['ptx']\n"
+        "        assert ptx.count('cp.async.bulk.prefetch.L2.global') == issued, (g, l2)\n"
+        "        assert ptx.count('cp.async.bulk.tensor') == bptx.count('cp.async.bulk.tensor')\n"
+        "        assert ptx.count('wgmma.mma_async') == bptx.count('wgmma.mma_async')\n"
+        "        assert c.metadata.shared == base.metadata.shared and '.local' not in ptx\n"
+        "        res = resource_usage(c)\n"
+        "        slots = 6 if g else 8\n"
+        "        assert res['STACK'] == 0 and slots * 128 * res['REG'] <= 65536, (g, l2, res)\n"
+        "gluon_ws.L2_AHEAD = 3\n"
+        "assert gluon_ws._l2_ahead(2, 0, 0, 256, 1024, 1) == 3\n"
+        "assert gluon_ws._l2_ahead(2, 0, 0, 256, 1024, 2) == 2\n"
+        "assert gluon_ws._l2_ahead(2, 0, 0, 256, 1024, 4) == 0\n"
+        "assert gluon_ws._l2_ahead(3, 0, 0, 256, 1024, 1) == 0\n"
+        "assert gluon_ws._l2_ahead(2, 4, 0, 256, 1024, 1) == 0\n"
+        "assert gluon_ws._l2_ahead(2, 0, 6, 256, 1024, 1) == 0\n"
+        "gluon_ws.L2_AHEAD = 0\n"
+        "assert gluon_ws._l2_ahead(2, 0, 0, 256, 1024, 1) == 0\n"
+        "print('ok')\n"
+    )
+    _compile_check(code)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [0, 1, 16, 64, "one-expert", "all-masked"])
+@pytest.mark.parametrize("ahead", [1, 3])
+@pytest.mark.parametrize("mode", MODES[:3], ids=_mode_id)
+def test_gluon_l2_prefetch_gpu(monkeypatch, t, ahead, mode):
+    """``gluon_ws.L2_AHEAD`` on the GPU: the prefetch is a hint, so loop 3's bits for
+    whole calls (deterministic finalize), the fused finalize within the tolerance, every
+    mode; no token, every route on one expert, every route masked (zeros)."""
+    _flags_same_as_loop3(monkeypatch, dict(L2_AHEAD=ahead), t, mode, seed=41, expert=5)
 
 
 def test_tiled_weights_layout():

@@ -85,6 +85,16 @@ X_RING = False
 # (45.1 KB; without X_RING 53.3 KB, 4) and 8 FC2 programs (26.6 KB; without, 34.8 KB, 6).
 # The 16-row tiles keep the segment's rows (FC1 needs 111 registers with X_RING).
 X_RING_MAXNREG = {(True, 8): 72, (False, 8): 64}
+# Experiment (session 14, off until measured): L2_AHEAD stages of each program's segment
+# beyond its shared-memory ring are prefetched into L2 (``cp.async.bulk.prefetch.L2``, one
+# row's bytes a thread: about two instructions a thread a stage), the first of them with
+# the ring's first copies and then one stage each time a stage lands. Session 13 found the
+# call's time close to the sum of the copies' time and the decode's issue: with one ring
+# buffer a program's next copy leaves only after this stage's decode, and every program
+# of a wave is in the same phase. The prefetch keeps HBM streaming while the programs
+# decode, at no shared memory and almost no instructions; the TMA copies then read L2.
+# A hint only: the same bits.
+L2_AHEAD = 0
 # Timing diagnostics, WRONG RESULTS (gluon_experiment.py --diag): 1 the weights not decoded
 # (zeros: the copies, shared loads of the scales' layout aside, and wgmmas alone), 2 no
 # copies and no waits (the decode of whatever shared memory holds: issue alone)
@@ -241,6 +251,48 @@ def _gdc_wait_release():
 
 
 @gluon.jit
+def _prefetch_l2(c_ptr, s_ptr, row, N: gl.constexpr, k0, st, NST: gl.constexpr,
+                 K: gl.constexpr, SK: gl.constexpr, GATED: gl.constexpr):  # fmt: skip
+    """Prefetch stages ``st`` .. ``st + NST - 1`` of the program's weight rows into L2
+    (``cp.async.bulk.prefetch.L2``: a hint, no completion to wait for). Thread i takes one
+    row: GATED, gate row ``row + i`` (i < 64) or up row ``row + N + i - 64``, its codes and
+    its scales; else row ``row + i % 64``, its codes (i < 64) or its scales (i >= 64).
+    The codes of a row's stages are contiguous (SK / 2 bytes a stage), and so are its
+    scales (SK / 16 bytes a stage; both multiples of 16, as the instruction needs)."""
+    PL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    i = gl.arange(0, 128, layout=PL)
+    kc = k0 + st * SK
+    CB: gl.constexpr = NST * SK // 2
+    SB: gl.constexpr = NST * SK // 16
+    if GATED:
+        r = (row + i % 64 + (i // 64) * N).to(gl.int64)
+        ca = c_ptr + r * (K // 2) + kc // 2
+        sa = s_ptr + r * (K // 16) + kc // 16
+        on = gl.full([128], 1, gl.int32, layout=PL)
+        _bulk_prefetch(ca, gl.full([128], CB, gl.int32, layout=PL), on)
+        _bulk_prefetch(sa, gl.full([128], SB, gl.int32, layout=PL), on)
+    else:
+        r = (row + i % 64).to(gl.int64)
+        codes = i < 64
+        # one address a thread: its row's codes or its row's scales
+        a = gl.where(codes, c_ptr + r * (K // 2) + kc // 2, c_ptr)
+        a_s = s_ptr + r * (K // 16) + kc // 16
+        _bulk_prefetch(a, gl.full([128], CB, gl.int32, layout=PL), codes.to(gl.int32))
+        _bulk_prefetch(a_s, gl.full([128], SB, gl.int32, layout=PL), (i >= 64).to(gl.int32))
+
+
+@gluon.jit
+def _bulk_prefetch(ptrs, size, on):
+    """``cp.async.bulk.prefetch.L2.global [ptr], size`` where ``on`` is not 0, an element
+    a thread."""
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $3, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r,r", [ptrs, size, on], dtype=gl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
 def _last_unit_epilogue(
     pid_m, pid_n, e, start, end, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr,
     sorted_routes_ptr, out_ptr, a_global_ptr, stride, N: gl.constexpr, K: gl.constexpr,
@@ -348,6 +400,8 @@ def tma_split_kernel(
     out_ptr,  # EPILOGUE: bf16 [ws_rows, N] rows in sorted order, or fp32 [T, N] (FUSED)
     a_global_ptr,  # fp32 [rows of x]: W4A4's activation global scales (A_FP4, EPILOGUE)
     trace_ptr,  # TRACE: int64 [programs, TRACE_FIELDS] stamps
+    c_ptr,  # uint8 [E * W_ROWS, K/2]: the codes c_desc reads (L2 prefetch)
+    s_ptr,  # uint8 [E * W_ROWS, K/16]: the scale bytes s_desc reads (L2 prefetch)
     ws_rows,
     loop_step,  # LOOP: the grid's row blocks (program m takes blocks m, m + loop_step, ...)
     N: gl.constexpr,
@@ -383,6 +437,7 @@ def tma_split_kernel(
     PERSIST: gl.constexpr = False,  # a 1-D grid of loop_step programs, each taking the
     # units u = program, program + loop_step, ... of the valid blocks (tile fastest, then
     # segment, then block) and issuing the next unit's first stages in its last ones
+    L2: gl.constexpr = 0,  # stages prefetched into L2 ahead of the ring (gluon_ws.L2_AHEAD)
 ):
     pid_n = gl.program_id(0)
     if BLOCKS_LAST:
@@ -394,6 +449,8 @@ def tma_split_kernel(
     gl.static_assert(not (TRACE and (LOOP or PERSIST)), "TRACE needs the worst-case grid")
     gl.static_assert(not (LOOP and PERSIST), "LOOP or PERSIST, not both")
     gl.static_assert(not (XRING and (LOOP or PERSIST or A_TMA)), "XRING: the one-block body")
+    gl.static_assert(L2 == 0 or not (LOOP or PERSIST or BOX3 == 3),
+                     "L2: the one-block body on the row-major weights")  # fmt: skip
     slot = pid_n + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
     tb = trace_ptr + slot.to(gl.int64) * 16
     if TRACE:
@@ -440,6 +497,7 @@ def tma_split_kernel(
             out_ptr, a_global_ptr, ws_rows, pid_m, pid_n, s_id, True, N, K, TOPK, GATED,
             A_GATHER, BM, SEG, ASYNC, NBUF, EPILOGUE, FUSED, OUT_SCALE, A_UNIT_ORDER, A_FP4,
             BOX3, SK, USE_PDL, EARLY_W, A_TMA, OUT_UNIT, DIAG, TRACE=TRACE, tb=tb, XRING=XRING,
+            L2=L2, c_ptr=c_ptr, s_ptr=s_ptr,
         )  # fmt: skip
         if TRACE:
             _stamp(tb + 10, 0)  # T_END
@@ -551,6 +609,7 @@ def _block_work(
     TRACE: gl.constexpr = False, tb=0,
     NEXT: gl.constexpr = False, has_next=False, n_row=0, n_k0=0,
     XRING: gl.constexpr = False,
+    L2: gl.constexpr = 0, c_ptr=0, s_ptr=0,
 ):  # fmt: skip
     """One (weight tile ``pid_n``, K segment ``s_id``, row block ``pid_m``) unit of
     ``tma_split_kernel`` (its arguments). ``first``: the program's first block, which
@@ -561,7 +620,8 @@ def _block_work(
     ring's first stages were issued by the program's last unit unless ``first``, and with
     ``has_next`` this unit's last stages are refilled with the first ones of the next
     unit (weight rows from ``n_row``, K from ``n_k0``). ``XRING``: the rows go into two
-    shared buffers a ring stage at a time (``X_RING``)."""
+    shared buffers a ring stage at a time (``X_RING``). ``L2``: that many stages beyond the
+    ring are prefetched into L2 from ``c_ptr`` / ``s_ptr`` (``L2_AHEAD``)."""
     e = gl.load(block_expert_ptr + pid_m, cache_modifier=".cg")
     if TRACE:
         gl.store(tb + 12, e.to(gl.int64))  # T_EXPERT
@@ -623,6 +683,8 @@ def _block_work(
                     tma.async_copy_global_to_shared(x_desc, [(k0 + st * SK) // UNIT, start, 0],
                                                     bar, xdst.index(st))  # fmt: skip
 
+        if L2 > 0 and DIAG != 2 and NB < NS:  # stages NB .. NB + L2 - 1 into L2
+            _prefetch_l2(c_ptr, s_ptr, row, N, k0, NB, min(L2, NS - NB), K, SK, GATED)
         if USE_PDL and EARLY_W:  # the weights' first stages fly while the last kernel ends
             if first:
                 _gdc_wait_release()
@@ -666,6 +728,9 @@ def _block_work(
                 _stamp(tb + 6, 0)  # T_X
             if kb % UPS == 0 and DIAG != 2:
                 mbarrier.wait(bars.index((kb // UPS) % NB), (kb // UPS // NB + ph) % 2)
+                if L2 > 0 and kb // UPS + NB + L2 < NS:  # one more stage into L2
+                    _prefetch_l2(c_ptr, s_ptr, row, N, k0, kb // UPS + NB + L2, 1, K, SK,
+                                 GATED)  # fmt: skip
             if kb == 0 and TRACE:
                 _stamp(tb + 7, 0)  # T_W0
             if A_TMA:
@@ -916,7 +981,8 @@ def split_partials_tma(
         valid_blocks if grid_blocks or persist else block_end, part,
         counters if epilogue else dummy, w_global if epilogue else dummy,
         topk_w if fused else dummy, out if epilogue else dummy,
-        a_global if a_global is not None else dummy, trace, ws_rows, gb,
+        a_global if a_global is not None else dummy, trace, codes, scales.view(torch.uint8),
+        ws_rows, gb,
         N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=gather, BM=block_m,
         SEG=seg, ASYNC=asynchronous, BLOCKS_LAST=blocks_last,
         NBUF=BUFFERS if buffers is None else buffers, EPILOGUE=epilogue,
@@ -925,8 +991,20 @@ def split_partials_tma(
         EARLY_W=pdl and early_weights and EARLY_WEIGHTS, A_TMA=a_tma,
         OUT_UNIT=out_unit_order, DIAG=DIAG, LOOP=grid_blocks > 0, TRACE=trace is not dummy,
         PERSIST=persist > 0, XRING=_x_ring(gated, block_m, grid_blocks, persist, a_tma),
+        L2=_l2_ahead(box, grid_blocks, persist, stage_k, seg, buffers),
         num_warps=4, launch_pdl=pdl, **_maxnreg(gated, block_m, grid_blocks, persist, a_tma),
     )  # fmt: skip
+
+
+def _l2_ahead(
+    box: int, grid_blocks: int, persist: int, stage_k: int, seg: int, buffers: int | None
+) -> int:
+    """Stages a launch prefetches into L2 ahead of its ring: ``L2_AHEAD`` where it applies
+    (the one-block body on the row-major weights), at most the stages beyond the ring."""
+    nb = min(BUFFERS if buffers is None else buffers, seg // stage_k)
+    if box == 3 or grid_blocks or persist:
+        return 0
+    return max(0, min(L2_AHEAD, seg // stage_k - nb))
 
 
 def _x_ring(gated: bool, block_m: int, grid_blocks: int, persist: int, a_tma: bool) -> bool:
@@ -969,6 +1047,7 @@ def compile_sm90(
     seg: int = 1024,
     persist: bool = False,
     x_ring: bool = False,
+    l2: int = 0,
 ):
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
     layout conversions are asserted trivial at compile time. ``box3``: the code copies
@@ -980,7 +1059,7 @@ def compile_sm90(
         "part_ptr": "*fp32",
         "cnt_ptr": "*i32", "w_global_ptr": "*fp32", "topk_w_ptr": "*fp32",
         "out_ptr": "*fp32" if fused else "*bf16", "a_global_ptr": "*fp32",
-        "trace_ptr": "*i64",
+        "trace_ptr": "*i64", "c_ptr": "*u8", "s_ptr": "*u8",
     }  # fmt: skip
     descs = {
         "c_desc": f"tensordesc<u8[64, {stage_k // 2}],{CODE_SMEM_W!r}>"
@@ -1002,7 +1081,7 @@ def compile_sm90(
                  A_FP4=a_fp4, BOX3=int(box3), SK=stage_k, USE_PDL=pdl,
                  EARLY_W=pdl and early_weights, A_TMA=a_tma, OUT_UNIT=out_unit_order,
                  DIAG=diag, LOOP=loop_blocks > 0, TRACE=trace, PERSIST=persist,
-                 XRING=x_ring)  # fmt: skip
+                 XRING=x_ring, L2=l2)  # fmt: skip
     opts = {} if maxnreg is None else {"maxnreg": maxnreg}
     return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows", "loop_step"),
                                gluon=True, descs=descs, num_warps=4, launch_pdl=pdl,
