@@ -586,6 +586,126 @@ def _same_quantized(a, b, n):
 
 
 @pytest.mark.kernel
+def test_encode_e2m1_fast_same_codes(interpret, device):
+    """``encode_e2m1_fast`` (the quantize kernel's encoding, session 14) gives
+    ``encode_e2m1``'s code for fp32 values sampled over all bit patterns of [0, 16), every
+    tie and its neighbours one ulp away, both signs, large values and infinity."""
+    import triton
+    import triton.language as tl
+
+    from fp4moe.kernels.quantize import encode_e2m1, encode_e2m1_fast
+
+    @triton.jit
+    def both(v_ptr, a_ptr, b_ptr, n, BLOCK: tl.constexpr, OLD: tl.constexpr,
+             FAST: tl.constexpr):  # fmt: skip
+        o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(v_ptr + o, mask=o < n, other=0.0)
+        tl.store(a_ptr + o, OLD(v).to(tl.int32), mask=o < n)
+        tl.store(b_ptr + o, FAST(v, v < 0.0), mask=o < n)
+
+    top = int(torch.tensor(16.0).view(torch.int32))
+    pat = torch.arange(0, top, 4099, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0,
+                         6.0, 0.0])  # fmt: skip
+    near = torch.cat([torch.nextafter(ties, torch.tensor(-1.0)), ties,
+                      torch.nextafter(ties, torch.tensor(99.0))])  # fmt: skip
+    big = torch.tensor([16.0, 1e3, 1e20, 3e38, float("inf")])
+    v = torch.cat([pat, near, big])
+    v = torch.cat([v, -v]).to(device)
+    a = torch.empty(v.numel(), dtype=torch.int32, device=device)
+    b = torch.empty_like(a)
+    n = v.numel()
+    both[(triton.cdiv(n, 1024),)](v, a, b, n, BLOCK=1024, OLD=encode_e2m1, FAST=encode_e2m1_fast)
+    assert torch.equal(a, b)
+
+
+def _quantize_reference_cases(device, c):
+    """(x, rows, kwargs, global) cases for ``quantize_rows`` against ``quantize_blocks``:
+    random rows in every mode, and rows built so that a global of 1 (an amax of 2688) or
+    2^30 puts values on every e2m1 tie, on -0, on a block of scale 0, on tiny values
+    whose quotient rounds to -0 or to the smallest negative subnormal (the sign bit of
+    the code then differs), and a saturating block."""
+    from fp4moe.kernels.quantize import MODE_FROM_AMAX, MODE_PER_ROW, MODE_SCALAR
+
+    x = _x(6, c, seed=c, device=device)
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    blk = torch.tensor([6.0, -0.0] + ties + [-t for t in ties])
+    t = torch.zeros(4, c)
+    t[:, :16] = blk
+    t[:, 16:32] = blk / 2  # scale 0.5
+    t[:, 32:48] = 1e-30  # scale 0 with a global of 1
+    t[:, 48:64] = torch.tensor([2688.0, -1.0] + [0.5] * 14)  # saturating at 448
+    t[2:, :] *= 2.0**30
+    t[2:, 64] = 6.0 * 2.0**30  # a block of scale 1 under a global of 2^30 (d = 2^30)
+    t[2:, 65] = -(2.0**-120)  # quotient -2^-150: a tie, rounds to -0: code 0
+    t[2:, 66] = -1.5 * 2.0**-120  # quotient -1.5 2^-150: rounds to -2^-149: code 8
+    t[2:, 67] = -(2.0**-133)
+    t[1:4:2, 80:96] = x[:2, 80:96].float()
+    t = t.to(torch.bfloat16).to(device)
+    one = torch.tensor([2688.0], device=device)
+    for name, (src, kw, glob) in {
+        "per_row": (x, dict(mode=MODE_PER_ROW), None),
+        "from_amax": (x, dict(mode=MODE_FROM_AMAX, table=one / 7), torch.tensor(384.0) / 2688),
+        "ties_g1": (t[:2], dict(mode=MODE_FROM_AMAX, table=one), torch.tensor(1.0)),
+        "ties_scalar": (t[:2], dict(mode=MODE_SCALAR, table=one / 2688), torch.tensor(1.0)),
+        "ties_g2^30": (t[2:], dict(mode=MODE_FROM_AMAX, table=one * 2.0**30),
+                       torch.tensor(2.0**30)),
+        "ties_per_row": (t[:2], dict(mode=MODE_PER_ROW), None),
+    }.items():  # fmt: skip
+        yield name, src, kw, glob
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("c", [96, 160])
+def test_quantize_rows_matches_reference(interpret, device, c):
+    """``quantize_rows`` against the reference's ``quantize_blocks``, bitwise (codes,
+    scales, globals), on random rows and on rows that hit every tie and the sign of tiny
+    quotients (``_quantize_reference_cases``). On the GPU this covers the fast division
+    of the modes whose global comes from an amax."""
+    from fp4moe.kernels.launch import quantize_rows
+    from fp4moe.nvfp4 import global_from_amax, quantize_blocks
+
+    for name, src, kw, glob in _quantize_reference_cases(device, c):
+        rows = src.shape[0]
+        codes, scales, g = quantize_rows(src, rows, poison=True, **kw)
+        if glob is None:
+            want_g = global_from_amax(src.float().abs().amax(dim=-1))
+        else:
+            want_g = torch.full((rows,), float(glob), device=device)
+        want_c, want_s = quantize_blocks(src, want_g)
+        assert torch.equal(g, want_g), name
+        assert torch.equal(scales.view(torch.uint8), want_s.view(torch.uint8)), name
+        assert torch.equal(codes, want_c), name
+
+
+@pytest.mark.gpu
+def test_quantize_rows_matches_reference_gpu(device):
+    """The same at the DeepSeek-V3 widths on the GPU (C 7168 and 2048, 64 rows: the
+    unrolled chunks, the fast division)."""
+    if device != "cuda":
+        pytest.skip("GPU test")
+    for c in (7168, 2048):
+        test_quantize_rows_matches_reference(False, "cuda", c)
+
+
+@pytest.mark.kernel
+def test_amax_rows_many_rows_a_program(interpret, device, monkeypatch):
+    """``amax_rows`` with several rows a program (``AMAX_ROWS``; a partial last program,
+    a device count that ends inside a program) gives the exact amax."""
+    from fp4moe.kernels import launch
+
+    monkeypatch.setattr(launch, "QUANTIZE_SPLIT_ROWS", 0)
+    monkeypatch.setattr(launch, "AMAX_ROWS", 3)
+    x = _x(10, 96, seed=5, device=device)
+    x[9, 7] = -50.0
+    x[6, 3] = 40.0
+    assert launch.amax_rows(x, 10).item() == 50.0
+    cnt = torch.tensor([7], dtype=torch.int32, device=device)
+    assert launch.amax_rows(x, 10, count=cnt).item() == 40.0
+    assert launch.amax_rows(x, 10, count=cnt * 0).item() == 0.0
+
+
+@pytest.mark.kernel
 def test_quantize_split_rows_same_bits(interpret, device, monkeypatch):
     """``quantize_rows`` with one chunk of a row a program (``QUANTIZE_SPLIT_ROWS``) gives
     the codes, scales and globals of one row a program, in every mode."""

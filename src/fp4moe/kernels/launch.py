@@ -73,6 +73,8 @@ SPLIT_BELOW_PROGRAMS = 384
 # rows, FC1 output 512). Above 512 rows each of a row's chunk programs re-reads the row
 # for its amax, so the split stays off there (unmeasured).
 QUANTIZE_SPLIT_ROWS = 512
+# amax_rows above QUANTIZE_SPLIT_ROWS rows: rows a program (one atomic max each)
+AMAX_ROWS = 16
 QUANTIZE_SPLIT_C = 256
 AMAX_WIDE_C = 8192
 
@@ -536,11 +538,14 @@ def amax_rows(
     if rows == 0:
         return out
     c = src.shape[1]
+    # few rows: a row a program (the launch's latency is what counts); many: AMAX_ROWS rows
+    # a program and one atomic each
+    per = 1 if rows <= QUANTIZE_SPLIT_ROWS else AMAX_ROWS
     _launch(
-        amax_rows_kernel, (rows,), pdl,
+        amax_rows_kernel, (triton.cdiv(rows, per),), pdl,
         src, count if count is not None else out, rows, out, c,
         COUNT_FROM_PTR=count is not None, BLOCK_C=_row_block(c, rows <= QUANTIZE_SPLIT_ROWS),
-        num_warps=4,
+        ROWS=per, num_warps=4,
     )  # fmt: skip
     return out
 

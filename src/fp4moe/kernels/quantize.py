@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import nibble_to_f16, order_rows, to_e4m3
+from .common import nibble_to_f16, to_e4m3
 
 __all__ = [
     "MODE_AMAX_SELF",
@@ -22,6 +22,7 @@ __all__ = [
     "MODE_STATIC",
     "amax_rows_kernel",
     "encode_e2m1",
+    "encode_e2m1_fast",
     "quantize_rows_kernel",
 ]
 
@@ -48,6 +49,22 @@ def encode_e2m1(v):
         + (m > 5.0).to(tl.uint8)
     )
     return idx | ((v < 0).to(tl.uint8) << 3)
+
+
+@triton.jit
+def encode_e2m1_fast(v, neg):
+    """``encode_e2m1`` in fewer operations, as int32, with the sign bit from ``neg`` (for
+    the same code: ``v < 0``): the same index for every finite or infinite fp32 (checked
+    exhaustively over [0, 16) and for large values). |v| is rounded to nearest even on the
+    e2m1 grid by adding and subtracting a power of two whose ulp is the grid's step there
+    (0.5 below 2, 1 below 4, 2 above), so ties fall where SPEC 2.3 puts them; the index of
+    r is r + min(r, 2), at most 7. (NaN is outside the contract: a NaN block's scale
+    already differs from the reference, whose amax propagates it.)"""
+    m = tl.abs(v)
+    big = tl.where(m < 2.0, 4194304.0, tl.where(m < 4.0, 8388608.0, 16777216.0))
+    r = (m + big) - big
+    idx = tl.minimum(r + tl.minimum(r, 2.0), 7.0).to(tl.int32)
+    return idx | (neg.to(tl.int32) << 3)
 
 
 @triton.jit
@@ -80,16 +97,28 @@ def amax_rows_kernel(
     COUNT_FROM_PTR: tl.constexpr,
     BLOCK_C: tl.constexpr,
     USE_PDL: tl.constexpr,
+    ROWS: tl.constexpr = 1,  # rows a program
 ):
-    """Per-tensor amax (SPEC 2.1) of the first rows of ``src`` on the device: one program a
-    row, an atomic max (exact and order-free, so deterministic) into ``amax_ptr``."""
-    i = tl.program_id(0)
+    """Per-tensor amax (SPEC 2.1) of the first rows of ``src`` on the device: ROWS rows a
+    program, then one atomic max (exact and order-free, so deterministic) into
+    ``amax_ptr``. (One row a program made one atomic on the same address a row: 8192 of
+    them for an 8192-token x, session 14.)"""
+    p = tl.program_id(0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if i >= _row_count(n_rows_ptr, n_rows, COUNT_FROM_PTR):
+    n = _row_count(n_rows_ptr, n_rows, COUNT_FROM_PTR)
+    if p * ROWS >= n:
         return
-    tl.atomic_max(amax_ptr, _row_amax(src_ptr + i.to(tl.int64) * C, C, BLOCK_C), sem="relaxed")
+    cols = tl.arange(0, BLOCK_C)
+    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for j in range(ROWS):
+        i = p * ROWS + j
+        row = src_ptr + i.to(tl.int64) * C
+        for c0 in tl.static_range(0, C, BLOCK_C):
+            x = tl.load(row + c0 + cols, mask=(c0 + cols < C) & (i < n), other=0.0)
+            acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+    tl.atomic_max(amax_ptr, tl.max(acc, axis=0), sem="relaxed")
 
 
 # n_rows not specialized: a row count of 1 made a constant that broke Triton 3.6's
@@ -124,6 +153,7 @@ def quantize_rows_kernel(
     DEC (BLOCK_C a multiple of 64): also the row decoded as ``dequant.dense_rows(order=64)``
     decodes it (e2m1 value times the e4m3 scale times 2^-8, exact; each 64 elements in the
     unit order), the operand of the Gluon GEMMs (``gluon_ws``) with no decode launch."""
+    FAST_DIV_MODES: tl.constexpr = MODE == 0 or MODE == 3 or MODE == 4
     i = tl.program_id(0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -135,7 +165,6 @@ def quantize_rows_kernel(
     else:
         src = i.to(tl.int64)
     row = src_ptr + src * C
-    cols = tl.arange(0, BLOCK_C)
 
     if MODE == 1:
         g = tl.load(table_ptr + tl.load(row_expert_ptr + i))
@@ -164,27 +193,142 @@ def quantize_rows_kernel(
         c_span: tl.constexpr = C
 
     i64 = i.to(tl.int64)
+    # A global from an amax bounds every quotient (SPEC 2: a block's values over its scale
+    # times the global stay below 6 * 2^9 * 2688), so there the divisions take the fast
+    # path of div_rn (its reciprocal once a block, not once an element) when the global
+    # keeps every operand in the range where that path is exact; else div_rn itself.
+    if FAST_DIV_MODES and not INTERPRET:
+        if (g >= 6.462348535570529e-27) & (g <= 1.5474250491067253e26):  # 2^-87 .. 2^87
+            _quantize_span(row, c_off, i64, g, codes_ptr, scales_ptr, C, BLOCK_C, c_span,
+                           INTERPRET, dec_ptr, DEC, DEC_DTYPE, True)  # fmt: skip
+        else:
+            _quantize_span(row, c_off, i64, g, codes_ptr, scales_ptr, C, BLOCK_C, c_span,
+                           INTERPRET, dec_ptr, DEC, DEC_DTYPE, False)  # fmt: skip
+    else:
+        _quantize_span(row, c_off, i64, g, codes_ptr, scales_ptr, C, BLOCK_C, c_span,
+                       INTERPRET, dec_ptr, DEC, DEC_DTYPE, False)  # fmt: skip
+
+
+@triton.jit
+def _quantize_span(row, c_off, i64, g, codes_ptr, scales_ptr, C: tl.constexpr,
+                   BLOCK_C: tl.constexpr, SPAN: tl.constexpr, INTERPRET: tl.constexpr,
+                   dec_ptr, DEC: tl.constexpr, DEC_DTYPE: tl.constexpr,
+                   FAST: tl.constexpr):  # fmt: skip
+    """Elements c_off .. c_off + SPAN of a row, BLOCK_C at a time (``_quantize_chunk``).
+    Unrolled, each chunk loaded before the one before it is stored: the compiler cannot
+    move a load above a store that may alias it, so otherwise every chunk's load waits
+    for the last chunk's stores (one load in flight a thread)."""
     six_g = 6.0 * g
-    for cb in range(0, c_span, BLOCK_C):
-        c0 = cb + c_off
-        x = tl.load(row + c0 + cols, mask=c0 + cols < C, other=0.0).to(tl.float32)
-        xb = x.reshape(BLOCK_C // 16, 16)
-        amax_b = tl.max(tl.abs(xb), axis=1)
-        s = tl.minimum(tl.math.div_rn(amax_b, tl.zeros_like(amax_b) + six_g), 448.0)
-        s8 = to_e4m3(s, INTERPRET)
-        denom = s8.to(tl.float32) * g
-        safe = tl.where(denom == 0.0, 1.0, denom)
-        v = tl.math.div_rn(xb, tl.broadcast_to(safe[:, None], (BLOCK_C // 16, 16)))
-        code = tl.where((denom == 0.0)[:, None], 0, encode_e2m1(v)).to(tl.uint8)
-        lo, hi = tl.split(code.reshape(BLOCK_C // 2, 2))
-        packed = lo | (hi << 4)
-        pc = c0 // 2 + tl.arange(0, BLOCK_C // 2)
-        tl.store(codes_ptr + i64 * (C // 2) + pc, packed, mask=pc < C // 2)
-        ps = c0 // 16 + tl.arange(0, BLOCK_C // 16)
+    y6 = _fast_rcp(six_g, FAST)
+    xb = _load_chunk(row, c_off, C, BLOCK_C)
+    for cb in tl.static_range(0, SPAN, BLOCK_C):
+        x_now = xb
+        if cb + BLOCK_C < SPAN:
+            xb = _load_chunk(row, cb + BLOCK_C + c_off, C, BLOCK_C)
+        _quantize_chunk(x_now, cb + c_off, i64, g, six_g, y6, codes_ptr, scales_ptr, C,
+                        BLOCK_C, INTERPRET, dec_ptr, DEC, DEC_DTYPE, FAST)  # fmt: skip
+
+
+@triton.jit
+def _fast_rcp(d, FAST: tl.constexpr):
+    """div_rn's reciprocal of ``d`` (MUFU.RCP and one Newton step, as its fast path forms
+    it; FAST only, else 0)."""
+    if FAST:
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [d],
+                                      dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
+        return tl.fma(r, tl.fma(-d, r, 1.0), r)
+    else:
+        return d * 0.0
+
+
+@triton.jit
+def _div(x, d, y, FAST: tl.constexpr):
+    """x / d rounded to nearest even: div_rn, or (FAST, ``y = _fast_rcp(d)``) the fast path
+    of div_rn's own expansion, the same bits wherever that path applies (operands and
+    quotient away from overflow and underflow; a quotient near underflow encodes to 0
+    either way)."""
+    if FAST:
+        q0 = tl.fma(x, y, 0.0)
+        return tl.fma(y, tl.fma(-d, q0, x), q0)
+    else:
+        return tl.math.div_rn(x, d)
+
+
+@triton.jit
+def _load_chunk(row, c0, C: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Elements c0 .. c0 + BLOCK_C of a bf16 row as fp32 [BLOCK_C / 16, 16] (one NVFP4
+    block a row; zeros past C)."""
+    offs = c0 + tl.arange(0, BLOCK_C // 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    return tl.load(row + offs, mask=offs < C, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _quantize_chunk(xb, c0, i64, g, six_g, y6, codes_ptr, scales_ptr, C: tl.constexpr,
+                    BLOCK_C: tl.constexpr, INTERPRET: tl.constexpr, dec_ptr,
+                    DEC: tl.constexpr, DEC_DTYPE: tl.constexpr,
+                    FAST: tl.constexpr = False):  # fmt: skip
+    """Elements c0 .. c0 + BLOCK_C of one row (``xb``, ``_load_chunk``'s [blocks, 16]) to
+    codes, scales (and DEC: decoded values) of row ``i64``. A 16-element block's amax,
+    scale and codes stay in the threads that hold it: no layout conversion through shared
+    memory (the 1-D form of session 13 and before needed two barriers a chunk, about 42
+    SASS instructions an element)."""
+    NBK: tl.constexpr = BLOCK_C // 16
+    amax_b = tl.max(tl.abs(xb), axis=1)
+    s = tl.minimum(_div(amax_b, tl.zeros_like(amax_b) + six_g, y6, FAST), 448.0)
+    s8 = to_e4m3(s, INTERPRET)
+    denom = s8.to(tl.float32) * g
+    # a block with scale 0 has codes 0: over +inf every quotient is +-0 (and not < 0)
+    safe = tl.where(denom == 0.0, float("inf"), denom)
+    if FAST:  # there the reciprocal is 0 over 1
+        zero = denom == 0.0
+        dd = tl.where(zero, 1.0, denom)
+        y = tl.where(zero, 0.0, _fast_rcp(dd, FAST))
+        v = _div(xb, dd[:, None], y[:, None], FAST)
+        # x / d < 0 exactly where x * 2^150 < -d (x < 0 and |x| / d > 2^-150; else it
+        # rounds to -0 or 0): the fast path's quotient may round differently only far
+        # below the e2m1 grid, where the sign is all that counts. Exact: scaling by 2^75
+        # twice, an overflow to -inf included; never for a block of scale 0 (-inf < -inf).
+        neg = (xb * 3.777893186295716e22) * 3.777893186295716e22 < -safe[:, None]
+    else:
+        v = tl.math.div_rn(xb, tl.broadcast_to(safe[:, None], (NBK, 16)))
+        neg = v < 0.0
+    code = encode_e2m1_fast(v, neg)
+    if INTERPRET:
+        lo, hi = tl.split(tl.reshape(code.to(tl.uint8), (NBK, 8, 2)))
+        pc = c0 // 2 + tl.arange(0, NBK)[:, None] * 8 + tl.arange(0, 8)[None, :]
+        tl.store(codes_ptr + i64 * (C // 2) + pc, lo | (hi << 4), mask=pc < C // 2)
+    else:
+        # four code bytes a 32-bit word, built in int32 (uint8 tensors cost byte permutes
+        # and shifts an element): nibble n of a word holds element 8 w + n of the block
+        c32 = tl.reshape(code, (NBK, 2, 8))
+        sh = (tl.arange(0, 8) * 4)[None, None, :]
+        word = tl.sum(c32 << sh, axis=2)  # [blocks, 2]: disjoint bits, so the sum is an OR
+        pw = (c0 // 8 + tl.arange(0, NBK)[:, None] * 2 + tl.arange(0, 2)[None, :]).to(tl.int64)
+        wptr = (codes_ptr + i64 * (C // 2)).to(tl.pointer_type(tl.int32), bitcast=True)
+        tl.store(wptr + pw, word, mask=pw < C // 8)
+    ps = c0 // 16 + tl.arange(0, NBK)
+    if INTERPRET:
         tl.store(scales_ptr + i64 * (C // 16) + ps, s8, mask=ps < C // 16)
-        if DEC:
-            # the operations of gemm.decode_lohi without the asm (code 8: -0)
-            val = nibble_to_f16(code).to(tl.float32) * 16384.0
-            d = val * (s8.to(tl.float32) * 0.00390625)[:, None]
-            d = tl.reshape(order_rows(tl.reshape(d, (1, BLOCK_C)), 1, BLOCK_C, 64), (BLOCK_C,))
-            tl.store(dec_ptr + i64 * C + c0 + cols, d.to(DEC_DTYPE), mask=c0 + cols < C)
+    else:
+        # one byte a block stored in the layout the block's reduction left it in (by both
+        # threads that hold the block): tl.store converts it to a coalesced layout through
+        # shared memory, two barriers a chunk that keep the next chunk's load behind them
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b16 p, $3, 0; @p st.global.u8 [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,h,h", [scales_ptr + i64 * (C // 16) + ps,
+                         s8.to(tl.uint8, bitcast=True).to(tl.int16),
+                         (ps < C // 16).to(tl.int16)],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    if DEC:
+        # the operations of gemm.decode_lohi without the asm (code 8: -0), each value
+        # stored at its unit-order position (element 16 q + 4 s + 2 a + b of a 64-element
+        # unit goes to 16 s + 8 b + 2 q + a): a scattered store, but no reshape of the
+        # [blocks, 16] tile (reshaping it to the order of order_rows decoded wrong values
+        # on the GPU, right ones in the interpreter)
+        val = nibble_to_f16(code).to(tl.float32) * 16384.0
+        d = val * (s8.to(tl.float32) * 0.00390625)[:, None]
+        k = tl.arange(0, NBK)[:, None] * 16 + tl.arange(0, 16)[None, :]
+        e = k % 64
+        pos = k - e + 16 * ((e // 4) % 4) + 8 * (e % 2) + 2 * (e // 16) + (e // 2) % 2
+        tl.store(dec_ptr + i64 * C + c0 + pos, d.to(DEC_DTYPE), mask=c0 + k < C)
