@@ -126,7 +126,10 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--mode", default="w4a16", choices=sorted(MODES))
     p.add_argument("--out", default=None)
+    p.add_argument("--x-ring", action="store_true", help="gluon_ws.X_RING on (FC1's rows a "
+                   "ring stage at a time)")  # fmt: skip
     a = p.parse_args()
+    gluon_ws.X_RING = a.x_ring
     pr = PRESETS[a.preset]
     torch.manual_seed(0)
     ex = random_experts(pr)
@@ -152,7 +155,8 @@ def main() -> None:
             name = "fc1" if facts["gated"] else "fc2"
             s = summarize(tr)
             _print(name, s)
-            rows.append(dict(tokens=t, mode=a.mode, gemm=name, same=same, **facts, **s))
+            rows.append(dict(tokens=t, mode=a.mode, gemm=name, same=same, x_ring=a.x_ring,
+                             **facts, **s))  # fmt: skip
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1, default=str)

@@ -42,12 +42,15 @@
 #   bash benchmarks/gpu_session.sh s13d       # bench at every count; runner, phases, HF tests
 #   bash benchmarks/gpu_session.sh s13e       # memcheck with shorter limits
 #   bash benchmarks/gpu_session.sh s14a       # two ring buffers (rows by TMA or X_RING): time
+#   bash benchmarks/gpu_session.sh s14c       # X_RING's timeline; kernel times at 16 and 8192
+#   bash benchmarks/gpu_session.sh s14d       # the new quantize kernels: bits, kernel times, bench
+#   bash benchmarks/gpu_session.sh s14e       # test_kernels' GPU suite, quantize tests, PDL probe
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -468,6 +471,47 @@ s14a)
         --variants c3 c3-persist --iters 12 --out "$out/persist-uncapped.json"
     step stream 60 python3 benchmarks/tma_stream.py --per-sm 2 4 6 8 --buffers 1 2 \
         --out "$out/tma-stream.json"
+    ;;
+s14c)
+    # Session 14: whether X_RING's seventh FC1 program an SM removes 16 tokens' second wave
+    # and what its rows' loads in the main loop cost (the timeline both ways); each kernel's
+    # time at 16 tokens, and at 8192 tokens fused per-tensor W4A4 against per-token and W4A16
+    # (issue 4's unexplained 1.19x)
+    for xr in "" --x-ring; do
+        step "timeline${xr:+_xring}" 90 python3 benchmarks/gluon_timeline.py --tokens 1 16 \
+            $xr --out "$out/timeline${xr:+-xring}.json"
+    done
+    step kernels_16 60 python3 benchmarks/profile_call.py --kernels --calls 5 --tokens 16
+    for m in "w4a16 --fused" "w4a4-token --fused" "w4a4-tensor --fused" "w4a4-tensor"; do
+        set -- $m
+        step "kernels_8192_$1${2:+_fused}" 90 python3 benchmarks/profile_call.py --kernels \
+            --calls 3 --tokens 8192 --mode $m
+    done
+    ;;
+s14d)
+    # Session 14's quantize and amax kernels (chunks as [blocks, 16], no barrier, one chunk
+    # loaded ahead, the fast division, several rows an amax program): their bits against
+    # the reference on the GPU, W4A4 whole calls, each kernel's time at 8192 tokens, then
+    # the bench at every count
+    step qtests 150 python3 -m pytest --device cuda -q tests/test_kernels.py -k \
+        "quantize or amax or encode_e2m1 or (moe_gpu_shapes and w4a4 and deepseek)"
+    for m in "w4a4-token --fused" "w4a4-tensor --fused"; do
+        set -- $m
+        step "kernels_8192_$1" 60 python3 benchmarks/profile_call.py --kernels --calls 3 \
+            --tokens 8192 --mode $m
+    done
+    step deepseek 280 python3 -m fp4moe bench --num-tokens 1 8 16 32 64 128 256 1024 4096 \
+        8192 16384 --iters 10 --out "$out/deepseek"
+    ;;
+s14e)
+    # After s14d: the whole GPU suite of test_kernels and the quantize tests of
+    # test_gluon_ws (the decoded rows) with the new quantize kernel; then whether PDL is
+    # what costs fused per-tensor W4A4 its extra time at 8192 tokens (s14d: 4283 us fused
+    # against 3932 unfused, W4A16 3690 / 3609)
+    step kernels 300 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py
+    step gluon_quantize 120 python3 -m pytest --device cuda -q tests/test_gluon_ws.py -k quantize
+    step nopdl 90 python3 -m fp4moe bench --num-tokens 8192 --modes w4a4-tensor w4a4-token \
+        w4a16 --no-pdl --no-baseline --iters 10 --out "$out/nopdl"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.
