@@ -274,8 +274,8 @@ def _prefetch_l2(c_ptr, s_ptr, row, N: gl.constexpr, k0, st, NST: gl.constexpr,
     else:
         r = (row + i % 64).to(gl.int64)
         codes = i < 64
-        # one address a thread: its row's codes or its row's scales
-        a = gl.where(codes, c_ptr + r * (K // 2) + kc // 2, c_ptr)
+        # one prefetch a thread: its row's codes or its row's scales
+        a = c_ptr + r * (K // 2) + kc // 2
         a_s = s_ptr + r * (K // 16) + kc // 16
         _bulk_prefetch(a, gl.full([128], CB, gl.int32, layout=PL), codes.to(gl.int32))
         _bulk_prefetch(a_s, gl.full([128], SB, gl.int32, layout=PL), (i >= 64).to(gl.int32))

@@ -293,19 +293,14 @@ def _quantize_chunk(xb, c0, i64, g, six_g, y6, codes_ptr, scales_ptr, C: tl.cons
         v = tl.math.div_rn(xb, tl.broadcast_to(safe[:, None], (NBK, 16)))
         neg = v < 0.0
     code = encode_e2m1_fast(v, neg)
-    if INTERPRET:
-        lo, hi = tl.split(tl.reshape(code.to(tl.uint8), (NBK, 8, 2)))
-        pc = c0 // 2 + tl.arange(0, NBK)[:, None] * 8 + tl.arange(0, 8)[None, :]
-        tl.store(codes_ptr + i64 * (C // 2) + pc, lo | (hi << 4), mask=pc < C // 2)
-    else:
-        # four code bytes a 32-bit word, built in int32 (uint8 tensors cost byte permutes
-        # and shifts an element): nibble n of a word holds element 8 w + n of the block
-        c32 = tl.reshape(code, (NBK, 2, 8))
-        sh = (tl.arange(0, 8) * 4)[None, None, :]
-        word = tl.sum(c32 << sh, axis=2)  # [blocks, 2]: disjoint bits, so the sum is an OR
-        pw = (c0 // 8 + tl.arange(0, NBK)[:, None] * 2 + tl.arange(0, 2)[None, :]).to(tl.int64)
-        wptr = (codes_ptr + i64 * (C // 2)).to(tl.pointer_type(tl.int32), bitcast=True)
-        tl.store(wptr + pw, word, mask=pw < C // 8)
+    # four code bytes a 32-bit word, built in int32 (uint8 tensors cost byte permutes and
+    # shifts an element): nibble n of a word holds element 8 w + n of the block
+    c32 = tl.reshape(code, (NBK, 2, 8))
+    sh = (tl.arange(0, 8) * 4)[None, None, :]
+    word = tl.sum(c32 << sh, axis=2)  # [blocks, 2]: disjoint bits, so the sum is an OR
+    pw = (c0 // 8 + tl.arange(0, NBK)[:, None] * 2 + tl.arange(0, 2)[None, :]).to(tl.int64)
+    wptr = (codes_ptr + i64 * (C // 2)).to(tl.pointer_type(tl.int32), bitcast=True)
+    tl.store(wptr + pw, word, mask=pw < C // 8)
     ps = c0 // 16 + tl.arange(0, NBK)
     if INTERPRET:
         tl.store(scales_ptr + i64 * (C // 16) + ps, s8, mask=ps < C // 16)
