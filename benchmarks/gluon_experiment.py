@@ -10,9 +10,9 @@ compared and timed with CUDA events over CUDA-graph replays; then the whole call
 ways (``TritonOptions.gluon_decode``). ``--buffers``: the kernel's ring
 (``gluon_ws.BUFFERS``), ``--wgmma``, ``--codes`` (the code copies), ``--four-boxes``,
 ``--stage-k`` (the ring's stage, ``gluon_ws.STAGE_K``), ``--pdl``, ``--a-tma``, ``--x-ring``,
-``--l2-ahead``, ``--diag`` (every combination of ``--buffers``, ``--stage-k``, ``--pdl``,
-``--codes``, ``--a-tma``, ``--x-ring``, ``--l2-ahead`` and ``--diag`` is timed against one
-loop 3 time a token count),
+``--l2-ahead``, ``--diag``, ``--persist``, ``--skew`` (every combination of these and
+``--buffers``, ``--stage-k``, ``--pdl``, ``--codes``, ``--a-tma`` and ``--x-ring`` is timed
+against one loop 3 time a token count),
 ``--gluon-upto``,
 ``--split-k`` and ``--whole-only`` as their help says.
 """
@@ -95,6 +95,16 @@ def main() -> None:
     p.add_argument("--grid-blocks", nargs="+", default=["off"],
                    help="TritonOptions.gluon_grid_blocks, each timed: off (the worst-case "
                    "grid), auto, or a number of row blocks")  # fmt: skip
+    p.add_argument("--persist", nargs="+", default=["off"],
+                   help="whole calls: TritonOptions.gluon_persist, each of off, auto or F:S "
+                        "(FC1 and FC2 programs an SM, gluon_ws.PERSIST_PER_SM)")  # fmt: skip
+    p.add_argument(
+        "--skew",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="gluon_ws.SKEW_NS: ns half the programs sleep before their copies",
+    )
     p.add_argument("--split-k", action="store_true",
                    help="whole calls with TritonOptions.split_k=True (64 tokens, up)")  # fmt: skip
     p.add_argument("--whole-only", action="store_true", help="time the whole calls only")
@@ -118,8 +128,13 @@ def main() -> None:
     for g in a.grid_blocks:
         if g not in ("off", "auto") and not g.isdigit():
             p.error(f"--grid-blocks: off, auto or a number, got {g!r}")
+    for ps in a.persist:
+        if ps not in ("off", "auto") and not all(v.isdigit() for v in ps.split(":")):
+            p.error(f"--persist: off, auto or F:S, got {ps!r}")
     variants = list(itertools.product(a.buffers, a.stage_k, a.pdl, a.codes, a.a_tma, a.diag,
-                                      a.grid_blocks, a.x_ring, a.l2_ahead))  # fmt: skip
+                                      a.grid_blocks, a.x_ring, a.l2_ahead, a.persist,
+                                      a.skew))  # fmt: skip
+    per_sm0 = dict(gluon_ws.PERSIST_PER_SM)
 
     def set_flags(nb, sk, pdl, codes, diag, xring, l2=0):
         """The module flags of one variant (the kernels' compile-time switches)."""
@@ -172,9 +187,16 @@ def main() -> None:
 
         # 2. The whole call (W4A16, deterministic finalize, PDL, CUDA graph): loop 3 once,
         # then each (buffers, stage_k) of the Gluon kernels.
-        def whole_call(g, pdl="rule", atma="off", gb="off"):
+        def whole_call(g, pdl="rule", atma="off", gb="off", ps="off"):
             rule = {} if pdl == "rule" else dict(gluon_pdl_upto=float("inf"))
             rule["gluon_a_tma"] = atma == "on"
+            gluon_ws.PERSIST_PER_SM.update(per_sm0)
+            if ps not in ("off", "auto"):
+                f1, f2 = (int(v) for v in ps.split(":"))
+                gluon_ws.PERSIST_PER_SM.update(
+                    {(True, 8): f1, (True, 16): f1, (False, 8): f2, (False, 16): f2}
+                )
+            rule["gluon_persist"] = None if ps == "off" else "auto"
             rule["gluon_grid_blocks"] = None if gb == "off" else gb if gb == "auto" else int(gb)
             opt = TritonOptions(valid_fraction=pr.local_experts / pr.experts, gluon_decode=g,
                                 split_k=True if a.split_k else None,
@@ -189,19 +211,27 @@ def main() -> None:
             return y.clone(), timed(whole)
 
         y3, us3 = whole_call(False)
-        for nb, sk, pdl, codes, atma, diag, gb, xring, l2 in variants:
+        for nb, sk, pdl, codes, atma, diag, gb, xring, l2, ps, skew in variants:
             if xring == "on" and atma == "on":
                 continue  # the rows come one way
             set_flags(nb, sk, pdl, codes, diag, xring, l2)
-            yg, usg = whole_call(True, pdl, atma, gb)
+            gluon_ws.SKEW_NS = skew
+            try:
+                yg, usg = whole_call(True, pdl, atma, gb, ps)
+            except Exception as exc:  # a variant that does not compile or fit: say so, go on
+                print(f"B{nb} SK{sk} persist-{ps} skew-{skew} T={t}: {type(exc).__name__}: "
+                      f"{str(exc)[:300]}", flush=True)  # fmt: skip
+                continue
+            finally:
+                gluon_ws.SKEW_NS = 0
             same = bool(torch.equal(y3, yg))
             rows.append(dict(tokens=t, buffers=nb, stage_k=sk, pdl=pdl, codes=codes,
                              a_tma=atma, diag=diag, grid_blocks=gb, x_ring=xring, l2_ahead=l2,
-                             gemm="call",
+                             persist=ps, skew_ns=skew, gemm="call",
                              same=same,
                              loop3_us=us3, gluon_us=usg))  # fmt: skip
             print(f"B{nb} SK{sk} PDL-{pdl} {codes} atma-{atma} xring-{xring} L2-{l2} diag{diag} "
-                  f"gb-{gb} "
+                  f"gb-{gb} persist-{ps} skew-{skew} "
                   f"T={t:5d} "
                   f"whole call same "
                   f"{same}  loop 3 {us3:7.1f} us  with gluon {usg:7.1f} us",

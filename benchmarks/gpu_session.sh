@@ -45,12 +45,13 @@
 #   bash benchmarks/gpu_session.sh s14c       # X_RING's timeline; kernel times at 16 and 8192
 #   bash benchmarks/gpu_session.sh s14d       # the new quantize kernels: bits, kernel times, bench
 #   bash benchmarks/gpu_session.sh s14e       # test_kernels' GPU suite, quantize tests, PDL probe
+#   bash benchmarks/gpu_session.sh s15a       # skewed starts, persistent rings of 2 and 4, clocks
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -512,6 +513,25 @@ s14e)
     step gluon_quantize 120 python3 -m pytest --device cuda -q tests/test_gluon_ws.py -k quantize
     step nopdl 90 python3 -m fp4moe bench --num-tokens 8192 --modes w4a4-tensor w4a4-token \
         w4a16 --no-pdl --no-baseline --iters 10 --out "$out/nopdl"
+    ;;
+s15a)
+    # Session 14 found each decode GEMM's span the sum of its issue and byte times (no
+    # overlap). Tell the causes apart: half the programs started late (gluon_ws.SKEW_NS:
+    # the programs' common phase), persistent programs whose ring of 2 or 4 stages keeps
+    # copies in flight while they decode, across units (never measured with more than one
+    # buffer), and the SM clock and power while the calls replay (the power limit)
+    step skew 110 python3 benchmarks/gluon_experiment.py --whole-only --tokens 1 16 64 \
+        --skew 0 1000 2000 3000 0 --out "$out/skew.json"
+    step persist_b12 150 python3 benchmarks/gluon_experiment.py --whole-only --tokens 1 16 \
+        64 --buffers 1 2 --persist off 6:8 4:6 --out "$out/persist-b12.json"
+    step persist_b2 100 python3 benchmarks/gluon_experiment.py --whole-only --tokens 1 16 \
+        64 --buffers 2 --persist 3:5 5:7 --out "$out/persist-b2.json"
+    step persist_b4 90 python3 benchmarks/gluon_experiment.py --whole-only --tokens 1 16 \
+        64 --buffers 4 --persist 2:4 3:5 --out "$out/persist-b4.json"
+    step persist_sk128 90 python3 benchmarks/gluon_experiment.py --whole-only --tokens 1 \
+        16 64 --buffers 2 --stage-k 128 --persist off 6:8 --out "$out/persist-sk128.json"
+    step clocks 50 python3 benchmarks/clock_probe.py --tokens 1 16 --seconds 2 \
+        --out "$out/clocks.json"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

@@ -106,6 +106,13 @@ DIAG = 0
 # (the buffer is allocated a launch); not with grid_blocks.
 TRACE = False
 TRACES: list = []
+# Experiment (session 15, off): half the programs (a hash of the program's slot) sleep
+# SKEW_NS nanoseconds (``nanosleep``) before their first copies, so that the programs of an
+# SM are not all in the same phase (copies, then decode). Session 14 found each decode
+# GEMM's span the sum of its issue time and its bytes' time at 1 and 16 tokens; if the
+# programs' common phase is why, a skew moves the span toward the larger of the two. The
+# results stay right (the same bits).
+SKEW_NS = 0
 TRACE_FIELDS = 16
 # the stamps' columns
 T_GSTART, T_GEND, T_START, T_WAIT, T_SCHED, T_ISSUE, T_X, T_W0, T_LOOP, T_PART, T_END = range(11)
@@ -366,6 +373,16 @@ def _last_unit_epilogue(
 
 
 @gluon.jit
+def _skew_sleep(slot, ns: gl.constexpr):
+    """SKEW_NS: sleep ``ns`` nanoseconds when a hash of ``slot`` is odd (about half the
+    programs of each SM, whatever the block scheduler's order)."""
+    odd = ((slot * -1640531535) >> 15) & 1
+    d = gl.where(odd != 0, ns, 0)
+    gl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [d],
+                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
 def _stamp(ptr, which: gl.constexpr):
     """TRACE: the SM's cycle counter (``which`` 0), the global nanosecond timer (1) or the
     SM's id (2) stored at ``ptr``."""
@@ -438,6 +455,7 @@ def tma_split_kernel(
     # units u = program, program + loop_step, ... of the valid blocks (tile fastest, then
     # segment, then block) and issuing the next unit's first stages in its last ones
     L2: gl.constexpr = 0,  # stages prefetched into L2 ahead of the ring (gluon_ws.L2_AHEAD)
+    SKEW: gl.constexpr = 0,  # ns half the programs sleep before their copies (SKEW_NS)
 ):
     pid_n = gl.program_id(0)
     if BLOCKS_LAST:
@@ -461,6 +479,8 @@ def tma_split_kernel(
         _gdc_wait_release()
     if TRACE:
         _stamp(tb + 3, 0)  # T_WAIT
+    if SKEW > 0:
+        _skew_sleep(slot, SKEW)
     # EARLY_W: the schedule was written two kernels back (the kernel before this one waited
     # for it before it released this one), so it is read before the wait, from L2
     if PERSIST:
@@ -991,7 +1011,7 @@ def split_partials_tma(
         EARLY_W=pdl and early_weights and EARLY_WEIGHTS, A_TMA=a_tma,
         OUT_UNIT=out_unit_order, DIAG=DIAG, LOOP=grid_blocks > 0, TRACE=trace is not dummy,
         PERSIST=persist > 0, XRING=_x_ring(gated, block_m, grid_blocks, persist, a_tma),
-        L2=_l2_ahead(box, grid_blocks, persist, stage_k, seg, buffers),
+        L2=_l2_ahead(box, grid_blocks, persist, stage_k, seg, buffers), SKEW=SKEW_NS,
         num_warps=4, launch_pdl=pdl, **_maxnreg(gated, block_m, grid_blocks, persist, a_tma),
     )  # fmt: skip
 
@@ -1048,6 +1068,7 @@ def compile_sm90(
     persist: bool = False,
     x_ring: bool = False,
     l2: int = 0,
+    skew: int = 0,
 ):
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
     layout conversions are asserted trivial at compile time. ``box3``: the code copies
@@ -1081,7 +1102,7 @@ def compile_sm90(
                  A_FP4=a_fp4, BOX3=int(box3), SK=stage_k, USE_PDL=pdl,
                  EARLY_W=pdl and early_weights, A_TMA=a_tma, OUT_UNIT=out_unit_order,
                  DIAG=diag, LOOP=loop_blocks > 0, TRACE=trace, PERSIST=persist,
-                 XRING=x_ring, L2=l2)  # fmt: skip
+                 XRING=x_ring, L2=l2, SKEW=skew)  # fmt: skip
     opts = {} if maxnreg is None else {"maxnreg": maxnreg}
     return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows", "loop_step"),
                                gluon=True, descs=descs, num_warps=4, launch_pdl=pdl,
