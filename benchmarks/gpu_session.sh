@@ -46,12 +46,13 @@
 #   bash benchmarks/gpu_session.sh s14d       # the new quantize kernels: bits, kernel times, bench
 #   bash benchmarks/gpu_session.sh s14e       # test_kernels' GPU suite, quantize tests, PDL probe
 #   bash benchmarks/gpu_session.sh s15a       # skewed starts, persistent rings of 2 and 4, clocks
+#   bash benchmarks/gpu_session.sh s15b       # ncu pipe use of the decode GEMMs; persist by GEMM
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -532,6 +533,42 @@ s15a)
         16 64 --buffers 2 --stage-k 128 --persist off 6:8 --out "$out/persist-sk128.json"
     step clocks 50 python3 benchmarks/clock_probe.py --tokens 1 16 --seconds 2 \
         --out "$out/clocks.json"
+    ;;
+s15b)
+    # Which pipe bounds the decode GEMMs' issue (ALU: LOP3 and PRMT at 16 lanes a clock):
+    # ncu's pipe use for the two Gluon GEMMs at 1 and 16 tokens, real and without copies
+    # (DIAG 2); then persistent programs with a ring of two by GEMM and token count (s15a:
+    # 16 tokens 58.9 -> 53.5 us, 1 and 64 tokens slower), DeepSeek-V3, Qwen3, Mixtral
+    want="smsp__issue_active smsp__inst_executed_pipe_alu smsp__inst_executed_pipe_fma \
+        smsp__inst_executed_pipe_fmaheavy smsp__inst_executed_pipe_fp16 \
+        smsp__inst_executed_pipe_lsu smsp__inst_executed_pipe_uniform sm__pipe_alu_cycles_active \
+        sm__pipe_fma_cycles_active sm__pipe_fmaheavy_cycles_active sm__pipe_shared_cycles_active \
+        smsp__pipe_alu_cycles_active smsp__pipe_fma_cycles_active smsp__pipe_fmaheavy_cycles_active \
+        smsp__pipe_fp16_cycles_active smsp__pipe_shared_cycles_active"
+    ncu --query-metrics > "$out/ncu-metrics.txt" 2>&1
+    m="gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed"
+    m="$m,sm__cycles_elapsed.avg.per_second,sm__warps_active.avg.pct_of_peak_sustained_active"
+    for w in $want; do
+        if grep -q "^$w " "$out/ncu-metrics.txt"; then
+            m="$m,$w.avg.pct_of_peak_sustained_active"
+        fi
+    done
+    echo "$m" > "$out/ncu-metric-list.txt"
+    for t in 1 16; do
+        for d in 0 2; do
+            step "ncu_${t}_diag$d" 60 ncu --clock-control none -k regex:tma_split -c 2 \
+                --metrics "$m" python3 benchmarks/profile_call.py --tokens "$t" --mode w4a16 \
+                --diag "$d"
+        done
+    done
+    step persist_tokens 170 python3 benchmarks/gluon_experiment.py --whole-only --tokens 4 8 \
+        12 16 24 32 --persist off 6:8 0:8 6:0 --persist-buffers 2 \
+        --out "$out/persist-tokens.json"
+    for pr in qwen3-30b-a3b mixtral-8x7b; do
+        step "persist_$pr" 80 python3 benchmarks/gluon_experiment.py --whole-only --preset "$pr" \
+            --tokens 1 16 64 --persist off 6:8 0:8 --persist-buffers 2 \
+            --out "$out/persist-$pr.json"
+    done
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

@@ -158,6 +158,9 @@ LOOP_MAXNREG = {(True, 8): 80, (False, 8): 64, (True, 16): 128, (False, 16): 96}
 # measured with LOOP_MAXNREG's caps, which gave FC2's 8-row tiles a 16-byte stack; the
 # launch no longer caps PERSIST)
 PERSIST_PER_SM = {(True, 8): 6, (False, 8): 8, (True, 16): 4, (False, 16): 5}
+# The ring buffers of PERSIST's launches (None: BUFFERS, as every launch). Session 15: with
+# two, a program's next stage flies while it decodes, across its units as well.
+PERSIST_BUFFERS: int | None = None
 
 
 def scale_slots(buffers: int, stage_k: int) -> int:
@@ -1005,7 +1008,7 @@ def split_partials_tma(
         ws_rows, gb,
         N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=gather, BM=block_m,
         SEG=seg, ASYNC=asynchronous, BLOCKS_LAST=blocks_last,
-        NBUF=BUFFERS if buffers is None else buffers, EPILOGUE=epilogue,
+        NBUF=_buffers(buffers, persist), EPILOGUE=epilogue,
         FUSED=fused and epilogue, OUT_SCALE=out_scale, A_UNIT_ORDER=a_unit_order,
         A_FP4=a_global is not None and epilogue, BOX3=box, SK=stage_k, USE_PDL=pdl,
         EARLY_W=pdl and early_weights and EARLY_WEIGHTS, A_TMA=a_tma,
@@ -1014,6 +1017,16 @@ def split_partials_tma(
         L2=_l2_ahead(box, grid_blocks, persist, stage_k, seg, buffers), SKEW=SKEW_NS,
         num_warps=4, launch_pdl=pdl, **_maxnreg(gated, block_m, grid_blocks, persist, a_tma),
     )  # fmt: skip
+
+
+def _buffers(buffers: int | None, persist: int) -> int:
+    """A launch's ring buffers: ``buffers``, else ``PERSIST_BUFFERS`` for a PERSIST launch
+    when set, else ``BUFFERS``."""
+    if buffers is not None:
+        return buffers
+    if persist and PERSIST_BUFFERS is not None:
+        return PERSIST_BUFFERS
+    return BUFFERS
 
 
 def _l2_ahead(
