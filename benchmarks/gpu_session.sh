@@ -47,12 +47,14 @@
 #   bash benchmarks/gpu_session.sh s14e       # test_kernels' GPU suite, quantize tests, PDL probe
 #   bash benchmarks/gpu_session.sh s15a       # skewed starts, persistent rings of 2 and 4, clocks
 #   bash benchmarks/gpu_session.sh s15b       # ncu pipe use of the decode GEMMs; persist by GEMM
+#   bash benchmarks/gpu_session.sh s15c       # the bench with interleaved rounds (DeepSeek-V3)
+#   bash benchmarks/gpu_session.sh s15d       # rounds against one pass at prefill; Qwen3, Mixtral
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -569,6 +571,27 @@ s15b)
             --tokens 1 16 64 --persist off 6:8 0:8 --persist-buffers 2 \
             --out "$out/persist-$pr.json"
     done
+    ;;
+s15c)
+    # The bench with its configurations sampled in interleaved rounds (bench --rounds, new):
+    # a short smoke run, then session 14's command at every count
+    step smoke 90 python3 -m fp4moe bench --preset qwen3-30b-a3b --num-tokens 1 16 \
+        --iters 4 --rounds 2 --out "$out/smoke"
+    step deepseek 420 python3 -m fp4moe bench --num-tokens 1 8 16 32 64 128 256 1024 4096 \
+        8192 16384 --iters 10 --out "$out/deepseek"
+    ;;
+s15d)
+    # Whether the rounds change target 3's ratio at prefill (one pass against five rounds,
+    # each in a fresh process), then Qwen3 and Mixtral (target 5)
+    for r in 1 5; do
+        step "prefill_rounds$r" 90 python3 -m fp4moe bench --num-tokens 8192 16384 --modes \
+            w4a4-tensor w4a16 --no-baseline --iters 10 --rounds "$r" --out "$out/prefill-r$r"
+    done
+    short=(--num-tokens 1 16 64 256 1024 8192 --iters 10)
+    step qwen3 130 python3 -m fp4moe bench --preset qwen3-30b-a3b "${short[@]}" \
+        --out "$out/qwen3"
+    step mixtral 170 python3 -m fp4moe bench --preset mixtral-8x7b "${short[@]}" \
+        --out "$out/mixtral"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+from typing import ClassVar
 
 import pytest
 
@@ -99,3 +100,60 @@ def test_random_experts_seeded_and_static_scales():
     assert torch.equal(a.w13_codes, b.w13_codes) and torch.equal(a.w2_scales, b.w2_scales)
     assert a.a13_scale is not None and a.a2_scale is not None
     assert torch.allclose(a.a2_scale, a.a13_scale * 0.1)
+
+
+def test_round_orders_rotate():
+    assert bench.round_orders(["a", "b", "c"], 4) == [
+        ["a", "b", "c"],
+        ["b", "c", "a"],
+        ["c", "a", "b"],
+        ["a", "b", "c"],
+    ]
+    assert bench.round_orders([], 3) == []
+    with pytest.raises(ValueError, match="rounds"):
+        bench.round_orders(["a"], 0)
+
+
+class _FakeTimer:
+    """Stands for GraphTimer: a 'card' whose clock slows by 1 us each sample it runs, so
+    a configuration timed after another pays for its drift."""
+
+    log: ClassVar[list] = []
+    clock: ClassVar[list] = [0.0]
+
+    def __init__(self, fn, *, graph, warmup, reps=1):
+        self.base = fn()
+
+    def sample(self, n):
+        out = []
+        for _ in range(n):
+            self.clock[0] += 1.0
+            out.append(self.base + self.clock[0])
+            _FakeTimer.log.append(self.base)
+        return out
+
+
+def test_time_interleaved_spreads_the_drift():
+    fns = {"slow": lambda: 100.0, "fast": lambda: 10.0, "mid": lambda: 50.0}
+    _FakeTimer.log, _FakeTimer.clock = [], [0.0]
+    us = bench.time_interleaved(fns, graph=True, warmup=1, iters=10, rounds=5, timer=_FakeTimer)
+    assert len(_FakeTimer.log) == 30  # iters samples each
+    assert [_FakeTimer.log.count(b) for b in (100.0, 10.0, 50.0)] == [10, 10, 10]
+    # each configuration sampled in every round: the drift (1 to 30 us) falls on all alike
+    drift = {k: us[k] - fns[k]() for k in fns}
+    assert max(drift.values()) - min(drift.values()) <= 5.0, drift  # in sequence: 20
+    # in sequence (one round) the last configuration pays the whole drift
+    _FakeTimer.log, _FakeTimer.clock = [], [0.0]
+    seq = bench.time_interleaved(fns, graph=True, warmup=1, iters=10, timer=_FakeTimer)
+    assert seq["mid"] - 50.0 > seq["slow"] - 100.0 + 15
+    with pytest.raises(ValueError, match="iters"):
+        bench.time_interleaved(fns, graph=True, warmup=1, iters=0, timer=_FakeTimer)
+
+
+def test_rounds_flag():
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    assert p.parse_args([]).rounds == 5
+    assert p.parse_args(["--rounds", "2"]).rounds == 2
+    with pytest.raises(SystemExit):
+        p.parse_args(["--rounds", "0"])

@@ -63,6 +63,14 @@ def _count(text: str) -> int:
     return v
 
 
+def _positive(text: str) -> int:
+    """argparse type: an int >= 1."""
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {v}")
+    return v
+
+
 def _dense_above(text: str) -> int | str:
     """argparse type of ``--dense-above``: an int >= 0, or 'off'."""
     return text if text == "off" else _count(text)
@@ -102,7 +110,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-baseline", action="store_true", help="skip the bf16 and naive baselines")
     p.add_argument("--no-check", action="store_true", help="skip the check against the reference")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=int, default=20, help="timed samples a configuration")
+    p.add_argument(
+        "--rounds",
+        type=_positive,
+        default=5,
+        help="the samples of a token count's configurations are taken in this many rounds, "
+        "each configuration in turn (a rotated order each round), so that clock or "
+        "temperature drift falls on all alike (default 5)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-out", help="folder for JSON, CSV and PNG")
     p.add_argument(
@@ -148,32 +164,79 @@ def warm_up(fn, warmup: int) -> None:
     torch.cuda.current_stream().wait_stream(s)
 
 
+class GraphTimer:
+    """One configuration's call, warmed up and (``graph``) captured once as a CUDA graph of
+    ``reps`` calls; ``sample(n)`` replays it ``n`` times and returns each replay's
+    microseconds a call (CUDA events)."""
+
+    def __init__(self, fn, *, graph: bool, warmup: int, reps: int = 1):
+        warm_up(fn, warmup)
+        self.reps = reps
+        if graph:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(reps):
+                    fn()
+            self._run = g.replay
+            self._graph = g
+        else:
+
+            def run():
+                for _ in range(reps):
+                    fn()
+
+            self._run = run
+        self._run()
+        torch.cuda.synchronize()
+
+    def sample(self, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            self._run()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) * 1000 / self.reps)
+        return out
+
+
+def round_orders(names: list, rounds: int) -> list[list]:
+    """The order of each round of ``time_interleaved``: ``names`` rotated by one place a
+    round, so each configuration runs early in some rounds and late in others."""
+    if rounds < 1:
+        raise ValueError(f"rounds: expected an int >= 1, got {rounds!r}")
+    n = len(names)
+    return [[names[(r + i) % n] for i in range(n)] for r in range(rounds)] if n else []
+
+
+def time_interleaved(
+    fns: dict, *, graph: bool, warmup: int, iters: int, rounds: int = 1, reps: int = 1,
+    timer=GraphTimer,
+) -> dict:  # fmt: skip
+    """Median microseconds of one call of each ``fns[name]()``, ``iters`` samples each
+    (``reps`` calls a sample), taken in ``rounds`` rounds: every configuration is
+    captured once, then each round samples each in turn (``round_orders``), about
+    ``iters / rounds`` samples at a time. A drift of the card's clock or temperature over
+    the run (a power-capped matmul slows the next configurations) then falls on every
+    configuration alike, so ratios between them taken in one run stay fair. ``timer``:
+    the capture class (``GraphTimer``; tests pass a fake)."""
+    if iters < 1:
+        raise ValueError(f"iters: expected an int >= 1, got {iters!r}")
+    timers = {name: timer(fn, graph=graph, warmup=warmup, reps=reps) for name, fn in fns.items()}
+    samples: dict = {name: [] for name in fns}
+    orders = round_orders(list(fns), rounds)
+    for r, order in enumerate(orders):
+        n = iters * (r + 1) // len(orders) - iters * r // len(orders)
+        for name in order:
+            if n:
+                samples[name] += timers[name].sample(n)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
 def time_us(fn, *, graph: bool, warmup: int, iters: int, reps: int = 1) -> float:
     """Median microseconds of one ``fn()`` call (``reps`` calls a sample)."""
-    warm_up(fn, warmup)
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(reps):
-                fn()
-        run = g.replay
-    else:
-
-        def run():
-            for _ in range(reps):
-                fn()
-
-    run()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) * 1000 / reps)
-    return statistics.median(samples)
+    return time_interleaved({0: fn}, graph=graph, warmup=warmup, iters=iters, reps=reps)[0]
 
 
 def card_ceilings() -> dict:
@@ -350,6 +413,8 @@ def run(args: argparse.Namespace) -> dict:
         "cuda_graph": graph,
         "pdl": not args.no_pdl,
         "cold_l2": args.cold_l2,
+        "iters": args.iters,
+        "rounds": args.rounds,
         "dense_above": opt.dense_above,
         "valid_fraction": opt.valid_fraction,
         "rows": rows,
@@ -364,21 +429,13 @@ def run(args: argparse.Namespace) -> dict:
         touched = int(torch.unique(ids[valid]).numel()) if routes else 0
         floor_us = touched * per_expert / ceil["copy_bytes_per_s"] * 1e6
         flops = 2 * routes * 3 * p.hidden * p.inter
-        bf16_us = naive_us = None
+        # Check each configuration against the reference, then time them all interleaved
+        # in rounds (--rounds), with the baselines: one capture each, the same samples
+        calls = {}
         if base is not None and routes:
-            bf16_us = time_us(
-                lambda: bf16_grouped_moe(x, ids, w, *base, routes),  # noqa: B023
-                graph=graph,
-                warmup=args.warmup,
-                iters=args.iters,
-            )
-            naive_us = time_us(
-                lambda: naive_nvfp4_moe(x, ids, w, experts, routes),  # noqa: B023
-                graph=graph,
-                warmup=args.warmup,
-                iters=args.iters,
-            )
-        fused_us: dict[str, float] = {}
+            calls["bf16"] = lambda: bf16_grouped_moe(x, ids, w, *base, routes)  # noqa: B023
+            calls["naive"] = lambda: naive_nvfp4_moe(x, ids, w, experts, routes)  # noqa: B023
+        errs = {}
         for mode in args.modes:
             m, sc = MODES[mode]
             for fused in finals:
@@ -397,26 +454,35 @@ def run(args: argparse.Namespace) -> dict:
                             f"T={t} {mode} fused={fused}: rel. error {err:.2e} "
                             f"above the SPEC tolerance {tol}"
                         )
+                errs[mode, fused] = err
                 it = iter(range(1 << 30))
 
                 def call(m=m, sc=sc, fused=fused, it=it, x=x, ids=ids, w=w):
                     ex = copies[next(it) % len(copies)]
                     return moe_triton(
-                        x,
-                        ids,
-                        w,
-                        ex,
-                        mode=m,
-                        act_scale=sc,
-                        fused_finalize=fused,
-                        options=opt,
+                        x, ids, w, ex, mode=m, act_scale=sc, fused_finalize=fused, options=opt
                     )
 
-                us = time_us(
-                    call, graph=graph, warmup=args.warmup, iters=args.iters, reps=len(copies)
+                calls[mode, fused] = call
+        # each baseline a call, each fp4moe configuration len(copies) calls a sample
+        reps = {k: 1 if k in ("bf16", "naive") else len(copies) for k in calls}
+        timed: dict = {}
+        for r in sorted(set(reps.values())):
+            group = {k: f for k, f in calls.items() if reps[k] == r}
+            timed.update(
+                time_interleaved(
+                    group, graph=graph, warmup=args.warmup, iters=args.iters,
+                    rounds=args.rounds, reps=r,
                 )
-                if fused:
-                    fused_us[mode] = us
+            )  # fmt: skip
+        if len(set(reps.values())) > 1:  # --cold-l2: two groups, the baselines first
+            doc["notes"] = ["with --cold-l2 the baselines were interleaved among themselves only"]
+        calls.clear()
+        bf16_us, naive_us = timed.get("bf16"), timed.get("naive")
+        fused_us = {mode: timed[mode, True] for mode in args.modes if (mode, True) in timed}
+        for mode in args.modes:
+            for fused in finals:
+                us = timed[mode, fused]
                 rows.append(
                     {
                         "tokens": t,
@@ -435,7 +501,7 @@ def run(args: argparse.Namespace) -> dict:
                         else None,
                         "bf16_us": bf16_us,
                         "naive_nvfp4_us": naive_us,
-                        "rel_err": err,
+                        "rel_err": errs[mode, fused],
                     }
                 )
         write_outputs(doc, args.out, plot=False)  # a run cut short keeps its rows
