@@ -166,8 +166,8 @@ def warm_up(fn, warmup: int) -> None:
 
 class GraphTimer:
     """One configuration's call, warmed up and (``graph``) captured once as a CUDA graph of
-    ``reps`` calls; ``sample(n)`` replays it ``n`` times and returns each replay's
-    microseconds a call (CUDA events)."""
+    ``reps`` calls; ``sample(n)`` replays it once untimed, then ``n`` times, and returns
+    each timed replay's microseconds a call (CUDA events)."""
 
     def __init__(self, fn, *, graph: bool, warmup: int, reps: int = 1):
         warm_up(fn, warmup)
@@ -190,6 +190,9 @@ class GraphTimer:
         torch.cuda.synchronize()
 
     def sample(self, n: int) -> list[float]:
+        """``n`` timed replays after one untimed one (the caches as a run of this
+        configuration alone leaves them, whatever ran before)."""
+        self._run()
         out = []
         for _ in range(n):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -217,7 +220,7 @@ def time_interleaved(
     """Median microseconds of one call of each ``fns[name]()``, ``iters`` samples each
     (``reps`` calls a sample), taken in ``rounds`` rounds: every configuration is
     captured once, then each round samples each in turn (``round_orders``), about
-    ``iters / rounds`` samples at a time. A drift of the card's clock or temperature over
+    ``iters / rounds`` samples at a time after one untimed replay. A drift of the card's clock or temperature over
     the run (a power-capped matmul slows the next configurations) then falls on every
     configuration alike, so ratios between them taken in one run stay fair. ``timer``:
     the capture class (``GraphTimer``; tests pass a fake)."""
