@@ -220,10 +220,11 @@ def time_interleaved(
     """Median microseconds of one call of each ``fns[name]()``, ``iters`` samples each
     (``reps`` calls a sample), taken in ``rounds`` rounds: every configuration is
     captured once, then each round samples each in turn (``round_orders``), about
-    ``iters / rounds`` samples at a time after one untimed replay. A drift of the card's clock or temperature over
-    the run (a power-capped matmul slows the next configurations) then falls on every
-    configuration alike, so ratios between them taken in one run stay fair. ``timer``:
-    the capture class (``GraphTimer``; tests pass a fake)."""
+    ``iters / rounds`` samples at a time after one untimed replay. A drift of the card's
+    clock or temperature over the run (a power-capped matmul slows the next
+    configurations) then falls on every configuration alike, so ratios between them
+    taken in one run stay fair. ``timer``: the capture class (``GraphTimer``; tests pass
+    a fake)."""
     if iters < 1:
         raise ValueError(f"iters: expected an int >= 1, got {iters!r}")
     timers = {name: timer(fn, graph=graph, warmup=warmup, reps=reps) for name, fn in fns.items()}
