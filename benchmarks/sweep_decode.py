@@ -25,7 +25,8 @@ the (tiles, segments, blocks) grid, named c3-blast in session 9's data), c3-noqd
 default since session 12, c3-nofc1early without),
 c3-atma (TritonOptions.gluon_a_tma: the Gluon GEMMs' rows by TMA),
 c3-noamaxself (TritonOptions.amax_self_upto 0: per-tensor W4A4's amax kernel at every
-size), c3-amaxself128k / c3-amaxself256k (amax_self_upto 131072 / 262144), c3-gbauto, c3-gbworst (TritonOptions.gluon_grid_blocks "auto" and None: the Gluon GEMMs'
+size), c3-amaxself128k / c3-amaxself256k (amax_self_upto 131072 / 262144),
+c3-gbauto, c3-gbworst (TritonOptions.gluon_grid_blocks "auto" and None: the Gluon GEMMs'
 grid at the expected valid row blocks, each program looping over its share, or at the
 worst case), c3-persist, c3-persistN (TritonOptions.gluon_persist "auto" and N programs
 an SM: the Gluon GEMMs as persistent programs that issue the next unit's copies early),
