@@ -1556,6 +1556,55 @@ def test_moe_triton_no_tokens(interpret, device, mode):
 
 @pytest.mark.kernel
 @pytest.mark.parametrize("fused", [False, True], ids=["deterministic", "fused"])
+def test_amax_zeros_from_the_sort(interpret, device, monkeypatch, fused):
+    """Per-tensor W4A4's amax kernels fold into slots of the buffer the sort kernel
+    clears (``amax_zeros_in_sort``), not into zeros of their own: the buffer is filled
+    with 3.4e38 before the sort, so an uncleared slot would give a wrong global. The same
+    bits as with the option off."""
+    from fp4moe.kernels import launch
+
+    experts = _experts(4, 128, 64, seed=3, device=device)
+    x = _x(5, 128, seed=3, device=device)
+    ids, w = _routes(5, 2, 4, seed=3, device=device, masked=0.2)
+    outs, calls, bufs = {}, [], []
+    real_amax, real_split = launch.amax_rows, launch.split_counters
+
+    def amax_spy(*a, **kw):
+        calls.append(kw.get("out"))
+        return real_amax(*a, **kw)
+
+    def split_spy(*a, **kw):
+        zero, counters, slots = real_split(*a, **kw)
+        if zero is not None:
+            zero.fill_(0x7F7F7F7F)  # fp32 3.39e38: only the sort kernel clears it
+            bufs.append(zero)
+        return zero, counters, slots
+
+    monkeypatch.setattr(launch, "amax_rows", amax_spy)
+    monkeypatch.setattr(launch, "split_counters", split_spy)
+    for on in (True, False):
+        calls.clear()
+        bufs.clear()
+        opt = TritonOptions(amax_self_upto=0, amax_zeros_in_sort=on)
+        outs[on] = moe_triton(x, ids, w, experts, mode="w4a4", act_scale="per_tensor",
+                              fused_finalize=fused, options=opt)  # fmt: skip
+        assert len(calls) == 2  # x's amax and FC1 output's
+        if on:
+            base = bufs[0].untyped_storage().data_ptr()
+            assert all(c is not None and c.untyped_storage().data_ptr() == base for c in calls)
+            assert calls[0].data_ptr() != calls[1].data_ptr()
+        else:
+            assert calls == [None, None]
+    if not fused:
+        assert torch.equal(outs[True], outs[False])
+    ref = moe_reference(x, ids, w, experts, mode="w4a4", act_scale="per_tensor")
+    assert rel_err(outs[True], ref) <= TOL["w4a4"]
+    with pytest.raises(ValueError, match="out must be one fp32 zero"):
+        real_amax(x, 5, out=torch.zeros(2, device=device))
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("fused", [False, True], ids=["deterministic", "fused"])
 def test_amax_self_plumbing(interpret, device, monkeypatch, fused):
     """Per-tensor W4A4 with ``amax_self_upto``: inputs up to that many elements skip the
     amax kernel (the quantize kernel takes the amax itself), larger ones and 0 keep it;

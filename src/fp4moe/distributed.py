@@ -189,6 +189,7 @@ def _route_rows_triton(rows, row_expert, experts, mode, act_scale, amax_reduce):
     codes, scales and per-row global). Rows come back in the order they came in."""
     from .kernels.launch import (
         TritonOptions,
+        amax_slots,
         expert_gemms,
         gemm_configs,
         split_counters,
@@ -206,9 +207,9 @@ def _route_rows_triton(rows, row_expert, experts, mode, act_scale, amax_reduce):
         return torch.empty(0, experts.hidden_size, dtype=torch.bfloat16, device=dev)
     opt = TritonOptions(valid_fraction=1.0)  # every received row is a valid route
     cfg1, cfg2 = gemm_configs(n, experts, mode, opt)
-    zero, counters, amax_zero = split_counters(
-        n, experts, cfg1, cfg2, opt, dev, amax=opt.amax_in_fc1(mode, act_scale)
-    )
+    slot_fc2, _ = amax_slots(opt, mode, act_scale, n, experts.hidden_size, n,
+                             experts.intermediate_size, amax_reduce)  # fmt: skip
+    zero, counters, amax_zero = split_counters(n, experts, cfg1, cfg2, opt, dev, amax=slot_fc2)
     sort = sort_routes(row_expert.to(torch.int32).reshape(n, 1).contiguous(),
                        experts.num_experts, cfg1.block_m, zero=zero)  # fmt: skip
     y = expert_gemms(

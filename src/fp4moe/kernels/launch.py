@@ -237,6 +237,10 @@ class TritonOptions:
         same bits. 16384 since session 12 (DeepSeek-V3 EP8: FC1 and FC2 at 1 token, FC1 at
         2; per-tensor W4A4 at 1 token 56.0 -> 52.2 us, ``sweep_decode.py --variants c3
         c3-noamaxself``); 0 turns it off.
+    amax_zeros_in_sort: per-tensor W4A4's amax kernels (``amax_rows``) fold into fp32
+        zeros that the sort kernel clears with the split counters (``split_counters``'
+        amax slots) instead of a ``torch.zeros`` each: no memset kernel (which has no
+        PDL) before them. The same amax, the same bits.
     gluon_grid_blocks: the row blocks of the Gluon kernels' grid. None: the schedule's
         worst case (``max_blocks``: every route in an expert of its own), whose empty
         programs each hold one of the SM's few slots (shared memory allows 6 to 8) for a
@@ -289,6 +293,7 @@ class TritonOptions:
     gluon_grid_blocks: int | str | None = None
     amax_self_upto: int = 16384
     gluon_persist: int | str | None = None
+    amax_zeros_in_sort: bool = True
 
     def grid_blocks(self, n_routes: int, num_experts: int, block_m: int, max_b: int) -> int:
         """The Gluon kernels' grid row blocks (``gluon_grid_blocks``; 0: the worst case
@@ -530,11 +535,22 @@ def decoded_rows_dtype() -> torch.dtype:
 
 
 def amax_rows(
-    src: torch.Tensor, rows: int, *, count: torch.Tensor | None = None, pdl: bool = False
+    src: torch.Tensor,
+    rows: int,
+    *,
+    count: torch.Tensor | None = None,
+    pdl: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 [1]: max |x| over the first ``rows`` rows of bf16 ``src`` [., C] (``count``, a
-    device scalar, limits them further), on the device; 0 for no rows."""
-    out = torch.zeros(1, dtype=torch.float32, device=src.device)
+    device scalar, limits them further), on the device; 0 for no rows. ``out``: an fp32
+    [1] zero on ``src``'s device to fold the amax into (e.g. ``split_counters``' slot,
+    cleared by the sort kernel before this launch); None: a zeroed tensor of its own."""
+    if out is None:
+        out = torch.zeros(1, dtype=torch.float32, device=src.device)
+    elif out.dtype != torch.float32 or out.numel() != 1 or out.device != src.device:
+        raise ValueError(f"amax_rows: out must be one fp32 zero on {src.device}, got "
+                         f"{out.dtype} [{out.numel()}] on {out.device}")  # fmt: skip
     if rows == 0:
         return out
     c = src.shape[1]
@@ -789,16 +805,22 @@ def _gemm(
     _launch(moe_gemm_kernel, grid, pdl, *args, **kw)
 
 
-def _per_tensor_table(src, rows, count, opt, pdl, amax_reduce):
+def _amax_self(opt: TritonOptions, elements: int, amax_reduce) -> bool:
+    """Whether a per-tensor global over ``elements`` (the host's bound) is taken by the
+    quantize kernel itself (``amax_self_upto``; never with an ``amax_reduce``)."""
+    return opt.device_amax and amax_reduce is None and elements <= opt.amax_self_upto
+
+
+def _per_tensor_table(src, rows, count, opt, pdl, amax_reduce, zero=None):
     """Quantize mode and table for a per-tensor global over the first ``rows`` rows of
     ``src`` (``count``: a device scalar limiting them): the amax on the device
     (``device_amax``; small inputs: taken by the quantize kernel itself, ``amax_self_upto``)
     or with torch ops; ``amax_reduce`` maps the amax (expert parallelism: an all-reduce max
-    over the ranks)."""
-    if opt.device_amax and amax_reduce is None and rows * src.shape[1] <= opt.amax_self_upto:
+    over the ranks). ``zero``: fp32 [1] zero for the amax kernel (``amax_rows(out=...)``)."""
+    if _amax_self(opt, rows * src.shape[1], amax_reduce):
         return MODE_AMAX_SELF, None
     if opt.device_amax:
-        amax = amax_rows(src, rows, count=count, pdl=pdl)
+        amax = amax_rows(src, rows, count=count, pdl=pdl, out=zero)
         if amax_reduce is not None:
             amax = amax_reduce(amax.reshape(())).reshape(1)
         return MODE_FROM_AMAX, amax
@@ -882,16 +904,17 @@ def split_counters(
     opt: TritonOptions,
     device: torch.device,
     *,
-    amax: bool = False,
+    amax: bool | int = False,
 ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | None]:
     """The zeros a call needs, in one buffer for ``sort_routes(zero=...)`` to clear (no
     memset node in a CUDA graph of the call): the split GEMMs' tile counters (the last
     program of a tile leaves its counter at zero) for ``expert_gemms(counters=...)``, and
-    with ``amax`` (``TritonOptions.amax_in_fc1``) one fp32 slot for FC1's per-tensor amax,
-    ``expert_gemms(amax_zero=...)`` (zero bits are 0.0). Returns (buffer, (FC1's, FC2's)
-    counters or None when neither GEMM splits K (``TritonOptions.gemm_splits``; a GEMM
-    that does not split gets an empty one), the slot or None); all None when there is
-    nothing to zero."""
+    ``amax`` fp32 slots (True: one) for per-tensor amaxes (``amax_slots``: FC1's fused
+    amax or the amax kernel of FC2's input, ``expert_gemms(amax_zero=...)``, then x's
+    amax kernel; zero bits are 0.0). Returns (buffer, (FC1's, FC2's) counters or None
+    when neither GEMM splits K (``TritonOptions.gemm_splits``; a GEMM that does not split
+    gets an empty one), the fp32 [amax] slots or None); all None when there is nothing to
+    zero."""
     e, h, inter = experts.num_experts, experts.hidden_size, experts.intermediate_size
     s1, s2 = opt.gemm_splits(n_routes, e, h, inter, cfg1, cfg2)
     if not (s1 or s2 or amax):
@@ -903,6 +926,32 @@ def split_counters(
     counters = (zero[:t1], zero[t1 : t1 + t2]) if s1 or s2 else None
     slot = zero[t1 + t2 :].view(torch.float32) if amax else None
     return zero, counters, slot
+
+
+def amax_slots(
+    opt: TritonOptions,
+    mode: str,
+    act_scale: str,
+    n_rows: int,
+    hidden: int,
+    n_routes: int,
+    inter: int,
+    amax_reduce=None,
+) -> tuple[bool, bool]:
+    """The zeroed fp32 slots a call's per-tensor W4A4 amaxes fold into
+    (``split_counters(amax=...)``): (one for FC1's output: ``amax_in_fc1``, or its amax
+    kernel; one for the amax kernel of FC1's input of ``n_rows`` x ``hidden``). Both False
+    unless per-tensor W4A4 (and, for the kernels, ``amax_zeros_in_sort``)."""
+    if mode != "w4a4" or act_scale != "per_tensor":
+        return False, False
+    if opt.amax_in_fc1(mode, act_scale):
+        fc2_in = True
+    else:
+        fc2_in = (opt.amax_zeros_in_sort and opt.device_amax
+                  and not _amax_self(opt, n_routes * inter, amax_reduce))  # fmt: skip
+    fc1_in = (opt.amax_zeros_in_sort and opt.device_amax
+              and not _amax_self(opt, n_rows * hidden, None))  # fmt: skip
+    return fc2_in, fc1_in
 
 
 def expert_gemms(
@@ -944,8 +993,9 @@ def expert_gemms(
             amax its global scale is taken from (expert parallelism: an all-reduce max).
         counters: int32 zeros for the split GEMMs' tile counters (FC1's, FC2's), e.g. from
             ``sort_routes(zero=...)``; None: each split GEMM zeroes its own.
-        amax_zero: fp32 [1] zero for the fused per-tensor amax (``split_counters(amax=...)``),
-            used when ``options.amax_in_fc1``; None: a zeroed tensor of its own.
+        amax_zero: fp32 [1] zero for the per-tensor amax of FC1's output, FC1's fused one
+            (``options.amax_in_fc1``) or the amax kernel's (``split_counters(amax=...)``,
+            ``amax_slots``); None: a zeroed tensor of its own.
         a_unit_order: ``a`` (bf16) with each 64 elements in the unit order, e.g. the sort
             kernel's ``x_ordered``; used when ``options.ordered_x`` applies (else ``a`` is
             reordered here, one more kernel).
@@ -1030,7 +1080,8 @@ def expert_gemms(
                 table = famax if amax_reduce is None else amax_reduce(famax.reshape(()))
                 qmode, table = MODE_FROM_AMAX, table.reshape(1)
             else:
-                qmode, table = _per_tensor_table(act, n_routes, n_valid, opt, pdl, amax_reduce)
+                qmode, table = _per_tensor_table(act, n_routes, n_valid, opt, pdl, amax_reduce,
+                                                 zero=amax_zero)  # fmt: skip
             b_src, b_scales, b_global = quantize_rows(
                 act, n_routes, mode=qmode, count=n_valid, table=table, pdl=pdl,
                 poison=opt.poison, decoded=b_dec,
@@ -1089,9 +1140,13 @@ def moe_triton(
     w_flat = topk_weights.contiguous().reshape(-1)
 
     cfg1, cfg2 = gemm_configs(n_routes, experts, mode, opt)
-    zero, counters, amax_zero = split_counters(
-        n_routes, experts, cfg1, cfg2, opt, dev, amax=opt.amax_in_fc1(mode, act_scale)
+    slot_fc2, slot_fc1 = amax_slots(opt, mode, act_scale, t, h, n_routes,
+                                    experts.intermediate_size)  # fmt: skip
+    zero, counters, slots = split_counters(
+        n_routes, experts, cfg1, cfg2, opt, dev, amax=int(slot_fc2) + int(slot_fc1)
     )
+    amax_zero = slots[:1] if slot_fc2 else None  # FC1's output
+    x_zero = slots[int(slot_fc2) :][:1] if slot_fc1 else None  # x's amax kernel
     # ordered_x: the sort kernel also writes x in the GEMMs' unit order (no launch of its own)
     ordered = (
         opt.ordered_for(mode, n_routes, e_count, h, experts.intermediate_size, cfg1, cfg2)
@@ -1115,7 +1170,7 @@ def moe_triton(
                 x, t, mode=MODE_PER_ROW, pdl=pdl, poison=opt.poison, decoded=a_dec
             )
         elif act_scale == "per_tensor":
-            qmode, table = _per_tensor_table(x, t, None, opt, pdl, None)
+            qmode, table = _per_tensor_table(x, t, None, opt, pdl, None, zero=x_zero)
             a_src, a_scales, a_global = quantize_rows(
                 x, t, mode=qmode, table=table, pdl=pdl, poison=opt.poison, decoded=a_dec
             )
