@@ -49,12 +49,13 @@
 #   bash benchmarks/gpu_session.sh s15b       # ncu pipe use of the decode GEMMs; persist by GEMM
 #   bash benchmarks/gpu_session.sh s15c       # the bench with interleaved rounds (DeepSeek-V3)
 #   bash benchmarks/gpu_session.sh s15d       # rounds against one pass at prefill; Qwen3, Mixtral
+#   bash benchmarks/gpu_session.sh s15e       # per-tensor W4A4's amax zeros from the sort: bits, time
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -592,6 +593,16 @@ s15d)
         --out "$out/qwen3"
     step mixtral 170 python3 -m fp4moe bench --preset mixtral-8x7b "${short[@]}" \
         --out "$out/mixtral"
+    ;;
+s15e)
+    # Per-tensor W4A4's amax kernels fold into zeros the sort kernel clears
+    # (TritonOptions.amax_zeros_in_sort): the per-tensor and amax GPU tests, then whole
+    # calls with and without it
+    step tests 200 python3 -m pytest --device cuda -q tests/test_kernels.py -k \
+        "amax or (moe_gpu_shapes and per_tensor) or (invariance and per_tensor)"
+    step sweep 150 python3 benchmarks/sweep_decode.py --tokens 1 4 8 16 32 64 256 --modes \
+        w4a4-tensor --variants c3 c3-noamaxzeros c3 c3-noamaxzeros --iters 15 \
+        --out "$out/amaxzeros.json"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

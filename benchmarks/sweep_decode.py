@@ -26,6 +26,7 @@ default since session 12, c3-nofc1early without),
 c3-atma (TritonOptions.gluon_a_tma: the Gluon GEMMs' rows by TMA),
 c3-noamaxself (TritonOptions.amax_self_upto 0: per-tensor W4A4's amax kernel at every
 size), c3-amaxself128k / c3-amaxself256k (amax_self_upto 131072 / 262144),
+c3-noamaxzeros (TritonOptions.amax_zeros_in_sort off: a memset before each amax kernel),
 c3-gbauto, c3-gbworst (TritonOptions.gluon_grid_blocks "auto" and None: the Gluon GEMMs'
 grid at the expected valid row blocks, each program looping over its share, or at the
 worst case), c3-persist, c3-persistN (TritonOptions.gluon_persist "auto" and N programs
@@ -199,6 +200,9 @@ def main() -> None:
                 # elements (FC1 to 16 / 36 tokens, FC2 to 64 / 128 routes at I 2048)
                 "c3-amaxself128k": c3(amax_self_upto=131072),
                 "c3-amaxself256k": c3(amax_self_upto=262144),
+                # per-tensor W4A4: the amax kernels' zeros by torch.zeros (a memset each),
+                # not from the sort kernel's buffer (the default since session 15)
+                "c3-noamaxzeros": c3(amax_zeros_in_sort=False),
                 # the Gluon GEMMs' grid: expected valid row blocks (looped) or worst case
                 "c3-gbauto": c3(gluon_grid_blocks="auto"),
                 "c3-gbworst": c3(gluon_grid_blocks=None),
