@@ -50,12 +50,13 @@
 #   bash benchmarks/gpu_session.sh s15c       # the bench with interleaved rounds (DeepSeek-V3)
 #   bash benchmarks/gpu_session.sh s15d       # rounds against one pass at prefill; Qwen3, Mixtral
 #   bash benchmarks/gpu_session.sh s15e       # per-tensor W4A4's amax zeros from the sort: bits, time
+#   bash benchmarks/gpu_session.sh s15f       # FC2's dense weights decoded on a side stream
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -603,6 +604,18 @@ s15e)
     step sweep 150 python3 benchmarks/sweep_decode.py --tokens 1 4 8 16 32 64 256 --modes \
         w4a4-tensor --variants c3 c3-noamaxzeros c3 c3-noamaxzeros --iters 15 \
         --out "$out/amaxzeros.json"
+    ;;
+s15f)
+    # The dense path with FC2's weights decoded on a side stream during FC1
+    # (TritonOptions.dense_overlap): bits (eager and graph), time against the call's
+    # stream, then the bench's prefill rows
+    step tests 150 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py -k \
+        "dense_overlap or dense_path"
+    step sweep 120 python3 benchmarks/sweep_decode.py --tokens 8192 16384 --modes w4a16 \
+        w4a4-token w4a4-tensor --variants c3 c3-nodenseoverlap --iters 10 \
+        --out "$out/overlap.json"
+    step bench 120 python3 -m fp4moe bench --num-tokens 4096 8192 16384 --iters 10 \
+        --out "$out/prefill"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

@@ -755,12 +755,18 @@ def test_workspace_bytes_counts_segment_partials(monkeypatch):
     assert seg - base == (7168 // SEGMENT) * n * 4096 * 4 - n * 7168 * 2
     off = workspace_bytes(16, 8, 7168, 2048, 32, options=TritonOptions(chunked=3, split_k=False))
     assert off == base
-    # the dense path holds FC1's decoded weights (bf16) and x's rows in FC1's phase only
+    # the dense path holds FC1's decoded weights (bf16) and x's rows in FC1's phase only,
+    # and with dense_overlap (the default) FC2's decoded weights as well
     big = workspace_bytes(4096, 8, 7168, 2048, 32)
     dense = workspace_bytes(
+        4096, 8, 7168, 2048, 32,
+        options=TritonOptions(dense_above=512, valid_fraction=1.0, dense_overlap=False),
+    )  # fmt: skip
+    assert dense - big == 32 * 2 * 2048 * 7168 * 2 + 4096 * 7168 * 2 - 4096 * 8 * 7168 * 2
+    over = workspace_bytes(
         4096, 8, 7168, 2048, 32, options=TritonOptions(dense_above=512, valid_fraction=1.0)
     )
-    assert dense - big == 32 * 2 * 2048 * 7168 * 2 + 4096 * 7168 * 2 - 4096 * 8 * 7168 * 2
+    assert over - dense == 32 * 7168 * 2048 * 2
     assert workspace_bytes(16, 8, 7168, 2048, 32, options=TritonOptions(dense_above=512)) == seg
     # by default above 192 valid routes an expert, 1/6 of the routes taken as valid when
     # unknown: DeepSeek-V3 EP8 at 8192 tokens (341 "valid"), not at 4096 (171)
@@ -771,7 +777,7 @@ def test_workspace_bytes_counts_segment_partials(monkeypatch):
     # (there the dense FC2 phase is the largest: FC2's decoded weights and its input
     # rows in the loop's order next to the route rows)
     assert (
-        workspace_bytes(8192, 8, 7168, 2048, 32)
+        workspace_bytes(8192, 8, 7168, 2048, 32, options=TritonOptions(dense_overlap=False))
         - workspace_bytes(8192, 8, 7168, 2048, 32, options=off)
         == 32 * 7168 * 2048 * 2 + 8192 * 8 * 2048 * 2
     )
@@ -1393,6 +1399,93 @@ def test_dense_path_gpu(gpu_experts, mode, t):
                    options=TritonOptions(dense_above=0, poison=True))  # fmt: skip
     assert torch.equal(a, b)
     assert rel_err(b, moe_reference(x, ids, w, experts, mode=m, act_scale=sc)) <= TOL[m]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "mode", [("w4a16", "per_token"), ("w4a4", "per_tensor"), ("w4a4", "static")], ids=_mode_id
+)
+@pytest.mark.parametrize("fused", [False, True], ids=["deterministic", "fused"])
+def test_dense_overlap_gpu(gpu_experts, mode, fused):
+    """``dense_overlap``: FC2's weights decoded on a side stream during FC1 give the
+    bits of the decode in the call's stream, eagerly and in a CUDA graph replayed
+    (the fork and join captured); the outputs poisoned first."""
+    e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
+    experts = gpu_experts("deepseek-v3-ep8")
+    m, sc = mode
+    t = 2048
+    x = _x(t, h, seed=5, device="cuda")
+    ids, w = _gpu_routes(t, k, e, e_total, seed=5)
+    outs = {}
+    for on in (False, True):
+        opt = TritonOptions(dense_above=0, dense_overlap=on, poison=True)
+        outs[on] = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                              fused_finalize=fused, options=opt)  # fmt: skip
+    if not fused:
+        assert torch.equal(outs[False], outs[True])
+    ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
+    assert rel_err(outs[True], ref) <= TOL[m]
+    opt = TritonOptions(dense_above=0, dense_overlap=True)
+
+    def call():
+        return moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused,
+                          options=opt)  # fmt: skip
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = call()
+    y.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    if fused:
+        assert rel_err(y, ref) <= TOL[m]
+    else:
+        assert torch.equal(y, outs[True])
+
+
+@pytest.mark.kernel
+def test_dense_rows_out_argument(interpret, device):
+    """``dense_rows`` / ``dense_weights`` with ``out``: the same values written into the
+    given tensor (FC2's weights decoded on a side stream, ``dense_overlap``); a tensor of
+    the wrong shape, dtype or layout is refused, naming ``out``."""
+    from fp4moe.kernels.dequant import dense_rows, dense_weights
+
+    ex = _experts(3, 64, 64, seed=8, device=device)
+    want = dense_weights(ex.w2_codes, ex.w2_scales, order=64)
+    out = torch.empty_like(want)
+    got = dense_weights(ex.w2_codes, ex.w2_scales, order=64, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out, want)
+    codes, scales = ex.w2_codes[0], ex.w2_scales[0]
+    rows = dense_rows(codes, scales, order=64)
+    out = torch.empty_like(rows)
+    assert dense_rows(codes, scales, order=64, out=out).data_ptr() == out.data_ptr()
+    assert torch.equal(out, rows)
+    for bad in (torch.empty(rows.shape[0] + 1, rows.shape[1], dtype=rows.dtype),
+                torch.empty(rows.shape, dtype=torch.float16),
+                torch.empty(rows.shape[1], rows.shape[0], dtype=rows.dtype).t()):  # fmt: skip
+        with pytest.raises(ValueError, match="out"):
+            dense_rows(codes, scales, order=64, out=bad.to(device))
+    with pytest.raises(ValueError, match="out"):
+        dense_weights(ex.w2_codes, ex.w2_scales, order=64, out=torch.empty_like(want)[:1])
+
+
+def test_workspace_bytes_counts_the_overlap():
+    """``workspace_bytes`` holds FC2's decoded weights during FC1 with ``dense_overlap``."""
+    from fp4moe.kernels.launch import workspace_bytes
+
+    kw = dict(num_tokens=8192, top_k=8, hidden=7168, inter=2048, num_experts=32)
+    on = workspace_bytes(**kw, options=TritonOptions(valid_fraction=1.0))
+    off = workspace_bytes(**kw, options=TritonOptions(valid_fraction=1.0, dense_overlap=False))
+    assert off < on <= off + 32 * 7168 * 2048 * 2  # FC1's phase grows (the peak may move)
+    small = dict(kw, num_tokens=16)  # not dense: nothing to overlap
+    assert workspace_bytes(**small) == workspace_bytes(
+        **small, options=TritonOptions(dense_overlap=False)
+    )
 
 
 @pytest.mark.kernel

@@ -44,7 +44,12 @@ def decode_tile(k: int, interpret: bool = False) -> tuple[int, int, int]:
 
 
 def dense_weights(
-    codes: torch.Tensor, scales: torch.Tensor, *, decode_asm: bool = True, order: int = 32
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    decode_asm: bool = True,
+    order: int = 32,
+    out: torch.Tensor | None = None,
 ):
     """The decoded GEMM operand of NVFP4 weight rows (see the module docstring):
     ``dense_rows`` over any leading dimensions.
@@ -54,6 +59,7 @@ def dense_weights(
         scales: float8_e4m3fn [..., K/16]. K a multiple of 32.
         decode_asm: the inline-PTX decode (GPU), as the GEMM it feeds uses.
         order: the K order, 32 or 64 (K a multiple of it), as the GEMM's ``ORDER``.
+        out: [..., K] of the returned dtype to write into (contiguous), or None.
 
     Returns:
         [..., K] bf16 on a GPU, fp32 in the interpreter (the GEMM's operand dtype).
@@ -68,8 +74,13 @@ def dense_weights(
             f"scales: expected {[*codes.shape[:-1], k // 16]} for codes {list(codes.shape)} "
             f"(K = {k}, a multiple of 32), got {list(scales.shape)}"
         )
+    if out is not None:
+        if tuple(out.shape) != (*codes.shape[:-1], k) or not out.is_contiguous():
+            raise ValueError(f"out: expected a contiguous {[*codes.shape[:-1], k]}, got "
+                             f"{list(out.shape)}")  # fmt: skip
+        out = out.view(-1, k)
     rows = dense_rows(codes.reshape(-1, k // 2), scales.reshape(-1, k // 16),
-                      decode_asm=decode_asm, order=order)  # fmt: skip
+                      decode_asm=decode_asm, order=order, out=out)  # fmt: skip
     return rows.reshape(*codes.shape[:-1], k)
 
 
@@ -151,6 +162,7 @@ def dense_rows(
     order: int = 32,
     index: torch.Tensor | None = None,
     div: int = 1,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Activation rows as the dense GEMM loads them: NVFP4 rows decoded like
     ``dense_weights``, or bf16 rows put in chunk order (``chunk_order``), values unchanged.
@@ -167,6 +179,8 @@ def dense_rows(
             the sorted routes and top-k: each route's token row in sorted order); R'
             rows out, ``count`` applying to them.
         div: the divisor of ``index`` (>= 1).
+        out: the [R, K] (R' with ``index``) result tensor to write into (contiguous, on
+            ``src``'s device, of the returned dtype), or None: a new one.
 
     Returns:
         [R, K] (R' with ``index``) bf16 on a GPU, fp32 in the interpreter.
@@ -205,7 +219,13 @@ def dense_rows(
     else:
         r_out = r
     interp = interpreting()
-    out = _empty((r_out, k), torch.float32 if interp else torch.bfloat16, src.device, poison)
+    odt = torch.float32 if interp else torch.bfloat16
+    if out is None:
+        out = _empty((r_out, k), odt, src.device, poison)
+    elif (tuple(out.shape) != (r_out, k) or out.dtype != odt or out.device != src.device
+          or not out.is_contiguous()):  # fmt: skip
+        raise ValueError(f"out: expected a contiguous {odt} [{r_out}, {k}] on {src.device}, "
+                         f"got {out.dtype} {list(out.shape)} on {out.device}")  # fmt: skip
     if r_out and r:
         br, bk, warps = decode_tile(k, interp)
         src = src.contiguous()

@@ -237,6 +237,11 @@ class TritonOptions:
         same bits. 16384 since session 12 (DeepSeek-V3 EP8: FC1 and FC2 at 1 token, FC1 at
         2; per-tensor W4A4 at 1 token 56.0 -> 52.2 us, ``sweep_decode.py --variants c3
         c3-noamaxself``); 0 turns it off.
+    dense_overlap: on the dense path on a GPU, FC2's weights are decoded on a side
+        stream while FC1 runs (the stream joins before FC2), instead of after FC1 in the
+        call's stream: the decode is bound by HBM, FC1's GEMM by the tensor cores. The
+        same kernels, the same bits; FC2's decoded weights are held during FC1 too
+        (``workspace_bytes``).
     amax_zeros_in_sort: per-tensor W4A4's amax kernels (``amax_rows``) fold into fp32
         zeros that the sort kernel clears with the split counters (``split_counters``'
         amax slots) instead of a ``torch.zeros`` each: no memset kernel (which has no
@@ -294,6 +299,7 @@ class TritonOptions:
     amax_self_upto: int = 16384
     gluon_persist: int | str | None = None
     amax_zeros_in_sort: bool = True
+    dense_overlap: bool = True
 
     def grid_blocks(self, n_routes: int, num_experts: int, block_m: int, max_b: int) -> int:
         """The Gluon kernels' grid row blocks (``gluon_grid_blocks``; 0: the worst case
@@ -671,6 +677,7 @@ def _gemm(
     a_tma: bool = False,
     grid_blocks: int = 0,
     persist: int = 0,
+    w_dense: torch.Tensor | None = None,
 ) -> None:
     """One grouped GEMM. ``out_fp4`` = (scales, globals, static table): ``out`` receives
     NVFP4 codes of the FC1 activation instead of bf16 (static W4A4). ``dense``: decode
@@ -690,12 +697,17 @@ def _gemm(
     W4A4 decoded rows in sorted order; with ``out_ordered`` its epilogue writes unit-order
     rows. ``grid_blocks``: the Gluon kernel's grid row blocks (0: the worst case;
     ``TritonOptions.grid_blocks``). ``persist``: the Gluon kernel's persistent programs
-    (0: off; ``TritonOptions.persist_programs``), unless its rows come by TMA."""
+    (0: off; ``TritonOptions.persist_programs``), unless its rows come by TMA. ``w_dense``
+    (with ``dense``): the weights decoded already (``dense_weights`` in this GEMM's
+    order), e.g. on a side stream (``TritonOptions.dense_overlap``)."""
     a_fp4 = a_scales is not None
     order = k_order(int(chunked), k, cfg.block_k)
     if dense:
         assert chunked, "the dense path is a chunk-ordered loop's (TritonOptions.dense_for)"
-        w_codes = dense_weights(w_codes, w_scales, decode_asm=decode_asm, order=order)
+        if w_dense is not None:  # decoded already (dense_overlap)
+            w_codes = w_dense
+        else:
+            w_codes = dense_weights(w_codes, w_scales, decode_asm=decode_asm, order=order)
         # The activation rows once too: W4A4's decoded, W4A16's bf16 rows put in chunk
         # order (one copy instead of a register shuffle a program). Rows in sorted order
         # (not gathered) stop at the valid count: masked routes are never loaded.
@@ -1052,6 +1064,17 @@ def expert_gemms(
     famax = None
     if opt.amax_in_fc1(mode, act_scale):
         famax = amax_zero if amax_zero is not None else torch.zeros(1, device=dev)
+    # dense_overlap: FC2's weights decoded on a side stream while FC1 runs (allocated on
+    # this stream, which waits for the side one before FC2 reads them)
+    w2_dense, side = None, None
+    if dense and opt.dense_overlap and dev.type == "cuda" and not interpreting():
+        w2_dense = torch.empty((e_count, h, inter), dtype=torch.bfloat16, device=dev)
+        side = _side_stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            dense_weights(experts.w2_codes, experts.w2_scales, decode_asm=opt.decode_asm,
+                          order=k_order(int(opt.chunked), inter, cfg2.block_k),
+                          out=w2_dense)  # fmt: skip
     _gemm(
         cfg1, sort, a, a_scales, a_global,
         experts.w13_codes, experts.w13_scales, experts.w13_global, act, route_weights,
@@ -1098,6 +1121,8 @@ def expert_gemms(
         dest = fused_into
     else:
         dest = _empty((n_routes, h), torch.bfloat16, dev, opt.poison)
+    if side is not None:
+        torch.cuda.current_stream(dev).wait_stream(side)
     _gemm(
         cfg2, sort, b_src, b_scales, b_global,
         experts.w2_codes, experts.w2_scales, experts.w2_global, dest, route_weights,
@@ -1106,9 +1131,22 @@ def expert_gemms(
         poison=opt.poison, gluon=opt.gluon_decode,
         counters=counters[1] if counters else None, a_ordered=ordered or mid_unit,
         blocks_last=opt.blocks_last, a_decoded=b_dec, early_weights=True, gluon_pdl=gpdl,
-        a_tma=atma2, grid_blocks=gb2, persist=ps2,
+        a_tma=atma2, grid_blocks=gb2, persist=ps2, w_dense=w2_dense,
     )  # fmt: skip
     return dest
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream a device for ``TritonOptions.dense_overlap`` (created once)."""
+    key = torch.device(device).index
+    if key is None:
+        key = torch.cuda.current_device()
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key)
+    return _SIDE_STREAMS[key]
 
 
 def moe_triton(
@@ -1251,7 +1289,8 @@ def workspace_bytes(
     - FC1: route sort and schedule, W4A4 quantized inputs, the fp32 accumulator (fused
       finalize), FC1's output, and FC1's temporaries: its fp32 segment partials (loop 3
       with split K) or, on the dense path (``dense_above``), its decoded bf16 weights and
-      activation rows in the loop's order; with ``ordered_x`` its reordered input rows;
+      activation rows in the loop's order (with ``dense_overlap`` FC2's decoded weights
+      too); with ``ordered_x`` its reordered input rows;
       W4A4 on the Gluon kernels (``gluon_decode``, a Hopper GPU): its decoded input rows;
     - FC2: the same less FC1's temporaries, plus FC2's W4A4 input, the route rows
       (deterministic finalize) and FC2's own temporaries;
@@ -1282,6 +1321,8 @@ def workspace_bytes(
         x_rows = n if w4a4 and act_scale == "static" else t
         tmp1 = num_experts * 2 * i * h * 2 + x_rows * h * 2  # decoded weights, rows
         tmp2 = num_experts * h * i * 2 + n * i * 2
+        if opt.dense_overlap:  # FC2's decoded weights, decoded during FC1
+            tmp1 += num_experts * h * i * 2
     if int(opt.chunked) == 3 and n:
         # Segment partials of each split GEMM (at least 32-element tiles: SEGMENT is a
         # multiple of any BK), with the configs the call would take (``gemm_configs``).
