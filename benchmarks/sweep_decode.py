@@ -27,7 +27,9 @@ c3-atma (TritonOptions.gluon_a_tma: the Gluon GEMMs' rows by TMA),
 c3-noamaxself (TritonOptions.amax_self_upto 0: per-tensor W4A4's amax kernel at every
 size), c3-amaxself128k / c3-amaxself256k (amax_self_upto 131072 / 262144),
 c3-noamaxzeros (TritonOptions.amax_zeros_in_sort off: a memset before each amax kernel),
-c3-nodenseoverlap (TritonOptions.dense_overlap off: FC2's weights decoded after FC1),
+c3-denseoverlap, c3-nodenseoverlap (TritonOptions.dense_overlap on / off: FC2's weights
+decoded on a side stream during FC1, or after it; session 15's data names the default,
+then on, c3),
 c3-gbauto, c3-gbworst (TritonOptions.gluon_grid_blocks "auto" and None: the Gluon GEMMs'
 grid at the expected valid row blocks, each program looping over its share, or at the
 worst case), c3-persist, c3-persistN (TritonOptions.gluon_persist "auto" and N programs
@@ -204,8 +206,9 @@ def main() -> None:
                 # per-tensor W4A4: the amax kernels' zeros by torch.zeros (a memset each),
                 # not from the sort kernel's buffer (the default since session 15)
                 "c3-noamaxzeros": c3(amax_zeros_in_sort=False),
-                # the dense path: FC2's weights decoded after FC1 in the call's stream,
-                # not on a side stream during FC1 (the default since session 15)
+                # the dense path: FC2's weights decoded on a side stream during FC1
+                # (dense_overlap; off: slower at 8192 tokens, session 15) or after FC1
+                "c3-denseoverlap": c3(dense_overlap=True),
                 "c3-nodenseoverlap": c3(dense_overlap=False),
                 # the Gluon GEMMs' grid: expected valid row blocks (looped) or worst case
                 "c3-gbauto": c3(gluon_grid_blocks="auto"),

@@ -756,7 +756,7 @@ def test_workspace_bytes_counts_segment_partials(monkeypatch):
     off = workspace_bytes(16, 8, 7168, 2048, 32, options=TritonOptions(chunked=3, split_k=False))
     assert off == base
     # the dense path holds FC1's decoded weights (bf16) and x's rows in FC1's phase only,
-    # and with dense_overlap (the default) FC2's decoded weights as well
+    # and with dense_overlap FC2's decoded weights as well
     big = workspace_bytes(4096, 8, 7168, 2048, 32)
     dense = workspace_bytes(
         4096, 8, 7168, 2048, 32,
@@ -764,8 +764,9 @@ def test_workspace_bytes_counts_segment_partials(monkeypatch):
     )  # fmt: skip
     assert dense - big == 32 * 2 * 2048 * 7168 * 2 + 4096 * 7168 * 2 - 4096 * 8 * 7168 * 2
     over = workspace_bytes(
-        4096, 8, 7168, 2048, 32, options=TritonOptions(dense_above=512, valid_fraction=1.0)
-    )
+        4096, 8, 7168, 2048, 32,
+        options=TritonOptions(dense_above=512, valid_fraction=1.0, dense_overlap=True),
+    )  # fmt: skip
     assert over - dense == 32 * 7168 * 2048 * 2
     assert workspace_bytes(16, 8, 7168, 2048, 32, options=TritonOptions(dense_above=512)) == seg
     # by default above 192 valid routes an expert, 1/6 of the routes taken as valid when
@@ -1479,12 +1480,12 @@ def test_workspace_bytes_counts_the_overlap():
     from fp4moe.kernels.launch import workspace_bytes
 
     kw = dict(num_tokens=8192, top_k=8, hidden=7168, inter=2048, num_experts=32)
-    on = workspace_bytes(**kw, options=TritonOptions(valid_fraction=1.0))
-    off = workspace_bytes(**kw, options=TritonOptions(valid_fraction=1.0, dense_overlap=False))
+    on = workspace_bytes(**kw, options=TritonOptions(valid_fraction=1.0, dense_overlap=True))
+    off = workspace_bytes(**kw, options=TritonOptions(valid_fraction=1.0))
     assert off < on <= off + 32 * 7168 * 2048 * 2  # FC1's phase grows (the peak may move)
     small = dict(kw, num_tokens=16)  # not dense: nothing to overlap
     assert workspace_bytes(**small) == workspace_bytes(
-        **small, options=TritonOptions(dense_overlap=False)
+        **small, options=TritonOptions(dense_overlap=True)
     )
 
 

@@ -239,9 +239,12 @@ class TritonOptions:
         c3-noamaxself``); 0 turns it off.
     dense_overlap: on the dense path on a GPU, FC2's weights are decoded on a side
         stream while FC1 runs (the stream joins before FC2), instead of after FC1 in the
-        call's stream: the decode is bound by HBM, FC1's GEMM by the tensor cores. The
-        same kernels, the same bits; FC2's decoded weights are held during FC1 too
-        (``workspace_bytes``).
+        call's stream. The same kernels, the same bits; FC2's decoded weights are held
+        during FC1 too (``workspace_bytes``). Off: no gain on the H200 (session 15,
+        ``sweep_decode.py --variants c3 c3-nodenseoverlap``, DeepSeek-V3 EP8 W4A16 at
+        8192 tokens 3585.7 us off against 3805.4 on; W4A4 and 16384 tokens within 0.5%):
+        the side stream's decode takes SMs from FC1's GEMM rather than filling idle
+        HBM time.
     amax_zeros_in_sort: per-tensor W4A4's amax kernels (``amax_rows``) fold into fp32
         zeros that the sort kernel clears with the split counters (``split_counters``'
         amax slots) instead of a ``torch.zeros`` each: no memset kernel (which has no
@@ -299,7 +302,7 @@ class TritonOptions:
     amax_self_upto: int = 16384
     gluon_persist: int | str | None = None
     amax_zeros_in_sort: bool = True
-    dense_overlap: bool = True
+    dense_overlap: bool = False
 
     def grid_blocks(self, n_routes: int, num_experts: int, block_m: int, max_b: int) -> int:
         """The Gluon kernels' grid row blocks (``gluon_grid_blocks``; 0: the worst case
