@@ -22,7 +22,7 @@ import time
 import torch
 
 import fp4moe
-from fp4moe.bench import PRESETS, make_routes
+from fp4moe.bench import PRESETS, GraphTimer, make_routes
 
 FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
 
@@ -37,22 +37,9 @@ def _sampler(every_ms: int) -> subprocess.Popen:
     )
 
 
-def _graph(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
-
-
 def probe(name: str, fn, seconds: float, every_ms: int) -> dict:
     """Replay ``fn``'s graph for ``seconds`` under ``nvidia-smi`` sampling."""
-    g = _graph(fn)
+    g = GraphTimer(fn, graph=True, warmup=1)
     for _ in range(20):
         g.replay()
     torch.cuda.synchronize()

@@ -26,7 +26,7 @@ import json
 import torch
 
 import fp4moe
-from fp4moe.bench import PRESETS, make_routes
+from fp4moe.bench import PRESETS, make_routes, time_us
 from fp4moe.kernels import gluon_ws
 from fp4moe.kernels.gemm import GemmConfig
 from fp4moe.kernels.launch import TritonOptions, _gemm, moe_triton
@@ -35,26 +35,7 @@ from fp4moe.kernels.sort import sort_routes
 
 def timed(fn, iters: int = 20) -> float:
     """Median us of one call: a CUDA graph of the call, replayed ``iters`` times."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000)
-    ts.sort()
-    return ts[len(ts) // 2]
+    return time_us(fn, graph=True, warmup=1, iters=iters)
 
 
 def main() -> None:

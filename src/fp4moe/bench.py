@@ -189,6 +189,10 @@ class GraphTimer:
         self._run()
         torch.cuda.synchronize()
 
+    def replay(self) -> None:
+        """One replay of the capture (or ``reps`` eager calls), not timed."""
+        self._run()
+
     def sample(self, n: int) -> list[float]:
         """``n`` timed replays after one untimed one (the caches as a run of this
         configuration alone leaves them, whatever ran before)."""
