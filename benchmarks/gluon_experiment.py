@@ -10,9 +10,9 @@ compared and timed with CUDA events over CUDA-graph replays; then the whole call
 ways (``TritonOptions.gluon_decode``). ``--buffers``: the kernel's ring
 (``gluon_ws.BUFFERS``), ``--wgmma``, ``--codes`` (the code copies), ``--four-boxes``,
 ``--stage-k`` (the ring's stage, ``gluon_ws.STAGE_K``), ``--pdl``, ``--a-tma``, ``--x-ring``,
-``--l2-ahead``, ``--diag``, ``--persist``, ``--skew`` (every combination of these and
-``--buffers``, ``--stage-k``, ``--pdl``, ``--codes``, ``--a-tma`` and ``--x-ring`` is timed
-against one loop 3 time a token count),
+``--l2-ahead``, ``--diag``, ``--persist``, ``--skew``, ``--tile-rows`` (every
+combination of these and ``--buffers``, ``--stage-k``, ``--pdl``, ``--codes``, ``--a-tma``
+and ``--x-ring`` is timed against one loop 3 time a token count),
 ``--gluon-upto``,
 ``--split-k`` and ``--whole-only`` as their help says.
 """
@@ -79,6 +79,14 @@ def main() -> None:
     p.add_argument("--persist", nargs="+", default=["off"],
                    help="whole calls: TritonOptions.gluon_persist, each of off, auto or F:S "
                         "(FC1 and FC2 programs an SM, gluon_ws.PERSIST_PER_SM)")  # fmt: skip
+    p.add_argument(
+        "--tile-rows",
+        type=int,
+        nargs="+",
+        default=[64],
+        choices=(64, 128),
+        help="gluon_ws.TILE_ROWS: weight rows a program (128: 8 warps)",
+    )
     p.add_argument("--persist-buffers", type=int, nargs="+", default=[0],
                    help="gluon_ws.PERSIST_BUFFERS: the ring of the persistent launches "
                         "(0: --buffers)")  # fmt: skip
@@ -117,7 +125,7 @@ def main() -> None:
             p.error(f"--persist: off, auto or F:S, got {ps!r}")
     variants = list(itertools.product(a.buffers, a.stage_k, a.pdl, a.codes, a.a_tma, a.diag,
                                       a.grid_blocks, a.x_ring, a.l2_ahead, a.persist,
-                                      a.skew, a.persist_buffers))  # fmt: skip
+                                      a.skew, a.persist_buffers, a.tile_rows))  # fmt: skip
     per_sm0 = dict(gluon_ws.PERSIST_PER_SM)
 
     def set_flags(nb, sk, pdl, codes, diag, xring, l2=0):
@@ -195,12 +203,13 @@ def main() -> None:
             return y.clone(), timed(whole)
 
         y3, us3 = whole_call(False)
-        for nb, sk, pdl, codes, atma, diag, gb, xring, l2, ps, skew, pb in variants:
+        for nb, sk, pdl, codes, atma, diag, gb, xring, l2, ps, skew, pb, tr in variants:
             if xring == "on" and atma == "on":
                 continue  # the rows come one way
             set_flags(nb, sk, pdl, codes, diag, xring, l2)
             gluon_ws.SKEW_NS = skew
             gluon_ws.PERSIST_BUFFERS = pb or None
+            gluon_ws.TILE_ROWS = tr
             try:
                 yg, usg = whole_call(True, pdl, atma, gb, ps)
             except Exception as exc:  # a variant that does not compile or fit: say so, go on
@@ -210,14 +219,16 @@ def main() -> None:
             finally:
                 gluon_ws.SKEW_NS = 0
                 gluon_ws.PERSIST_BUFFERS = None
+                gluon_ws.TILE_ROWS = 64
             same = bool(torch.equal(y3, yg))
             rows.append(dict(tokens=t, buffers=nb, stage_k=sk, pdl=pdl, codes=codes,
                              a_tma=atma, diag=diag, grid_blocks=gb, x_ring=xring, l2_ahead=l2,
-                             persist=ps, skew_ns=skew, persist_buffers=pb, gemm="call",
+                             persist=ps, skew_ns=skew, persist_buffers=pb, tile_rows=tr,
+                             gemm="call",
                              same=same,
                              loop3_us=us3, gluon_us=usg))  # fmt: skip
             print(f"B{nb} SK{sk} PDL-{pdl} {codes} atma-{atma} xring-{xring} L2-{l2} diag{diag} "
-                  f"gb-{gb} persist-{ps} PB{pb} skew-{skew} "
+                  f"gb-{gb} persist-{ps} PB{pb} skew-{skew} TR{tr} "
                   f"T={t:5d} "
                   f"whole call same "
                   f"{same}  loop 3 {us3:7.1f} us  with gluon {usg:7.1f} us",

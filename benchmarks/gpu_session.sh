@@ -51,12 +51,13 @@
 #   bash benchmarks/gpu_session.sh s15d       # rounds against one pass at prefill; Qwen3, Mixtral
 #   bash benchmarks/gpu_session.sh s15e       # per-tensor W4A4's amax zeros from the sort: bits, time
 #   bash benchmarks/gpu_session.sh s15f       # FC2's dense weights decoded on a side stream
+#   bash benchmarks/gpu_session.sh s16a       # 128-row Gluon tiles of 8 warps: bits, time, ncu
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -616,6 +617,22 @@ s15f)
         --out "$out/overlap.json"
     step bench 120 python3 -m fp4moe bench --num-tokens 4096 8192 16384 --iters 10 \
         --out "$out/prefill"
+    ;;
+s16a)
+    # Next session's first call: gluon_ws.TILE_ROWS 128 (two 64-row tiles a program of 8
+    # warps sharing one staged activation tile; built in session 15 after the GPU time
+    # ran out, compiled on the CPU only): its bits against loop 3, whole calls against
+    # 64-row tiles, then ncu's issue and warps at 16 tokens (session 15 item 4's table)
+    step tile_tests 200 python3 -m pytest -m gpu --device cuda -q -x tests/test_gluon_ws.py \
+        -k tile_rows_gpu
+    step tile_time 150 python3 benchmarks/gluon_experiment.py --whole-only --tokens 1 8 16 \
+        32 64 128 --tile-rows 64 128 64 128 --out "$out/tile-rows.json"
+    m="gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed"
+    m="$m,sm__warps_active.avg.pct_of_peak_sustained_active"
+    m="$m,smsp__issue_active.avg.pct_of_peak_sustained_active"
+    m="$m,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active"
+    step ncu_16 90 ncu --clock-control none -k regex:tma_split -c 2 --metrics "$m" \
+        python3 benchmarks/profile_call.py --tokens 16 --mode w4a16 --tile-rows 128
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

@@ -31,12 +31,20 @@ p.add_argument("--gluon-tma", type=int, default=None, metavar="BUFFERS",
 p.add_argument("--diag", type=int, default=0, choices=(0, 1, 2),
                help="gluon_ws.DIAG: 1 and 2 give WRONG results, timing only (1 the Gluon "
                "GEMMs without their decode, 2 without their copies and waits)")  # fmt: skip
+p.add_argument(
+    "--tile-rows",
+    type=int,
+    default=64,
+    choices=(64, 128),
+    help="gluon_ws.TILE_ROWS: the Gluon GEMMs' weight rows a program",
+)
 a = p.parse_args()
 pr = PRESETS[a.preset]
-if a.diag:
+if a.diag or a.tile_rows != 64:
     from fp4moe.kernels import gluon_ws
 
     gluon_ws.DIAG = a.diag
+    gluon_ws.TILE_ROWS = a.tile_rows
 torch.manual_seed(0)
 ex = random_experts(pr)
 x = torch.randn(a.tokens, pr.hidden, device="cuda").to(torch.bfloat16)

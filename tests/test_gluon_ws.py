@@ -889,3 +889,78 @@ def test_quantize_amax_self_compiles_for_sm90():
         "print('ok')\n"
     )
     _compile_check(code)
+
+
+def test_tile_rows_128_compiles_for_sm90():
+    """``gluon_ws.TILE_ROWS`` 128: 8 warps a program (two warpgroups on one 128-row tile),
+    both GEMMs and tile heights, fused or not, W4A4's rows: the same TMA copies (each box
+    twice as tall) and wgmma instructions as 64-row tiles, no local memory; FC1's 8-row
+    tiles fit 64 registers with no stack (4 programs of 52 KB an SM) and 16-row tiles 80;
+    the kernel refuses 128 rows with the loop over blocks, PERSIST or X_RING."""
+    pytest.importorskip("triton")
+    code = (
+        "from fp4moe.kernels import gluon_ws\n"
+        "from fp4moe.kernels.common import resource_usage\n"
+        "from fp4moe.kernels.gluon_ws import compile_sm90\n"
+        "for n, k, g in ((2048, 7168, True), (7168, 2048, False)):\n"
+        "    for bm in (8, 16):\n"
+        "        for fused in ((False, True) if not g else (False,)):\n"
+        "            for a4 in (False, True):\n"
+        "                kw = dict(n=n, k=k, gated=g, block_m=bm, asynchronous=True,\n"
+        "                          buffers=1, epilogue=True, fused=fused, a_fp4=a4, box3=2,\n"
+        "                          pdl=True, early_weights=not g)\n"
+        "                base = compile_sm90(**kw).asm['ptx']\n"
+        "                cap = gluon_ws._maxnreg(g, bm, 0, 0, False, 128).get('maxnreg')\n"
+        "                c = compile_sm90(**kw, tile_rows=128, maxnreg=cap)\n"
+        "                ptx = c.asm['ptx']\n"
+        "                assert '.local' not in ptx, (g, bm, fused, a4)\n"
+        "                assert c.metadata.num_warps == 8 and '.reqntid 256' in ptx\n"
+        "                for op in ('cp.async.bulk.tensor', 'wgmma.mma_async'):\n"
+        "                    assert ptx.count(op) == base.count(op), (g, bm, op)\n"
+        "                r = resource_usage(c)\n"
+        "                assert r['STACK'] == 0 and r['LOCAL'] == 0, (g, bm, r)\n"
+        "                if g:\n"
+        "                    assert r['REG'] <= (64 if bm == 8 else 80), (bm, r)\n"
+        "                if g and bm == 8:\n"
+        "                    assert c.metadata.shared <= 227 * 1024 // 4, c.metadata.shared\n"
+        "for bad in (dict(loop_blocks=4), dict(persist=True), dict(x_ring=True)):\n"
+        "    try:\n"
+        "        compile_sm90(n=2048, k=7168, gated=True, block_m=8, asynchronous=True,\n"
+        "                     buffers=1, epilogue=True, box3=2, tile_rows=128, **bad)\n"
+        "    except Exception as exc:\n"
+        "        assert 'TR 128' in str(exc) or 'TR 128' in repr(exc.__cause__), exc\n"
+        "    else:\n"
+        "        raise SystemExit(f'TR 128 with {bad} compiled')\n"
+        "print('ok')\n"
+    )
+    _compile_check(code)
+
+
+def test_tile_rows_host_rule(monkeypatch):
+    """``_tile_rows``: 128 only where ``TILE_ROWS`` says so and the launch is the
+    one-block body with CODE_WIDE boxes of 256-K stages and N a multiple of 128; any other
+    value of ``TILE_ROWS`` is refused, naming it."""
+    from fp4moe.kernels import gluon_ws
+
+    args = dict(n=2048, box=2, stage_k=256, grid_blocks=0, persist=0, a_tma=False,
+                out_unit_order=False, l2=0, x_ring=False)  # fmt: skip
+    assert gluon_ws._tile_rows(**args) == 64  # the default
+    monkeypatch.setattr(gluon_ws, "TILE_ROWS", 128)
+    assert gluon_ws._tile_rows(**args) == 128
+    for change in (dict(n=2880), dict(box=1), dict(stage_k=128), dict(grid_blocks=4),
+                   dict(persist=528), dict(a_tma=True), dict(out_unit_order=True),
+                   dict(l2=1), dict(x_ring=True)):  # fmt: skip
+        assert gluon_ws._tile_rows(**{**args, **change}) == 64, change
+    monkeypatch.setattr(gluon_ws, "TILE_ROWS", 96)
+    with pytest.raises(ValueError, match="TILE_ROWS"):
+        gluon_ws._tile_rows(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [0, 1, 16, 64, "one-expert", "all-masked"])
+@pytest.mark.parametrize("mode", MODES[:3], ids=_mode_id)
+def test_gluon_tile_rows_gpu(monkeypatch, t, mode):
+    """``gluon_ws.TILE_ROWS`` 128 on the GPU: loop 3's bits for whole calls
+    (deterministic finalize), the fused finalize within the tolerance, every mode; no
+    token, and every route masked gives zeros."""
+    _flags_same_as_loop3(monkeypatch, dict(TILE_ROWS=128), t, mode, seed=41, expert=5)

@@ -44,6 +44,17 @@ _CL = gl.constexpr(
         shape=[64, 32],
     )
 )
+# The same for 128-row tiles of 8 warps (``gluon_ws.TILE_ROWS``): warp w holds rows
+# 16 w .. 16 w + 15, as the wgmma fragment of two warpgroups.
+_CL128 = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
+        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0], [64, 0]],
+        block_bases=[],
+        shape=[128, 32],
+    )
+)
 # The same as [64 rows, 4 blocks (q), 8 bytes], whose slice along the bytes is the layout
 # of the unit's [64, 4] scales (one scale a thread and row).
 _L3 = gl.constexpr(
@@ -57,16 +68,32 @@ _L3 = gl.constexpr(
 )
 
 
+_L3_128 = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16, 0, 0], [32, 0, 0], [64, 0, 0]],
+        block_bases=[],
+        shape=[128, 4, 8],
+    )
+)
+
+
 @gluon.jit
-def _decode_unit(codes, sc, A_L: gl.constexpr, DIAG: gl.constexpr = 0):
-    """Decode one unit ([64 rows, 64 K]) of weights into the wgmma A fragment (``DIAG``
-    1: zeros instead, for timing the kernel without its decode; ``gluon_ws.DIAG``)."""
+def _decode_unit(codes, sc, A_L: gl.constexpr, DIAG: gl.constexpr = 0, TR: gl.constexpr = 64):
+    """Decode one unit ([TR rows, 64 K]; TR 64, or 128 with 8 warps) of weights into the
+    wgmma A fragment (``DIAG`` 1: zeros instead, for timing the kernel without its decode;
+    ``gluon_ws.DIAG``)."""
     if DIAG == 1:
-        return gl.zeros([64, UNIT], gl.bfloat16, layout=A_L)
+        return gl.zeros([TR, UNIT], gl.bfloat16, layout=A_L)
+    if TR == 128:
+        CL: gl.constexpr = _CL128
+    else:
+        CL: gl.constexpr = _CL
     sb = (sc.to(gl.float32) * 3.32306998946229e35).to(gl.bfloat16)
     sb, codes = gl.broadcast(gl.expand_dims(sb, 2), codes)
-    codes = gl.convert_layout(gl.reshape(codes, [64, 32]), _CL, assert_trivial=True)
-    sb = gl.convert_layout(gl.reshape(sb, [64, 32]), _CL, assert_trivial=True)
+    codes = gl.convert_layout(gl.reshape(codes, [TR, 32]), CL, assert_trivial=True)
+    sb = gl.convert_layout(gl.reshape(sb, [TR, 32]), CL, assert_trivial=True)
     # loop 3's decode (the same operations and bits): 8 code bytes and their scales (bf16
     # times 2^118) to 8 low-nibble and 8 high-nibble values times 2^-8, bf16 pairs
     lo, hi = gl.inline_asm_elementwise(
@@ -75,10 +102,10 @@ def _decode_unit(codes, sc, A_L: gl.constexpr, DIAG: gl.constexpr = 0):
     )  # fmt: skip
     # byte 8 q + 2 s + a, nibble b holds element 16 q + 4 s + 2 a + b, at position
     # 16 s + 8 b + 2 q + a of the unit order
-    w = gl.join(lo, hi)  # [64, 32 bytes (q, s, a), 2 (b)]
-    w = gl.reshape(w, [64, 4, 4, 2, 2])  # [row, q, s, a, b]
+    w = gl.join(lo, hi)  # [TR, 32 bytes (q, s, a), 2 (b)]
+    w = gl.reshape(w, [TR, 4, 4, 2, 2])  # [row, q, s, a, b]
     w = gl.permute(w, [0, 2, 4, 1, 3])  # [row, s, b, q, a]
-    w = gl.reshape(w, [64, UNIT])
+    w = gl.reshape(w, [TR, UNIT])
     return gl.convert_layout(w, A_L, assert_trivial=True)
 
 
@@ -86,15 +113,15 @@ def _decode_unit(codes, sc, A_L: gl.constexpr, DIAG: gl.constexpr = 0):
 def _stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K: gl.constexpr, TOPK: gl.constexpr,
              A_GATHER: gl.constexpr, BM: gl.constexpr, SEG: gl.constexpr,
              A_UNIT_ORDER: gl.constexpr = False, HAS_DST: gl.constexpr = False,
-             dst=0):  # fmt: skip
+             dst=0, NWARPS: gl.constexpr = 4):  # fmt: skip
     """The row block's activations of one K segment in the unit order, in shared memory
     [SEG / 64 * BM, 64] (unit-major), fenced and synchronized for the wgmma: rows
     ``start`` .. ``end`` (A_GATHER: tokens route // TOPK of the sorted routes), zeros past
     ``end``; A_UNIT_ORDER: the rows are in the unit order already (only unit-major);
-    HAS_DST: into ``dst`` instead of a buffer of its own."""
+    HAS_DST: into ``dst`` instead of a buffer of its own; NWARPS: the program's warps."""
     NU: gl.constexpr = SEG // UNIT
-    src, m_ok = _x_rows(sorted_routes_ptr, start, end, TOPK, A_GATHER, BM)
-    x = _x_stage(x_ptr, src, m_ok, k0, K, BM, SEG, A_UNIT_ORDER)
+    src, m_ok = _x_rows(sorted_routes_ptr, start, end, TOPK, A_GATHER, BM, NWARPS)
+    x = _x_stage(x_ptr, src, m_ok, k0, K, BM, SEG, A_UNIT_ORDER, NWARPS)
     XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
     if HAS_DST:  # the caller's buffer [NU * BM, 64] of that layout
         xs = dst
@@ -108,11 +135,11 @@ def _stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K: gl.constexpr, TOPK: gl
 
 @gluon.jit
 def _x_rows(sorted_routes_ptr, start, end, TOPK: gl.constexpr, A_GATHER: gl.constexpr,
-            BM: gl.constexpr):  # fmt: skip
+            BM: gl.constexpr, NWARPS: gl.constexpr = 4):  # fmt: skip
     """The row block's source rows of x (A_GATHER: token route // TOPK of the sorted routes,
     else the sorted row) as int64, and which of the BM rows are valid (``_x_stage``'s
     layout)."""
-    XM: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    XM: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, NWARPS // 4], [1, 0])
     offs_m = start + gl.arange(0, BM, layout=gl.SliceLayout(1, XM))
     m_ok = offs_m < end
     if A_GATHER:
@@ -125,12 +152,13 @@ def _x_rows(sorted_routes_ptr, start, end, TOPK: gl.constexpr, A_GATHER: gl.cons
 
 @gluon.jit
 def _x_stage(x_ptr, src, m_ok, kbase, K: gl.constexpr, BM: gl.constexpr,
-             SK: gl.constexpr, A_UNIT_ORDER: gl.constexpr = False):  # fmt: skip
+             SK: gl.constexpr, A_UNIT_ORDER: gl.constexpr = False,
+             NWARPS: gl.constexpr = 4):  # fmt: skip
     """Registers of x's rows ``src`` (zeros where not ``m_ok``) at K ``kbase`` .. + SK in
     the unit order, [SK / 64 * BM, 64] (unit-major): a segment for ``_stage_x`` (SK = SEG)
     or a ring stage (``gluon_ws.X_RING``); A_UNIT_ORDER: the rows are in the unit order
-    already."""
-    XM: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    already. NWARPS: the program's warps (4 or 8, the layout's second dimension)."""
+    XM: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, NWARPS // 4], [1, 0])
     NU: gl.constexpr = SK // UNIT
     kk = gl.arange(0, SK, layout=gl.SliceLayout(0, XM))
     x = gl.load(x_ptr + src[:, None] * K + kbase + kk[None, :], mask=m_ok[:, None], other=0.0)
@@ -145,15 +173,15 @@ def _x_stage(x_ptr, src, m_ok, kbase, K: gl.constexpr, BM: gl.constexpr,
 @gluon.jit
 def _store_partials(acc_g, acc_u, part_ptr, pid_n, start, end, s_id, ws_rows,
                     N: gl.constexpr, GATED: gl.constexpr, BM: gl.constexpr,
-                    MMA: gl.constexpr):  # fmt: skip
-    """Write a unit's fp32 partials [64, BM] (and up's, GATED) as loop 3's split programs
+                    MMA: gl.constexpr, TR: gl.constexpr = 64):  # fmt: skip
+    """Write a unit's fp32 partials [TR, BM] (and up's, GATED) as loop 3's split programs
     do: segment ``s_id`` of ``part`` [segments, ws_rows, (2 if GATED) * N], valid rows
     only. Returns the segment stride (elements)."""
     if GATED:
         gn: gl.constexpr = 2 * N
     else:
         gn: gl.constexpr = N
-    on = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    on = pid_n * TR + gl.arange(0, TR, layout=gl.SliceLayout(1, MMA))
     om = start + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
     pmask = (on < N)[:, None] & (om < end)[None, :]
     stride = ws_rows.to(gl.int64) * gn

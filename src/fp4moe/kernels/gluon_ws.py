@@ -41,7 +41,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .common import compile_sm90 as common_compile_sm90
 from .gluon_decode import (
     _CL,
+    _CL128,
     _L3,
+    _L3_128,
     UNIT,
     _decode_unit,
     _stage_x,
@@ -106,6 +108,21 @@ DIAG = 0
 # (the buffer is allocated a launch); not with grid_blocks.
 TRACE = False
 TRACES: list = []
+# Experiment (session 15, 64 = off, not yet timed): weight tiles of TILE_ROWS = 128 rows
+# with 8 warps (two warpgroups, one wgmma each on its 64 rows) instead of 64 rows with 4,
+# in the one-block body with CODE_WIDE boxes. Two 64-row tiles then share one staged
+# activation tile (16 KB of FC1's 34.8 KB a program at 8-row tiles, mostly zeros at
+# decode sizes) and one program's schedule reads, barrier waits and epilogue: FC1 52 KB a
+# program of 8 warps, so 4 programs (32 warps) an SM at 64 registers, against 6 programs
+# of 4 warps (24) now, and half the programs (16 tokens: 448 FC1 programs, one wave).
+# Session 15's ncu data found the kernels latency-bound at 24 warps an SM (perf-notes,
+# session 15, item 4). Each row's operands and order are those of the 64-row tile: the
+# same bits. Used where N % 128 == 0; else 64.
+TILE_ROWS = 64
+# TILE_ROWS 128's register cap by (gated, block_m): FC1's 8-row tiles need 67 uncapped,
+# 64 fit 4 programs of 8 warps an SM (52 KB each) with no stack (compiled on the CPU);
+# FC1's 16-row tiles need 79 (68 KB: 3 programs), spill at 64; FC2 needs 62 / 54.
+TILE_ROWS_MAXNREG = {(True, 8): 64}
 # Experiment (session 15, off): half the programs (a hash of the program's slot) sleep
 # SKEW_NS nanoseconds (``nanosleep``) before their first copies, so that the programs of an
 # SM are not all in the same phase (copies, then decode). Session 14 found each decode
@@ -212,37 +229,44 @@ def _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row, k0, st: gl.constexpr, w: 
 @gluon.jit
 def _smem_unit(cbuf, sbuf, kb: gl.constexpr, w: gl.constexpr, NB: gl.constexpr,
                UPS: gl.constexpr = 4, NBS: gl.constexpr = 1,
-               WIDE: gl.constexpr = False):  # fmt: skip
+               WIDE: gl.constexpr = False, TR: gl.constexpr = 64):  # fmt: skip
     """Unit ``kb`` of the segment of weight ``w`` from shared memory (its stage's ring
-    buffer, its scale group's buffer): codes [64, 4, 8] in ``_L3`` and e4m3 scales [64, 4]
-    in its slice, as the kernel's decode takes."""
-    b: gl.constexpr = (kb // UPS) % NB
-    if WIDE:  # [64, SK / 2] swizzled stage buffers: the unit's 32 bytes of each row
-        codes = cbuf.index(w * NB + b).slice(32 * (kb % UPS), 32, dim=1).load(_CL)
+    buffer, its scale group's buffer): codes [TR, 4, 8] in ``_L3`` (``_L3_128``) and e4m3
+    scales [TR, 4] in its slice, as the kernel's decode takes."""
+    if TR == 128:
+        CL: gl.constexpr = _CL128
+        L3: gl.constexpr = _L3_128
     else:
-        codes = cbuf.index((w * NB + b) * UPS + kb % UPS).load(_CL)
-    codes = gl.convert_layout(gl.reshape(codes, [64, 4, 8]), _L3, assert_trivial=True)
-    SL: gl.constexpr = gl.SliceLayout(2, _L3)
+        CL: gl.constexpr = _CL
+        L3: gl.constexpr = _L3
+    b: gl.constexpr = (kb // UPS) % NB
+    if WIDE:  # [TR, SK / 2] swizzled stage buffers: the unit's 32 bytes of each row
+        codes = cbuf.index(w * NB + b).slice(32 * (kb % UPS), 32, dim=1).load(CL)
+    else:
+        codes = cbuf.index((w * NB + b) * UPS + kb % UPS).load(CL)
+    codes = gl.convert_layout(gl.reshape(codes, [TR, 4, 8]), L3, assert_trivial=True)
+    SL: gl.constexpr = gl.SliceLayout(2, L3)
     sc = sbuf.index(w * NBS + (kb // 4) % NBS).slice(4 * (kb % 4), 4, dim=1).load(SL)
     return codes, sc.to(gl.float8e4nv, bitcast=True)
 
 
 @gluon.jit
 def _stage_buffers(GATED: gl.constexpr, NB: gl.constexpr, NBS: gl.constexpr,
-                   UPS: gl.constexpr, BOX3: gl.constexpr):  # fmt: skip
+                   UPS: gl.constexpr, BOX3: gl.constexpr, TR: gl.constexpr = 64):  # fmt: skip
     """A program's shared buffers for the weights of ``NB`` ring stages of ``UPS`` units
-    (codes: [NW * NB, 64, SK / 2] swizzled with BOX3 2, else [NW * NB * UPS, 64, 32];
-    scales [NW * NBS, 64, 16]; NW 2 when GATED) and the stages' ``NB`` mbarriers,
+    (codes: [NW * NB, TR, SK / 2] swizzled with BOX3 2, else [NW * NB * UPS, 64, 32];
+    scales [NW * NBS, TR, 16]; NW 2 when GATED) and the stages' ``NB`` mbarriers,
     initialized."""
     if GATED:
         NW: gl.constexpr = 2
     else:
         NW: gl.constexpr = 1
+    gl.static_assert(TR == 64 or BOX3 >= 2, "128-row tiles: CODE_WIDE boxes")
     if BOX3 >= 2:
-        cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB, 64, UPS * UNIT // 2], CODE_SMEM_W)
+        cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB, TR, UPS * UNIT // 2], CODE_SMEM_W)
     else:
         cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB * UPS, 64, 32], CODE_SMEM)
-    sbuf = gl.allocate_shared_memory(gl.uint8, [NW * NBS, 64, 16], SCALE_SMEM)
+    sbuf = gl.allocate_shared_memory(gl.uint8, [NW * NBS, TR, 16], SCALE_SMEM)
     bars = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(NB):
         mbarrier.init(bars.index(b), count=1)
@@ -309,6 +333,7 @@ def _last_unit_epilogue(
     TOPK: gl.constexpr, GATED: gl.constexpr, BM: gl.constexpr, SEG: gl.constexpr,
     FUSED: gl.constexpr, OUT_SCALE: gl.constexpr, MMA: gl.constexpr,
     A_GATHER: gl.constexpr, A_FP4: gl.constexpr, OUT_UNIT: gl.constexpr = False,
+    TR: gl.constexpr = 64,
 ):  # fmt: skip
     """After a unit wrote its partial: the tile's last unit to finish sums the partials
     in segment order from zero, ((0 + P_0) + P_1) + ..., and writes the W4A16 output with
@@ -319,19 +344,20 @@ def _last_unit_epilogue(
         gn: gl.constexpr = 2 * N
     else:
         gn: gl.constexpr = N
-    tile = pid_m * gl.cdiv(N, 64) + pid_n
+    gl.static_assert(TR == 64 or not OUT_UNIT, "OUT_UNIT: 64-row tiles")
+    tile = pid_m * gl.cdiv(N, TR) + pid_n
     gl.thread_barrier()  # every thread's partial stores before the release below
     done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
     if done == NSEG - 1:
         gl.store(cnt_ptr + tile, 0)  # ready for the next call (and graph replay)
-        on = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+        on = pid_n * TR + gl.arange(0, TR, layout=gl.SliceLayout(1, MMA))
         om = start + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
         m_ok = om < end
         n_ok = on < N
         mask = n_ok[:, None] & m_ok[None, :]
         prow = part_ptr + om.to(gl.int64)[None, :] * gn + on[:, None]
-        acc_g = gl.zeros([64, BM], gl.float32, layout=MMA)
-        acc_u = gl.zeros([64, BM], gl.float32, layout=MMA)
+        acc_g = gl.zeros([TR, BM], gl.float32, layout=MMA)
+        acc_u = gl.zeros([TR, BM], gl.float32, layout=MMA)
         for sg in gl.static_range(NSEG):  # .cg: other SMs wrote them; read from L2
             acc_g = acc_g + gl.load(prow + sg * stride, mask=mask, other=0.0,
                                     cache_modifier=".cg")  # fmt: skip
@@ -459,6 +485,7 @@ def tma_split_kernel(
     # segment, then block) and issuing the next unit's first stages in its last ones
     L2: gl.constexpr = 0,  # stages prefetched into L2 ahead of the ring (gluon_ws.L2_AHEAD)
     SKEW: gl.constexpr = 0,  # ns half the programs sleep before their copies (SKEW_NS)
+    TR: gl.constexpr = 64,  # weight rows a tile (128: 8 warps, gluon_ws.TILE_ROWS)
 ):
     pid_n = gl.program_id(0)
     if BLOCKS_LAST:
@@ -472,6 +499,10 @@ def tma_split_kernel(
     gl.static_assert(not (XRING and (LOOP or PERSIST or A_TMA)), "XRING: the one-block body")
     gl.static_assert(L2 == 0 or not (LOOP or PERSIST or BOX3 == 3),
                      "L2: the one-block body on the row-major weights")  # fmt: skip
+    gl.static_assert(TR == 64 or (TR == 128 and not (LOOP or PERSIST or XRING or A_TMA or TRACE
+                                                     or OUT_UNIT) and L2 == 0 and BOX3 == 2
+                                  and SK == 256),
+                     "TR 128: the one-block body, CODE_WIDE boxes, 256-K stages")  # fmt: skip
     slot = pid_n + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
     tb = trace_ptr + slot.to(gl.int64) * 16
     if TRACE:
@@ -520,7 +551,7 @@ def tma_split_kernel(
             out_ptr, a_global_ptr, ws_rows, pid_m, pid_n, s_id, True, N, K, TOPK, GATED,
             A_GATHER, BM, SEG, ASYNC, NBUF, EPILOGUE, FUSED, OUT_SCALE, A_UNIT_ORDER, A_FP4,
             BOX3, SK, USE_PDL, EARLY_W, A_TMA, OUT_UNIT, DIAG, TRACE=TRACE, tb=tb, XRING=XRING,
-            L2=L2, c_ptr=c_ptr, s_ptr=s_ptr,
+            L2=L2, c_ptr=c_ptr, s_ptr=s_ptr, TR=TR,
         )  # fmt: skip
         if TRACE:
             _stamp(tb + 10, 0)  # T_END
@@ -633,6 +664,7 @@ def _block_work(
     NEXT: gl.constexpr = False, has_next=False, n_row=0, n_k0=0,
     XRING: gl.constexpr = False,
     L2: gl.constexpr = 0, c_ptr=0, s_ptr=0,
+    TR: gl.constexpr = 64,
 ):  # fmt: skip
     """One (weight tile ``pid_n``, K segment ``s_id``, row block ``pid_m``) unit of
     ``tma_split_kernel`` (its arguments). ``first``: the program's first block, which
@@ -672,12 +704,12 @@ def _block_work(
             sbuf = pre_s
             bars = pre_bars
         else:
-            cbuf, sbuf, bars = _stage_buffers(GATED, NB, NBS, UPS, BOX3)
+            cbuf, sbuf, bars = _stage_buffers(GATED, NB, NBS, UPS, BOX3, TR)
         if BOX3 == 1:  # the same bytes (unswizzled) as [stage buffers, UPS, 64, 32] for the copies
             cdst = cbuf._reinterpret(gl.uint8, [NW * NB, UPS, 64, 32], CODE_SMEM3)
         else:
             cdst = cbuf
-        row = e * w_rows + pid_n * 64
+        row = e * w_rows + pid_n * TR
         if A_TMA:  # x's ring: [stage buffers * UPS * BM, 64], each unit's rows a wgmma B
             XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
             if PRE:
@@ -688,8 +720,8 @@ def _block_work(
             ACT_BYTES: gl.constexpr = UPS * BM * UNIT * 2
         else:
             ACT_BYTES: gl.constexpr = 0
-        CODE_BYTES: gl.constexpr = NW * UPS * 64 * 32 + ACT_BYTES
-        SCALE_BYTES: gl.constexpr = NW * 64 * 16
+        CODE_BYTES: gl.constexpr = NW * UPS * TR * 32 + ACT_BYTES
+        SCALE_BYTES: gl.constexpr = NW * TR * 16
         if (not NEXT) or first:
             for st in gl.static_range(NB if DIAG != 2 else 0):
                 bar = bars.index(st)
@@ -726,15 +758,15 @@ def _block_work(
             xv = _x_stage(x_ptr, x_src, x_ok, k0, K, BM, SK, A_UNIT_ORDER)
         elif not A_TMA:
             xs = _stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K, TOPK, A_GATHER, BM,
-                          SEG, A_UNIT_ORDER, PRE, pre_x)  # fmt: skip
+                          SEG, A_UNIT_ORDER, PRE, pre_x, TR // 16)  # fmt: skip
 
         # ---- decode and multiply, stage by stage as the copies land
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16]
+            version=[3, 0], warps_per_cta=[TR // 16, 1], instr_shape=[16, BM, 16]
         )
         A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        acc_g = gl.zeros([64, BM], gl.float32, layout=MMA)
-        acc_u = gl.zeros([64, BM], gl.float32, layout=MMA)
+        acc_g = gl.zeros([TR, BM], gl.float32, layout=MMA)
+        acc_u = gl.zeros([TR, BM], gl.float32, layout=MMA)
         for kb in gl.static_range(NU):
             if XRING and kb % UPS == 0:  # this stage's rows into their buffer (the one the
                 # stage before last read: its wgmmas were waited for), the next stage's loaded
@@ -762,8 +794,8 @@ def _block_work(
                 xb = xs.slice(((kb // UPS) % 2 * UPS + kb % UPS) * BM, BM).permute((1, 0))
             else:
                 xb = xs.slice(kb * BM, BM).permute((1, 0))
-            gc, gs = _smem_unit(cbuf, sbuf, kb, 0, NB, UPS, NBS, BOX3 >= 2)
-            wg = _decode_unit(gc, gs, A_L, DIAG)
+            gc, gs = _smem_unit(cbuf, sbuf, kb, 0, NB, UPS, NBS, BOX3 >= 2, TR)
+            wg = _decode_unit(gc, gs, A_L, DIAG, TR)
             if ASYNC:
                 if kb > 0:
                     if GATED:
@@ -776,15 +808,15 @@ def _block_work(
                 acc_g = warpgroup_mma(wg, xb, acc_g, is_async=True)
                 pg = wg  # noqa: F841 (read by the next unrolled unit)
                 if GATED:
-                    uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS, BOX3 >= 2)
-                    wu = _decode_unit(uc, us, A_L, DIAG)
+                    uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS, BOX3 >= 2, TR)
+                    wu = _decode_unit(uc, us, A_L, DIAG, TR)
                     acc_u = warpgroup_mma(wu, xb, acc_u, is_async=True)
                     pu = wu  # noqa: F841
             else:
                 acc_g = warpgroup_mma(wg, xb, acc_g)
                 if GATED:
-                    uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS, BOX3 >= 2)
-                    acc_u = warpgroup_mma(_decode_unit(uc, us, A_L, DIAG), xb, acc_u)
+                    uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS, BOX3 >= 2, TR)
+                    acc_u = warpgroup_mma(_decode_unit(uc, us, A_L, DIAG, TR), xb, acc_u)
             # the stage's buffer is read: refill it with stage + NB (ring only)
             if kb % UPS == UPS - 1 and kb // UPS + NB < NS and DIAG != 2:
                 if A_TMA and ASYNC:  # the stage's x rows are read by the wgmma in flight
@@ -840,14 +872,14 @@ def _block_work(
             _stamp(tb + 8, 0)  # T_LOOP
         # ---- partials, as loop 3's split programs write them
         stride = _store_partials(acc_g, acc_u, part_ptr, pid_n, start, end, s_id, ws_rows,
-                                 N, GATED, BM, MMA)  # fmt: skip
+                                 N, GATED, BM, MMA, TR)  # fmt: skip
         if TRACE:
             _stamp(tb + 9, 0)  # T_PART
         if EPILOGUE:  # loop 3's split epilogue (gemm._split_unit, _epilogue): the same bits
             _last_unit_epilogue(
                 pid_m, pid_n, e, start, end, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr,
                 sorted_routes_ptr, out_ptr, a_global_ptr, stride, N, K, TOPK, GATED, BM, SEG,
-                FUSED, OUT_SCALE, MMA, A_GATHER, A_FP4, OUT_UNIT,
+                FUSED, OUT_SCALE, MMA, A_GATHER, A_FP4, OUT_UNIT, TR,
             )  # fmt: skip
 
 
@@ -869,12 +901,14 @@ def tiled_weights(codes: torch.Tensor, scales: torch.Tensor):
 
 
 def descriptors(codes: torch.Tensor, scales: torch.Tensor, box3: int = 0,
-                stage_k: int = 256):  # fmt: skip
+                stage_k: int = 256, rows: int = 64):  # fmt: skip
     """TMA descriptors of one GEMM's weights: codes uint8 [E, W_ROWS, K/2] as [E * W_ROWS,
     K/2] with [64, 32] boxes (``box3`` 1: as [K/64, E * W_ROWS, 32], strides 32 and K/2
-    bytes, with [stage_k / 64, 64, 32] boxes; 2: [64, stage_k / 2] boxes, 128-byte
-    swizzle, ``CODE_WIDE``), scales e4m3 [E, W_ROWS, K/16] (as bytes) with [64, 16]
-    boxes."""
+    bytes, with [stage_k / 64, 64, 32] boxes; 2: [rows, stage_k / 2] boxes, 128-byte
+    swizzle, ``CODE_WIDE``), scales e4m3 [E, W_ROWS, K/16] (as bytes) with [rows, 16]
+    boxes (``rows`` 128: ``TILE_ROWS``, with box3 2 only)."""
+    if rows != 64 and box3 != 2:
+        raise ValueError(f"descriptors: {rows}-row boxes need box3 2 (CODE_WIDE)")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     if box3 == 3:  # TILED
@@ -884,14 +918,14 @@ def descriptors(codes: torch.Tensor, scales: torch.Tensor, box3: int = 0,
     c2 = codes.reshape(-1, codes.shape[-1])
     s2 = scales.view(torch.uint8).reshape(-1, scales.shape[-1])
     if box3 == 2:
-        cd = TensorDescriptor.from_tensor(c2, [64, stage_k // 2], CODE_SMEM_W)
+        cd = TensorDescriptor.from_tensor(c2, [rows, stage_k // 2], CODE_SMEM_W)
     elif box3:
         rows, kh = c2.shape
         cd = TensorDescriptor(c2, [kh // 32, rows, 32], [32, kh, 1], [stage_k // 64, 64, 32],
                               CODE_SMEM3)  # fmt: skip
     else:
         cd = TensorDescriptor.from_tensor(c2, [64, 32], CODE_SMEM)
-    return cd, TensorDescriptor.from_tensor(s2, [64, 16], SCALE_SMEM)
+    return cd, TensorDescriptor.from_tensor(s2, [rows, 16], SCALE_SMEM)
 
 
 def split_partials_tma(
@@ -979,7 +1013,11 @@ def split_partials_tma(
     box = 2 if CODE_WIDE and stage_k == 256 else int(CODE_BOX3)
     if TILED and box == 2 and codes.shape[1] % 64 == 0:
         box = 3
-    c_desc, s_desc = descriptors(codes, scales, box, stage_k)
+    tr = _tile_rows(n, box, stage_k, grid_blocks, persist, a_tma, out_unit_order,
+                    _l2_ahead(box, grid_blocks, persist, stage_k, seg, buffers),
+                    _x_ring(gated, block_m, grid_blocks, persist, a_tma))  # fmt: skip
+    tiles = triton.cdiv(n, tr)
+    c_desc, s_desc = descriptors(codes, scales, box, stage_k, tr)
     x_desc = c_desc
     if a_tma:
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -1014,8 +1052,9 @@ def split_partials_tma(
         EARLY_W=pdl and early_weights and EARLY_WEIGHTS, A_TMA=a_tma,
         OUT_UNIT=out_unit_order, DIAG=DIAG, LOOP=grid_blocks > 0, TRACE=trace is not dummy,
         PERSIST=persist > 0, XRING=_x_ring(gated, block_m, grid_blocks, persist, a_tma),
-        L2=_l2_ahead(box, grid_blocks, persist, stage_k, seg, buffers), SKEW=SKEW_NS,
-        num_warps=4, launch_pdl=pdl, **_maxnreg(gated, block_m, grid_blocks, persist, a_tma),
+        L2=_l2_ahead(box, grid_blocks, persist, stage_k, seg, buffers), SKEW=SKEW_NS, TR=tr,
+        num_warps=tr // 16, launch_pdl=pdl,
+        **_maxnreg(gated, block_m, grid_blocks, persist, a_tma, tr),
     )  # fmt: skip
 
 
@@ -1046,9 +1085,29 @@ def _x_ring(gated: bool, block_m: int, grid_blocks: int, persist: int, a_tma: bo
     return X_RING and (gated, block_m) in X_RING_MAXNREG and not (a_tma or grid_blocks or persist)
 
 
-def _maxnreg(gated: bool, block_m: int, grid_blocks: int, persist: int, a_tma: bool) -> dict:
+def _tile_rows(n: int, box: int, stage_k: int, grid_blocks: int, persist: int, a_tma: bool,
+               out_unit_order: bool, l2: int, x_ring: bool) -> int:  # fmt: skip
+    """A launch's weight rows a tile: ``TILE_ROWS`` where it applies (the one-block body
+    with CODE_WIDE boxes of 256-K stages, N a multiple of it, no trace, no L2 prefetch,
+    no X_RING, no rows by TMA), else 64."""
+    tr = TILE_ROWS
+    if tr not in (64, 128):
+        raise ValueError(f"gluon_ws.TILE_ROWS: expected 64 or 128, got {tr!r}")
+    if tr == 64 or n % tr or box != 2 or stage_k != 256 or grid_blocks or persist or a_tma:
+        return 64
+    if out_unit_order or l2 or x_ring or TRACE:
+        return 64
+    return tr
+
+
+def _maxnreg(gated: bool, block_m: int, grid_blocks: int, persist: int, a_tma: bool,
+             tile_rows: int = 64) -> dict:  # fmt: skip
     """The launch's register cap: LOOP's (``LOOP_MAXNREG``), X_RING's (``X_RING_MAXNREG``),
-    or none (PERSIST and the one-block body need none)."""
+    128-row tiles' (``TILE_ROWS_MAXNREG``), or none (PERSIST and the one-block body need
+    none)."""
+    if tile_rows == 128:
+        cap = TILE_ROWS_MAXNREG.get((gated, block_m))
+        return {"maxnreg": cap} if cap else {}
     if grid_blocks:
         return {"maxnreg": LOOP_MAXNREG[gated, block_m]}
     if _x_ring(gated, block_m, grid_blocks, persist, a_tma):
@@ -1082,6 +1141,7 @@ def compile_sm90(
     x_ring: bool = False,
     l2: int = 0,
     skew: int = 0,
+    tile_rows: int = 64,
 ):
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
     layout conversions are asserted trivial at compile time. ``box3``: the code copies
@@ -1096,12 +1156,12 @@ def compile_sm90(
         "trace_ptr": "*i64", "c_ptr": "*u8", "s_ptr": "*u8",
     }  # fmt: skip
     descs = {
-        "c_desc": f"tensordesc<u8[64, {stage_k // 2}],{CODE_SMEM_W!r}>"
+        "c_desc": f"tensordesc<u8[{tile_rows}, {stage_k // 2}],{CODE_SMEM_W!r}>"
         if box3 >= 2
         else f"tensordesc<u8[{stage_k // 64}, 64, 32],{CODE_SMEM3!r}>"
         if box3
         else f"tensordesc<u8[64, 32],{CODE_SMEM!r}>",
-        "s_desc": f"tensordesc<u8[64, 16],{SCALE_SMEM!r}>",
+        "s_desc": f"tensordesc<u8[{tile_rows}, 16],{SCALE_SMEM!r}>",
     }
     descs["x_desc"] = (
         f"tensordesc<bf16[{stage_k // 64}, {block_m}, 64],{X_SMEM3!r}>"
@@ -1115,8 +1175,8 @@ def compile_sm90(
                  A_FP4=a_fp4, BOX3=int(box3), SK=stage_k, USE_PDL=pdl,
                  EARLY_W=pdl and early_weights, A_TMA=a_tma, OUT_UNIT=out_unit_order,
                  DIAG=diag, LOOP=loop_blocks > 0, TRACE=trace, PERSIST=persist,
-                 XRING=x_ring, L2=l2, SKEW=skew)  # fmt: skip
+                 XRING=x_ring, L2=l2, SKEW=skew, TR=tile_rows)  # fmt: skip
     opts = {} if maxnreg is None else {"maxnreg": maxnreg}
     return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows", "loop_step"),
-                               gluon=True, descs=descs, num_warps=4, launch_pdl=pdl,
-                               **opts)  # fmt: skip
+                               gluon=True, descs=descs, num_warps=tile_rows // 16,
+                               launch_pdl=pdl, **opts)  # fmt: skip
