@@ -91,6 +91,13 @@ timeline_steps() {
     step timeline_mixtral 60 python3 benchmarks/gluon_timeline.py --preset mixtral-8x7b \
         --tokens 1 16 --out "$out/timeline-mixtral.json"
 }
+presets_steps() {  # presets_steps LIMIT_QWEN3 LIMIT_MIXTRAL: the bench's short rows of both
+    local short=(--num-tokens 1 16 64 256 1024 8192 --iters 10)
+    step qwen3 "$1" python3 -m fp4moe bench --preset qwen3-30b-a3b "${short[@]}" \
+        --out "$out/qwen3"
+    step mixtral "$2" python3 -m fp4moe bench --preset mixtral-8x7b "${short[@]}" \
+        --out "$out/mixtral"
+}
 memcheck_steps() {  # memcheck_steps LIMIT LIMIT_TMA
     # compute-sanitizer over a few shapes of test_kernels, then over the Gluon TMA GEMMs
     # (the W4A16 decode default since session 9)
@@ -590,11 +597,7 @@ s15d)
         step "prefill_rounds$r" 90 python3 -m fp4moe bench --num-tokens 8192 16384 --modes \
             w4a4-tensor w4a16 --no-baseline --iters 10 --rounds "$r" --out "$out/prefill-r$r"
     done
-    short=(--num-tokens 1 16 64 256 1024 8192 --iters 10)
-    step qwen3 130 python3 -m fp4moe bench --preset qwen3-30b-a3b "${short[@]}" \
-        --out "$out/qwen3"
-    step mixtral 170 python3 -m fp4moe bench --preset mixtral-8x7b "${short[@]}" \
-        --out "$out/mixtral"
+    presets_steps 130 170
     ;;
 s15e)
     # Per-tensor W4A4's amax kernels fold into zeros the sort kernel clears
@@ -651,11 +654,7 @@ splits)
     # the change touches (every route valid).
     step tests 200 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py \
         -k "gpu_shapes or segmented or invariance or dense_path_gpu"
-    short=(--num-tokens 1 16 64 256 1024 8192 --iters 10)
-    step qwen3 100 python3 -m fp4moe bench --preset qwen3-30b-a3b "${short[@]}" \
-        --out "$out/qwen3"
-    step mixtral 130 python3 -m fp4moe bench --preset mixtral-8x7b "${short[@]}" \
-        --out "$out/mixtral"
+    presets_steps 100 130
     ;;
 ep)
     step nccl_tests 150 python3 -m pytest -m gpu --device cuda -q \

@@ -32,51 +32,36 @@ from .gemm import _CHUNK_DECODE_ASM
 UNIT = gl.constexpr(64)  # K elements a main-loop step (two chunks, four k16 wgmma steps)
 
 
-# The codes of one unit ([64 rows, 32 bytes]): registers hold 8 consecutive bytes of a
-# row (bytes 8 q .. 8 q + 7: elements 16 q .. 16 q + 15, one scale block) and of the row 8
-# below; lane 4 i + q holds row i; warps 16 rows each.
-_CL = gl.constexpr(
-    gl.DistributedLinearLayout(
+@gluon.constexpr_function
+def code_layout(rows):
+    """The codes of one unit ([rows, 32 bytes], rows 64 with 4 warps or 128 with 8):
+    registers hold 8 consecutive bytes of a row (bytes 8 q .. 8 q + 7: elements 16 q ..
+    16 q + 15, one scale block) and of the row 8 below; lane 4 i + q holds row i; warp w
+    rows 16 w .. 16 w + 15, as the wgmma fragment of the program's warpgroups."""
+    return gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
         lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]],
+        warp_bases=[[16 << w, 0] for w in range(rows.bit_length() - 5)],
         block_bases=[],
-        shape=[64, 32],
+        shape=[rows, 32],
     )
-)
-# The same for 128-row tiles of 8 warps (``gluon_ws.TILE_ROWS``): warp w holds rows
-# 16 w .. 16 w + 15, as the wgmma fragment of two warpgroups.
-_CL128 = gl.constexpr(
-    gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
-        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0], [64, 0]],
-        block_bases=[],
-        shape=[128, 32],
-    )
-)
-# The same as [64 rows, 4 blocks (q), 8 bytes], whose slice along the bytes is the layout
-# of the unit's [64, 4] scales (one scale a thread and row).
-_L3 = gl.constexpr(
-    gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]],
-        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[[16, 0, 0], [32, 0, 0]],
-        block_bases=[],
-        shape=[64, 4, 8],
-    )
-)
 
 
-_L3_128 = gl.constexpr(
-    gl.DistributedLinearLayout(
+@gluon.constexpr_function
+def code_layout3(rows):
+    """``code_layout(rows)`` as [rows, 4 blocks (q), 8 bytes], whose slice along the bytes
+    is the layout of the unit's [rows, 4] scales (one scale a thread and row)."""
+    return gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]],
         lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[[16, 0, 0], [32, 0, 0], [64, 0, 0]],
+        warp_bases=[[16 << w, 0, 0] for w in range(rows.bit_length() - 5)],
         block_bases=[],
-        shape=[128, 4, 8],
+        shape=[rows, 4, 8],
     )
-)
+
+
+_CL = gl.constexpr(code_layout(64))  # the 64-row tiles' (4 warps)
+_L3 = gl.constexpr(code_layout3(64))
 
 
 @gluon.jit
@@ -86,10 +71,7 @@ def _decode_unit(codes, sc, A_L: gl.constexpr, DIAG: gl.constexpr = 0, TR: gl.co
     ``gluon_ws.DIAG``)."""
     if DIAG == 1:
         return gl.zeros([TR, UNIT], gl.bfloat16, layout=A_L)
-    if TR == 128:
-        CL: gl.constexpr = _CL128
-    else:
-        CL: gl.constexpr = _CL
+    CL: gl.constexpr = code_layout(TR)
     sb = (sc.to(gl.float32) * 3.32306998946229e35).to(gl.bfloat16)
     sb, codes = gl.broadcast(gl.expand_dims(sb, 2), codes)
     codes = gl.convert_layout(gl.reshape(codes, [TR, 32]), CL, assert_trivial=True)

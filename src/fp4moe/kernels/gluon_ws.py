@@ -40,16 +40,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .common import compile_sm90 as common_compile_sm90
 from .gluon_decode import (
-    _CL,
-    _CL128,
-    _L3,
-    _L3_128,
     UNIT,
     _decode_unit,
     _stage_x,
     _store_partials,
     _x_rows,
     _x_stage,
+    code_layout,
+    code_layout3,
 )
 
 # split_partials_tma's defaults: the ring's stages of 256 K in shared memory (1: 18 KB a
@@ -231,14 +229,10 @@ def _smem_unit(cbuf, sbuf, kb: gl.constexpr, w: gl.constexpr, NB: gl.constexpr,
                UPS: gl.constexpr = 4, NBS: gl.constexpr = 1,
                WIDE: gl.constexpr = False, TR: gl.constexpr = 64):  # fmt: skip
     """Unit ``kb`` of the segment of weight ``w`` from shared memory (its stage's ring
-    buffer, its scale group's buffer): codes [TR, 4, 8] in ``_L3`` (``_L3_128``) and e4m3
+    buffer, its scale group's buffer): codes [TR, 4, 8] in ``code_layout3(TR)`` and e4m3
     scales [TR, 4] in its slice, as the kernel's decode takes."""
-    if TR == 128:
-        CL: gl.constexpr = _CL128
-        L3: gl.constexpr = _L3_128
-    else:
-        CL: gl.constexpr = _CL
-        L3: gl.constexpr = _L3
+    CL: gl.constexpr = code_layout(TR)
+    L3: gl.constexpr = code_layout3(TR)
     b: gl.constexpr = (kb // UPS) % NB
     if WIDE:  # [TR, SK / 2] swizzled stage buffers: the unit's 32 bytes of each row
         codes = cbuf.index(w * NB + b).slice(32 * (kb % UPS), 32, dim=1).load(CL)
