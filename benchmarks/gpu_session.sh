@@ -52,12 +52,17 @@
 #   bash benchmarks/gpu_session.sh s15e       # per-tensor W4A4's amax zeros from the sort: bits, time
 #   bash benchmarks/gpu_session.sh s15f       # FC2's dense weights decoded on a side stream
 #   bash benchmarks/gpu_session.sh s16a       # 128-row Gluon tiles of 8 warps: bits, time, ncu
+#   bash benchmarks/gpu_session.sh s16b       # ncu's stall samples a SASS instruction, 16 tokens
+#   bash benchmarks/gpu_session.sh s16c       # Qwen3 and Mixtral benches; Qwen3's kernels at 1 token
+#   bash benchmarks/gpu_session.sh s16d       # memcheck of the amax path; the Gluon GPU suite
+#   bash benchmarks/gpu_session.sh s16e       # fused_chain: tests, fused calls with and without
+#   bash benchmarks/gpu_session.sh s16f       # fused_chain's tests on the GPU; runner; fused shapes
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -636,6 +641,69 @@ s16a)
     m="$m,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active"
     step ncu_16 90 ncu --clock-control none -k regex:tma_split -c 2 --metrics "$m" \
         python3 benchmarks/profile_call.py --tokens 16 --mode w4a16 --tile-rows 128
+    ;;
+s16b)
+    # Where the Gluon GEMMs' warps wait, instruction by instruction: ncu's warp-state
+    # samples (SourceCounters) of FC1 and FC2 at 16 tokens, the real kernel and DIAG 2 (no
+    # copies, no waits), exported as the SASS source page (one row an instruction)
+    ncu --version > "$out/ncu-version.txt" 2>&1
+    for d in 0 2; do
+        step "src16_d$d" 150 ncu --clock-control none -k regex:tma_split -c 2 \
+            --section SourceCounters --section WarpStateStats --section LaunchStats \
+            --warp-sampling-interval 0 -f -o "$out/src16_d$d" \
+            python3 benchmarks/profile_call.py --tokens 16 --mode w4a16 --diag "$d"
+        step "sass16_d$d" 60 ncu -i "$out/src16_d$d.ncu-rep" --page source --csv \
+            --print-source sass
+        step "details16_d$d" 60 ncu -i "$out/src16_d$d.ncu-rep" --page details --csv
+    done
+    step others 200 python3 -m pytest -m gpu --device cuda -q \
+        tests/test_runner.py tests/test_phases.py tests/test_hf_gpu.py
+    ;;
+s16c)
+    # The two other presets' benches with session 15's amax changes; memcheck over the
+    # amax and quantize kernels those changes touched
+    presets_steps 130 160
+    # Qwen3 per-tensor W4A4 at 1 token: each kernel, fused against deterministic (the
+    # fused call was 4 us over the deterministic one in session 15, W4A16's 0.5)
+    for f in "" --fused; do
+        for m in w4a4-tensor w4a16; do
+            step "qwen3_kernels_${m}${f}" 60 python3 benchmarks/profile_call.py \
+                --preset qwen3-30b-a3b --tokens 1 --mode "$m" --kernels --calls 5 $f
+        done
+    done
+    ;;
+s16d)
+    # memcheck over the amax and quantize kernels session 15 changed, then the whole
+    # Gluon GPU suite (last run whole in session 11)
+    step memcheck_amax 200 compute-sanitizer --tool memcheck python3 -m pytest -m gpu \
+        --device cuda -q tests/test_kernels.py -k "amax and not dense"
+    step gluon_ws 330 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py
+    ;;
+s16e)
+    # TritonOptions.fused_chain (new, on): the fused finalize's zeros before the sort and
+    # its cast a PDL launch. Its tests, then fused calls with it and without
+    # (c3-nofusedchain), DeepSeek-V3 and Qwen3, then the bench's decode rows of both
+    step chain_tests 70 python3 -m pytest --device cuda -q tests/test_kernels.py \
+        -k "cast_rows or fused_chain"
+    local_sweep=(--modes w4a16 w4a4-token w4a4-tensor --variants c3 c3-nofusedchain --fused
+        --iters 20)
+    step chain_ds 120 python3 benchmarks/sweep_decode.py --tokens 1 16 64 "${local_sweep[@]}" \
+        --out "$out/chain-deepseek.json"
+    step chain_qwen3 90 python3 benchmarks/sweep_decode.py --preset qwen3-30b-a3b \
+        --tokens 1 16 "${local_sweep[@]}" --out "$out/chain-qwen3.json"
+    step bench_ds 100 python3 -m fp4moe bench --num-tokens 1 16 64 --iters 10 \
+        --no-baseline --out "$out/deepseek"
+    step bench_qwen3 80 python3 -m fp4moe bench --preset qwen3-30b-a3b --num-tokens 1 16 \
+        --iters 10 --no-baseline --out "$out/qwen3"
+    ;;
+s16f)
+    # fused_chain's tests on the GPU (kernel tests run there without -m gpu), then the
+    # GPU tests of the paths it touches: the runner's graphs, the fused GPU shapes
+    step chain_tests 90 python3 -m pytest --device cuda -q tests/test_kernels.py \
+        -k "cast_rows or fused_chain"
+    step runner 120 python3 -m pytest -m gpu --device cuda -q tests/test_runner.py
+    step fused_shapes 150 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py \
+        -k "moe_gpu_shapes and fused and not deterministic"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

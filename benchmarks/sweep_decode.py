@@ -37,7 +37,11 @@ an SM: the Gluon GEMMs as persistent programs that issue the next unit's copies 
 c3-persist-u8 (the same, with the Gluon GEMMs up to 8 expected valid rows an expert),
 c3-tiled (gluon_ws.TILED: the Gluon GEMMs read a tiled copy of the weights, contiguous
 8 KB a stage; timing only, the same bits),
-c3-nogluon (gluon_decode off: loop 3 at decode sizes too).
+c3-nogluon (gluon_decode off: loop 3 at decode sizes too),
+c3-nofusedchain (TritonOptions.fused_chain off: with --fused, the accumulator's zeros after
+W4A4's quantize and torch's cast, as before session 16).
+
+--fused times every variant with the fused finalize (atomics: no bitwise check).
 """
 
 from __future__ import annotations
@@ -126,6 +130,7 @@ def main() -> None:
         "FC2 pairs of C3_PAIRS (up to 256 tokens), 'c3dense' every dense config of "
         "C3_DENSE (above 256 tokens)",
     )
+    ap.add_argument("--fused", action="store_true", help="the fused finalize (atomics)")
     ap.add_argument(
         "--segments",
         type=int,
@@ -206,6 +211,8 @@ def main() -> None:
                 # per-tensor W4A4: the amax kernels' zeros by torch.zeros (a memset each),
                 # not from the sort kernel's buffer (the default since session 15)
                 "c3-noamaxzeros": c3(amax_zeros_in_sort=False),
+                # the fused finalize (--fused): zeros after the quantize, torch's cast
+                "c3-nofusedchain": c3(fused_chain=False),
                 # the dense path: FC2's weights decoded on a side stream during FC1
                 # (dense_overlap; off: slower at 8192 tokens, session 15) or after FC1
                 "c3-denseoverlap": c3(dense_overlap=True),
@@ -270,11 +277,14 @@ def main() -> None:
                 launch.SEGMENT = int(name[6:]) if name.startswith("c3-seg") else segment0
                 gluon_ws.TILED = name == "c3-tiled"
                 try:
-                    out = moe_triton(x, ids, w, ex, mode=m, act_scale=sc, options=opt)
+                    out = moe_triton(x, ids, w, ex, mode=m, act_scale=sc, options=opt,
+                                     fused_finalize=a.fused)  # fmt: skip
                     torch.cuda.synchronize()
                     err = float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
                     same = None
-                    if name.startswith("c2"):  # loop 2: every config (and amax) the same bits
+                    if a.fused:  # atomics in any order: no bitwise check
+                        pass
+                    elif name.startswith("c2"):  # loop 2: every config (and amax) the same bits
                         if first is None:
                             first = out
                         same = bool(torch.equal(out, first))
@@ -284,7 +294,9 @@ def main() -> None:
                             first3 = out
                         same = bool(torch.equal(out, first3))
                     us = time_us(
-                        lambda: moe_triton(x, ids, w, ex, mode=m, act_scale=sc, options=opt),
+                        lambda: moe_triton(
+                            x, ids, w, ex, mode=m, act_scale=sc, options=opt, fused_finalize=a.fused
+                        ),
                         graph=True,
                         warmup=3,
                         iters=a.iters,
@@ -305,7 +317,11 @@ def main() -> None:
                 print(f"T={t:5d} {mode:11s} {name:28s} {us:9.1f} us  floor {ff}", end="")
                 print(f"  err {err:.2e}  same {same}")
                 with open(a.out, "w") as f:  # after every row: a time limit keeps the rest
-                    json.dump({"ceilings": ceil, "preset": a.preset, "rows": rows}, f, indent=1)
+                    json.dump(
+                        {"ceilings": ceil, "preset": a.preset, "fused": a.fused, "rows": rows},
+                        f,
+                        indent=1,
+                    )
     launch.QUANTIZE_SPLIT_ROWS = qsplit0
     launch.SEGMENT = segment0
 

@@ -1731,3 +1731,71 @@ def test_amax_self_plumbing(interpret, device, monkeypatch, fused):
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="amax_self_upto"):
             TritonOptions(amax_self_upto=bad)
+
+
+@pytest.mark.kernel
+def test_cast_rows_same_bits_as_torch(interpret, device):
+    """``cast_rows`` (the fused finalize's PDL cast) gives torch's fp32 -> bf16 bits:
+    round to nearest even at every tie of both parities, signed zeros, subnormals, values
+    that round up to infinity, infinities; a size that is not a multiple of a block; an
+    empty tensor; a clear error for anything but contiguous fp32. (fp32 subnormals on
+    the GPU only.)"""
+    from fp4moe.kernels.launch import cast_rows
+
+    g = torch.Generator().manual_seed(7)
+    bits = torch.randint(-(2**31), 2**31 - 1, (3, 700), generator=g, dtype=torch.int64)
+    bits = bits.to(torch.int32)
+    bits[0, :64] = (bits[0, :64] & ~0xFFFF) | 0x8000  # ties: half of them round up
+    bits[0, 64:128] = (bits[0, 64:128] & ~0xFFFF) | 0x7FFF
+    src = bits.view(torch.float32)
+    src[1, :200] = torch.randn(200, generator=g) * 2.0 ** torch.randint(
+        -140, 120, (200,), generator=g
+    )
+    src[2, :8] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 3.4e38, -3.4e38,
+                               1e-45, -1e-40])  # fmt: skip
+    keep = torch.isfinite(src) | torch.isinf(src)  # NaN payloads aside
+    if interpret:  # the interpreter's bf16 conversion of fp32 subnormals is not torch's
+        keep &= (src == 0) | (src.abs() >= torch.finfo(torch.float32).tiny)
+    src = torch.where(keep, src, torch.zeros_like(src)).to(device)
+    out = cast_rows(src, poison=True)
+    assert out.dtype == torch.bfloat16 and out.shape == src.shape
+    assert torch.equal(out.view(torch.int16), src.to(torch.bfloat16).view(torch.int16))
+    assert cast_rows(torch.zeros(0, 5, device=device)).shape == (0, 5)
+    with pytest.raises(ValueError, match="src"):
+        cast_rows(torch.zeros(2, 3, dtype=torch.float64, device=device))
+    with pytest.raises(ValueError, match="src"):
+        cast_rows(torch.zeros(4, 6, device=device).t())
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_fused_chain_same_result(interpret, device, monkeypatch, mode):
+    """``TritonOptions.fused_chain`` (the fused accumulator zeroed before the sort, the
+    cast a PDL launch) against the order before it: the same bits where the atomics'
+    order is fixed (the interpreter), the reference's tolerance on a GPU; the cast kernel
+    runs only with it on, and a poisoned output leaves no NaN."""
+    from fp4moe.kernels import launch
+
+    m, sc = mode
+    experts = _experts(4, 128, 64, seed=5, device=device)
+    x = _x(6, 128, seed=5, device=device)
+    ids, w = _routes(6, 2, 4, seed=5, device=device, masked=0.2)
+    casts, outs = [], {}
+    real = launch.cast_rows
+
+    def spy(*a, **kw):
+        casts.append(a[0].shape)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(launch, "cast_rows", spy)
+    for on in (True, False):
+        casts.clear()
+        opt = TritonOptions(poison=True, fused_chain=on)
+        outs[on] = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=True,
+                              options=opt)  # fmt: skip
+        assert casts == ([(6, 128)] if on else [])
+        assert not torch.isnan(outs[on].float()).any()
+    ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
+    assert rel_err(outs[True], ref) <= TOL[m]
+    if interpret:
+        assert torch.equal(outs[True], outs[False])

@@ -4,6 +4,9 @@ fma(w[t, k], y[t, k], acc)), reading route rows stored in expert-sorted order.
 One program covers one token and BLOCK_H columns. Routing metadata (ids, weights, the
 rows' positions) are loaded before the wait on the FC2 kernel (programmatic dependent
 launch), so they overlap FC2's tail; a masked route's row is never loaded.
+
+``cast_kernel``: the fused finalize's last step, its fp32 [T, H] sums to bf16, as a launch
+in the call's programmatic-dependent-launch chain (torch's cast is not).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import triton.language as tl
 
 from .common import fma_f32, to_bf16
 
-__all__ = ["finalize_block_h", "finalize_kernel"]
+__all__ = ["cast_kernel", "finalize_block_h", "finalize_kernel"]
 
 
 def finalize_block_h(num_tokens: int, hidden: int) -> tuple[int, int]:
@@ -63,3 +66,22 @@ def finalize_kernel(
         y = tl.load(y_ptr + pk * H + cols, mask=cmask & valid, other=0.0).to(tl.float32)
         acc = tl.where(valid, fma_f32(tl.zeros_like(acc) + wk, y, acc, INTERPRET), acc)
     tl.store(out_ptr + t * H + cols, to_bf16(acc, INTERPRET), mask=cmask)
+
+
+@triton.jit
+def cast_kernel(
+    src_ptr,  # fp32 [n]
+    out_ptr,  # bf16 [n]
+    n,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """out = bf16(src), round to nearest even, BLOCK elements a program; under PDL it
+    waits for the kernel before it (whose atomics wrote ``src``) before loading."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    v = tl.load(src_ptr + offs, mask=m, other=0.0)
+    tl.store(out_ptr + offs, to_bf16(v, INTERPRET), mask=m)

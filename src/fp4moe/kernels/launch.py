@@ -22,7 +22,7 @@ import triton.language as tl
 from ..experts import PreparedExperts
 from ..nvfp4 import global_from_amax
 from .dequant import dense_rows, dense_weights
-from .finalize import finalize_block_h, finalize_kernel
+from .finalize import cast_kernel, finalize_block_h, finalize_kernel
 from .gemm import GemmConfig, choose_gemm_config, moe_gemm_kernel
 from .quantize import (
     MODE_AMAX_SELF,
@@ -249,6 +249,12 @@ class TritonOptions:
         zeros that the sort kernel clears with the split counters (``split_counters``'
         amax slots) instead of a ``torch.zeros`` each: no memset kernel (which has no
         PDL) before them. The same amax, the same bits.
+    fused_chain: the fused finalize keeps the call's kernels one PDL chain: its fp32
+        accumulator is zeroed before the route sort (not between the quantize kernel and
+        FC1, where the memset kept W4A4's FC1 from issuing its first weight copies during
+        the quantize: ``fc1_early``), and its bf16 cast is a PDL launch (``cast_rows``)
+        instead of torch's. Off: the zeros after W4A4's quantize and torch's cast (before
+        session 16). The same bits.
     gluon_grid_blocks: the row blocks of the Gluon kernels' grid. None: the schedule's
         worst case (``max_blocks``: every route in an expert of its own), whose empty
         programs each hold one of the SM's few slots (shared memory allows 6 to 8) for a
@@ -303,6 +309,7 @@ class TritonOptions:
     gluon_persist: int | str | None = None
     amax_zeros_in_sort: bool = True
     dense_overlap: bool = False
+    fused_chain: bool = True
 
     def grid_blocks(self, n_routes: int, num_experts: int, block_m: int, max_b: int) -> int:
         """The Gluon kernels' grid row blocks (``gluon_grid_blocks``; 0: the worst case
@@ -1193,6 +1200,11 @@ def moe_triton(
         opt.ordered_for(mode, n_routes, e_count, h, experts.intermediate_size, cfg1, cfg2)
         and opt.ordered_in_sort
     )
+    # Fused: atomics add weight * y into fp32 [T, H]; unfused: route rows in sorted order.
+    # With fused_chain its zeros come first, so no memset sits between two PDL launches.
+    fused = None
+    if fused_finalize and opt.fused_chain:
+        fused = torch.zeros(t, h, dtype=torch.float32, device=dev)
     sort = sort_routes(ids, e_count, cfg1.block_m, zero=zero, x=x if ordered else None)
     n_valid = sort.expert_offsets[e_count:]  # device scalar: rows in sorted order
 
@@ -1223,8 +1235,8 @@ def moe_triton(
             )  # fmt: skip
             a_gather = False
 
-    # Fused: atomics add weight * y into fp32 [T, H]; unfused: route rows in sorted order.
-    fused = torch.zeros(t, h, dtype=torch.float32, device=dev) if fused_finalize else None
+    if fused_finalize and not opt.fused_chain:
+        fused = torch.zeros(t, h, dtype=torch.float32, device=dev)
     dest = expert_gemms(
         sort, a_src, a_scales, a_global, experts, cfg1=cfg1, cfg2=cfg2, mode=mode,
         act_scale=act_scale, topk=topk, a_gather=a_gather, route_weights=w_flat,
@@ -1233,8 +1245,32 @@ def moe_triton(
         fc1_early_weights=mode == "w4a4" and opt.fc1_early,  # a quantize kernel between
     )  # fmt: skip
     if fused_finalize:
+        if opt.fused_chain:
+            return cast_rows(dest, pdl=pdl, poison=opt.poison)
         return dest.to(torch.bfloat16)
     return finalize_rows(dest, sort.route_pos, ids, w_flat, pdl=pdl, poison=opt.poison)
+
+
+def cast_rows(src: torch.Tensor, *, pdl: bool = False, poison: bool = False) -> torch.Tensor:
+    """bf16(src), round to nearest even (``torch.Tensor.to``'s bits), by one launch that
+    under ``pdl`` waits for the kernel before it: the fused finalize's last step.
+
+    Args:
+        src: fp32 [T, H], contiguous.
+
+    Returns:
+        bf16 [T, H].
+    """
+    if src.dtype != torch.float32 or not src.is_contiguous():
+        raise ValueError(f"src: expected a contiguous torch.float32 tensor, got {src.dtype}")
+    out = _empty(tuple(src.shape), torch.bfloat16, src.device, poison)
+    n = src.numel()
+    if n == 0:
+        return out
+    block = 64 if interpreting() else 2048
+    _launch(cast_kernel, (triton.cdiv(n, block),), pdl, src, out, n, BLOCK=block,
+            INTERPRET=interpreting(), num_warps=4)  # fmt: skip
+    return out
 
 
 def finalize_rows(
