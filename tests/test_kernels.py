@@ -1740,6 +1740,16 @@ def test_cast_rows_same_bits_as_torch(interpret, device):
     that round up to infinity, infinities; a size that is not a multiple of a block; an
     empty tensor; a clear error for anything but contiguous fp32. (fp32 subnormals on
     the GPU only.)"""
+    _check_cast_rows(interpret, device)
+
+
+@pytest.mark.gpu
+def test_cast_rows_gpu():
+    """``test_cast_rows_same_bits_as_torch`` on the GPU (with PDL, and the subnormals)."""
+    _check_cast_rows(False, "cuda", pdl=True)
+
+
+def _check_cast_rows(interpret, device, pdl=False):
     from fp4moe.kernels.launch import cast_rows
 
     g = torch.Generator().manual_seed(7)
@@ -1757,7 +1767,7 @@ def test_cast_rows_same_bits_as_torch(interpret, device):
     if interpret:  # the interpreter's bf16 conversion of fp32 subnormals is not torch's
         keep &= (src == 0) | (src.abs() >= torch.finfo(torch.float32).tiny)
     src = torch.where(keep, src, torch.zeros_like(src)).to(device)
-    out = cast_rows(src, poison=True)
+    out = cast_rows(src, poison=True, pdl=pdl)
     assert out.dtype == torch.bfloat16 and out.shape == src.shape
     assert torch.equal(out.view(torch.int16), src.to(torch.bfloat16).view(torch.int16))
     assert cast_rows(torch.zeros(0, 5, device=device)).shape == (0, 5)
