@@ -57,12 +57,13 @@
 #   bash benchmarks/gpu_session.sh s16d       # memcheck of the amax path; the Gluon GPU suite
 #   bash benchmarks/gpu_session.sh s16e       # fused_chain: tests, fused calls with and without
 #   bash benchmarks/gpu_session.sh s16f       # fused_chain's tests on the GPU; runner; fused shapes
+#   bash benchmarks/gpu_session.sh s17a       # the Gluon GEMMs' skeleton (DIAG 3): calls, kernels, ncu
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -704,6 +705,25 @@ s16f)
     step runner 120 python3 -m pytest -m gpu --device cuda -q tests/test_runner.py
     step fused_shapes 150 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py \
         -k "moe_gpu_shapes and fused and not deterministic"
+    ;;
+s17a)
+    # Session 16's open question (perf-notes session 16, item 6): is the Gluon GEMMs'
+    # skeleton (schedule reads, the rows' staging, wgmmas on zeros, the epilogue: DIAG 3,
+    # neither decode nor copies) most of their time? Whole calls and each kernel with
+    # DIAG 0 to 3, then ncu's warp samples of the skeleton at 16 tokens
+    step diag 200 python3 benchmarks/gluon_experiment.py --whole-only --tokens 1 16 64 \
+        --diag 0 1 2 3 0 3 --out "$out/diag.json"
+    for d in 0 1 2 3; do
+        step "kernels_$d" 45 python3 benchmarks/profile_call.py --kernels --calls 5 \
+            --tokens 16 --diag "$d"
+    done
+    step src16_d3 150 ncu --clock-control none -k regex:tma_split -c 2 \
+        --section SourceCounters --section WarpStateStats --warp-sampling-interval 0 -f \
+        -o "$out/src16_d3" python3 benchmarks/profile_call.py --tokens 16 --diag 3
+    step sass16_d3 60 ncu -i "$out/src16_d3.ncu-rep" --page source --csv --print-source sass
+    step report16_d3 30 python3 benchmarks/ncu_source_report.py "$out/sass16_d3.log"
+    rm -f "$out"/*.ncu-rep
+    gzip -9 "$out/sass16_d3.log"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

@@ -67,9 +67,9 @@ _L3 = gl.constexpr(code_layout3(64))
 @gluon.jit
 def _decode_unit(codes, sc, A_L: gl.constexpr, DIAG: gl.constexpr = 0, TR: gl.constexpr = 64):
     """Decode one unit ([TR rows, 64 K]; TR 64, or 128 with 8 warps) of weights into the
-    wgmma A fragment (``DIAG`` 1: zeros instead, for timing the kernel without its decode;
-    ``gluon_ws.DIAG``)."""
-    if DIAG == 1:
+    wgmma A fragment (``DIAG`` 1 or 3: zeros instead, for timing the kernel without its
+    decode; ``gluon_ws.DIAG``)."""
+    if DIAG == 1 or DIAG == 3:
         return gl.zeros([TR, UNIT], gl.bfloat16, layout=A_L)
     CL: gl.constexpr = code_layout(TR)
     sb = (sc.to(gl.float32) * 3.32306998946229e35).to(gl.bfloat16)

@@ -97,7 +97,8 @@ X_RING_MAXNREG = {(True, 8): 72, (False, 8): 64}
 L2_AHEAD = 0
 # Timing diagnostics, WRONG RESULTS (gluon_experiment.py --diag): 1 the weights not decoded
 # (zeros: the copies, shared loads of the scales' layout aside, and wgmmas alone), 2 no
-# copies and no waits (the decode of whatever shared memory holds: issue alone)
+# copies and no waits (the decode of whatever shared memory holds: issue alone), 3 neither
+# (the skeleton: schedule reads, the rows' staging, the wgmmas on zeros, the epilogue)
 DIAG = 0
 # Per-program timeline (benchmarks/gluon_timeline.py; the results stay right): with TRACE
 # each launch records, a program, TRACE_FIELDS int64 stamps into a buffer appended to
@@ -469,7 +470,7 @@ def tma_split_kernel(
     A_TMA: gl.constexpr = False,  # x's rows (sorted, unit order) by TMA with each stage
     OUT_UNIT: gl.constexpr = False,  # EPILOGUE: bf16 rows with each 64 columns in unit order
     DIAG: gl.constexpr = 0,  # timing only, wrong results: 1 no decode (zero weights), 2 no
-    # copies and no waits (decodes whatever shared memory holds); see DIAG below
+    # copies and no waits (decodes whatever shared memory holds), 3 neither; see DIAG below
     LOOP: gl.constexpr = False,  # the grid has loop_step row blocks, not the worst case;
     # program m takes the valid blocks m, m + loop_step, ... (grid_blocks)
     TRACE: gl.constexpr = False,  # stamps into trace_ptr (gluon_ws.TRACE)
@@ -717,7 +718,7 @@ def _block_work(
         CODE_BYTES: gl.constexpr = NW * UPS * TR * 32 + ACT_BYTES
         SCALE_BYTES: gl.constexpr = NW * TR * 16
         if (not NEXT) or first:
-            for st in gl.static_range(NB if DIAG != 2 else 0):
+            for st in gl.static_range(NB if DIAG < 2 else 0):
                 bar = bars.index(st)
                 if st % R == 0:
                     mbarrier.expect(bar, CODE_BYTES + SCALE_BYTES)
@@ -732,13 +733,13 @@ def _block_work(
                     tma.async_copy_global_to_shared(x_desc, [(k0 + st * SK) // UNIT, start, 0],
                                                     bar, xdst.index(st))  # fmt: skip
 
-        if L2 > 0 and DIAG != 2 and NB < NS:  # stages NB .. NB + L2 - 1 into L2
+        if L2 > 0 and DIAG < 2 and NB < NS:  # stages NB .. NB + L2 - 1 into L2
             _prefetch_l2(c_ptr, s_ptr, row, N, k0, NB, min(L2, NS - NB), K, SK, GATED)
         if USE_PDL and EARLY_W:  # the weights' first stages fly while the last kernel ends
             if first:
                 _gdc_wait_release()
             if A_TMA:  # x comes from the kernel just waited for
-                for st in gl.static_range(NB if DIAG != 2 else 0):
+                for st in gl.static_range(NB if DIAG < 2 else 0):
                     tma.async_copy_global_to_shared(x_desc, [(k0 + st * SK) // UNIT, start, 0],
                                                     bars.index(st), xdst.index(st))  # fmt: skip
 
@@ -775,7 +776,7 @@ def _block_work(
                                   A_UNIT_ORDER)  # fmt: skip
             if kb == 0 and TRACE:
                 _stamp(tb + 6, 0)  # T_X
-            if kb % UPS == 0 and DIAG != 2:
+            if kb % UPS == 0 and DIAG < 2:
                 mbarrier.wait(bars.index((kb // UPS) % NB), (kb // UPS // NB + ph) % 2)
                 if L2 > 0 and kb // UPS + NB + L2 < NS:  # one more stage into L2
                     _prefetch_l2(c_ptr, s_ptr, row, N, k0, kb // UPS + NB + L2, 1, K, SK,
@@ -812,7 +813,7 @@ def _block_work(
                     uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS, BOX3 >= 2, TR)
                     acc_u = warpgroup_mma(_decode_unit(uc, us, A_L, DIAG, TR), xb, acc_u)
             # the stage's buffer is read: refill it with stage + NB (ring only)
-            if kb % UPS == UPS - 1 and kb // UPS + NB < NS and DIAG != 2:
+            if kb % UPS == UPS - 1 and kb // UPS + NB < NS and DIAG < 2:
                 if A_TMA and ASYNC:  # the stage's x rows are read by the wgmma in flight
                     if GATED:
                         acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0,
@@ -836,7 +837,7 @@ def _block_work(
                         x_desc, [(k0 + (kb // UPS + NB) * SK) // UNIT, start, 0], bar,
                         xdst.index((kb // UPS) % NB),
                     )  # fmt: skip
-            elif NEXT and kb % UPS == UPS - 1 and DIAG != 2:  # noqa: SIM102 (compile time)
+            elif NEXT and kb % UPS == UPS - 1 and DIAG < 2:  # noqa: SIM102 (compile time)
                 # the last stages: refill with the next unit's first (stage kb // UPS + NB
                 # - NS of it, which maps to this very buffer as NS % NB == 0); at run time
                 if has_next:
