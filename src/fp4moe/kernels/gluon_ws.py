@@ -107,7 +107,7 @@ DIAG = 0
 # (the buffer is allocated a launch); not with grid_blocks.
 TRACE = False
 TRACES: list = []
-# Experiment (session 15, 64 = off, not yet timed): weight tiles of TILE_ROWS = 128 rows
+# Experiment (session 15, 64 = off; refuted in session 16): weight tiles of TILE_ROWS = 128 rows
 # with 8 warps (two warpgroups, one wgmma each on its 64 rows) instead of 64 rows with 4,
 # in the one-block body with CODE_WIDE boxes. Two 64-row tiles then share one staged
 # activation tile (16 KB of FC1's 34.8 KB a program at 8-row tiles, mostly zeros at
@@ -116,7 +116,9 @@ TRACES: list = []
 # of 4 warps (24) now, and half the programs (16 tokens: 448 FC1 programs, one wave).
 # Session 15's ncu data found the kernels latency-bound at 24 warps an SM (perf-notes,
 # session 15, item 4). Each row's operands and order are those of the 64-row tile: the
-# same bits. Used where N % 128 == 0; else 64.
+# same bits. Used where N % 128 == 0; else 64. Measured (session 16, item 1): the same
+# bits, more warps and issue an SM, no faster at 16 tokens and 5 to 7 us slower at 1 and
+# 8 (DeepSeek-V3 EP8 W4A16 whole calls 44.4 / 90.7 / 60.0 -> 51.2 / 96.0 / 58.3 us).
 TILE_ROWS = 64
 # TILE_ROWS 128's register cap by (gated, block_m): FC1's 8-row tiles need 67 uncapped,
 # 64 fit 4 programs of 8 warps an SM (52 KB each) with no stack (compiled on the CPU);
