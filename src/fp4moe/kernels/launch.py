@@ -1262,7 +1262,9 @@ def cast_rows(src: torch.Tensor, *, pdl: bool = False, poison: bool = False) -> 
         bf16 [T, H].
     """
     if src.dtype != torch.float32 or not src.is_contiguous():
-        raise ValueError(f"src: expected a contiguous torch.float32 tensor, got {src.dtype}")
+        layout = "" if src.is_contiguous() else ", not contiguous"
+        raise ValueError(f"src: expected a contiguous torch.float32 tensor, got {src.dtype}"
+                         f"{layout}")  # fmt: skip
     out = _empty(tuple(src.shape), torch.bfloat16, src.device, poison)
     n = src.numel()
     if n == 0:
