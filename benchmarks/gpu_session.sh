@@ -97,6 +97,16 @@ timeline_steps() {
     step timeline_mixtral 60 python3 benchmarks/gluon_timeline.py --preset mixtral-8x7b \
         --tokens 1 16 --out "$out/timeline-mixtral.json"
 }
+ncu_source_steps() {  # ncu_source_steps TOKENS DIAG: ncu's warp samples a SASS instruction
+    # of the Gluon GEMMs (W4A16, DeepSeek-V3), the source page as CSV and its report
+    local tag="$1_d$2"
+    step "src$tag" 150 ncu --clock-control none -k regex:tma_split -c 2 \
+        --section SourceCounters --section WarpStateStats --section LaunchStats \
+        --warp-sampling-interval 0 -f -o "$out/src$tag" \
+        python3 benchmarks/profile_call.py --tokens "$1" --mode w4a16 --diag "$2"
+    step "sass$tag" 60 ncu -i "$out/src$tag.ncu-rep" --page source --csv --print-source sass
+    step "report$tag" 30 python3 benchmarks/ncu_source_report.py "$out/sass$tag.log"
+}
 presets_steps() {  # presets_steps LIMIT_QWEN3 LIMIT_MIXTRAL: the bench's short rows of both
     local short=(--num-tokens 1 16 64 256 1024 8192 --iters 10)
     step qwen3 "$1" python3 -m fp4moe bench --preset qwen3-30b-a3b "${short[@]}" \
@@ -649,12 +659,7 @@ s16b)
     # copies, no waits), exported as the SASS source page (one row an instruction)
     ncu --version > "$out/ncu-version.txt" 2>&1
     for d in 0 2; do
-        step "src16_d$d" 150 ncu --clock-control none -k regex:tma_split -c 2 \
-            --section SourceCounters --section WarpStateStats --section LaunchStats \
-            --warp-sampling-interval 0 -f -o "$out/src16_d$d" \
-            python3 benchmarks/profile_call.py --tokens 16 --mode w4a16 --diag "$d"
-        step "sass16_d$d" 60 ncu -i "$out/src16_d$d.ncu-rep" --page source --csv \
-            --print-source sass
+        ncu_source_steps 16 "$d"
         step "details16_d$d" 60 ncu -i "$out/src16_d$d.ncu-rep" --page details --csv
     done
     step others 200 python3 -m pytest -m gpu --device cuda -q \
@@ -717,11 +722,7 @@ s17a)
         step "kernels_$d" 45 python3 benchmarks/profile_call.py --kernels --calls 5 \
             --tokens 16 --diag "$d"
     done
-    step src16_d3 150 ncu --clock-control none -k regex:tma_split -c 2 \
-        --section SourceCounters --section WarpStateStats --warp-sampling-interval 0 -f \
-        -o "$out/src16_d3" python3 benchmarks/profile_call.py --tokens 16 --diag 3
-    step sass16_d3 60 ncu -i "$out/src16_d3.ncu-rep" --page source --csv --print-source sass
-    step report16_d3 30 python3 benchmarks/ncu_source_report.py "$out/sass16_d3.log"
+    ncu_source_steps 16 3
     rm -f "$out"/*.ncu-rep
     gzip -9 "$out/sass16_d3.log"
     ;;
