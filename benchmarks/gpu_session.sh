@@ -58,12 +58,14 @@
 #   bash benchmarks/gpu_session.sh s16e       # fused_chain: tests, fused calls with and without
 #   bash benchmarks/gpu_session.sh s16f       # fused_chain's tests on the GPU; runner; fused shapes
 #   bash benchmarks/gpu_session.sh s17a       # the Gluon GEMMs' skeleton (DIAG 3): calls, kernels, ncu
+#   bash benchmarks/gpu_session.sh s17b       # gluon_prefill: a quick check, its GPU tests, a sweep
+#   bash benchmarks/gpu_session.sh s17c       # gluon_prefill's GPU tests; runner, cast; Qwen3, Mixtral
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -725,6 +727,31 @@ s17a)
     ncu_source_steps 16 3
     rm -f "$out"/*.ncu-rep
     gzip -9 "$out/sass16_d3.log"
+    ;;
+s17b)
+    # gluon_prefill (session 17): the dense path's GEMMs decoding in registers. A quick
+    # check first (bits against the dense path; a hang is cut at its limit), the rest
+    # only if it passed
+    step check 120 python3 benchmarks/prefill_check.py --tokens 2048 8192 --iters 5
+    if grep -q "same True" "$out/check.log" && ! grep -q "same False" "$out/check.log"; then
+        step tests 150 python3 -m pytest -m gpu --device cuda -q -x tests/test_gluon_prefill.py \
+            -k "deepseek or graph"
+        step sweep 240 python3 benchmarks/sweep_decode.py --tokens 1024 2048 4096 8192 16384 \
+            --modes w4a16 w4a4-token --variants c3 c3-prefill c3-prefill-d64 c3-dense64 \
+            --iters 10 --out "$out/sweep.json"
+    fi
+    ;;
+s17c)
+    # gluon_prefill on by default (prefill_above 96): its GPU tests, session 16's runner
+    # tests not reached then and the cast test, then Qwen3 and Mixtral with and without
+    step tests 240 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_prefill.py
+    step runner 120 python3 -m pytest -m gpu --device cuda -q tests/test_runner.py \
+        tests/test_kernels.py -k "graph_replay_gpu or cast_rows_gpu"
+    for pr in qwen3-30b-a3b mixtral-8x7b; do
+        step "sweep_$pr" 100 python3 benchmarks/sweep_decode.py --preset "$pr" \
+            --tokens 1024 4096 8192 --modes w4a16 w4a4-token --variants c3 c3-noprefill \
+            --iters 5 --out "$out/sweep-$pr.json"
+    done
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

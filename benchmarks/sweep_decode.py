@@ -39,7 +39,12 @@ c3-tiled (gluon_ws.TILED: the Gluon GEMMs read a tiled copy of the weights, cont
 8 KB a stage; timing only, the same bits),
 c3-nogluon (gluon_decode off: loop 3 at decode sizes too),
 c3-nofusedchain (TritonOptions.fused_chain off: with --fused, the accumulator's zeros after
-W4A4's quantize and torch's cast, as before session 16).
+W4A4's quantize and torch's cast, as before session 16),
+c3-prefill, c3-noprefill (TritonOptions.gluon_prefill on / off: the dense path's GEMMs on
+kernels.gluon_prefill, the weights decoded in registers; on by default since session 17,
+whose data names the option off c3), c3-prefill-d64 / c3-prefill-d16 (the option on with
+dense_above 64 / 16: the path from fewer valid rows an expert), c3-dense64 (dense_above 64
+on the decoded weights, the option off). All the same bits as c3.
 
 --fused times every variant with the fused finalize (atomics: no bitwise check).
 """
@@ -213,6 +218,12 @@ def main() -> None:
                 "c3-noamaxzeros": c3(amax_zeros_in_sort=False),
                 # the fused finalize (--fused): zeros after the quantize, torch's cast
                 "c3-nofusedchain": c3(fused_chain=False),
+                # gluon_prefill: the dense path's GEMMs decode in registers (session 17)
+                "c3-prefill": c3(gluon_prefill=True),
+                "c3-noprefill": c3(gluon_prefill=False),
+                "c3-prefill-d64": c3(gluon_prefill=True, dense_above=64),
+                "c3-prefill-d16": c3(gluon_prefill=True, dense_above=16),
+                "c3-dense64": c3(dense_above=64, gluon_prefill=False),
                 # the dense path: FC2's weights decoded on a side stream during FC1
                 # (dense_overlap; off: slower at 8192 tokens, session 15) or after FC1
                 "c3-denseoverlap": c3(dense_overlap=True),

@@ -255,6 +255,24 @@ class TritonOptions:
         the quantize: ``fc1_early``), and its bf16 cast is a PDL launch (``cast_rows``)
         instead of torch's. Off: the zeros after W4A4's quantize and torch's cast (before
         session 16). The same bits.
+    gluon_prefill: on the dense path (``dense_for``) on a Hopper GPU, each GEMM whose
+        shape fits (``gluon_prefill.applies``: K a multiple of 1024, whole 64- or 128-row
+        weight tiles) runs as ``gluon_prefill.prefill_kernel``: the weights decoded in
+        registers for each 128-row tile, as the decode-size kernels do, instead of
+        ``dense_weights`` writing every expert's weights to HBM in bf16 once a call and a
+        bf16 GEMM reading them back. The same operands, order and sums (loop 3's bits);
+        static W4A4's FC1 then writes bf16 and quantizes in a second kernel (the
+        bit-identical two-step path of ``fc1_nvfp4_out``). On since session 17: the same
+        bits, DeepSeek-V3 EP8 at 8192 / 16384 tokens W4A16 3607.6 / 5336.0 -> 2387.4 /
+        4300.4 us, W4A4 per-token 3890.2 / 5829.4 -> 2619.5 / 4677.5
+        (``sweep_decode.py --variants c3 c3-prefill``).
+    prefill_above: where ``gluon_prefill`` runs both GEMMs of a call's shape, the dense
+        path (as the prefill kernel) starts above this many expected valid rows an expert
+        instead of ``dense_above`` (the kernel has no fixed decode cost to repay). 96:
+        DeepSeek-V3 EP8 W4A16 (session 17) at 64 rows an expert (2048 tokens) 1146.7 us on
+        loop 3 against 1180.6 on the prefill kernel (``prefill_check.py``, dense_above 0),
+        at 128 (4096 tokens) 1781.0 against 1394.1 (``sweep_decode.py --variants c3
+        c3-prefill-d64``; per-token W4A4 1931.4 against 1522.0). None: off.
     gluon_grid_blocks: the row blocks of the Gluon kernels' grid. None: the schedule's
         worst case (``max_blocks``: every route in an expert of its own), whose empty
         programs each hold one of the SM's few slots (shared memory allows 6 to 8) for a
@@ -310,6 +328,8 @@ class TritonOptions:
     amax_zeros_in_sort: bool = True
     dense_overlap: bool = False
     fused_chain: bool = True
+    gluon_prefill: bool = True
+    prefill_above: int | None = 96
 
     def grid_blocks(self, n_routes: int, num_experts: int, block_m: int, max_b: int) -> int:
         """The Gluon kernels' grid row blocks (``gluon_grid_blocks``; 0: the worst case
@@ -366,7 +386,7 @@ class TritonOptions:
             self.ordered_x
             and mode == "w4a16"
             and int(self.chunked) == 3
-            and not self.dense_for(n_routes, num_experts)
+            and not self.dense_for(n_routes, num_experts, (hidden, inter))
             and k_order(3, hidden, cfg1.block_k) == 64
             and k_order(3, inter, cfg2.block_k) == 64
             # not where either GEMM runs as the Gluon kernel, which neither reads nor
@@ -426,16 +446,50 @@ class TritonOptions:
             out.append(k > SEGMENT and programs < SPLIT_BELOW_PROGRAMS)
         return out[0], out[1]
 
-    def dense_for(self, n_routes: int, num_experts: int) -> bool:
-        """Whether a call of ``n_routes`` routes takes the dense path (``dense_above``)."""
+    def prefill_here(self) -> bool:
+        """Whether ``gluon_prefill`` can run: the option on, loop 3, and a Hopper GPU with
+        the Gluon kernels (never in the interpreter)."""
+        return (
+            self.gluon_prefill
+            and int(self.chunked) == 3
+            and not interpreting()
+            and hopper_device()
+            and gluon_available()
+        )
+
+    def prefill_runs(
+        self, n_routes: int, num_experts: int, shape: tuple[int, int] | None = None
+    ) -> bool:
+        """Whether a call's dense-path GEMMs run on ``gluon_prefill`` (those whose shape
+        fits: ``gluon_prefill.applies``); ``shape``: (hidden, inter), as ``dense_for``."""
+        return self.prefill_here() and self.dense_for(n_routes, num_experts, shape)
+
+    def dense_for(
+        self, n_routes: int, num_experts: int, shape: tuple[int, int] | None = None
+    ) -> bool:
+        """Whether a call of ``n_routes`` routes takes the dense path: above
+        ``dense_above`` expected valid rows an expert, or above ``prefill_above`` where
+        both GEMMs of ``shape`` = (hidden, inter) run on ``gluon_prefill``."""
         if self.dense_above is None or n_routes == 0 or int(self.chunked) not in (2, 3):
             return False
-        return self.valid_rows(n_routes, num_experts) > self.dense_above
+        rows = self.valid_rows(n_routes, num_experts)
+        if rows > self.dense_above:
+            return True
+        if shape is None or self.prefill_above is None or rows <= self.prefill_above:
+            return False
+        from . import gluon_prefill
+
+        h, i = shape
+        fits = gluon_prefill.applies(i, h, True) and gluon_prefill.applies(h, i, False)
+        return fits and self.prefill_here()
 
     def __post_init__(self) -> None:
         d, f = self.dense_above, self.valid_fraction
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 0):
             raise ValueError(f"dense_above: expected None or an int >= 0, got {d!r}")
+        pa = self.prefill_above
+        if pa is not None and (isinstance(pa, bool) or not isinstance(pa, int) or pa < 0):
+            raise ValueError(f"prefill_above: expected None or an int >= 0, got {pa!r}")
         if f is not None and (
             isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1
         ):
@@ -688,6 +742,7 @@ def _gemm(
     grid_blocks: int = 0,
     persist: int = 0,
     w_dense: torch.Tensor | None = None,
+    prefill: bool = False,
 ) -> None:
     """One grouped GEMM. ``out_fp4`` = (scales, globals, static table): ``out`` receives
     NVFP4 codes of the FC1 activation instead of bf16 (static W4A4). ``dense``: decode
@@ -709,8 +764,15 @@ def _gemm(
     ``TritonOptions.grid_blocks``). ``persist``: the Gluon kernel's persistent programs
     (0: off; ``TritonOptions.persist_programs``), unless its rows come by TMA. ``w_dense``
     (with ``dense``): the weights decoded already (``dense_weights`` in this GEMM's
-    order), e.g. on a side stream (``TritonOptions.dense_overlap``)."""
+    order), e.g. on a side stream (``TritonOptions.dense_overlap``). ``prefill`` (with
+    ``dense``): the GEMM runs on ``gluon_prefill`` where ``_prefill_fits`` (the same
+    bits)."""
     a_fp4 = a_scales is not None
+    if dense and prefill and _prefill_fits(cfg, n, k, gated, out_fp4, amax_out):
+        _prefill_gemm(sort, a, a_scales, a_global, w_codes, w_scales, w_global, out, topk_w,
+                      n=n, k=k, topk=topk, gated=gated, a_gather=a_gather, fused=fused,
+                      decode_asm=decode_asm, poison=poison)  # fmt: skip
+        return
     order = k_order(int(chunked), k, cfg.block_k)
     if dense:
         assert chunked, "the dense path is a chunk-ordered loop's (TritonOptions.dense_for)"
@@ -827,6 +889,42 @@ def _gemm(
     _launch(moe_gemm_kernel, grid, pdl, *args, **kw)
 
 
+def _prefill_fits(cfg: GemmConfig, n: int, k: int, gated: bool, out_fp4=None,
+                  amax_out=None) -> bool:  # fmt: skip
+    """Whether a dense-path GEMM can run on ``gluon_prefill``: its shape (``applies``),
+    the schedule's 128-row blocks, bf16 or fused output (no NVFP4 output, no fused
+    amax)."""
+    from . import gluon_prefill
+
+    return (
+        gluon_prefill.applies(n, k, gated)
+        and cfg.block_m == gluon_prefill.BM
+        and out_fp4 is None
+        and amax_out is None
+    )
+
+
+def _prefill_gemm(sort: RouteSort, a, a_scales, a_global, w_codes, w_scales, w_global, out,
+                  topk_w, *, n: int, k: int, topk: int, gated: bool, a_gather: bool,
+                  fused: bool, decode_asm: bool, poison: bool) -> None:  # fmt: skip
+    """A dense-path GEMM on ``gluon_prefill``: its activation rows once in sorted and unit
+    order (``dense_rows(order=64)``: gathered by route, W4A4's decoded), then the kernel."""
+    from . import gluon_prefill
+
+    count = sort.expert_offsets[-1:]
+    index = sort.sorted_routes if a_gather else None
+    xs = dense_rows(a, a_scales, count=count, decode_asm=decode_asm, poison=poison, order=64,
+                    index=index, div=topk if a_gather else 1)  # fmt: skip
+    a_fp4 = a_scales is not None
+    gluon_prefill.prefill_gemm(
+        xs, w_codes, w_scales, w_global, sort.block_expert, sort.block_start, sort.block_end,
+        sort.valid_blocks, out, n=n, topk=topk, gated=gated,
+        out_scale=2.0**16 if a_fp4 else 2.0**8, sorted_routes=sort.sorted_routes,
+        topk_w=topk_w, fused=fused, a_global=a_global if a_fp4 else None,
+        a_gather=a_gather,
+    )  # fmt: skip
+
+
 def _amax_self(opt: TritonOptions, elements: int, amax_reduce) -> bool:
     """Whether a per-tensor global over ``elements`` (the host's bound) is taken by the
     quantize kernel itself (``amax_self_upto``; never with an ``amax_reduce``)."""
@@ -879,7 +977,7 @@ def gemm_configs_for(
     valid_rows = options.valid_rows(n_routes, num_experts)
     loop = int(options.chunked)
     a_fp4 = mode == "w4a4"
-    if options.dense_for(n_routes, num_experts):
+    if options.dense_for(n_routes, num_experts, (h, inter)):
         # Dense operands, measured on the H200 (docs/perf-notes.md, sweep_decode.py
         # --variants c3dense): (128, 128, 64, 8 warps, 3 stages) is the fastest config at
         # 8192 tokens on Mixtral-8x7B (13.5 ms W4A16 against 15.1 to 18.4 for the others)
@@ -1038,11 +1136,14 @@ def expert_gemms(
     # Segmented loop: split K segments over programs when few rows an expert leave too few
     # programs to fill the GPU (same bits either way).
     split1, split2 = opt.gemm_splits(n_routes, e_count, h, inter, cfg1, cfg2)
-    dense = opt.dense_for(n_routes, e_count)
+    dense = opt.dense_for(n_routes, e_count, (h, inter))
     dev = a.device
     n_valid = sort.expert_offsets[e_count:]
     w4a4 = mode == "w4a4"
-    fc1_fp4 = w4a4 and act_scale == "static" and opt.fc1_nvfp4_out
+    prefill = opt.prefill_runs(n_routes, e_count, (h, inter))
+    # static W4A4's FC1 on gluon_prefill writes bf16 (the two-step path, the same bits)
+    pre1 = prefill and _prefill_fits(cfg1, inter, h, True)
+    fc1_fp4 = w4a4 and act_scale == "static" and opt.fc1_nvfp4_out and not pre1
     out_fp4 = None
     if fc1_fp4:  # FC1 writes NVFP4 codes, scales and globals of `a` itself
         act = _empty((n_routes, inter // 2), torch.uint8, dev, opt.poison)
@@ -1077,7 +1178,8 @@ def expert_gemms(
     # dense_overlap: FC2's weights decoded on a side stream while FC1 runs (allocated on
     # this stream, which waits for the side one before FC2 reads them)
     w2_dense, side = None, None
-    if dense and opt.dense_overlap and dev.type == "cuda" and not interpreting():
+    overlap = dense and opt.dense_overlap and not (prefill and _prefill_fits(cfg2, h, inter, False))
+    if overlap and dev.type == "cuda" and not interpreting():
         w2_dense = torch.empty((e_count, h, inter), dtype=torch.bfloat16, device=dev)
         side = _side_stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -1094,7 +1196,7 @@ def expert_gemms(
         counters=counters[0] if counters else None, amax_out=famax,
         a_ordered=ordered, out_ordered=ordered or mid_unit, blocks_last=opt.blocks_last,
         a_decoded=a_decoded, gluon_pdl=gpdl, early_weights=fc1_early_weights, a_tma=atma1,
-        grid_blocks=gb1, persist=ps1,
+        grid_blocks=gb1, persist=ps1, prefill=prefill,
     )  # fmt: skip
 
     # FC2 input.
@@ -1141,7 +1243,7 @@ def expert_gemms(
         poison=opt.poison, gluon=opt.gluon_decode,
         counters=counters[1] if counters else None, a_ordered=ordered or mid_unit,
         blocks_last=opt.blocks_last, a_decoded=b_dec, early_weights=True, gluon_pdl=gpdl,
-        a_tma=atma2, grid_blocks=gb2, persist=ps2, w_dense=w2_dense,
+        a_tma=atma2, grid_blocks=gb2, persist=ps2, w_dense=w2_dense, prefill=prefill,
     )  # fmt: skip
     return dest
 
@@ -1344,7 +1446,11 @@ def workspace_bytes(
     nb = -(-n // block_m) + min(num_experts, n)
     common = 4 * (3 * n + 2 * num_experts + 1 + 3 * nb)  # sort outputs (int32)
     w4a4 = mode == "w4a4"
-    fc1_fp4 = w4a4 and act_scale == "static" and opt.fc1_nvfp4_out
+    pre1 = pre2 = False  # the GEMMs on gluon_prefill (no decoded weights)
+    if n and opt.prefill_runs(n, num_experts, (h, i)):
+        dcfg = gemm_configs_for(n, num_experts, h, i, mode, opt)
+        pre1, pre2 = _prefill_fits(dcfg[0], i, h, True), _prefill_fits(dcfg[1], h, i, False)
+    fc1_fp4 = w4a4 and act_scale == "static" and opt.fc1_nvfp4_out and not pre1
     act = n * (i // 2 + i // 16 + 4) if fc1_fp4 else n * i * 2  # FC1 output a
     b_in = 0
     if w4a4:
@@ -1358,11 +1464,15 @@ def workspace_bytes(
     else:
         rows_out = n * h * 2  # route rows, bf16
     tmp1 = tmp2 = 0
-    if opt.dense_for(n, num_experts):
+    if opt.dense_for(n, num_experts, (h, i)):
         x_rows = n if w4a4 and act_scale == "static" else t
         tmp1 = num_experts * 2 * i * h * 2 + x_rows * h * 2  # decoded weights, rows
         tmp2 = num_experts * h * i * 2 + n * i * 2
-        if opt.dense_overlap:  # FC2's decoded weights, decoded during FC1
+        if pre1:  # gluon_prefill: the rows only, gathered into sorted order
+            tmp1 = n * h * 2
+        if pre2:
+            tmp2 = n * i * 2
+        elif opt.dense_overlap:  # FC2's decoded weights, decoded during FC1
             tmp1 += num_experts * h * i * 2
     if int(opt.chunked) == 3 and n:
         # Segment partials of each split GEMM (at least 32-element tiles: SEGMENT is a

@@ -1,0 +1,322 @@
+"""The prefill grouped GEMMs in Gluon: the weights decoded in registers straight into the
+wgmma A fragment, 128 token rows a tile, the whole K in one program, with loop 3's
+operands, order and sums (``TritonOptions.gluon_prefill``, on the dense path's calls).
+
+Why (docs/perf-notes.md, session 17): the dense path (``dense_above``) decodes every
+expert's weights to bf16 in HBM once a call and runs a bf16 GEMM on them. On DeepSeek-V3
+EP8 at 8192 tokens that decode is 1.07 ms of a 3.6 ms call (0.79 GB read, 2.8 GB written,
+2.8 GB read again by the GEMM), and its fixed cost is why the call is 0.79x the bf16 MoE
+there. Here each program decodes its weight tile once for 128 rows, in registers, as the
+decode-size kernels (``gluon_ws``) do for 8: no decoded weight touches HBM.
+
+A program (8 warps, two warpgroups) owns a weight tile of 128 rows and one 128-row block
+of the tile schedule (``sort_routes`` with ``block_m`` 128), persistent over the tiles of
+the valid blocks in a grouped raster (``GROUP`` blocks sweep the weight tiles together, so
+their activation rows stay in L2). FC1's 128 rows are 64 gate rows and the 64 up rows of
+the same outputs (warpgroup 0 and 1), FC2's 128 consecutive rows. A ring of ``NB`` stages
+of 256 K in shared memory holds, per stage, the activation rows (one TMA box [4 units,
+128 rows, 64] of rows already in sorted and unit order, ``dense_rows(order=64)``), the
+codes (two [64, 128-byte] boxes, 128-byte swizzle) and the scales (two [64, 16] boxes).
+Each 64-K unit is decoded (``gluon_decode._decode_unit``) while the last unit's wgmma
+runs; a 1024-K segment's sum starts from zero and is added to the tile's running sums in
+segment order, ((0 + P_0) + P_1) + ..., as loop 3 sums: the same bits as loop 3 and the
+dense path. The epilogue (``gemm._epilogue``'s operations) goes through shared memory,
+where gate and up of one output meet.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .common import compile_sm90 as common_compile_sm90
+from .gluon_decode import UNIT, _decode_unit
+from .gluon_ws import CODE_SMEM_W, SCALE_SMEM, X_SMEM3, _smem_unit, descriptors
+
+__all__ = ["BM", "GROUP", "STAGES", "applies", "compile_sm90", "prefill_gemm"]
+
+BM = 128  # token rows a tile (the wgmma N): the schedule's block_m on this path
+SK = 256  # K elements a ring stage (four units; one scale box of 16 bytes a row)
+SEG = 1024  # K elements a segment, as loop 3's (launch.SEGMENT)
+STAGES = 2  # ring stages in shared memory: 2 x 82 KB (rows 64 KB, codes 16, scales 2)
+GROUP = 8  # row blocks a raster group (as the dense path's GROUP_M)
+TR = 128  # weight rows a tile (two warpgroups of 64)
+_BM, _SK, _SEG, _GROUP, _TR = (gl.constexpr(v) for v in (BM, SK, SEG, GROUP, TR))
+# the epilogue's fp32 tile in shared memory (the rows' ring, reused): rows of BM
+# values, vec-2 groups swizzled by the row so that the wgmma fragment's stores spread
+EPI_SMEM = gl.SwizzledSharedLayout(2, 1, 16, order=[1, 0])
+
+
+def applies(n: int, k: int, gated: bool) -> bool:
+    """Whether a GEMM of ``n`` outputs and K = ``k`` fits this kernel: whole 1024-K
+    segments, and whole 64-row (gated) or 128-row weight tiles."""
+    return k % SEG == 0 and n % (64 if gated else TR) == 0
+
+
+@gluon.jit
+def _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bar, t, b: gl.constexpr, row0, row1,
+           start):  # fmt: skip
+    """TMA copies of ring stage ``t`` (K from ``t * 256``) into buffer ``b``, completing
+    on ``bar``: the rows [start, start + 128) of the activation, and 64 weight rows from
+    ``row0`` and from ``row1`` (codes and scales)."""
+    XB: gl.constexpr = _SK // 64 * _BM * 64 * 2
+    CB: gl.constexpr = 2 * 64 * (_SK // 2) + 2 * 64 * (_SK // 16)
+    mbarrier.expect(bar, XB + CB)
+    tma.async_copy_global_to_shared(x_desc, [t * (_SK // 64), start, 0], bar, xdst.index(b))
+    tma.async_copy_global_to_shared(c_desc, [row0, t * (_SK // 2)], bar, cbuf.index(2 * b))
+    tma.async_copy_global_to_shared(c_desc, [row1, t * (_SK // 2)], bar, cbuf.index(2 * b + 1))
+    tma.async_copy_global_to_shared(s_desc, [row0, t * (_SK // 16)], bar, sbuf.index(2 * b))
+    tma.async_copy_global_to_shared(s_desc, [row1, t * (_SK // 16)], bar,
+                                    sbuf.index(2 * b + 1))  # fmt: skip
+
+
+@gluon.jit
+def prefill_kernel(
+    x_desc,  # bf16 [R, K] rows in sorted and unit order as [K/64, R, 64], box [4, _BM, 64]
+    c_desc,  # uint8 [E * W_ROWS, K/2] codes, box [64, 128] (128-byte swizzle)
+    s_desc,  # uint8 [E * W_ROWS, K/16] e4m3 scale bits, box [64, 16]
+    block_expert_ptr,  # int32 [blocks]: the tile schedule (block_m 128; valid blocks first)
+    block_start_ptr,
+    block_end_ptr,
+    valid_blocks_ptr,  # int32 [1]: the schedule's valid blocks
+    sorted_routes_ptr,  # int32 [T*TOPK] (FUSED, or A_FP4 with A_GATHER)
+    w_global_ptr,  # fp32 [E] or [E, 2] (GATED): the weights' global scales
+    topk_w_ptr,  # fp32 [T*TOPK] router weights (FUSED)
+    a_global_ptr,  # fp32 [rows]: the activation globals (A_FP4), by token with A_GATHER
+    out_ptr,  # bf16 [R, N] rows in sorted order, or fp32 [T, N] (FUSED)
+    N: gl.constexpr,
+    K: gl.constexpr,
+    TOPK: gl.constexpr,
+    GATED: gl.constexpr,
+    A_GATHER: gl.constexpr,  # A_FP4's globals by token (route // TOPK): FC1's gathered rows
+    FUSED: gl.constexpr,
+    OUT_SCALE: gl.constexpr,  # undoes the decodes' powers of two (2^8, 2^16 with A_FP4)
+    A_FP4: gl.constexpr,
+    NB: gl.constexpr = 2,  # ring stages
+):
+    UPS: gl.constexpr = _SK // UNIT  # units a stage
+    SPS: gl.constexpr = _SEG // _SK  # stages a segment
+    NT: gl.constexpr = K // _SK  # stages a tile
+    NSEG: gl.constexpr = K // _SEG
+    gl.static_assert(SPS % NB == 0, "the ring's buffers divide a segment's stages")
+    if GATED:
+        TN: gl.constexpr = 64  # outputs a tile: gate rows 0-63, up rows 64-127
+        W_ROWS: gl.constexpr = 2 * N
+    else:
+        TN: gl.constexpr = _TR
+        W_ROWS: gl.constexpr = N
+    NTILES: gl.constexpr = N // TN
+
+    XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BM, UNIT], gl.bfloat16)
+    xr = gl.allocate_shared_memory(gl.bfloat16, [NB * UPS * _BM, UNIT], XS)
+    xdst = xr._reinterpret(gl.bfloat16, [NB, UPS, _BM, UNIT], X_SMEM3)
+    cbuf = gl.allocate_shared_memory(gl.uint8, [2 * NB, 64, _SK // 2], CODE_SMEM_W)
+    sbuf = gl.allocate_shared_memory(gl.uint8, [2 * NB, 64, 16], SCALE_SMEM)
+    cview = cbuf._reinterpret(gl.uint8, [NB, _TR, _SK // 2], CODE_SMEM_W)
+    sview = sbuf._reinterpret(gl.uint8, [NB, _TR, 16], SCALE_SMEM)
+    ep = xr._reinterpret(gl.float32, [_TR, _BM], EPI_SMEM)
+    bars = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NB):
+        mbarrier.init(bars.index(i), count=1)
+
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, _BM, 16]
+    )
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    # the epilogue's layout: lanes along the outputs (contiguous bf16 stores), warps along
+    # the rows
+    EL: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, 8], [0, 1])
+
+    nvalid = gl.load(valid_blocks_ptr)
+    total = nvalid * NTILES
+    per_group = _GROUP * NTILES
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    for w in range(pid, total, nprog):
+        first = (w // per_group) * _GROUP
+        gsz = gl.minimum(nvalid - first, _GROUP)
+        r = w % per_group
+        pid_m = first + r % gsz
+        pid_n = r // gsz
+        e = gl.load(block_expert_ptr + pid_m)
+        start = gl.load(block_start_ptr + pid_m)
+        end = gl.load(block_end_ptr + pid_m)
+        if GATED:
+            row0 = e * W_ROWS + pid_n * 64
+            row1 = row0 + N
+        else:
+            row0 = e * W_ROWS + pid_n * _TR
+            row1 = row0 + 64
+        for st in gl.static_range(NB):
+            _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bars.index(st), st, st, row0,
+                   row1, start)  # fmt: skip
+        base = (w - pid) // nprog * (NT // NB)  # the ring's uses before this tile
+        acc = gl.zeros([_TR, _BM], gl.float32, layout=MMA)
+        for s in range(NSEG):
+            p = gl.zeros([_TR, _BM], gl.float32, layout=MMA)
+            for st in gl.static_range(SPS):
+                t = s * SPS + st
+                mbarrier.wait(bars.index(st % NB), (base + s * (SPS // NB) + st // NB) & 1)
+                for u in gl.static_range(UPS):
+                    gc, gs = _smem_unit(cview, sview, st * UPS + u, 0, NB, UPS, NB, True, _TR)
+                    a = _decode_unit(gc, gs, A_L, 0, _TR)
+                    if st + u > 0:
+                        p, _ = warpgroup_mma_wait(num_outstanding=0, deps=(p, pa))  # noqa: F821
+                    xb = xr.slice((st % NB * UPS + u) * _BM, _BM).permute((1, 0))
+                    p = warpgroup_mma(a, xb, p, is_async=True)
+                    pa = a  # noqa: F841 (read by the next unit's wait)
+                # the stage is read once its wgmmas are done: refill it with stage t + NB
+                p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+                gl.thread_barrier()
+                if t + NB < NT:
+                    fence_async_shared()
+                    _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bars.index(st % NB),
+                           t + NB, st % NB, row0, row1, start)  # fmt: skip
+            acc = acc + p
+
+        # ---- epilogue (gemm._epilogue's operations): the tile through shared memory
+        ep.store(acc)
+        gl.thread_barrier()
+        om = start + gl.arange(0, _BM, layout=gl.SliceLayout(0, EL))
+        m_ok = om < end
+        e64 = e.to(gl.int64)
+        if A_FP4:  # the activation row's global (W4A4)
+            if A_GATHER:
+                ra = gl.load(sorted_routes_ptr + om, mask=m_ok, other=0) // TOPK
+            else:
+                ra = om
+            gx = gl.load(a_global_ptr + gl.where(m_ok, ra, 0).to(gl.int64), mask=m_ok,
+                         other=1.0)  # fmt: skip
+        if GATED:
+            on = pid_n * TN + gl.arange(0, TN, layout=gl.SliceLayout(1, EL))
+            h = ep.slice(0, TN, dim=0).load(EL) * OUT_SCALE
+            hu = ep.slice(TN, TN, dim=0).load(EL) * OUT_SCALE
+            if A_FP4:
+                h = h * gx[None, :]
+                hu = hu * gx[None, :]
+            h = h * gl.load(w_global_ptr + e64 * 2)
+            hu = hu * gl.load(w_global_ptr + e64 * 2 + 1)
+            res = (h / (1.0 + gl.exp(-h))) * hu
+        else:
+            on = pid_n * TN + gl.arange(0, TN, layout=gl.SliceLayout(1, EL))
+            h = ep.load(EL) * OUT_SCALE
+            if A_FP4:
+                h = h * gx[None, :]
+            res = h * gl.load(w_global_ptr + e64)
+        y = res.to(gl.bfloat16)
+        mask = m_ok[None, :] & (on < N)[:, None]
+        if FUSED:
+            route = gl.load(sorted_routes_ptr + om, mask=m_ok, other=0)
+            tok = (route // TOPK).to(gl.int64)
+            wt = gl.load(topk_w_ptr + route, mask=m_ok, other=0.0)
+            gl.atomic_add(out_ptr + tok[None, :] * N + on[:, None], y.to(gl.float32) * wt[None, :],
+                          mask=mask, sem="relaxed")  # fmt: skip
+        else:
+            gl.store(out_ptr + om.to(gl.int64)[None, :] * N + on[:, None], y, mask=mask)
+        gl.thread_barrier()  # every thread's epilogue reads before the next tile's copies
+        fence_async_shared()
+    for i in gl.static_range(NB):
+        mbarrier.invalidate(bars.index(i))
+
+
+_SMS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]
+
+
+def prefill_gemm(
+    xs: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    w_global: torch.Tensor,
+    block_expert: torch.Tensor,
+    block_start: torch.Tensor,
+    block_end: torch.Tensor,
+    valid_blocks: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    n: int,
+    topk: int,
+    gated: bool,
+    out_scale: float,
+    sorted_routes: torch.Tensor | None = None,
+    topk_w: torch.Tensor | None = None,
+    fused: bool = False,
+    a_global: torch.Tensor | None = None,
+    a_gather: bool = False,
+) -> None:
+    """One grouped GEMM on ``prefill_kernel``.
+
+    Args:
+        xs: bf16 [R, K], the activation rows in sorted order with each 64 elements in
+            loop 3's unit order (``dense_rows(..., order=64)``; W4A4: decoded rows, their
+            2^-8 included). Rows past a block's valid ones are read and not used.
+        codes, scales: one GEMM's weights, uint8 [E, W_ROWS, K/2] and float8_e4m3fn
+            [E, W_ROWS, K/16] (W_ROWS = 2 * n gated, else n).
+        w_global: fp32 [E, 2] (gated) or [E]. block_*: ``sort_routes``' schedule with
+            block_m ``BM`` (128), and its ``valid_blocks`` (int32 [1]).
+        out: bf16 [R, n] rows in sorted order, or with ``fused`` fp32 [T, n] that
+            router weight times y of each valid route is added into (``topk_w`` fp32
+            [T * topk], ``sorted_routes`` int32 [T * topk]).
+        out_scale: the decodes' powers of two to undo (2^8; 2^16 for W4A4).
+        a_global: fp32 per row of the activation (W4A4), by token when ``a_gather`` (the
+            sorted routes' token rows: ``sorted_routes`` needed).
+    """
+    k = xs.shape[1]
+    if not applies(n, k, gated):
+        raise ValueError(f"prefill_gemm: needs K % {SEG} == 0 and n % {64 if gated else TR} "
+                         f"== 0, got K {k}, n {n}")  # fmt: skip
+    if xs.dtype != torch.bfloat16 or not xs.is_contiguous():
+        raise ValueError(f"prefill_gemm: xs must be contiguous bf16, got {xs.dtype}")
+    if (fused or (a_global is not None and a_gather)) and sorted_routes is None:
+        raise ValueError("prefill_gemm: fused and gathered globals need sorted_routes")
+    if fused and topk_w is None:
+        raise ValueError("prefill_gemm: fused needs topk_w")
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    c_desc, s_desc = descriptors(codes, scales, 2, SK, 64)
+    x_desc = TensorDescriptor(xs, [k // 64, xs.shape[0], 64], [64, k, 1], [SK // 64, BM, 64],
+                              X_SMEM3)  # fmt: skip
+    tiles = n // (64 if gated else TR)
+    grid = (max(1, min(_sm_count(xs.device), tiles * block_expert.numel())),)
+    dummy = w_global
+    prefill_kernel[grid](
+        x_desc, c_desc, s_desc, block_expert, block_start, block_end, valid_blocks,
+        sorted_routes if sorted_routes is not None else block_end, w_global,
+        topk_w if fused else dummy, a_global if a_global is not None else dummy, out,
+        N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=a_gather, FUSED=fused,
+        OUT_SCALE=out_scale, A_FP4=a_global is not None, NB=STAGES, num_warps=8,
+    )  # fmt: skip
+
+
+def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: bool = False,
+                 stages: int = STAGES):  # fmt: skip
+    """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``)."""
+    ptrs = {
+        "block_expert_ptr": "*i32", "block_start_ptr": "*i32", "block_end_ptr": "*i32",
+        "valid_blocks_ptr": "*i32", "sorted_routes_ptr": "*i32", "w_global_ptr": "*fp32",
+        "topk_w_ptr": "*fp32", "a_global_ptr": "*fp32",
+        "out_ptr": "*fp32" if fused else "*bf16",
+    }  # fmt: skip
+    descs = {
+        "x_desc": f"tensordesc<bf16[{SK // 64}, {BM}, 64],{X_SMEM3!r}>",
+        "c_desc": f"tensordesc<u8[64, {SK // 2}],{CODE_SMEM_W!r}>",
+        "s_desc": f"tensordesc<u8[64, 16],{SCALE_SMEM!r}>",
+    }
+    const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated and a_fp4, FUSED=fused,
+                 OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_FP4=a_fp4, NB=stages)  # fmt: skip
+    return common_compile_sm90(prefill_kernel, ptrs, const, gluon=True, descs=descs,
+                               num_warps=8)  # fmt: skip

@@ -1,0 +1,208 @@
+"""The prefill GEMMs in Gluon (``kernels.gluon_prefill``, ``TritonOptions.gluon_prefill``):
+compiled for sm_90 and the path's choices here; loop 3's (the dense path's) bits on the
+GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp4moe.kernels import launch
+from fp4moe.kernels.launch import TritonOptions, moe_triton, workspace_bytes
+from fp4moe.reference import moe_reference
+from test_gluon_ws import _compile_check
+from test_kernels import GPU_SHAPES, MODES, _experts, _gpu_routes, _mode_id, _x
+from testing import TOL, rel_err
+
+
+@pytest.fixture(scope="module")
+def experts_of():
+    """PreparedExperts of a ``GPU_SHAPES`` shape on the GPU, made once a module."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            e, h, i, _, _ = GPU_SHAPES[name]
+            cache[name] = _experts(e, h, i, seed=0, device="cuda")
+        return cache[name]
+
+    return get
+
+
+def test_prefill_kernel_compiles_for_sm90():
+    """Both GEMMs, bf16 rows and the fused finalize, W4A4's globals: wgmma with the
+    weights from registers, no local memory, registers within 255 for the 8 warps, the
+    ring's five TMA copies a stage issued for its two first stages and as each of a
+    segment's four (unrolled) stages is refilled,
+    one program an SM of shared memory (two 82-KB stages), the fp32 atomic add exactly
+    when fused."""
+    pytest.importorskip("triton")
+    code = (
+        "from fp4moe.kernels.common import resource_usage\n"
+        "from fp4moe.kernels.gluon_prefill import compile_sm90\n"
+        "for n, k, g in ((2048, 7168, True), (7168, 2048, False)):\n"
+        "    for fused in (False, True) if not g else (False,):\n"
+        "        for a_fp4 in (False, True):\n"
+        "            c = compile_sm90(n=n, k=k, gated=g, fused=fused, a_fp4=a_fp4)\n"
+        "            ptx = c.asm['ptx']\n"
+        "            res = resource_usage(c)\n"
+        "            assert '.local' not in ptx and res['STACK'] == 0, (n, fused, a_fp4)\n"
+        "            assert res['REG'] <= 255 and 'wgmma.mma_async' in ptx\n"
+        "            assert ptx.count('cp.async.bulk.tensor') == 5 * (2 + 4), (n, fused)\n"
+        "            assert ('atom.global.gpu.relaxed.add.v2.f32' in ptx) == fused\n"
+        "            assert 2 * 82 * 1024 <= c.metadata.shared <= 227 * 1024\n"
+        "print('ok')\n"
+    )
+    _compile_check(code)
+
+
+def test_prefill_applies_and_rejects():
+    """``applies``: whole 1024-K segments and whole weight tiles (64 outputs gated, 128
+    not); ``prefill_gemm`` names what does not fit before touching a device."""
+    from fp4moe.kernels import gluon_prefill
+
+    assert gluon_prefill.applies(2048, 7168, True) and gluon_prefill.applies(7168, 2048, False)
+    assert gluon_prefill.applies(768, 2048, True)  # Qwen3's FC1
+    assert not gluon_prefill.applies(2048, 768, False)  # Qwen3's FC2: K 768
+    assert not gluon_prefill.applies(2880, 2880, True)  # gpt-oss: K 2880
+    assert not gluon_prefill.applies(7168 - 64, 2048, False)  # not whole 128-row tiles
+    xs = torch.zeros(4, 768, dtype=torch.bfloat16)
+    z = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="K % 1024"):
+        gluon_prefill.prefill_gemm(xs, z, z, z, z, z, z, z, z, n=2048, topk=8, gated=False,
+                                   out_scale=1.0)  # fmt: skip
+    xs = torch.zeros(4, 1024, dtype=torch.float32)
+    with pytest.raises(ValueError, match="xs must be contiguous bf16"):
+        gluon_prefill.prefill_gemm(xs, z, z, z, z, z, z, z, z, n=1024, topk=8, gated=False,
+                                   out_scale=1.0)  # fmt: skip
+    xs = torch.zeros(4, 1024, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="fused"):
+        gluon_prefill.prefill_gemm(xs, z, z, z, z, z, z, z, z, n=1024, topk=8, gated=False,
+                                   out_scale=1.0, fused=True)  # fmt: skip
+
+
+def test_prefill_runs_only_on_the_dense_path_of_a_hopper_gpu(monkeypatch):
+    """``prefill_runs``: the option on, loop 3, the call on the dense path, and a Hopper
+    GPU with the Gluon kernels (never in the interpreter or on this machine)."""
+    on = TritonOptions(gluon_prefill=True, valid_fraction=1.0)
+    assert not on.prefill_runs(8192 * 8, 32)  # no GPU here (or the interpreter)
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "hopper_device", lambda: True)
+    monkeypatch.setattr(launch, "gluon_available", lambda: True)
+    assert on.prefill_runs(8192 * 8, 32)  # 2048 valid rows an expert: dense
+    assert not on.prefill_runs(16 * 8, 32)  # 4: not dense
+    off = TritonOptions(gluon_prefill=False, valid_fraction=1.0)
+    assert not off.prefill_runs(8192 * 8, 32)
+    assert not TritonOptions(gluon_prefill=True, chunked=2, valid_fraction=1.0).prefill_runs(
+        8192 * 8, 32
+    )
+
+
+def test_prefill_above_moves_the_dense_path_where_both_gemms_fit(monkeypatch):
+    """With both GEMMs of the shape on ``gluon_prefill``, the dense path starts above
+    ``prefill_above`` (96) valid rows an expert instead of ``dense_above`` (192); a shape
+    with one GEMM that does not fit (Qwen3's FC2, K 768), the option off, no GPU, or
+    ``prefill_above`` None keep ``dense_above``."""
+    on = TritonOptions(valid_fraction=1.0)
+    ds, qwen = (7168, 2048), (2048, 768)
+    assert not on.dense_for(97 * 32, 32, ds)  # no Hopper GPU here
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "hopper_device", lambda: True)
+    monkeypatch.setattr(launch, "gluon_available", lambda: True)
+    assert not on.dense_for(96 * 32, 32, ds) and on.dense_for(97 * 32, 32, ds)
+    assert not on.dense_for(97 * 32, 32) and on.dense_for(193 * 32, 32)  # no shape given
+    assert not on.dense_for(150 * 32, 32, qwen) and on.dense_for(193 * 32, 32, qwen)
+    off = TritonOptions(valid_fraction=1.0, gluon_prefill=False)
+    assert not off.dense_for(150 * 32, 32, ds)
+    assert not TritonOptions(valid_fraction=1.0, prefill_above=None).dense_for(150 * 32, 32, ds)
+    assert not TritonOptions(valid_fraction=1.0, dense_above=None).dense_for(10**6, 32, ds)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="prefill_above"):
+            TritonOptions(prefill_above=bad)
+
+
+def test_workspace_bytes_on_the_prefill_path(monkeypatch):
+    """On ``gluon_prefill`` no weight is decoded: the FC1 phase holds the gathered rows
+    (all routes x H, bf16) instead of every expert's decoded w13, and static W4A4's FC1
+    writes bf16 (the two-step path)."""
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "hopper_device", lambda: True)
+    monkeypatch.setattr(launch, "gluon_available", lambda: True)
+    t, k, h, i, e = 1024, 8, 2048, 1024, 32
+    off = TritonOptions(gluon_prefill=False, valid_fraction=1.0)
+    on = TritonOptions(gluon_prefill=True, valid_fraction=1.0)
+    for mode, sc in (("w4a16", "per_token"), ("w4a4", "static")):
+        dense = workspace_bytes(t, k, h, i, e, mode=mode, act_scale=sc, block_m=128,
+                                options=off)  # fmt: skip
+        pre = workspace_bytes(t, k, h, i, e, mode=mode, act_scale=sc, block_m=128, options=on)
+        assert pre < dense, (mode, pre, dense)
+    n = t * k
+    pre = workspace_bytes(t, k, h, i, e, block_m=128, options=on)
+    sort = 4 * (3 * n + 2 * e + 1 + 3 * (-(-n // 128) + min(e, n)))
+    assert pre == sort + n * i * 2 + n * i * 2 + n * h * 2  # FC2: a, its rows, route rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [64, 2048, "one-expert", "all-masked"])
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+@pytest.mark.parametrize("fused", [False, True], ids=["deterministic", "fused"])
+@pytest.mark.parametrize("shape", ["deepseek-v3-ep8", "qwen3-30b-a3b"])
+def test_gluon_prefill_gpu(experts_of, shape, t, mode, fused):
+    """On the GPU, the dense path's GEMMs on ``gluon_prefill`` give the dense path's bits
+    (loop 3's) with the deterministic finalize and its tolerance fused, every mode; the
+    reference's tolerance; every route masked gives zeros. Qwen3's FC2 (K 768) stays on
+    the decoded weights, so that shape mixes the two. Outputs poisoned first."""
+    e, h, _, k, e_total = GPU_SHAPES[shape]
+    experts = experts_of(shape)
+    m, sc = mode
+    tt = 512 if isinstance(t, str) else t
+    x = _x(tt, h, seed=7, device="cuda")
+    ids, w = _gpu_routes(tt, k, e, e_total, seed=7)
+    if t == "one-expert":  # many 128-row blocks of one expert, a partial last one
+        ids = torch.where(ids >= 0, 3, -1).to(torch.int32)
+        ids[:, 0] = 3
+    elif t == "all-masked":
+        ids = torch.full_like(ids, -1)
+    outs = {}
+    for on in (False, True):
+        opt = TritonOptions(dense_above=0, gluon_prefill=on, poison=True)  # dense at any size
+        outs[on] = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused,
+                              options=opt)  # fmt: skip
+    if t == "all-masked":
+        assert not outs[True].float().abs().any()
+        return
+    if not fused:
+        assert torch.equal(outs[False], outs[True])
+    ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
+    assert rel_err(outs[True], ref) <= TOL[m]
+
+
+@pytest.mark.gpu
+def test_gluon_prefill_graph_replay_gpu(experts_of):
+    """A CUDA graph of a prefill call, captured once, replays the eager call's bits with
+    other routes of the same size."""
+    e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
+    experts = experts_of("deepseek-v3-ep8")
+    opt = TritonOptions(dense_above=0, gluon_prefill=True)
+    x = _x(1024, h, seed=3, device="cuda")
+    ids, w = _gpu_routes(1024, k, e, e_total, seed=3)
+    static = [x.clone(), ids.clone(), w.clone()]
+
+    def call():
+        return moe_triton(*static, experts, options=opt)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = call()
+    for seed in (4, 5):
+        ids2, w2 = _gpu_routes(1024, k, e, e_total, seed=seed)
+        static[1].copy_(ids2)
+        static[2].copy_(w2)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, moe_triton(x, ids2, w2, experts, options=opt))
