@@ -60,12 +60,14 @@
 #   bash benchmarks/gpu_session.sh s17a       # the Gluon GEMMs' skeleton (DIAG 3): calls, kernels, ncu
 #   bash benchmarks/gpu_session.sh s17b       # gluon_prefill: a quick check, its GPU tests, a sweep
 #   bash benchmarks/gpu_session.sh s17c       # gluon_prefill's GPU tests; runner, cast; Qwen3, Mixtral
+#   bash benchmarks/gpu_session.sh s17d       # the bench at every count; the fused W4A4 runner tests
+#   bash benchmarks/gpu_session.sh s17e       # test_kernels' large GPU shapes and invariance; presets
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -751,6 +753,25 @@ s17c)
         step "sweep_$pr" 100 python3 benchmarks/sweep_decode.py --preset "$pr" \
             --tokens 1024 4096 8192 --modes w4a16 w4a4-token --variants c3 c3-noprefill \
             --iters 5 --out "$out/sweep-$pr.json"
+    done
+    ;;
+s17d)
+    # The bench at every count with gluon_prefill on, then the runner tests session 16 and
+    # s17c did not reach (fused W4A4) and the cast test
+    step deepseek 420 python3 -m fp4moe bench --num-tokens 1 8 16 32 64 128 256 1024 4096 \
+        8192 16384 --iters 10 --out "$out/deepseek"
+    step runner 90 python3 -m pytest -m gpu --device cuda -q tests/test_runner.py \
+        -k "graph_replay_gpu and fused and w4a4"
+    step cast 40 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py -k cast_rows_gpu
+    ;;
+s17e)
+    # test_kernels' GPU shapes where the prefill path runs (1000 and 8192 tokens), batch
+    # invariance and the dense path's test, then Qwen3 and Mixtral at prefill sizes
+    step kernels 300 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py \
+        -k "(moe_gpu_shapes and (1000 or 8192)) or invariance or dense_path_gpu"
+    for pr in qwen3-30b-a3b mixtral-8x7b; do
+        step "bench_$pr" 110 python3 -m fp4moe bench --preset "$pr" --num-tokens 1024 4096 \
+            8192 --iters 5 --out "$out/$pr"
     done
     ;;
 stalls)
