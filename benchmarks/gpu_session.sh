@@ -62,12 +62,13 @@
 #   bash benchmarks/gpu_session.sh s17c       # gluon_prefill's GPU tests; runner, cast; Qwen3, Mixtral
 #   bash benchmarks/gpu_session.sh s17d       # the bench at every count; the fused W4A4 runner tests
 #   bash benchmarks/gpu_session.sh s17e       # test_kernels' large GPU shapes and invariance; presets
+#   bash benchmarks/gpu_session.sh s17f       # gluon_whole_k at decode sizes; kernels at 16 and 8192
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -772,6 +773,22 @@ s17e)
     for pr in qwen3-30b-a3b mixtral-8x7b; do
         step "bench_$pr" 110 python3 -m fp4moe bench --preset "$pr" --num-tokens 1024 4096 \
             8192 --iters 5 --out "$out/$pr"
+    done
+    ;;
+s17f)
+    # gluon_whole_k (the decode-size W4A16 GEMMs on the prefill kernel, 8-row blocks,
+    # whole K a program): bits, whole calls, each kernel at 16 tokens; then each kernel of
+    # the prefill path at 8192 tokens
+    step tests 100 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_prefill.py \
+        -k whole_k
+    step sweep 150 python3 benchmarks/sweep_decode.py --tokens 1 8 16 32 64 --modes w4a16 \
+        --variants c3 c3-wholek --iters 10 --out "$out/sweep.json"
+    step kernels_16 45 python3 benchmarks/profile_call.py --kernels --calls 5 --tokens 16
+    step kernels_16_wholek 45 python3 benchmarks/profile_call.py --kernels --calls 5 \
+        --tokens 16 --whole-k
+    for m in w4a16 w4a4-token; do
+        step "kernels_8192_$m" 60 python3 benchmarks/profile_call.py --kernels --calls 3 \
+            --tokens 8192 --mode "$m"
     done
     ;;
 stalls)

@@ -39,6 +39,7 @@ p.add_argument(
     choices=(64, 128),
     help="gluon_ws.TILE_ROWS: the Gluon GEMMs' weight rows a program",
 )
+p.add_argument("--whole-k", action="store_true", help="TritonOptions.gluon_whole_k=True")
 a = p.parse_args()
 pr = PRESETS[a.preset]
 if a.diag or a.tile_rows != 64:
@@ -58,6 +59,8 @@ if a.no_dense:
     kw["dense_above"] = None
 if a.split_k:
     kw["split_k"] = True
+if a.whole_k:
+    kw["gluon_whole_k"] = True
 if a.gluon_tma == 0:
     kw["gluon_decode"] = False
 elif a.gluon_tma is not None:

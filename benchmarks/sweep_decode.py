@@ -44,7 +44,8 @@ c3-prefill, c3-noprefill (TritonOptions.gluon_prefill on / off: the dense path's
 kernels.gluon_prefill, the weights decoded in registers; on by default since session 17,
 whose data names the option off c3), c3-prefill-d64 / c3-prefill-d16 (the option on with
 dense_above 64 / 16: the path from fewer valid rows an expert), c3-dense64 (dense_above 64
-on the decoded weights, the option off). All the same bits as c3.
+on the decoded weights, the option off), c3-wholek (TritonOptions.gluon_whole_k: the
+decode-size Gluon GEMMs on the prefill kernel, whole K a program). All the same bits as c3.
 
 --fused times every variant with the fused finalize (atomics: no bitwise check).
 """
@@ -224,6 +225,7 @@ def main() -> None:
                 "c3-prefill-d64": c3(gluon_prefill=True, dense_above=64),
                 "c3-prefill-d16": c3(gluon_prefill=True, dense_above=16),
                 "c3-dense64": c3(dense_above=64, gluon_prefill=False),
+                "c3-wholek": c3(gluon_whole_k=True),
                 # the dense path: FC2's weights decoded on a side stream during FC1
                 # (dense_overlap; off: slower at 8192 tokens, session 15) or after FC1
                 "c3-denseoverlap": c3(dense_overlap=True),

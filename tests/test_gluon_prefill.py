@@ -206,3 +206,26 @@ def test_gluon_prefill_graph_replay_gpu(experts_of):
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, moe_triton(x, ids2, w2, experts, options=opt))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16, 64, "one-expert"])
+@pytest.mark.parametrize("fused", [False, True], ids=["deterministic", "fused"])
+def test_gluon_whole_k_gpu(experts_of, t, fused):
+    """``gluon_whole_k`` (the decode-size W4A16 GEMMs on the prefill kernel with the
+    schedule's 8-row blocks): the Gluon split kernels' bits (loop 3's) with the
+    deterministic finalize, the reference's tolerance either way. Outputs poisoned."""
+    e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
+    experts = experts_of("deepseek-v3-ep8")
+    tt = 4 if isinstance(t, str) else t
+    x = _x(tt, h, seed=11, device="cuda")
+    ids, w = _gpu_routes(tt, k, e, e_total, seed=11)
+    if t == "one-expert":
+        ids = torch.full_like(ids, 3)
+    outs = {}
+    for on in (False, True):
+        opt = TritonOptions(gluon_whole_k=on, poison=True)
+        outs[on] = moe_triton(x, ids, w, experts, fused_finalize=fused, options=opt)
+    if not fused:
+        assert torch.equal(outs[False], outs[True])
+    assert rel_err(outs[True], moe_reference(x, ids, w, experts)) <= TOL["w4a16"]

@@ -63,11 +63,11 @@ def applies(n: int, k: int, gated: bool) -> bool:
 
 @gluon.jit
 def _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bar, t, b: gl.constexpr, row0, row1,
-           start):  # fmt: skip
+           start, BM: gl.constexpr):  # fmt: skip
     """TMA copies of ring stage ``t`` (K from ``t * 256``) into buffer ``b``, completing
-    on ``bar``: the rows [start, start + 128) of the activation, and 64 weight rows from
+    on ``bar``: the rows [start, start + BM) of the activation, and 64 weight rows from
     ``row0`` and from ``row1`` (codes and scales)."""
-    XB: gl.constexpr = _SK // 64 * _BM * 64 * 2
+    XB: gl.constexpr = _SK // 64 * BM * 64 * 2
     CB: gl.constexpr = 2 * 64 * (_SK // 2) + 2 * 64 * (_SK // 16)
     mbarrier.expect(bar, XB + CB)
     tma.async_copy_global_to_shared(x_desc, [t * (_SK // 64), start, 0], bar, xdst.index(b))
@@ -80,7 +80,7 @@ def _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bar, t, b: gl.constexpr, ro
 
 @gluon.jit
 def prefill_kernel(
-    x_desc,  # bf16 [R, K] rows in sorted and unit order as [K/64, R, 64], box [4, _BM, 64]
+    x_desc,  # bf16 [R, K] rows in sorted and unit order as [K/64, R, 64], box [4, BM, 64]
     c_desc,  # uint8 [E * W_ROWS, K/2] codes, box [64, 128] (128-byte swizzle)
     s_desc,  # uint8 [E * W_ROWS, K/16] e4m3 scale bits, box [64, 16]
     block_expert_ptr,  # int32 [blocks]: the tile schedule (block_m 128; valid blocks first)
@@ -101,6 +101,7 @@ def prefill_kernel(
     OUT_SCALE: gl.constexpr,  # undoes the decodes' powers of two (2^8, 2^16 with A_FP4)
     A_FP4: gl.constexpr,
     NB: gl.constexpr = 2,  # ring stages
+    BM: gl.constexpr = 128,  # token rows a tile (the schedule's block_m; the wgmma N)
 ):
     UPS: gl.constexpr = _SK // UNIT  # units a stage
     SPS: gl.constexpr = _SEG // _SK  # stages a segment
@@ -115,20 +116,20 @@ def prefill_kernel(
         W_ROWS: gl.constexpr = N
     NTILES: gl.constexpr = N // TN
 
-    XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BM, UNIT], gl.bfloat16)
-    xr = gl.allocate_shared_memory(gl.bfloat16, [NB * UPS * _BM, UNIT], XS)
-    xdst = xr._reinterpret(gl.bfloat16, [NB, UPS, _BM, UNIT], X_SMEM3)
+    XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
+    xr = gl.allocate_shared_memory(gl.bfloat16, [NB * UPS * BM, UNIT], XS)
+    xdst = xr._reinterpret(gl.bfloat16, [NB, UPS, BM, UNIT], X_SMEM3)
     cbuf = gl.allocate_shared_memory(gl.uint8, [2 * NB, 64, _SK // 2], CODE_SMEM_W)
     sbuf = gl.allocate_shared_memory(gl.uint8, [2 * NB, 64, 16], SCALE_SMEM)
     cview = cbuf._reinterpret(gl.uint8, [NB, _TR, _SK // 2], CODE_SMEM_W)
     sview = sbuf._reinterpret(gl.uint8, [NB, _TR, 16], SCALE_SMEM)
-    ep = xr._reinterpret(gl.float32, [_TR, _BM], EPI_SMEM)
+    ep = xr._reinterpret(gl.float32, [_TR, BM], EPI_SMEM)
     bars = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NB):
         mbarrier.init(bars.index(i), count=1)
 
     MMA: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, _BM, 16]
+        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BM, 16]
     )
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     # the epilogue's layout: lanes along the outputs (contiguous bf16 stores), warps along
@@ -157,11 +158,11 @@ def prefill_kernel(
             row1 = row0 + 64
         for st in gl.static_range(NB):
             _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bars.index(st), st, st, row0,
-                   row1, start)  # fmt: skip
+                   row1, start, BM)  # fmt: skip
         base = (w - pid) // nprog * (NT // NB)  # the ring's uses before this tile
-        acc = gl.zeros([_TR, _BM], gl.float32, layout=MMA)
+        acc = gl.zeros([_TR, BM], gl.float32, layout=MMA)
         for s in range(NSEG):
-            p = gl.zeros([_TR, _BM], gl.float32, layout=MMA)
+            p = gl.zeros([_TR, BM], gl.float32, layout=MMA)
             for st in gl.static_range(SPS):
                 t = s * SPS + st
                 mbarrier.wait(bars.index(st % NB), (base + s * (SPS // NB) + st // NB) & 1)
@@ -170,7 +171,7 @@ def prefill_kernel(
                     a = _decode_unit(gc, gs, A_L, 0, _TR)
                     if st + u > 0:
                         p, _ = warpgroup_mma_wait(num_outstanding=0, deps=(p, pa))  # noqa: F821
-                    xb = xr.slice((st % NB * UPS + u) * _BM, _BM).permute((1, 0))
+                    xb = xr.slice((st % NB * UPS + u) * BM, BM).permute((1, 0))
                     p = warpgroup_mma(a, xb, p, is_async=True)
                     pa = a  # noqa: F841 (read by the next unit's wait)
                 # the stage is read once its wgmmas are done: refill it with stage t + NB
@@ -179,13 +180,13 @@ def prefill_kernel(
                 if t + NB < NT:
                     fence_async_shared()
                     _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bars.index(st % NB),
-                           t + NB, st % NB, row0, row1, start)  # fmt: skip
+                           t + NB, st % NB, row0, row1, start, BM)  # fmt: skip
             acc = acc + p
 
         # ---- epilogue (gemm._epilogue's operations): the tile through shared memory
         ep.store(acc)
         gl.thread_barrier()
-        om = start + gl.arange(0, _BM, layout=gl.SliceLayout(0, EL))
+        om = start + gl.arange(0, BM, layout=gl.SliceLayout(0, EL))
         m_ok = om < end
         e64 = e.to(gl.int64)
         if A_FP4:  # the activation row's global (W4A4)
@@ -257,6 +258,8 @@ def prefill_gemm(
     fused: bool = False,
     a_global: torch.Tensor | None = None,
     a_gather: bool = False,
+    block_m: int = BM,
+    stages: int = STAGES,
 ) -> None:
     """One grouped GEMM on ``prefill_kernel``.
 
@@ -274,6 +277,9 @@ def prefill_gemm(
         out_scale: the decodes' powers of two to undo (2^8; 2^16 for W4A4).
         a_global: fp32 per row of the activation (W4A4), by token when ``a_gather`` (the
             sorted routes' token rows: ``sorted_routes`` needed).
+        block_m: the schedule's rows a block (the tile's token rows: 8, 16, ..., 128);
+            stages: the ring's stages (2 or 4). Below 128 rows (``launch``'s whole-K
+            experiment at decode sizes) two programs an SM.
     """
     k = xs.shape[1]
     if not applies(n, k, gated):
@@ -288,22 +294,26 @@ def prefill_gemm(
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     c_desc, s_desc = descriptors(codes, scales, 2, SK, 64)
-    x_desc = TensorDescriptor(xs, [k // 64, xs.shape[0], 64], [64, k, 1], [SK // 64, BM, 64],
-                              X_SMEM3)  # fmt: skip
+    if block_m not in (8, 16, 32, 64, 128) or stages not in (2, 4):
+        raise ValueError(f"prefill_gemm: block_m must be 8 to 128 (a power of two) and stages "
+                         f"2 or 4, got {block_m}, {stages}")  # fmt: skip
+    x_desc = TensorDescriptor(xs, [k // 64, xs.shape[0], 64], [64, k, 1],
+                              [SK // 64, block_m, 64], X_SMEM3)  # fmt: skip
     tiles = n // (64 if gated else TR)
-    grid = (max(1, min(_sm_count(xs.device), tiles * block_expert.numel())),)
+    per_sm = 2 if block_m <= 8 else 1  # registers and shared memory (8 rows: 127, 88 KB)
+    grid = (max(1, min(per_sm * _sm_count(xs.device), tiles * block_expert.numel())),)
     dummy = w_global
     prefill_kernel[grid](
         x_desc, c_desc, s_desc, block_expert, block_start, block_end, valid_blocks,
         sorted_routes if sorted_routes is not None else block_end, w_global,
         topk_w if fused else dummy, a_global if a_global is not None else dummy, out,
         N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=a_gather, FUSED=fused,
-        OUT_SCALE=out_scale, A_FP4=a_global is not None, NB=STAGES, num_warps=8,
+        OUT_SCALE=out_scale, A_FP4=a_global is not None, NB=stages, BM=block_m, num_warps=8,
     )  # fmt: skip
 
 
 def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: bool = False,
-                 stages: int = STAGES):  # fmt: skip
+                 stages: int = STAGES, block_m: int = BM):  # fmt: skip
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``)."""
     ptrs = {
         "block_expert_ptr": "*i32", "block_start_ptr": "*i32", "block_end_ptr": "*i32",
@@ -312,11 +322,12 @@ def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: boo
         "out_ptr": "*fp32" if fused else "*bf16",
     }  # fmt: skip
     descs = {
-        "x_desc": f"tensordesc<bf16[{SK // 64}, {BM}, 64],{X_SMEM3!r}>",
+        "x_desc": f"tensordesc<bf16[{SK // 64}, {block_m}, 64],{X_SMEM3!r}>",
         "c_desc": f"tensordesc<u8[64, {SK // 2}],{CODE_SMEM_W!r}>",
         "s_desc": f"tensordesc<u8[64, 16],{SCALE_SMEM!r}>",
     }
     const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated and a_fp4, FUSED=fused,
-                 OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_FP4=a_fp4, NB=stages)  # fmt: skip
+                 OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_FP4=a_fp4, NB=stages,
+                 BM=block_m)  # fmt: skip
     return common_compile_sm90(prefill_kernel, ptrs, const, gluon=True, descs=descs,
                                num_warps=8)  # fmt: skip

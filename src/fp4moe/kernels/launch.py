@@ -273,6 +273,13 @@ class TritonOptions:
         loop 3 against 1180.6 on the prefill kernel (``prefill_check.py``, dense_above 0),
         at 128 (4096 tokens) 1781.0 against 1394.1 (``sweep_decode.py --variants c3
         c3-prefill-d64``; per-token W4A4 1931.4 against 1522.0). None: off.
+    gluon_whole_k: experiment (session 17, off until measured): W4A16 GEMMs that would
+        run as the decode-size Gluon kernels (``gluon_decode``) run as
+        ``gluon_prefill.prefill_kernel`` with the schedule's 8-row blocks instead: one
+        program (8 warps) owns 128 weight rows over the whole K, a ring of four 256-K
+        stages in flight, two programs an SM, no split-K partials and no second wave of
+        programs; the rows gathered into sorted unit order first (``dense_rows``). The
+        same bits.
     gluon_grid_blocks: the row blocks of the Gluon kernels' grid. None: the schedule's
         worst case (``max_blocks``: every route in an expert of its own), whose empty
         programs each hold one of the SM's few slots (shared memory allows 6 to 8) for a
@@ -330,6 +337,7 @@ class TritonOptions:
     fused_chain: bool = True
     gluon_prefill: bool = True
     prefill_above: int | None = 96
+    gluon_whole_k: bool = False
 
     def grid_blocks(self, n_routes: int, num_experts: int, block_m: int, max_b: int) -> int:
         """The Gluon kernels' grid row blocks (``gluon_grid_blocks``; 0: the worst case
@@ -743,6 +751,7 @@ def _gemm(
     persist: int = 0,
     w_dense: torch.Tensor | None = None,
     prefill: bool = False,
+    whole_k: bool = False,
 ) -> None:
     """One grouped GEMM. ``out_fp4`` = (scales, globals, static table): ``out`` receives
     NVFP4 codes of the FC1 activation instead of bf16 (static W4A4). ``dense``: decode
@@ -811,6 +820,14 @@ def _gemm(
     split = split and nseg > 1
     part, cnt, ws_rows = dummy, dummy, 0
     gluon = _gluon_gemm(gluon, split, int(chunked), k, a_fp4, cfg)
+    if gluon and whole_k and not a_fp4 and _prefill_fits(cfg, n, k, gated, out_fp4, amax_out,
+                                                         cfg.block_m):  # fmt: skip
+        # TritonOptions.gluon_whole_k: the decode-size GEMM on the prefill kernel
+        _prefill_gemm(sort, a, None, None, w_codes, w_scales, w_global, out, topk_w, n=n,
+                      k=k, topk=topk, gated=gated, a_gather=a_gather, fused=fused,
+                      decode_asm=decode_asm, poison=poison, block_m=cfg.block_m,
+                      stages=4)  # fmt: skip
+        return
     # the split grid: blocks last or 3-D
     blocks_last = blocks_last and split and not gluon and not group_m
     if split:  # one program a K segment; fp32 partials, summed by the last one of a tile
@@ -890,15 +907,15 @@ def _gemm(
 
 
 def _prefill_fits(cfg: GemmConfig, n: int, k: int, gated: bool, out_fp4=None,
-                  amax_out=None) -> bool:  # fmt: skip
-    """Whether a dense-path GEMM can run on ``gluon_prefill``: its shape (``applies``),
-    the schedule's 128-row blocks, bf16 or fused output (no NVFP4 output, no fused
-    amax)."""
+                  amax_out=None, block_m: int | None = None) -> bool:  # fmt: skip
+    """Whether a GEMM can run on ``gluon_prefill``: its shape (``applies``), the
+    schedule's ``block_m``-row blocks (the dense path's 128 unless given), bf16 or fused
+    output (no NVFP4 output, no fused amax)."""
     from . import gluon_prefill
 
     return (
         gluon_prefill.applies(n, k, gated)
-        and cfg.block_m == gluon_prefill.BM
+        and cfg.block_m == (gluon_prefill.BM if block_m is None else block_m)
         and out_fp4 is None
         and amax_out is None
     )
@@ -906,7 +923,8 @@ def _prefill_fits(cfg: GemmConfig, n: int, k: int, gated: bool, out_fp4=None,
 
 def _prefill_gemm(sort: RouteSort, a, a_scales, a_global, w_codes, w_scales, w_global, out,
                   topk_w, *, n: int, k: int, topk: int, gated: bool, a_gather: bool,
-                  fused: bool, decode_asm: bool, poison: bool) -> None:  # fmt: skip
+                  fused: bool, decode_asm: bool, poison: bool, block_m: int = 128,
+                  stages: int = 2) -> None:  # fmt: skip
     """A dense-path GEMM on ``gluon_prefill``: its activation rows once in sorted and unit
     order (``dense_rows(order=64)``: gathered by route, W4A4's decoded), then the kernel."""
     from . import gluon_prefill
@@ -921,7 +939,7 @@ def _prefill_gemm(sort: RouteSort, a, a_scales, a_global, w_codes, w_scales, w_g
         sort.valid_blocks, out, n=n, topk=topk, gated=gated,
         out_scale=2.0**16 if a_fp4 else 2.0**8, sorted_routes=sort.sorted_routes,
         topk_w=topk_w, fused=fused, a_global=a_global if a_fp4 else None,
-        a_gather=a_gather,
+        a_gather=a_gather, block_m=block_m, stages=stages,
     )  # fmt: skip
 
 
@@ -1196,7 +1214,7 @@ def expert_gemms(
         counters=counters[0] if counters else None, amax_out=famax,
         a_ordered=ordered, out_ordered=ordered or mid_unit, blocks_last=opt.blocks_last,
         a_decoded=a_decoded, gluon_pdl=gpdl, early_weights=fc1_early_weights, a_tma=atma1,
-        grid_blocks=gb1, persist=ps1, prefill=prefill,
+        grid_blocks=gb1, persist=ps1, prefill=prefill, whole_k=opt.gluon_whole_k,
     )  # fmt: skip
 
     # FC2 input.
@@ -1244,6 +1262,7 @@ def expert_gemms(
         counters=counters[1] if counters else None, a_ordered=ordered or mid_unit,
         blocks_last=opt.blocks_last, a_decoded=b_dec, early_weights=True, gluon_pdl=gpdl,
         a_tma=atma2, grid_blocks=gb2, persist=ps2, w_dense=w2_dense, prefill=prefill,
+        whole_k=opt.gluon_whole_k,
     )  # fmt: skip
     return dest
 
