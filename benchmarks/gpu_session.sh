@@ -63,12 +63,13 @@
 #   bash benchmarks/gpu_session.sh s17d       # the bench at every count; the fused W4A4 runner tests
 #   bash benchmarks/gpu_session.sh s17e       # test_kernels' large GPU shapes and invariance; presets
 #   bash benchmarks/gpu_session.sh s17f       # gluon_whole_k at decode sizes; kernels at 16 and 8192
+#   bash benchmarks/gpu_session.sh s17g       # gluon_prefill's experiments (DEFER, BM 64): bits, time
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -790,6 +791,14 @@ s17f)
         step "kernels_8192_$m" 60 python3 benchmarks/profile_call.py --kernels --calls 3 \
             --tokens 8192 --mode "$m"
     done
+    ;;
+s17g)
+    # gluon_prefill's experiments: DEFER, 64-row blocks (BM 64), two programs an SM
+    step tests 150 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_prefill.py \
+        -k variants
+    step sweep 220 python3 benchmarks/sweep_decode.py --tokens 4096 8192 16384 \
+        --modes w4a16 w4a4-token --variants c3 c3-pdefer c3-pbm64 c3-pbm64x2 \
+        c3-pbm64x2-defer --iters 5 --out "$out/sweep.json"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

@@ -45,7 +45,10 @@ kernels.gluon_prefill, the weights decoded in registers; on by default since ses
 whose data names the option off c3), c3-prefill-d64 / c3-prefill-d16 (the option on with
 dense_above 64 / 16: the path from fewer valid rows an expert), c3-dense64 (dense_above 64
 on the decoded weights, the option off), c3-wholek (TritonOptions.gluon_whole_k: the
-decode-size Gluon GEMMs on the prefill kernel, whole K a program). All the same bits as c3.
+decode-size Gluon GEMMs on the prefill kernel, whole K a program), c3-pdefer
+(gluon_prefill.DEFER), c3-pbm64 (gluon_prefill.BM 64: 64-row blocks on the prefill path),
+c3-pbm64x2 (the same with two programs an SM, registers capped at 128), c3-pbm64x2-defer.
+All the same bits as c3.
 
 --fused times every variant with the fused finalize (atomics: no bitwise check).
 """
@@ -58,7 +61,7 @@ import json
 import torch
 
 from fp4moe.bench import MODES, PRESETS, card_ceilings, make_routes, random_experts, time_us
-from fp4moe.kernels import gluon_ws, launch
+from fp4moe.kernels import gluon_prefill, gluon_ws, launch
 from fp4moe.kernels.gemm import GemmConfig
 from fp4moe.kernels.launch import TritonOptions, moe_triton
 from fp4moe.reference import moe_reference
@@ -226,6 +229,11 @@ def main() -> None:
                 "c3-prefill-d16": c3(gluon_prefill=True, dense_above=16),
                 "c3-dense64": c3(dense_above=64, gluon_prefill=False),
                 "c3-wholek": c3(gluon_whole_k=True),
+                # gluon_prefill's experiments (module flags set below)
+                "c3-pdefer": c3(),
+                "c3-pbm64": c3(),
+                "c3-pbm64x2": c3(),
+                "c3-pbm64x2-defer": c3(),
                 # the dense path: FC2's weights decoded on a side stream during FC1
                 # (dense_overlap; off: slower at 8192 tokens, session 15) or after FC1
                 "c3-denseoverlap": c3(dense_overlap=True),
@@ -289,6 +297,9 @@ def main() -> None:
                 launch.QUANTIZE_SPLIT_ROWS = QSPLIT_ROWS if name == "c3-qsplit" else qsplit0
                 launch.SEGMENT = int(name[6:]) if name.startswith("c3-seg") else segment0
                 gluon_ws.TILED = name == "c3-tiled"
+                gluon_prefill.DEFER = name in ("c3-pdefer", "c3-pbm64x2-defer")
+                gluon_prefill.BM = 64 if name.startswith("c3-pbm64") else 128
+                gluon_prefill.PER_SM = {8: 2, 64: 2} if "x2" in name else {8: 2}
                 try:
                     out = moe_triton(x, ids, w, ex, mode=m, act_scale=sc, options=opt,
                                      fused_finalize=a.fused)  # fmt: skip

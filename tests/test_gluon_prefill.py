@@ -229,3 +229,27 @@ def test_gluon_whole_k_gpu(experts_of, t, fused):
     if not fused:
         assert torch.equal(outs[False], outs[True])
     assert rel_err(outs[True], moe_reference(x, ids, w, experts)) <= TOL["w4a16"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["defer", "bm64", "bm64x2-defer"])
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_gluon_prefill_variants_gpu(experts_of, monkeypatch, variant, mode):
+    """``gluon_prefill``'s experiments (``DEFER``; 64-row blocks, ``BM``; two programs an
+    SM, ``PER_SM``) give loop 3's bits with the deterministic finalize (DeepSeek-V3's
+    shape, 2048 tokens: 64 valid rows an expert, dense at any size)."""
+    from fp4moe.kernels import gluon_prefill
+
+    monkeypatch.setattr(gluon_prefill, "DEFER", "defer" in variant)
+    monkeypatch.setattr(gluon_prefill, "BM", 64 if "bm64" in variant else 128)
+    monkeypatch.setattr(gluon_prefill, "PER_SM", {8: 2, 64: 2} if "x2" in variant else {8: 2})
+    e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
+    experts = experts_of("deepseek-v3-ep8")
+    m, sc = mode
+    x = _x(2048, h, seed=13, device="cuda")
+    ids, w = _gpu_routes(2048, k, e, e_total, seed=13)
+    loop3 = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                       options=TritonOptions(dense_above=None, poison=True))  # fmt: skip
+    out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                     options=TritonOptions(dense_above=0, poison=True))  # fmt: skip
+    assert torch.equal(loop3, out)

@@ -43,11 +43,19 @@ from .gluon_ws import CODE_SMEM_W, SCALE_SMEM, X_SMEM3, _smem_unit, descriptors
 
 __all__ = ["BM", "GROUP", "STAGES", "applies", "compile_sm90", "prefill_gemm"]
 
-BM = 128  # token rows a tile (the wgmma N): the schedule's block_m on this path
+BM = 128  # token rows a tile (the wgmma N): the schedule's block_m on this path (64: an
+# experiment of session 17, less padding in an expert's last block, two decodes a weight)
 SK = 256  # K elements a ring stage (four units; one scale box of 16 bytes a row)
 SEG = 1024  # K elements a segment, as loop 3's (launch.SEGMENT)
 STAGES = 2  # ring stages in shared memory: 2 x 82 KB (rows 64 KB, codes 16, scales 2)
 GROUP = 8  # row blocks a raster group (as the dense path's GROUP_M)
+# Experiment (session 17, off until measured): a stage's buffer is refilled after the
+# first unit of the next stage is decoded (that decode overlapping the stage's last
+# wgmma) instead of right after the stage's last wgmma is waited for. The same bits.
+DEFER = False
+# Programs an SM by the schedule's rows a block (the launch caps registers at 128 for two
+# programs of 8 warps; 8 rows need no cap). Experiment (session 17): {64: 2} with BM 64.
+PER_SM = {8: 2}
 TR = 128  # weight rows a tile (two warpgroups of 64)
 _BM, _SK, _SEG, _GROUP, _TR = (gl.constexpr(v) for v in (BM, SK, SEG, GROUP, TR))
 # the epilogue's fp32 tile in shared memory (the rows' ring, reused): rows of BM
@@ -102,6 +110,7 @@ def prefill_kernel(
     A_FP4: gl.constexpr,
     NB: gl.constexpr = 2,  # ring stages
     BM: gl.constexpr = 128,  # token rows a tile (the schedule's block_m; the wgmma N)
+    DEFER: gl.constexpr = False,  # refill a stage's buffer after the next unit's decode
 ):
     UPS: gl.constexpr = _SK // UNIT  # units a stage
     SPS: gl.constexpr = _SEG // _SK  # stages a segment
@@ -171,17 +180,39 @@ def prefill_kernel(
                     a = _decode_unit(gc, gs, A_L, 0, _TR)
                     if st + u > 0:
                         p, _ = warpgroup_mma_wait(num_outstanding=0, deps=(p, pa))  # noqa: F821
+                    if DEFER and u == 0:
+                        # the last stage's wgmmas are done (waited above, or at the end
+                        # of the last segment): refill its buffer with stage t - 1 + NB,
+                        # this unit's decode having overlapped its last wgmma
+                        if st > 0:
+                            if t - 1 + NB < NT:
+                                gl.thread_barrier()
+                                fence_async_shared()
+                                _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf,
+                                       bars.index((st - 1) % NB), t - 1 + NB, (st - 1) % NB,
+                                       row0, row1, start, BM)  # fmt: skip
+                        elif s > 0 and t - 1 + NB < NT:
+                            gl.thread_barrier()
+                            fence_async_shared()
+                            _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf,
+                                   bars.index((SPS - 1) % NB), t - 1 + NB, (SPS - 1) % NB,
+                                   row0, row1, start, BM)  # fmt: skip
                     xb = xr.slice((st % NB * UPS + u) * BM, BM).permute((1, 0))
                     p = warpgroup_mma(a, xb, p, is_async=True)
-                    pa = a  # noqa: F841 (read by the next unit's wait)
-                # the stage is read once its wgmmas are done: refill it with stage t + NB
-                p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
-                gl.thread_barrier()
-                if t + NB < NT:
-                    fence_async_shared()
-                    _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bars.index(st % NB),
-                           t + NB, st % NB, row0, row1, start, BM)  # fmt: skip
+                    pa = a  # read by the next unit's wait
+                if not DEFER:
+                    # the stage is read once its wgmmas are done: refill it with t + NB
+                    p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+                    gl.thread_barrier()
+                    if t + NB < NT:
+                        fence_async_shared()
+                        _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bars.index(st % NB),
+                               t + NB, st % NB, row0, row1, start, BM)  # fmt: skip
+            if DEFER:  # the segment's sum is complete
+                p, _ = warpgroup_mma_wait(num_outstanding=0, deps=(p, pa))
             acc = acc + p
+        if DEFER:  # every wgmma reading the ring is done before the epilogue reuses it
+            gl.thread_barrier()
 
         # ---- epilogue (gemm._epilogue's operations): the tile through shared memory
         ep.store(acc)
@@ -300,7 +331,8 @@ def prefill_gemm(
     x_desc = TensorDescriptor(xs, [k // 64, xs.shape[0], 64], [64, k, 1],
                               [SK // 64, block_m, 64], X_SMEM3)  # fmt: skip
     tiles = n // (64 if gated else TR)
-    per_sm = 2 if block_m <= 8 else 1  # registers and shared memory (8 rows: 127, 88 KB)
+    per_sm = PER_SM.get(block_m, 1)  # registers and shared memory (8 rows: 127, 88 KB)
+    cap = {"maxnreg": 128} if per_sm > 1 and block_m > 8 else {}
     grid = (max(1, min(per_sm * _sm_count(xs.device), tiles * block_expert.numel())),)
     dummy = w_global
     prefill_kernel[grid](
@@ -308,12 +340,13 @@ def prefill_gemm(
         sorted_routes if sorted_routes is not None else block_end, w_global,
         topk_w if fused else dummy, a_global if a_global is not None else dummy, out,
         N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=a_gather, FUSED=fused,
-        OUT_SCALE=out_scale, A_FP4=a_global is not None, NB=stages, BM=block_m, num_warps=8,
+        OUT_SCALE=out_scale, A_FP4=a_global is not None, NB=stages, BM=block_m, DEFER=DEFER,
+        num_warps=8, **cap,
     )  # fmt: skip
 
 
 def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: bool = False,
-                 stages: int = STAGES, block_m: int = BM):  # fmt: skip
+                 stages: int = STAGES, block_m: int = BM, defer: bool = False):  # fmt: skip
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``)."""
     ptrs = {
         "block_expert_ptr": "*i32", "block_start_ptr": "*i32", "block_end_ptr": "*i32",
@@ -328,6 +361,6 @@ def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: boo
     }
     const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated and a_fp4, FUSED=fused,
                  OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_FP4=a_fp4, NB=stages,
-                 BM=block_m)  # fmt: skip
+                 BM=block_m, DEFER=defer)  # fmt: skip
     return common_compile_sm90(prefill_kernel, ptrs, const, gluon=True, descs=descs,
                                num_warps=8)  # fmt: skip

@@ -1001,6 +1001,11 @@ def gemm_configs_for(
         # 8192 tokens on Mixtral-8x7B (13.5 ms W4A16 against 15.1 to 18.4 for the others)
         # and within 1.5% of the fastest on DeepSeek-V3 EP8.
         dense = GemmConfig(128, 128, 64, 8, 3)
+        if options.prefill_runs(n_routes, num_experts, (h, inter)):
+            from . import gluon_prefill  # both GEMMs on it: its block rows (BM)
+
+            if gluon_prefill.applies(inter, h, True) and gluon_prefill.applies(h, inter, False):
+                dense = replace(dense, block_m=gluon_prefill.BM)
         ok = not interpreting() and h % 64 == 0 and inter % 64 == 0
         if ok and options.fc1 is None and options.fc2 is None:
             return dense, dense
