@@ -51,6 +51,10 @@ def test_prefill_kernel_compiles_for_sm90():
         "            assert ptx.count('cp.async.bulk.tensor') == 5 * (2 + 4), (n, fused)\n"
         "            assert ('atom.global.gpu.relaxed.add.v2.f32' in ptx) == fused\n"
         "            assert 2 * 82 * 1024 <= c.metadata.shared <= 227 * 1024\n"
+        "            d = compile_sm90(n=n, k=k, gated=g, fused=fused, a_fp4=a_fp4, defer=True)\n"
+        "            dptx = d.asm['ptx']\n"
+        "            assert '.local' not in dptx and resource_usage(d)['REG'] <= 255\n"
+        "            assert dptx.count('cp.async.bulk.tensor') == 5 * (2 + 4)\n"
         "print('ok')\n"
     )
     _compile_check(code)

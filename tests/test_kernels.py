@@ -161,6 +161,26 @@ def test_finalize_kernel_bitwise(interpret, device):
     assert torch.equal(out, ref)
 
 
+def test_finalize_tokens_per_program_bitwise(interpret, device, monkeypatch):
+    """Several tokens a finalize program (``finalize.TOKENS_PER_PROGRAM``, a partial last
+    program, masked and all-masked tokens) give the reference's bits."""
+    if device != "cpu":
+        pytest.skip("interpreter case")
+    from fp4moe.kernels import finalize
+
+    monkeypatch.setattr(finalize, "TOKENS_PER_PROGRAM", 3)
+    monkeypatch.setattr(finalize, "TOKENS_FROM", 1)
+    assert finalize.finalize_tokens_per_program(7) == 3
+    t, k, e, h, i = 7, 4, 5, 64, 32
+    experts = _experts(e, h, i, seed=4, device=device)
+    x = _x(t, h, seed=5, device=device)
+    ids, w = _routes(t, k, e, seed=6, device=device, masked=0.3)
+    ids[2] = -1  # a token with every route masked
+    ref = finalize_reference(route_rows_reference(x, ids, experts), ids, w)
+    out = moe_triton(x, ids, w, experts, options=TritonOptions(pdl=False))
+    assert torch.equal(out, ref)
+
+
 def test_triton_backend_needs_cuda_or_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     experts = _experts(2, 64, 32, seed=0, device="cpu")
@@ -261,18 +281,18 @@ def test_finalize_gpu_bitwise(gpu_experts):
     from fp4moe.kernels.finalize import finalize_block_h, finalize_kernel
 
     e, h, _i, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
-    for t in (1, 300):
+    for t, tpp in ((1, 1), (300, 1), (300, 8), (301, 3)):  # tokens a program, a partial last
         ids, w = _gpu_routes(t, k, e, e_total, seed=t)
         y = (torch.randn(t * k, h, device="cuda")).to(torch.bfloat16)
         pos = torch.arange(t * k, dtype=torch.int32, device="cuda")
         out = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device="cuda")
         bh, warps = finalize_block_h(t, h)
-        finalize_kernel[(t, -(-h // bh))](
-            y, pos, ids, w.reshape(-1), out, h, TOPK=k, KP=8, BLOCK_H=bh, USE_PDL=False,
-            INTERPRET=False, num_warps=warps,
+        finalize_kernel[(-(-t // tpp), -(-h // bh))](
+            y, pos, ids, w.reshape(-1), out, h, t, TOPK=k, KP=8, BLOCK_H=bh, USE_PDL=False,
+            INTERPRET=False, TPP=tpp, num_warps=warps,
         )  # fmt: skip
         ref = finalize_reference(y.view(t, k, h), ids, w)
-        assert torch.equal(out, ref)
+        assert torch.equal(out, ref), (t, tpp)
 
 
 @pytest.mark.gpu

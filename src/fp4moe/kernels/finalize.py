@@ -16,7 +16,20 @@ import triton.language as tl
 
 from .common import fma_f32, to_bf16
 
-__all__ = ["cast_kernel", "finalize_block_h", "finalize_kernel"]
+__all__ = ["cast_kernel", "finalize_block_h", "finalize_kernel", "finalize_tokens_per_program"]
+
+
+# Tokens a program of ``finalize_kernel`` from TOKENS_FROM tokens on (1 below): fewer,
+# longer programs at prefill, each with the loads of several tokens in flight. The bits
+# do not depend on it (each element's fma chain is the same).
+TOKENS_PER_PROGRAM = 4
+TOKENS_FROM = 2048
+
+
+def finalize_tokens_per_program(num_tokens: int) -> int:
+    """Tokens a program of ``finalize_kernel`` (``TOKENS_PER_PROGRAM`` from
+    ``TOKENS_FROM`` tokens on, else 1)."""
+    return TOKENS_PER_PROGRAM if num_tokens >= TOKENS_FROM else 1
 
 
 def finalize_block_h(num_tokens: int, hidden: int) -> tuple[int, int]:
@@ -41,31 +54,44 @@ def finalize_kernel(
     w_ptr,  # fp32 [T*TOPK]
     out_ptr,  # bf16 [T, H]
     H,
+    T,
     TOPK: tl.constexpr,
     KP: tl.constexpr,  # next power of two >= TOPK
     BLOCK_H: tl.constexpr,
     USE_PDL: tl.constexpr,
     INTERPRET: tl.constexpr,
+    TPP: tl.constexpr = 1,  # tokens a program (``finalize_tokens_per_program``)
 ):
-    t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cmask = cols < H
     ks = tl.arange(0, KP)
     kmask = ks < TOPK
-    ids = tl.load(ids_ptr + t * TOPK + ks, mask=kmask, other=-1)
-    ws = tl.load(w_ptr + t * TOPK + ks, mask=kmask, other=0.0)
-    pos = tl.load(route_pos_ptr + t * TOPK + ks, mask=kmask, other=0).to(tl.int64)
+    # the first token's metadata before the wait (under PDL it overlaps FC2's tail)
+    t0 = tl.program_id(0).to(tl.int64) * TPP
+    m0 = kmask & (t0 < T)
+    ids0 = tl.load(ids_ptr + t0 * TOPK + ks, mask=m0, other=-1)
+    ws0 = tl.load(w_ptr + t0 * TOPK + ks, mask=m0, other=0.0)
+    pos0 = tl.load(route_pos_ptr + t0 * TOPK + ks, mask=m0, other=0).to(tl.int64)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for k in tl.static_range(TOPK):
-        sel = ks == k
-        valid = tl.sum(tl.where(sel, ids, 0), axis=0) >= 0
-        wk = tl.sum(tl.where(sel, ws, 0.0), axis=0)
-        pk = tl.sum(tl.where(sel, pos, 0), axis=0)
-        y = tl.load(y_ptr + pk * H + cols, mask=cmask & valid, other=0.0).to(tl.float32)
-        acc = tl.where(valid, fma_f32(tl.zeros_like(acc) + wk, y, acc, INTERPRET), acc)
-    tl.store(out_ptr + t * H + cols, to_bf16(acc, INTERPRET), mask=cmask)
+    for i in tl.static_range(TPP):
+        t = t0 + i
+        tok = t < T
+        if i == 0:
+            ids, ws, pos = ids0, ws0, pos0
+        else:
+            ids = tl.load(ids_ptr + t * TOPK + ks, mask=kmask & tok, other=-1)
+            ws = tl.load(w_ptr + t * TOPK + ks, mask=kmask & tok, other=0.0)
+            pos = tl.load(route_pos_ptr + t * TOPK + ks, mask=kmask & tok, other=0).to(tl.int64)
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for k in tl.static_range(TOPK):
+            sel = ks == k
+            valid = tl.sum(tl.where(sel, ids, 0), axis=0) >= 0
+            wk = tl.sum(tl.where(sel, ws, 0.0), axis=0)
+            pk = tl.sum(tl.where(sel, pos, 0), axis=0)
+            y = tl.load(y_ptr + pk * H + cols, mask=cmask & valid, other=0.0).to(tl.float32)
+            acc = tl.where(valid, fma_f32(tl.zeros_like(acc) + wk, y, acc, INTERPRET), acc)
+        tl.store(out_ptr + t * H + cols, to_bf16(acc, INTERPRET), mask=cmask & tok)
 
 
 @triton.jit

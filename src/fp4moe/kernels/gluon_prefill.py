@@ -43,18 +43,24 @@ from .gluon_ws import CODE_SMEM_W, SCALE_SMEM, X_SMEM3, _smem_unit, descriptors
 
 __all__ = ["BM", "GROUP", "STAGES", "applies", "compile_sm90", "prefill_gemm"]
 
-BM = 128  # token rows a tile (the wgmma N): the schedule's block_m on this path (64: an
-# experiment of session 17, less padding in an expert's last block, two decodes a weight)
+# Token rows a tile (the wgmma N): the schedule's block_m on this path. 64 (session 17,
+# an experiment: less padding in an expert's last block, each weight decoded twice as
+# often) was refuted: DeepSeek-V3 EP8 W4A16 8192 tokens 2395.7 -> 3784.9 us (3757.0 with
+# two programs an SM), so the decode's issue, not the padded MMA, holds the time.
+BM = 128
 SK = 256  # K elements a ring stage (four units; one scale box of 16 bytes a row)
 SEG = 1024  # K elements a segment, as loop 3's (launch.SEGMENT)
 STAGES = 2  # ring stages in shared memory: 2 x 82 KB (rows 64 KB, codes 16, scales 2)
 GROUP = 8  # row blocks a raster group (as the dense path's GROUP_M)
-# Experiment (session 17, off until measured): a stage's buffer is refilled after the
-# first unit of the next stage is decoded (that decode overlapping the stage's last
-# wgmma) instead of right after the stage's last wgmma is waited for. The same bits.
-DEFER = False
+# A stage's buffer is refilled after the first unit of the next stage is decoded (that
+# decode overlapping the stage's last wgmma) instead of right after the stage's last
+# wgmma is waited for. The same bits. On since session 17 (``sweep_decode.py --variants
+# c3 c3-pdefer``, DeepSeek-V3 EP8 W4A16 4096 / 8192 / 16384 tokens 1398.5 / 2395.7 /
+# 4242.3 -> 1363.4 / 2336.9 / 4133.5 us; per-token W4A4 2.1% to 2.6% too).
+DEFER = True
 # Programs an SM by the schedule's rows a block (the launch caps registers at 128 for two
-# programs of 8 warps; 8 rows need no cap). Experiment (session 17): {64: 2} with BM 64.
+# programs of 8 warps; 8 rows need no cap). Experiment (session 17): {64: 2} with BM 64,
+# refuted with it (below).
 PER_SM = {8: 2}
 TR = 128  # weight rows a tile (two warpgroups of 64)
 _BM, _SK, _SEG, _GROUP, _TR = (gl.constexpr(v) for v in (BM, SK, SEG, GROUP, TR))

@@ -22,7 +22,12 @@ import triton.language as tl
 from ..experts import PreparedExperts
 from ..nvfp4 import global_from_amax
 from .dequant import dense_rows, dense_weights
-from .finalize import cast_kernel, finalize_block_h, finalize_kernel
+from .finalize import (
+    cast_kernel,
+    finalize_block_h,
+    finalize_kernel,
+    finalize_tokens_per_program,
+)
 from .gemm import GemmConfig, choose_gemm_config, moe_gemm_kernel
 from .quantize import (
     MODE_AMAX_SELF,
@@ -1428,11 +1433,12 @@ def finalize_rows(
     if t == 0:
         return out
     block_h, warps = finalize_block_h(t, h)
+    tpp = finalize_tokens_per_program(t)
     _launch(
-        finalize_kernel, (t, triton.cdiv(h, block_h)), pdl,
-        y_rows, route_pos, topk_ids, weights.reshape(-1), out, h,
+        finalize_kernel, (triton.cdiv(t, tpp), triton.cdiv(h, block_h)), pdl,
+        y_rows, route_pos, topk_ids, weights.reshape(-1), out, h, t,
         TOPK=k, KP=triton.next_power_of_2(k), BLOCK_H=block_h,
-        INTERPRET=interpreting(), num_warps=warps,
+        INTERPRET=interpreting(), TPP=tpp, num_warps=warps,
     )  # fmt: skip
     return out
 
