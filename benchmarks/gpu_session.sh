@@ -65,12 +65,13 @@
 #   bash benchmarks/gpu_session.sh s17f       # gluon_whole_k at decode sizes; kernels at 16 and 8192
 #   bash benchmarks/gpu_session.sh s17g       # gluon_prefill's experiments (DEFER, BM 64): bits, time
 #   bash benchmarks/gpu_session.sh s17h       # DEFER and the finalize's tokens a program: tests, bench
+#   bash benchmarks/gpu_session.sh s17i       # the bench at every count with the session's last defaults
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -810,6 +811,12 @@ s17h)
         -k "finalize_gpu or invariance"
     step finalize_tpp 60 python3 benchmarks/finalize_tpp.py --tokens 2048 8192 16384
     step deepseek 200 python3 -m fp4moe bench --num-tokens 1 8 16 32 64 128 256 1024 4096 \
+        8192 16384 --iters 10 --out "$out/deepseek"
+    ;;
+s17i)
+    # The bench at every count with the session's last defaults (finalize back to one
+    # token a program after s17h)
+    step deepseek 240 python3 -m fp4moe bench --num-tokens 1 8 16 32 64 128 256 1024 4096 \
         8192 16384 --iters 10 --out "$out/deepseek"
     ;;
 stalls)

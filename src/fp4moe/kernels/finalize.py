@@ -21,8 +21,11 @@ __all__ = ["cast_kernel", "finalize_block_h", "finalize_kernel", "finalize_token
 
 # Tokens a program of ``finalize_kernel`` from TOKENS_FROM tokens on (1 below): fewer,
 # longer programs at prefill, each with the loads of several tokens in flight. The bits
-# do not depend on it (each element's fma chain is the same).
-TOKENS_PER_PROGRAM = 4
+# do not depend on it (each element's fma chain is the same). Measured (session 17,
+# ``benchmarks/finalize_tpp.py``, DeepSeek-V3 EP8 routes): 1 / 2 / 4 / 8 tokens a program
+# 147.5 / 148.6 / 150.1 / 166.7 us at 8192 tokens, 288.5 / 289.9 / 290.4 / 318.8 at
+# 16384: the programs' count is not what holds the finalize (1.6 TB/s), so 1.
+TOKENS_PER_PROGRAM = 1
 TOKENS_FROM = 2048
 
 
