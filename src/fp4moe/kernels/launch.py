@@ -116,7 +116,9 @@ class TritonOptions:
     fc1_nvfp4_out: static W4A4 only: FC1 writes the activation as NVFP4 directly (no
         bf16 round trip, no second quantize kernel); bit-identical to the two-step path
         (tested in the interpreter and on the H200), so on by default.
-    dense_above: when the expected valid routes an expert (below) exceed it, each GEMM's
+    dense_above: when the expected valid routes an expert (below) exceed it (or
+        ``prefill_above`` where ``gluon_prefill`` runs both GEMMs), the call takes the
+        dense path: each GEMM runs on ``gluon_prefill`` where that applies, else its
         expert weights and W4A4 activations are decoded once a call
         (``dequant.dense_weights`` / ``dense_rows``: the loop's own operand values and
         order, bf16; W4A16 activations are put in that order) and the GEMM loads both
