@@ -128,3 +128,20 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             f"\nfp4moe: no test passed ({session.testscollected} collected, all skipped); "
             "failing the run (exit 5) so that an empty run never passes\n"
         )
+
+
+@pytest.fixture(scope="module")
+def gpu_experts():
+    """``get(name)``: PreparedExperts of the ``test_kernels.GPU_SHAPES`` shape ``name`` on
+    the GPU (seed 0), made once a module."""
+    from test_kernels import GPU_SHAPES, _experts
+
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            e, h, i, _, _ = GPU_SHAPES[name]
+            cache[name] = _experts(e, h, i, seed=0, device="cuda")
+        return cache[name]
+
+    return get

@@ -11,22 +11,8 @@ from fp4moe.kernels import launch
 from fp4moe.kernels.launch import TritonOptions, moe_triton, workspace_bytes
 from fp4moe.reference import moe_reference
 from test_gluon_ws import _compile_check
-from test_kernels import GPU_SHAPES, MODES, _experts, _gpu_routes, _mode_id, _x
+from test_kernels import GPU_SHAPES, MODES, _gpu_routes, _mode_id, _x
 from testing import TOL, rel_err
-
-
-@pytest.fixture(scope="module")
-def experts_of():
-    """PreparedExperts of a ``GPU_SHAPES`` shape on the GPU, made once a module."""
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            e, h, i, _, _ = GPU_SHAPES[name]
-            cache[name] = _experts(e, h, i, seed=0, device="cuda")
-        return cache[name]
-
-    return get
 
 
 def test_prefill_kernel_compiles_for_sm90():
@@ -151,13 +137,13 @@ def test_workspace_bytes_on_the_prefill_path(monkeypatch):
 @pytest.mark.parametrize("mode", MODES, ids=_mode_id)
 @pytest.mark.parametrize("fused", [False, True], ids=["deterministic", "fused"])
 @pytest.mark.parametrize("shape", ["deepseek-v3-ep8", "qwen3-30b-a3b"])
-def test_gluon_prefill_gpu(experts_of, shape, t, mode, fused):
+def test_gluon_prefill_gpu(gpu_experts, shape, t, mode, fused):
     """On the GPU, the dense path's GEMMs on ``gluon_prefill`` give the dense path's bits
     (loop 3's) with the deterministic finalize and its tolerance fused, every mode; the
     reference's tolerance; every route masked gives zeros. Qwen3's FC2 (K 768) stays on
     the decoded weights, so that shape mixes the two. Outputs poisoned first."""
     e, h, _, k, e_total = GPU_SHAPES[shape]
-    experts = experts_of(shape)
+    experts = gpu_experts(shape)
     m, sc = mode
     tt = 512 if isinstance(t, str) else t
     x = _x(tt, h, seed=7, device="cuda")
@@ -182,11 +168,11 @@ def test_gluon_prefill_gpu(experts_of, shape, t, mode, fused):
 
 
 @pytest.mark.gpu
-def test_gluon_prefill_graph_replay_gpu(experts_of):
+def test_gluon_prefill_graph_replay_gpu(gpu_experts):
     """A CUDA graph of a prefill call, captured once, replays the eager call's bits with
     other routes of the same size."""
     e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
-    experts = experts_of("deepseek-v3-ep8")
+    experts = gpu_experts("deepseek-v3-ep8")
     opt = TritonOptions(dense_above=0, gluon_prefill=True)
     x = _x(1024, h, seed=3, device="cuda")
     ids, w = _gpu_routes(1024, k, e, e_total, seed=3)
@@ -215,12 +201,12 @@ def test_gluon_prefill_graph_replay_gpu(experts_of):
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 16, 64, "one-expert"])
 @pytest.mark.parametrize("fused", [False, True], ids=["deterministic", "fused"])
-def test_gluon_whole_k_gpu(experts_of, t, fused):
+def test_gluon_whole_k_gpu(gpu_experts, t, fused):
     """``gluon_whole_k`` (the decode-size W4A16 GEMMs on the prefill kernel with the
     schedule's 8-row blocks): the Gluon split kernels' bits (loop 3's) with the
     deterministic finalize, the reference's tolerance either way. Outputs poisoned."""
     e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
-    experts = experts_of("deepseek-v3-ep8")
+    experts = gpu_experts("deepseek-v3-ep8")
     tt = 4 if isinstance(t, str) else t
     x = _x(tt, h, seed=11, device="cuda")
     ids, w = _gpu_routes(tt, k, e, e_total, seed=11)
@@ -238,7 +224,7 @@ def test_gluon_whole_k_gpu(experts_of, t, fused):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["defer", "bm64", "bm64x2-defer"])
 @pytest.mark.parametrize("mode", MODES, ids=_mode_id)
-def test_gluon_prefill_variants_gpu(experts_of, monkeypatch, variant, mode):
+def test_gluon_prefill_variants_gpu(gpu_experts, monkeypatch, variant, mode):
     """``gluon_prefill``'s experiments (``DEFER``; 64-row blocks, ``BM``; two programs an
     SM, ``PER_SM``) give loop 3's bits with the deterministic finalize (DeepSeek-V3's
     shape, 2048 tokens: 64 valid rows an expert, dense at any size)."""
@@ -248,7 +234,7 @@ def test_gluon_prefill_variants_gpu(experts_of, monkeypatch, variant, mode):
     monkeypatch.setattr(gluon_prefill, "BM", 64 if "bm64" in variant else 128)
     monkeypatch.setattr(gluon_prefill, "PER_SM", {8: 2, 64: 2} if "x2" in variant else {8: 2})
     e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
-    experts = experts_of("deepseek-v3-ep8")
+    experts = gpu_experts("deepseek-v3-ep8")
     m, sc = mode
     x = _x(2048, h, seed=13, device="cuda")
     ids, w = _gpu_routes(2048, k, e, e_total, seed=13)

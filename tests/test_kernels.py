@@ -208,19 +208,6 @@ def _gpu_routes(t, k, e_local, e_total, seed):
     return ids, w
 
 
-@pytest.fixture(scope="module")
-def gpu_experts():
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            e, h, i, _, _ = GPU_SHAPES[name]
-            cache[name] = _experts(e, h, i, seed=0, device="cuda")
-        return cache[name]
-
-    return get
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(GPU_SHAPES))
 @pytest.mark.parametrize("t", [0, 1, 3, 64, 1000, 8192])

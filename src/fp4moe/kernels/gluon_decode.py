@@ -172,3 +172,15 @@ def _store_partials(acc_g, acc_u, part_ptr, pid_n, start, end, s_id, ws_rows,
     if GATED:
         gl.store(prow + N, acc_u, mask=pmask)
     return stride
+
+
+@gluon.jit
+def _row_globals(a_global_ptr, sorted_routes_ptr, om, m_ok, TOPK: gl.constexpr,
+                 A_GATHER: gl.constexpr):  # fmt: skip
+    """W4A4's activation global of each output row ``om`` (``m_ok`` the valid ones, 1.0
+    elsewhere): by token (the sorted route // TOPK) when A_GATHER, else by sorted row."""
+    if A_GATHER:
+        r = gl.load(sorted_routes_ptr + om, mask=m_ok, other=0) // TOPK
+    else:
+        r = om
+    return gl.load(a_global_ptr + gl.where(m_ok, r, 0).to(gl.int64), mask=m_ok, other=1.0)

@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .common import compile_sm90 as common_compile_sm90
-from .gluon_decode import UNIT, _decode_unit
+from .gluon_decode import UNIT, _decode_unit, _row_globals
 from .gluon_ws import CODE_SMEM_W, SCALE_SMEM, X_SMEM3, _smem_unit, descriptors
 
 __all__ = ["BM", "GROUP", "STAGES", "applies", "compile_sm90", "prefill_gemm"]
@@ -227,12 +227,7 @@ def prefill_kernel(
         m_ok = om < end
         e64 = e.to(gl.int64)
         if A_FP4:  # the activation row's global (W4A4)
-            if A_GATHER:
-                ra = gl.load(sorted_routes_ptr + om, mask=m_ok, other=0) // TOPK
-            else:
-                ra = om
-            gx = gl.load(a_global_ptr + gl.where(m_ok, ra, 0).to(gl.int64), mask=m_ok,
-                         other=1.0)  # fmt: skip
+            gx = _row_globals(a_global_ptr, sorted_routes_ptr, om, m_ok, TOPK, A_GATHER)
         if GATED:
             on = pid_n * TN + gl.arange(0, TN, layout=gl.SliceLayout(1, EL))
             h = ep.slice(0, TN, dim=0).load(EL) * OUT_SCALE

@@ -42,6 +42,7 @@ from .common import compile_sm90 as common_compile_sm90
 from .gluon_decode import (
     UNIT,
     _decode_unit,
+    _row_globals,
     _stage_x,
     _store_partials,
     _x_rows,
@@ -364,12 +365,7 @@ def _last_unit_epilogue(
         e64 = e.to(gl.int64)
         h = acc_g * OUT_SCALE
         if A_FP4:  # the activation row's global (W4A4)
-            if A_GATHER:
-                r = gl.load(sorted_routes_ptr + om, mask=m_ok, other=0) // TOPK
-            else:
-                r = om
-            gx = gl.load(a_global_ptr + gl.where(m_ok, r, 0).to(gl.int64), mask=m_ok,
-                         other=1.0)  # fmt: skip
+            gx = _row_globals(a_global_ptr, sorted_routes_ptr, om, m_ok, TOPK, A_GATHER)
             h = h * gx[None, :]
         if GATED:
             h = h * gl.load(w_global_ptr + e64 * 2)
