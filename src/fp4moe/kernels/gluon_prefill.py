@@ -21,7 +21,14 @@ Each 64-K unit is decoded (``gluon_decode._decode_unit``) while the last unit's 
 runs; a 1024-K segment's sum starts from zero and is added to the tile's running sums in
 segment order, ((0 + P_0) + P_1) + ..., as loop 3 sums: the same bits as loop 3 and the
 dense path. The epilogue (``gemm._epilogue``'s operations) goes through shared memory,
-where gate and up of one output meet.
+where gate and up of one output meet. With ``DEFER`` a stage's buffer is refilled after
+the next stage's first unit is decoded.
+
+Measured on the H200 (perf-notes, session 17): DeepSeek-V3 EP8 W4A16 at 8192 tokens 3.61
+-> 2.32 ms a call, the two GEMMs at about 400 TFLOP/s; 64-row blocks (each weight decoded
+twice as often) were 1.6x slower, so the decode's issue bounds the kernel. The kernel
+takes any ``block_m`` (8 to 128) and 2 or 4 stages; ``TritonOptions.gluon_whole_k`` ran
+the decode-size GEMMs on it with 8-row blocks, which measured slower than ``gluon_ws``.
 """
 
 from __future__ import annotations
@@ -60,10 +67,10 @@ GROUP = 8  # row blocks a raster group (as the dense path's GROUP_M)
 DEFER = True
 # Programs an SM by the schedule's rows a block (the launch caps registers at 128 for two
 # programs of 8 warps; 8 rows need no cap). Experiment (session 17): {64: 2} with BM 64,
-# refuted with it (below).
+# refuted with it (above).
 PER_SM = {8: 2}
 TR = 128  # weight rows a tile (two warpgroups of 64)
-_BM, _SK, _SEG, _GROUP, _TR = (gl.constexpr(v) for v in (BM, SK, SEG, GROUP, TR))
+_SK, _SEG, _GROUP, _TR = (gl.constexpr(v) for v in (SK, SEG, GROUP, TR))
 # the epilogue's fp32 tile in shared memory (the rows' ring, reused): rows of BM
 # values, vec-2 groups swizzled by the row so that the wgmma fragment's stores spread
 EPI_SMEM = gl.SwizzledSharedLayout(2, 1, 16, order=[1, 0])
