@@ -70,9 +70,10 @@ def main() -> None:
     p.add_argument("--l2-ahead", type=int, nargs="+", default=[0],
                    help="whole calls: stages prefetched into L2 ahead of the ring "
                         "(gluon_ws.L2_AHEAD)")  # fmt: skip
-    p.add_argument("--diag", type=int, nargs="+", default=[0], choices=(0, 1, 2, 3),
-                   help="gluon_ws.DIAG, each timed (1 to 3 give WRONG results, for timing "
-                   "only: 1 no decode, 2 no copies and no waits, 3 neither)")  # fmt: skip
+    p.add_argument("--diag", type=int, nargs="+", default=[0], choices=(0, 1, 2, 3, 4),
+                   help="gluon_ws.DIAG, each timed (1 to 4 give WRONG results, for timing "
+                   "only: 1 no decode, 2 no copies and no waits, 3 neither, 4 neither "
+                   "and no wgmma)")  # fmt: skip
     p.add_argument("--grid-blocks", nargs="+", default=["off"],
                    help="TritonOptions.gluon_grid_blocks, each timed: off (the worst-case "
                    "grid), auto, or a number of row blocks")  # fmt: skip

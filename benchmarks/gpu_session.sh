@@ -66,12 +66,14 @@
 #   bash benchmarks/gpu_session.sh s17g       # gluon_prefill's experiments (DEFER, BM 64): bits, time
 #   bash benchmarks/gpu_session.sh s17h       # DEFER and the finalize's tokens a program: tests, bench
 #   bash benchmarks/gpu_session.sh s17i       # the bench at every count with the session's last defaults
+#   bash benchmarks/gpu_session.sh s18a       # the skeleton without wgmmas (DIAG 4); memcheck of prefill
+#   bash benchmarks/gpu_session.sh s18b       # tests/test_kernels.py's GPU suite with the prefill kernels
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -818,6 +820,25 @@ s17i)
     # token a program after s17h)
     step deepseek 240 python3 -m fp4moe bench --num-tokens 1 8 16 32 64 128 256 1024 4096 \
         8192 16384 --iters 10 --out "$out/deepseek"
+    ;;
+s18a)
+    # Session 17's next step: how much of the decode GEMMs' skeleton (DIAG 3) is their
+    # wgmma chain (DIAG 4 leaves it out too), whole calls and each kernel at 16 tokens;
+    # then compute-sanitizer over the prefill kernel's GPU tests (a few shapes)
+    step diag 150 python3 benchmarks/gluon_experiment.py --whole-only --tokens 1 16 64 \
+        --diag 0 3 4 0 3 4 --out "$out/diag.json"
+    for d in 3 4; do
+        step "kernels_$d" 45 python3 benchmarks/profile_call.py --kernels --calls 5 \
+            --tokens 16 --diag "$d"
+    done
+    step memcheck 300 compute-sanitizer --tool memcheck python3 -m pytest -m gpu \
+        --device cuda -q tests/test_gluon_prefill.py -k "deepseek and 64 and deterministic \
+        or graph"
+    ;;
+s18b)
+    # tests/test_kernels.py's GPU suite with gluon_prefill and prefill_above (session 17
+    # ran its large shapes and invariance only)
+    step kernels 560 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

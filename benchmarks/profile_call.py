@@ -28,10 +28,10 @@ p.add_argument("--split-k", action="store_true", help="TritonOptions.split_k=Tru
 p.add_argument("--gluon-tma", type=int, default=None, metavar="BUFFERS",
                help="gluon_ws.BUFFERS of the Gluon GEMMs (default: the library's); "
                "0: gluon_decode off (loop 3)")  # fmt: skip
-p.add_argument("--diag", type=int, default=0, choices=(0, 1, 2, 3),
-               help="gluon_ws.DIAG: 1 to 3 give WRONG results, timing only (1 the Gluon "
+p.add_argument("--diag", type=int, default=0, choices=(0, 1, 2, 3, 4),
+               help="gluon_ws.DIAG: 1 to 4 give WRONG results, timing only (1 the Gluon "
                "GEMMs without their decode, 2 without their copies and waits, 3 "
-               "without both)")  # fmt: skip
+               "without both, 4 without both and their wgmmas)")  # fmt: skip
 p.add_argument(
     "--tile-rows",
     type=int,

@@ -109,7 +109,7 @@ def test_tma_a_tma_compiles_for_sm90():
     early weights (FC2 under PDL) the rows' first copy comes after the grid wait and the
     weights' before it; ``out_unit_order`` compiles (FC1's epilogue). The timing
     diagnostics (``DIAG``): 1 leaves out the decode, 2 the copies and their waits, 3
-    both."""
+    both, 4 both and the wgmmas (the epilogue's counter stays)."""
     pytest.importorskip("triton")
     code = (
         "from fp4moe.kernels.gluon_ws import compile_sm90\n"
@@ -134,13 +134,15 @@ def test_tma_a_tma_compiles_for_sm90():
         "# DIAG (timing only): 1 no decode (no asm), 2 no copies and no waits, 3 neither\n"
         "kw = dict(n=2048, k=7168, gated=True, block_m=8, asynchronous=True, buffers=1,\n"
         "          epilogue=True, box3=2)\n"
-        "d0, d1, d2, d3 = (compile_sm90(**kw, diag=d).asm['ptx'] for d in (0, 1, 2, 3))\n"
+        "d0, d1, d2, d3, d4 = (compile_sm90(**kw, diag=d).asm['ptx'] for d in range(5))\n"
         "assert d0.count('fma.rn.bf16x2') > 0 == d1.count('fma.rn.bf16x2')\n"
         "assert d2.count('fma.rn.bf16x2') == d0.count('fma.rn.bf16x2')\n"
         "assert d1.count('cp.async.bulk.tensor') == d0.count('cp.async.bulk.tensor') > 0\n"
         "assert d2.count('cp.async.bulk.tensor') == 0 == d2.count('mbarrier.try_wait')\n"
         "assert d3.count('fma.rn.bf16x2') == 0 == d3.count('cp.async.bulk.tensor')\n"
         "assert d3.count('mbarrier.try_wait') == 0 and 'wgmma.mma_async' in d3\n"
+        "assert 'wgmma.mma_async' not in d4 and d4.count('cp.async.bulk.tensor') == 0\n"
+        "assert d4.count('fma.rn.bf16x2') == 0 and 'atom.global.gpu.acq_rel.add' in d4\n"
         "print('ok')\n"
     )
     _compile_check(code)

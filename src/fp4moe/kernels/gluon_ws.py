@@ -99,7 +99,9 @@ L2_AHEAD = 0
 # Timing diagnostics, WRONG RESULTS (gluon_experiment.py --diag): 1 the weights not decoded
 # (zeros: the copies, shared loads of the scales' layout aside, and wgmmas alone), 2 no
 # copies and no waits (the decode of whatever shared memory holds: issue alone), 3 neither
-# (the skeleton: schedule reads, the rows' staging, the wgmmas on zeros, the epilogue)
+# (the skeleton: schedule reads, the rows' staging, the wgmmas on zeros, the epilogue), 4
+# the skeleton without its wgmmas (schedule reads, the rows' staging, the epilogue on zero
+# partials; session 17's next step: how much of DIAG 3 the wgmma chain is)
 DIAG = 0
 # Per-program timeline (benchmarks/gluon_timeline.py; the results stay right): with TRACE
 # each launch records, a program, TRACE_FIELDS int64 stamps into a buffer appended to
@@ -468,7 +470,8 @@ def tma_split_kernel(
     A_TMA: gl.constexpr = False,  # x's rows (sorted, unit order) by TMA with each stage
     OUT_UNIT: gl.constexpr = False,  # EPILOGUE: bf16 rows with each 64 columns in unit order
     DIAG: gl.constexpr = 0,  # timing only, wrong results: 1 no decode (zero weights), 2 no
-    # copies and no waits (decodes whatever shared memory holds), 3 neither; see DIAG below
+    # copies and no waits (decodes whatever shared memory holds), 3 neither, 4 neither and
+    # no wgmma; see DIAG below
     LOOP: gl.constexpr = False,  # the grid has loop_step row blocks, not the worst case;
     # program m takes the valid blocks m, m + loop_step, ... (grid_blocks)
     TRACE: gl.constexpr = False,  # stamps into trace_ptr (gluon_ws.TRACE)
@@ -787,29 +790,30 @@ def _block_work(
                 xb = xs.slice(((kb // UPS) % 2 * UPS + kb % UPS) * BM, BM).permute((1, 0))
             else:
                 xb = xs.slice(kb * BM, BM).permute((1, 0))
-            gc, gs = _smem_unit(cbuf, sbuf, kb, 0, NB, UPS, NBS, BOX3 >= 2, TR)
-            wg = _decode_unit(gc, gs, A_L, DIAG, TR)
-            if ASYNC:
-                if kb > 0:
+            if DIAG != 4:  # DIAG 4: no unit loads, no decode, no wgmma
+                gc, gs = _smem_unit(cbuf, sbuf, kb, 0, NB, UPS, NBS, BOX3 >= 2, TR)
+                wg = _decode_unit(gc, gs, A_L, DIAG, TR)
+                if ASYNC:
+                    if kb > 0:
+                        if GATED:
+                            acc_g, acc_u, _, _ = warpgroup_mma_wait(
+                                num_outstanding=0,
+                                deps=(acc_g, acc_u, pg, pu),  # noqa: F821 (last unit's)
+                            )
+                        else:
+                            acc_g, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, pg))  # noqa: F821
+                    acc_g = warpgroup_mma(wg, xb, acc_g, is_async=True)
+                    pg = wg  # noqa: F841 (read by the next unrolled unit)
                     if GATED:
-                        acc_g, acc_u, _, _ = warpgroup_mma_wait(
-                            num_outstanding=0,
-                            deps=(acc_g, acc_u, pg, pu),  # noqa: F821 (last unit's)
-                        )
-                    else:
-                        acc_g, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, pg))  # noqa: F821
-                acc_g = warpgroup_mma(wg, xb, acc_g, is_async=True)
-                pg = wg  # noqa: F841 (read by the next unrolled unit)
-                if GATED:
-                    uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS, BOX3 >= 2, TR)
-                    wu = _decode_unit(uc, us, A_L, DIAG, TR)
-                    acc_u = warpgroup_mma(wu, xb, acc_u, is_async=True)
-                    pu = wu  # noqa: F841
-            else:
-                acc_g = warpgroup_mma(wg, xb, acc_g)
-                if GATED:
-                    uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS, BOX3 >= 2, TR)
-                    acc_u = warpgroup_mma(_decode_unit(uc, us, A_L, DIAG, TR), xb, acc_u)
+                        uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS, BOX3 >= 2, TR)
+                        wu = _decode_unit(uc, us, A_L, DIAG, TR)
+                        acc_u = warpgroup_mma(wu, xb, acc_u, is_async=True)
+                        pu = wu  # noqa: F841
+                else:
+                    acc_g = warpgroup_mma(wg, xb, acc_g)
+                    if GATED:
+                        uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS, BOX3 >= 2, TR)
+                        acc_u = warpgroup_mma(_decode_unit(uc, us, A_L, DIAG, TR), xb, acc_u)
             # the stage's buffer is read: refill it with stage + NB (ring only)
             if kb % UPS == UPS - 1 and kb // UPS + NB < NS and DIAG < 2:
                 if A_TMA and ASYNC:  # the stage's x rows are read by the wgmma in flight
