@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fp4moe.bench import warm_up
 from fp4moe.kernels import launch
 from fp4moe.kernels.launch import TritonOptions, moe_triton, workspace_bytes
 from fp4moe.reference import moe_reference
@@ -181,11 +182,7 @@ def test_gluon_prefill_graph_replay_gpu(gpu_experts):
     def call():
         return moe_triton(*static, experts, options=opt)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
+    warm_up(call, 1)  # one call on a side stream before the capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = call()

@@ -1439,11 +1439,9 @@ def test_dense_overlap_gpu(gpu_experts, mode, fused):
         return moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused,
                           options=opt)  # fmt: skip
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
+    from fp4moe.bench import warm_up
+
+    warm_up(call, 1)  # one call on a side stream before the capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         y = call()
