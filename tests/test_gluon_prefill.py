@@ -57,6 +57,8 @@ def test_prefill_applies_and_rejects():
     assert not gluon_prefill.applies(2048, 768, False)  # Qwen3's FC2: K 768
     assert not gluon_prefill.applies(2880, 2880, True)  # gpt-oss: K 2880
     assert not gluon_prefill.applies(7168 - 64, 2048, False)  # not whole 128-row tiles
+    assert gluon_prefill.applies_to_call(7168, 2048)  # DeepSeek-V3: both GEMMs
+    assert not gluon_prefill.applies_to_call(2048, 768)  # Qwen3: FC1 only
     xs = torch.zeros(4, 768, dtype=torch.bfloat16)
     z = torch.zeros(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="K % 1024"):

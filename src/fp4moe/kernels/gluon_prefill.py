@@ -48,7 +48,7 @@ from .common import compile_sm90 as common_compile_sm90
 from .gluon_decode import UNIT, _decode_unit, _row_globals
 from .gluon_ws import CODE_SMEM_W, SCALE_SMEM, X_SMEM3, _smem_unit, descriptors
 
-__all__ = ["BM", "GROUP", "STAGES", "applies", "compile_sm90", "prefill_gemm"]
+__all__ = ["BM", "GROUP", "STAGES", "applies", "applies_to_call", "compile_sm90", "prefill_gemm"]
 
 # Token rows a tile (the wgmma N): the schedule's block_m on this path. 64 (session 17,
 # an experiment: less padding in an expert's last block, each weight decoded twice as
@@ -80,6 +80,12 @@ def applies(n: int, k: int, gated: bool) -> bool:
     """Whether a GEMM of ``n`` outputs and K = ``k`` fits this kernel: whole 1024-K
     segments, and whole 64-row (gated) or 128-row weight tiles."""
     return k % SEG == 0 and n % (64 if gated else TR) == 0
+
+
+def applies_to_call(hidden: int, inter: int) -> bool:
+    """Whether both GEMMs of a call of this shape fit (``applies``): FC1 (gated, ``inter``
+    outputs, K ``hidden``) and FC2 (``hidden`` outputs, K ``inter``)."""
+    return applies(inter, hidden, True) and applies(hidden, inter, False)
 
 
 @gluon.jit

@@ -494,9 +494,7 @@ class TritonOptions:
             return False
         from . import gluon_prefill
 
-        h, i = shape
-        fits = gluon_prefill.applies(i, h, True) and gluon_prefill.applies(h, i, False)
-        return fits and self.prefill_here()
+        return gluon_prefill.applies_to_call(*shape) and self.prefill_here()
 
     def __post_init__(self) -> None:
         d, f = self.dense_above, self.valid_fraction
@@ -1008,10 +1006,10 @@ def gemm_configs_for(
         # 8192 tokens on Mixtral-8x7B (13.5 ms W4A16 against 15.1 to 18.4 for the others)
         # and within 1.5% of the fastest on DeepSeek-V3 EP8.
         dense = GemmConfig(128, 128, 64, 8, 3)
-        if options.prefill_runs(n_routes, num_experts, (h, inter)):
+        if options.prefill_here():
             from . import gluon_prefill  # both GEMMs on it: its block rows (BM)
 
-            if gluon_prefill.applies(inter, h, True) and gluon_prefill.applies(h, inter, False):
+            if gluon_prefill.applies_to_call(h, inter):
                 dense = replace(dense, block_m=gluon_prefill.BM)
         ok = not interpreting() and h % 64 == 0 and inter % 64 == 0
         if ok and options.fc1 is None and options.fc2 is None:
@@ -1170,7 +1168,7 @@ def expert_gemms(
     dev = a.device
     n_valid = sort.expert_offsets[e_count:]
     w4a4 = mode == "w4a4"
-    prefill = opt.prefill_runs(n_routes, e_count, (h, inter))
+    prefill = dense and opt.prefill_here()  # prefill_runs
     # static W4A4's FC1 on gluon_prefill writes bf16 (the two-step path, the same bits)
     pre1 = prefill and _prefill_fits(cfg1, inter, h, True)
     fc1_fp4 = w4a4 and act_scale == "static" and opt.fc1_nvfp4_out and not pre1
@@ -1478,8 +1476,9 @@ def workspace_bytes(
     nb = -(-n // block_m) + min(num_experts, n)
     common = 4 * (3 * n + 2 * num_experts + 1 + 3 * nb)  # sort outputs (int32)
     w4a4 = mode == "w4a4"
+    dense = opt.dense_for(n, num_experts, (h, i))
     pre1 = pre2 = False  # the GEMMs on gluon_prefill (no decoded weights)
-    if n and opt.prefill_runs(n, num_experts, (h, i)):
+    if dense and opt.prefill_here():  # prefill_runs
         dcfg = gemm_configs_for(n, num_experts, h, i, mode, opt)
         pre1, pre2 = _prefill_fits(dcfg[0], i, h, True), _prefill_fits(dcfg[1], h, i, False)
     fc1_fp4 = w4a4 and act_scale == "static" and opt.fc1_nvfp4_out and not pre1
@@ -1496,7 +1495,7 @@ def workspace_bytes(
     else:
         rows_out = n * h * 2  # route rows, bf16
     tmp1 = tmp2 = 0
-    if opt.dense_for(n, num_experts, (h, i)):
+    if dense:
         x_rows = n if w4a4 and act_scale == "static" else t
         tmp1 = num_experts * 2 * i * h * 2 + x_rows * h * 2  # decoded weights, rows
         tmp2 = num_experts * h * i * 2 + n * i * 2
