@@ -46,9 +46,10 @@ whose data names the option off c3), c3-prefill-d64 / c3-prefill-d16 (the option
 dense_above 64 / 16: the path from fewer valid rows an expert), c3-dense64 (dense_above 64
 on the decoded weights, the option off), c3-wholek (TritonOptions.gluon_whole_k: the
 decode-size Gluon GEMMs on the prefill kernel, whole K a program), c3-pdefer
-(gluon_prefill.DEFER), c3-pbm64 (gluon_prefill.BM 64: 64-row blocks on the prefill path),
-c3-pbm64x2 (the same with two programs an SM, registers capped at 128), c3-pbm64x2-defer.
-All the same bits as c3.
+(gluon_prefill.DEFER on; the default since session 17), c3-pnodefer (DEFER off), c3-pbm64
+(gluon_prefill.BM 64: 64-row blocks on the prefill path), c3-pbm64x2 (the same with two
+programs an SM, registers capped at 128), c3-pbm64x2-defer; these set the module flags of
+PREFILL_FLAGS, every other variant runs gluon_prefill's defaults. All the same bits as c3.
 
 --fused times every variant with the fused finalize (atomics: no bitwise check).
 """
@@ -123,6 +124,17 @@ C3_DENSE = [  # the dense path: both operands from shared memory, bigger tiles p
 ]
 
 
+# gluon_prefill's module flags of its experiment variants: (DEFER, BM, PER_SM entries), as
+# session 17 measured them (c3-pbm64 and c3-pbm64x2 without DEFER, then its default off)
+PREFILL_FLAGS = {
+    "c3-pdefer": (True, 128, {}),
+    "c3-pnodefer": (False, 128, {}),
+    "c3-pbm64": (False, 64, {}),
+    "c3-pbm64x2": (False, 64, {64: 2}),
+    "c3-pbm64x2-defer": (True, 64, {64: 2}),
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="deepseek-v3-ep8")
@@ -161,6 +173,7 @@ def main() -> None:
     )
     a = ap.parse_args()
     qsplit0, segment0 = launch.QUANTIZE_SPLIT_ROWS, launch.SEGMENT
+    prefill0 = gluon_prefill.DEFER, gluon_prefill.BM, dict(gluon_prefill.PER_SM)
     ceil = card_ceilings()
     tbs, tfl = ceil["copy_bytes_per_s"] / 1e12, ceil["bf16_matmul_flops"] / 1e12
     print(f"copy {tbs:.2f} TB/s, bf16 {tfl:.0f} TFLOP/s")
@@ -231,6 +244,7 @@ def main() -> None:
                 "c3-wholek": c3(gluon_whole_k=True),
                 # gluon_prefill's experiments (module flags set below)
                 "c3-pdefer": c3(),
+                "c3-pnodefer": c3(),
                 "c3-pbm64": c3(),
                 "c3-pbm64x2": c3(),
                 "c3-pbm64x2-defer": c3(),
@@ -297,9 +311,12 @@ def main() -> None:
                 launch.QUANTIZE_SPLIT_ROWS = QSPLIT_ROWS if name == "c3-qsplit" else qsplit0
                 launch.SEGMENT = int(name[6:]) if name.startswith("c3-seg") else segment0
                 gluon_ws.TILED = name == "c3-tiled"
-                gluon_prefill.DEFER = name in ("c3-pdefer", "c3-pbm64x2-defer")
-                gluon_prefill.BM = 64 if name.startswith("c3-pbm64") else 128
-                gluon_prefill.PER_SM = {8: 2, 64: 2} if "x2" in name else {8: 2}
+                # gluon_prefill's experiments; every other variant runs its defaults
+                defer, bm, per_sm = prefill0
+                if name in PREFILL_FLAGS:
+                    defer, bm, extra = PREFILL_FLAGS[name]
+                    per_sm = {**per_sm, **extra}
+                gluon_prefill.DEFER, gluon_prefill.BM, gluon_prefill.PER_SM = defer, bm, per_sm
                 try:
                     out = moe_triton(x, ids, w, ex, mode=m, act_scale=sc, options=opt,
                                      fused_finalize=a.fused)  # fmt: skip
@@ -348,6 +365,7 @@ def main() -> None:
                     )
     launch.QUANTIZE_SPLIT_ROWS = qsplit0
     launch.SEGMENT = segment0
+    gluon_prefill.DEFER, gluon_prefill.BM, gluon_prefill.PER_SM = prefill0
 
 
 if __name__ == "__main__":
