@@ -136,7 +136,7 @@ def test_workspace_bytes_on_the_prefill_path(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [64, 2048, "one-expert", "all-masked"])
+@pytest.mark.parametrize("t", [1, 64, 2048, "one-expert", "all-masked"])
 @pytest.mark.parametrize("mode", MODES, ids=_mode_id)
 @pytest.mark.parametrize("fused", [False, True], ids=["deterministic", "fused"])
 @pytest.mark.parametrize("shape", ["deepseek-v3-ep8", "qwen3-30b-a3b"])
