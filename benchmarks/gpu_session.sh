@@ -824,14 +824,19 @@ s17i)
 s18a)
     # Session 17's next step: how much of the decode GEMMs' skeleton (DIAG 3) is their
     # wgmma chain (DIAG 4 leaves it out too), whole calls and each kernel at 16 tokens;
-    # then compute-sanitizer over the prefill kernel's GPU tests (a few shapes)
+    # then compute-sanitizer over the prefill kernel's GPU tests (a few shapes). First the
+    # prefill kernel's 1-token cases, added after session 17's GPU time ran out
+    ids=$(python3 -m pytest --collect-only -q tests/test_gluon_prefill.py 2>/dev/null \
+        | grep 'prefill_gpu\[.*-1\]')
+    # shellcheck disable=SC2086
+    step prefill_t1 150 python3 -m pytest -m gpu --device cuda -q $ids
     step diag 150 python3 benchmarks/gluon_experiment.py --whole-only --tokens 1 16 64 \
         --diag 0 3 4 0 3 4 --out "$out/diag.json"
     for d in 3 4; do
         step "kernels_$d" 45 python3 benchmarks/profile_call.py --kernels --calls 5 \
             --tokens 16 --diag "$d"
     done
-    step memcheck 300 compute-sanitizer --tool memcheck python3 -m pytest -m gpu \
+    step memcheck 240 compute-sanitizer --tool memcheck python3 -m pytest -m gpu \
         --device cuda -q tests/test_gluon_prefill.py -k "deepseek and 64 and deterministic \
         or graph"
     ;;
