@@ -68,12 +68,13 @@
 #   bash benchmarks/gpu_session.sh s17i       # the bench at every count with the session's last defaults
 #   bash benchmarks/gpu_session.sh s18a       # the skeleton without wgmmas (DIAG 4); memcheck of prefill
 #   bash benchmarks/gpu_session.sh s18b       # tests/test_kernels.py's GPU suite with the prefill kernels
+#   bash benchmarks/gpu_session.sh s18c       # whole-K Gluon programs (gluon_whole_upto): bits, sweeps
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -844,6 +845,22 @@ s18b)
     # tests/test_kernels.py's GPU suite with gluon_prefill and prefill_above (session 17
     # ran its large shapes and invariance only)
     step kernels 560 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py
+    ;;
+s18c)
+    # gluon_whole_upto (session 18): the Gluon GEMMs with whole-K programs where loop 3 runs
+    # unsplit. Bits first (a hang is cut at its limit); the sweeps only if they passed
+    step tests 150 python3 -m pytest -m gpu --device cuda -q -x tests/test_gluon_whole.py \
+        -k "deterministic and (256 or qwen3 or one-expert)"
+    if grep -q " passed" "$out/tests.log" && ! grep -q "failed\|error" "$out/tests.log"; then
+        step sweep 180 python3 benchmarks/sweep_decode.py --tokens 256 384 512 768 \
+            --modes w4a16 w4a4-token --variants c3 c3-whole24 --iters 10 --out "$out/sweep.json"
+        step mixtral 60 python3 benchmarks/sweep_decode.py --preset mixtral-8x7b --tokens 32 64 \
+            --modes w4a16 --variants c3 c3-whole24 --iters 10 --out "$out/mixtral.json"
+        step qwen3 60 python3 benchmarks/sweep_decode.py --preset qwen3-30b-a3b --tokens 256 384 \
+            --modes w4a16 --variants c3 c3-whole24 --iters 10 --out "$out/qwen3.json"
+        step tests_rest 120 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_whole.py \
+            -k "not (deterministic and (256 or qwen3 or one-expert))"
+    fi
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

@@ -38,6 +38,8 @@ c3-persist-u8 (the same, with the Gluon GEMMs up to 8 expected valid rows an exp
 c3-tiled (gluon_ws.TILED: the Gluon GEMMs read a tiled copy of the weights, contiguous
 8 KB a stage; timing only, the same bits),
 c3-nogluon (gluon_decode off: loop 3 at decode sizes too),
+c3-wholeN (TritonOptions.gluon_whole_upto N: the Gluon GEMMs with whole-K programs and
+16-row tiles where loop 3 runs unsplit, up to N expected valid rows an expert),
 c3-nofusedchain (TritonOptions.fused_chain off: with --fused, the accumulator's zeros after
 W4A4's quantize and torch's cast, as before session 16),
 c3-prefill, c3-noprefill (TritonOptions.gluon_prefill on / off: the dense path's GEMMs on
@@ -258,6 +260,11 @@ def main() -> None:
                 # loop 3 everywhere (the Gluon kernels off; the same bits)
                 "c3-nogluon": c3(gluon_decode=False),
             }
+            # the Gluon kernels with whole-K programs where loop 3 runs unsplit, up to N
+            # expected valid rows an expert (TritonOptions.gluon_whole_upto)
+            for name in a.variants:
+                if name.startswith("c3-whole") and name[8:].isdigit():
+                    variants[name] = c3(gluon_whole_upto=float(name[8:]))
             # the Gluon GEMMs as persistent programs: as many as the SMs hold, or N an SM
             variants["c3-persist"] = c3(gluon_persist="auto")
             variants["c3-tiled"] = c3()  # with gluon_ws.TILED set below

@@ -178,6 +178,9 @@ LOOP_MAXNREG = {(True, 8): 80, (False, 8): 64, (True, 16): 128, (False, 16): 96}
 # PERSIST is off (TritonOptions.gluon_persist): slower than the worst-case grid (session 13,
 # measured with LOOP_MAXNREG's caps, which gave FC2's 8-row tiles a 16-byte stack; the
 # launch no longer caps PERSIST)
+# Register caps of the whole-K programs (``split_partials_tma(whole=True)``), by (GATED,
+# block_m): none until measured.
+WHOLE_MAXNREG: dict = {}
 PERSIST_PER_SM = {(True, 8): 6, (False, 8): 8, (True, 16): 4, (False, 16): 5}
 # The ring buffers of PERSIST's launches (None: BUFFERS, as every launch). Session 15: with
 # two, a program's next stage flies while it decodes, across its units as well.
@@ -364,36 +367,58 @@ def _last_unit_epilogue(
             if GATED:
                 acc_u = acc_u + gl.load(prow + sg * stride + N, mask=mask, other=0.0,
                                         cache_modifier=".cg")  # fmt: skip
-        e64 = e.to(gl.int64)
-        h = acc_g * OUT_SCALE
-        if A_FP4:  # the activation row's global (W4A4)
-            gx = _row_globals(a_global_ptr, sorted_routes_ptr, om, m_ok, TOPK, A_GATHER)
-            h = h * gx[None, :]
-        if GATED:
-            h = h * gl.load(w_global_ptr + e64 * 2)
-            hu = acc_u * OUT_SCALE
-            if A_FP4:
-                hu = hu * gx[None, :]
-            hu = hu * gl.load(w_global_ptr + e64 * 2 + 1)
-            res = (h / (1.0 + gl.exp(-h))) * hu
+        _tile_out(acc_g, acc_u, pid_n, e, start, end, w_global_ptr, topk_w_ptr,
+                  sorted_routes_ptr, out_ptr, a_global_ptr, N, TOPK, GATED, BM, FUSED,
+                  OUT_SCALE, MMA, A_GATHER, A_FP4, OUT_UNIT, TR)  # fmt: skip
+
+
+@gluon.jit
+def _tile_out(
+    acc_g, acc_u, pid_n, e, start, end, w_global_ptr, topk_w_ptr, sorted_routes_ptr,
+    out_ptr, a_global_ptr, N: gl.constexpr, TOPK: gl.constexpr, GATED: gl.constexpr,
+    BM: gl.constexpr, FUSED: gl.constexpr, OUT_SCALE: gl.constexpr, MMA: gl.constexpr,
+    A_GATHER: gl.constexpr, A_FP4: gl.constexpr, OUT_UNIT: gl.constexpr = False,
+    TR: gl.constexpr = 64,
+):  # fmt: skip
+    """A tile's output from its sums over K (``acc_g``, and ``acc_u`` when GATED; [TR, BM]
+    fp32 in the ``MMA`` layout) with the operations of ``gemm._epilogue``: global scales,
+    SwiGLU when GATED, one bf16 rounding; bf16 rows, or the router-weighted atomic add
+    when FUSED."""
+    on = pid_n * TR + gl.arange(0, TR, layout=gl.SliceLayout(1, MMA))
+    om = start + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
+    m_ok = om < end
+    n_ok = on < N
+    mask = n_ok[:, None] & m_ok[None, :]
+    e64 = e.to(gl.int64)
+    h = acc_g * OUT_SCALE
+    if A_FP4:  # the activation row's global (W4A4)
+        gx = _row_globals(a_global_ptr, sorted_routes_ptr, om, m_ok, TOPK, A_GATHER)
+        h = h * gx[None, :]
+    if GATED:
+        h = h * gl.load(w_global_ptr + e64 * 2)
+        hu = acc_u * OUT_SCALE
+        if A_FP4:
+            hu = hu * gx[None, :]
+        hu = hu * gl.load(w_global_ptr + e64 * 2 + 1)
+        res = (h / (1.0 + gl.exp(-h))) * hu
+    else:
+        res = h * gl.load(w_global_ptr + e64)
+    y = res.to(gl.bfloat16)
+    if FUSED:
+        route = gl.load(sorted_routes_ptr + om, mask=m_ok, other=0)
+        tok = (route // TOPK).to(gl.int64)
+        wt = gl.load(topk_w_ptr + route, mask=m_ok, other=0.0)
+        contrib = y.to(gl.float32) * wt[None, :]
+        gl.atomic_add(out_ptr + tok[None, :] * N + on[:, None], contrib, mask=mask,
+                      sem="relaxed")  # fmt: skip
+    else:
+        if OUT_UNIT:  # each 64 columns in the unit order (FC2's TMA rows, A_TMA)
+            j = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+            pos = 16 * ((j // 4) % 4) + 8 * (j % 2) + 2 * (j // 16) + (j // 2) % 2
+            col = pid_n * 64 + pos
         else:
-            res = h * gl.load(w_global_ptr + e64)
-        y = res.to(gl.bfloat16)
-        if FUSED:
-            route = gl.load(sorted_routes_ptr + om, mask=m_ok, other=0)
-            tok = (route // TOPK).to(gl.int64)
-            wt = gl.load(topk_w_ptr + route, mask=m_ok, other=0.0)
-            contrib = y.to(gl.float32) * wt[None, :]
-            gl.atomic_add(out_ptr + tok[None, :] * N + on[:, None], contrib, mask=mask,
-                          sem="relaxed")  # fmt: skip
-        else:
-            if OUT_UNIT:  # each 64 columns in the unit order (FC2's TMA rows, A_TMA)
-                j = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-                pos = 16 * ((j // 4) % 4) + 8 * (j % 2) + 2 * (j // 16) + (j // 2) % 2
-                col = pid_n * 64 + pos
-            else:
-                col = on
-            gl.store(out_ptr + om.to(gl.int64)[None, :] * N + col[:, None], y, mask=mask)
+            col = on
+        gl.store(out_ptr + om.to(gl.int64)[None, :] * N + col[:, None], y, mask=mask)
 
 
 @gluon.jit
@@ -482,6 +507,8 @@ def tma_split_kernel(
     L2: gl.constexpr = 0,  # stages prefetched into L2 ahead of the ring (gluon_ws.L2_AHEAD)
     SKEW: gl.constexpr = 0,  # ns half the programs sleep before their copies (SKEW_NS)
     TR: gl.constexpr = 64,  # weight rows a tile (128: 8 warps, gluon_ws.TILE_ROWS)
+    WHOLE: gl.constexpr = False,  # a program takes every K segment of its tile in turn and
+    # writes its output (EPILOGUE): no partials, no counter (the grid's segments: 1)
 ):
     pid_n = gl.program_id(0)
     if BLOCKS_LAST:
@@ -499,6 +526,10 @@ def tma_split_kernel(
                                                      or OUT_UNIT) and L2 == 0 and BOX3 == 2
                                   and SK == 256),
                      "TR 128: the one-block body, CODE_WIDE boxes, 256-K stages")  # fmt: skip
+    gl.static_assert(not WHOLE or (EPILOGUE and not (LOOP or PERSIST or XRING or A_TMA or TRACE)
+                                   and L2 == 0 and TR == 64 and SK == 256),
+                     "WHOLE: the one-block body with its epilogue, 64-row tiles, 256-K "
+                     "stages")  # fmt: skip
     slot = pid_n + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
     tb = trace_ptr + slot.to(gl.int64) * 16
     if TRACE:
@@ -547,7 +578,7 @@ def tma_split_kernel(
             out_ptr, a_global_ptr, ws_rows, pid_m, pid_n, s_id, True, N, K, TOPK, GATED,
             A_GATHER, BM, SEG, ASYNC, NBUF, EPILOGUE, FUSED, OUT_SCALE, A_UNIT_ORDER, A_FP4,
             BOX3, SK, USE_PDL, EARLY_W, A_TMA, OUT_UNIT, DIAG, TRACE=TRACE, tb=tb, XRING=XRING,
-            L2=L2, c_ptr=c_ptr, s_ptr=s_ptr, TR=TR,
+            L2=L2, c_ptr=c_ptr, s_ptr=s_ptr, TR=TR, WHOLE=WHOLE,
         )  # fmt: skip
         if TRACE:
             _stamp(tb + 10, 0)  # T_END
@@ -661,6 +692,7 @@ def _block_work(
     XRING: gl.constexpr = False,
     L2: gl.constexpr = 0, c_ptr=0, s_ptr=0,
     TR: gl.constexpr = 64,
+    WHOLE: gl.constexpr = False,
 ):  # fmt: skip
     """One (weight tile ``pid_n``, K segment ``s_id``, row block ``pid_m``) unit of
     ``tma_split_kernel`` (its arguments). ``first``: the program's first block, which
@@ -746,138 +778,181 @@ def _block_work(
 
         if TRACE:
             _stamp(tb + 5, 0)  # T_ISSUE
-        # ---- activations of the segment, in unit order, into shared memory [NU * BM, 64]
-        if XRING:  # or a stage at a time: two buffers [UPS * BM, 64], the first stage's now
-            XSL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
-            xs_all = gl.allocate_shared_memory(gl.bfloat16, [1, 2 * UPS * BM, UNIT], XSL)
-            x_src, x_ok = _x_rows(sorted_routes_ptr, start, end, TOPK, A_GATHER, BM)
-            xv = _x_stage(x_ptr, x_src, x_ok, k0, K, BM, SK, A_UNIT_ORDER)
-        elif not A_TMA:
-            xs = _stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K, TOPK, A_GATHER, BM,
-                          SEG, A_UNIT_ORDER, PRE, pre_x, TR // 16)  # fmt: skip
-
-        # ---- decode and multiply, stage by stage as the copies land
+        # ---- decode and multiply, stage by stage as the copies land: one K segment, or
+        # with WHOLE each of K's segments in turn, the ring running on from one to the next
+        # and the segment sums added in order from zero, ((0 + P_0) + P_1) + ..., in
+        # registers (the sums _last_unit_epilogue makes from the partials: the same bits)
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[TR // 16, 1], instr_shape=[16, BM, 16]
         )
         A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        acc_g = gl.zeros([TR, BM], gl.float32, layout=MMA)
-        acc_u = gl.zeros([TR, BM], gl.float32, layout=MMA)
-        for kb in gl.static_range(NU):
-            if XRING and kb % UPS == 0:  # this stage's rows into their buffer (the one the
-                # stage before last read: its wgmmas were waited for), the next stage's loaded
-                # through an opaque zero, as LOOP's rows: else the wgmma descriptors of both
-                # buffers' unit slices are computed up front and held (FC1 106 registers)
-                xs = xs_all.index(_opaque_zero())
-                xs.slice((kb // UPS) % 2 * UPS * BM, UPS * BM).store(xv)
-                fence_async_shared()
-                gl.thread_barrier()
-                if kb // UPS + 1 < NS:
-                    xv = _x_stage(x_ptr, x_src, x_ok, k0 + (kb // UPS + 1) * SK, K, BM, SK,
-                                  A_UNIT_ORDER)  # fmt: skip
-            if kb == 0 and TRACE:
-                _stamp(tb + 6, 0)  # T_X
-            if kb % UPS == 0 and DIAG < 2:
-                mbarrier.wait(bars.index((kb // UPS) % NB), (kb // UPS // NB + ph) % 2)
-                if L2 > 0 and kb // UPS + NB + L2 < NS:  # one more stage into L2
-                    _prefetch_l2(c_ptr, s_ptr, row, N, k0, kb // UPS + NB + L2, 1, K, SK,
-                                 GATED)  # fmt: skip
-            if kb == 0 and TRACE:
-                _stamp(tb + 7, 0)  # T_W0
-            if A_TMA:
-                xb = xr.slice(((kb // UPS) % NB * UPS + kb % UPS) * BM, BM).permute((1, 0))
-            elif XRING:
-                xb = xs.slice(((kb // UPS) % 2 * UPS + kb % UPS) * BM, BM).permute((1, 0))
+        if WHOLE:
+            NJ: gl.constexpr = K // SEG
+            XW: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
+            xw = gl.allocate_shared_memory(gl.bfloat16, [1, NU * BM, UNIT], XW)
+        else:
+            NJ: gl.constexpr = 1
+            xd = pre_x
+        tot_g = gl.zeros([TR, BM], gl.float32, layout=MMA)
+        tot_u = gl.zeros([TR, BM], gl.float32, layout=MMA)
+        for j in range(NJ):
+            if WHOLE:
+                kj = k0 + j * SEG
+                phj = (ph + j * (NS // NB)) % 2
+                hn = j + 1 < NJ  # the last stages refilled with the next segment's first
+                nr = row
+                nk = kj + SEG
+                if j > 0:
+                    gl.thread_barrier()  # every warp's reads of the last segment's rows done
+                # through an opaque zero, as LOOP's rows: else the wgmma descriptors of its
+                # 16 unit slices are computed before the loop and held in registers
+                xd = xw.index(_opaque_zero())
             else:
-                xb = xs.slice(kb * BM, BM).permute((1, 0))
-            if DIAG != 4:  # DIAG 4: no unit loads, no decode, no wgmma
-                gc, gs = _smem_unit(cbuf, sbuf, kb, 0, NB, UPS, NBS, BOX3 >= 2, TR)
-                wg = _decode_unit(gc, gs, A_L, DIAG, TR)
-                if ASYNC:
-                    if kb > 0:
-                        if GATED:
-                            acc_g, acc_u, _, _ = warpgroup_mma_wait(
-                                num_outstanding=0,
-                                deps=(acc_g, acc_u, pg, pu),  # noqa: F821 (last unit's)
-                            )
-                        else:
-                            acc_g, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, pg))  # noqa: F821
-                    acc_g = warpgroup_mma(wg, xb, acc_g, is_async=True)
-                    pg = wg  # noqa: F841 (read by the next unrolled unit)
-                    if GATED:
-                        uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS, BOX3 >= 2, TR)
-                        wu = _decode_unit(uc, us, A_L, DIAG, TR)
-                        acc_u = warpgroup_mma(wu, xb, acc_u, is_async=True)
-                        pu = wu  # noqa: F841
-                else:
-                    acc_g = warpgroup_mma(wg, xb, acc_g)
-                    if GATED:
-                        uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS, BOX3 >= 2, TR)
-                        acc_u = warpgroup_mma(_decode_unit(uc, us, A_L, DIAG, TR), xb, acc_u)
-            # the stage's buffer is read: refill it with stage + NB (ring only)
-            if kb % UPS == UPS - 1 and kb // UPS + NB < NS and DIAG < 2:
-                if A_TMA and ASYNC:  # the stage's x rows are read by the wgmma in flight
-                    if GATED:
-                        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0,
-                                                          deps=(acc_g, acc_u))  # fmt: skip
-                    else:
-                        acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
-                gl.thread_barrier()  # every warp's shared loads of the buffer done
-                fence_async_shared()  # ordered before the TMA writes (async proxy)
-                bar = bars.index((kb // UPS) % NB)
-                if (kb // UPS + NB) % R == 0:
-                    mbarrier.expect(bar, CODE_BYTES + SCALE_BYTES)
-                else:
-                    mbarrier.expect(bar, CODE_BYTES)
-                _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row, k0, kb // UPS + NB, 0, NB,
-                             BOX3, UPS, NBS, K // 256)  # fmt: skip
-                if GATED:
-                    _issue_stage(c_desc, s_desc, cdst, sbuf, bar, row + N, k0, kb // UPS + NB, 1,
-                                 NB, BOX3, UPS, NBS, K // 256)  # fmt: skip
-                if A_TMA:
-                    tma.async_copy_global_to_shared(
-                        x_desc, [(k0 + (kb // UPS + NB) * SK) // UNIT, start, 0], bar,
-                        xdst.index((kb // UPS) % NB),
-                    )  # fmt: skip
-            elif NEXT and kb % UPS == UPS - 1 and DIAG < 2:  # noqa: SIM102 (compile time)
-                # the last stages: refill with the next unit's first (stage kb // UPS + NB
-                # - NS of it, which maps to this very buffer as NS % NB == 0); at run time
-                if has_next:
-                    gl.thread_barrier()
+                kj = k0
+                phj = ph
+                hn = has_next
+                nr = n_row
+                nk = n_k0
+            # ---- activations of the segment, in unit order, into shared memory [NU * BM, 64]
+            if XRING:  # or a stage at a time: two buffers [UPS * BM, 64], the first stage's now
+                XSL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
+                xs_all = gl.allocate_shared_memory(gl.bfloat16, [1, 2 * UPS * BM, UNIT], XSL)
+                x_src, x_ok = _x_rows(sorted_routes_ptr, start, end, TOPK, A_GATHER, BM)
+                xv = _x_stage(x_ptr, x_src, x_ok, kj, K, BM, SK, A_UNIT_ORDER)
+            elif not A_TMA:
+                xs = _stage_x(x_ptr, sorted_routes_ptr, start, end, kj, K, TOPK, A_GATHER, BM,
+                              SEG, A_UNIT_ORDER, PRE or WHOLE, xd, TR // 16)  # fmt: skip
+
+            # ---- decode and multiply, stage by stage as the copies land
+            acc_g = gl.zeros([TR, BM], gl.float32, layout=MMA)
+            acc_u = gl.zeros([TR, BM], gl.float32, layout=MMA)
+            for kb in gl.static_range(NU):
+                if XRING and kb % UPS == 0:  # this stage's rows into their buffer (the one the
+                    # stage before last read: its wgmmas were waited for), the next stage's loaded
+                    # through an opaque zero, as LOOP's rows: else the wgmma descriptors of both
+                    # buffers' unit slices are computed up front and held (FC1 106 registers)
+                    xs = xs_all.index(_opaque_zero())
+                    xs.slice((kb // UPS) % 2 * UPS * BM, UPS * BM).store(xv)
                     fence_async_shared()
-                    bar = bars.index((kb // UPS) % NB)
-                    st2: gl.constexpr = kb // UPS + NB - NS
-                    if st2 % R == 0:
-                        mbarrier.expect(bar, CODE_BYTES + SCALE_BYTES)
+                    gl.thread_barrier()
+                    if kb // UPS + 1 < NS:
+                        xv = _x_stage(x_ptr, x_src, x_ok, kj + (kb // UPS + 1) * SK, K, BM, SK,
+                                      A_UNIT_ORDER)  # fmt: skip
+                if kb == 0 and TRACE:
+                    _stamp(tb + 6, 0)  # T_X
+                if kb % UPS == 0 and DIAG < 2:
+                    mbarrier.wait(bars.index((kb // UPS) % NB), (kb // UPS // NB + phj) % 2)
+                    if L2 > 0 and kb // UPS + NB + L2 < NS:  # one more stage into L2
+                        _prefetch_l2(c_ptr, s_ptr, row, N, kj, kb // UPS + NB + L2, 1, K, SK,
+                                     GATED)  # fmt: skip
+                if kb == 0 and TRACE:
+                    _stamp(tb + 7, 0)  # T_W0
+                if A_TMA:
+                    xb = xr.slice(((kb // UPS) % NB * UPS + kb % UPS) * BM, BM).permute((1, 0))
+                elif XRING:
+                    xb = xs.slice(((kb // UPS) % 2 * UPS + kb % UPS) * BM, BM).permute((1, 0))
+                else:
+                    xb = xs.slice(kb * BM, BM).permute((1, 0))
+                if DIAG != 4:  # DIAG 4: no unit loads, no decode, no wgmma
+                    gc, gs = _smem_unit(cbuf, sbuf, kb, 0, NB, UPS, NBS, BOX3 >= 2, TR)
+                    wg = _decode_unit(gc, gs, A_L, DIAG, TR)
+                    if ASYNC:
+                        if kb > 0:
+                            if GATED:
+                                acc_g, acc_u, _, _ = warpgroup_mma_wait(
+                                    num_outstanding=0,
+                                    deps=(acc_g, acc_u, pg, pu),  # noqa: F821 (last unit's)
+                                )
+                            else:
+                                acc_g, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, pg))  # noqa: F821
+                        acc_g = warpgroup_mma(wg, xb, acc_g, is_async=True)
+                        pg = wg  # noqa: F841 (read by the next unrolled unit)
+                        if GATED:
+                            uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS, BOX3 >= 2, TR)
+                            wu = _decode_unit(uc, us, A_L, DIAG, TR)
+                            acc_u = warpgroup_mma(wu, xb, acc_u, is_async=True)
+                            pu = wu  # noqa: F841
                     else:
-                        mbarrier.expect(bar, CODE_BYTES)
-                    _issue_stage(c_desc, s_desc, cdst, sbuf, bar, n_row, n_k0, st2, 0, NB,
+                        acc_g = warpgroup_mma(wg, xb, acc_g)
+                        if GATED:
+                            uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS, BOX3 >= 2, TR)
+                            acc_u = warpgroup_mma(_decode_unit(uc, us, A_L, DIAG, TR), xb, acc_u)
+                # the stage's buffer is read: refill it with stage + NB (ring only)
+                if kb % UPS == UPS - 1 and kb // UPS + NB < NS and DIAG < 2:
+                    if A_TMA and ASYNC:  # the stage's x rows are read by the wgmma in flight
+                        if GATED:
+                            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0,
+                                                              deps=(acc_g, acc_u))  # fmt: skip
+                        else:
+                            acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
+                    gl.thread_barrier()  # every warp's shared loads of the buffer done
+                    fence_async_shared()  # ordered before the TMA writes (async proxy)
+                    rb = bars.index((kb // UPS) % NB)
+                    if (kb // UPS + NB) % R == 0:
+                        mbarrier.expect(rb, CODE_BYTES + SCALE_BYTES)
+                    else:
+                        mbarrier.expect(rb, CODE_BYTES)
+                    _issue_stage(c_desc, s_desc, cdst, sbuf, rb, row, kj, kb // UPS + NB, 0, NB,
                                  BOX3, UPS, NBS, K // 256)  # fmt: skip
                     if GATED:
-                        _issue_stage(c_desc, s_desc, cdst, sbuf, bar, n_row + N, n_k0, st2,
-                                     1, NB, BOX3, UPS, NBS, K // 256)  # fmt: skip
-        if ASYNC:
-            if GATED:
-                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+                        _issue_stage(c_desc, s_desc, cdst, sbuf, rb, row + N, kj, kb // UPS + NB, 1,
+                                     NB, BOX3, UPS, NBS, K // 256)  # fmt: skip
+                    if A_TMA:
+                        tma.async_copy_global_to_shared(
+                            x_desc, [(kj + (kb // UPS + NB) * SK) // UNIT, start, 0], rb,
+                            xdst.index((kb // UPS) % NB),
+                        )  # fmt: skip
+                elif (NEXT or WHOLE) and kb % UPS == UPS - 1 and DIAG < 2:  # noqa: SIM102 (compile time)
+                    # the last stages: refill with the next unit's first (stage kb // UPS + NB
+                    # - NS of it, which maps to this very buffer as NS % NB == 0); at run time
+                    if hn:
+                        gl.thread_barrier()
+                        fence_async_shared()
+                        rb = bars.index((kb // UPS) % NB)
+                        st2: gl.constexpr = kb // UPS + NB - NS
+                        if st2 % R == 0:
+                            mbarrier.expect(rb, CODE_BYTES + SCALE_BYTES)
+                        else:
+                            mbarrier.expect(rb, CODE_BYTES)
+                        _issue_stage(c_desc, s_desc, cdst, sbuf, rb, nr, nk, st2, 0, NB,
+                                     BOX3, UPS, NBS, K // 256)  # fmt: skip
+                        if GATED:
+                            _issue_stage(c_desc, s_desc, cdst, sbuf, rb, nr + N, nk, st2,
+                                         1, NB, BOX3, UPS, NBS, K // 256)  # fmt: skip
+            if ASYNC:
+                if GATED:
+                    acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+                else:
+                    acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
+            if WHOLE:
+                tot_g = tot_g + acc_g
+                tot_u = tot_u + acc_u
             else:
-                acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
+                tot_g = acc_g
+                tot_u = acc_u
         if not PRE:
             for b in gl.static_range(NB):
                 mbarrier.invalidate(bars.index(b))
 
         if TRACE:
             _stamp(tb + 8, 0)  # T_LOOP
-        # ---- partials, as loop 3's split programs write them
-        stride = _store_partials(acc_g, acc_u, part_ptr, pid_n, start, end, s_id, ws_rows,
-                                 N, GATED, BM, MMA, TR)  # fmt: skip
-        if TRACE:
-            _stamp(tb + 9, 0)  # T_PART
-        if EPILOGUE:  # loop 3's split epilogue (gemm._split_unit, _epilogue): the same bits
-            _last_unit_epilogue(
-                pid_m, pid_n, e, start, end, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr,
-                sorted_routes_ptr, out_ptr, a_global_ptr, stride, N, K, TOPK, GATED, BM, SEG,
-                FUSED, OUT_SCALE, MMA, A_GATHER, A_FP4, OUT_UNIT, TR,
-            )  # fmt: skip
+        if WHOLE:  # the tile's sums over K: its output (no partials, no counter)
+            _tile_out(tot_g, tot_u, pid_n, e, start, end, w_global_ptr, topk_w_ptr,
+                      sorted_routes_ptr, out_ptr, a_global_ptr, N, TOPK, GATED, BM, FUSED,
+                      OUT_SCALE, MMA, A_GATHER, A_FP4, OUT_UNIT, TR)  # fmt: skip
+        else:
+            # ---- partials, as loop 3's split programs write them
+            stride = _store_partials(tot_g, tot_u, part_ptr, pid_n, start, end, s_id,
+                                     ws_rows, N, GATED, BM, MMA, TR)  # fmt: skip
+            if TRACE:
+                _stamp(tb + 9, 0)  # T_PART
+            if EPILOGUE:  # loop 3's split epilogue (gemm._split_unit, _epilogue): same bits
+                _last_unit_epilogue(
+                    pid_m, pid_n, e, start, end, part_ptr, cnt_ptr, w_global_ptr,
+                    topk_w_ptr, sorted_routes_ptr, out_ptr, a_global_ptr, stride, N, K,
+                    TOPK, GATED, BM, SEG, FUSED, OUT_SCALE, MMA, A_GATHER, A_FP4, OUT_UNIT,
+                    TR,
+                )  # fmt: skip
 
 
 def tiled_weights(codes: torch.Tensor, scales: torch.Tensor):
@@ -936,6 +1011,7 @@ def split_partials_tma(
     stage_k: int | None = None, pdl: bool = False, early_weights: bool = False,
     a_tma: bool = False, out_unit_order: bool = False,
     valid_blocks: torch.Tensor | None = None, grid_blocks: int = 0, persist: int = 0,
+    whole: bool = False,
 ) -> None:  # fmt: skip
     """Launch ``tma_split_kernel``: fp32 ``part`` [K / seg, ws_rows, (2 if gated) * n]
     receives loop 3's segment partials P_s of every valid row. ``x``: bf16 [., K], the
@@ -974,7 +1050,14 @@ def split_partials_tma(
     ``persist`` > 0 (with ``valid_blocks``; not with ``a_tma`` or ``grid_blocks``): a 1-D
     grid of at most that many programs, each taking every ``persist``-th unit of the valid
     blocks and issuing the next unit's first weight copies while it finishes this one
-    (``TritonOptions.gluon_persist``). The same units: the same bits."""
+    (``TritonOptions.gluon_persist``). The same units: the same bits.
+
+    ``whole`` (with ``out``; not with ``a_tma``, ``grid_blocks`` or ``persist``): each
+    program takes every K segment of its tile in turn, its ring running on from one
+    segment to the next, adds the segment sums in registers in the order the split
+    epilogue adds the partials, and writes its output: no partials (``part`` may be
+    None), no counters, a grid of one segment (``TritonOptions.gluon_whole_upto``). The
+    same sums: the same bits."""
     k = x.shape[1]
     if asynchronous is None:
         asynchronous = ASYNC_WGMMA
@@ -987,8 +1070,8 @@ def split_partials_tma(
                          "block_m 8 or 16")  # fmt: skip
     tiles, blocks, segs = triton.cdiv(n, 64), block_expert.numel(), k // seg
     epilogue = out is not None
-    if epilogue and (counters is None or counters.numel() < tiles * blocks or w_global is None
-                     or (fused and topk_w is None)):  # fmt: skip
+    short = not whole and (counters is None or counters.numel() < tiles * blocks)
+    if epilogue and (short or w_global is None or (fused and topk_w is None)):
         raise ValueError("split_partials_tma: out needs counters (cdiv(n, 64) * blocks "
                          "int32 zeros), w_global, and topk_w when fused")  # fmt: skip
     if a_tma and (gather or x.dtype != torch.bfloat16 or x.dim() != 2):
@@ -1006,13 +1089,22 @@ def split_partials_tma(
     if persist and (valid_blocks is None or a_tma or grid_blocks):
         raise ValueError("split_partials_tma: persist needs valid_blocks, and neither a_tma "
                          "nor grid_blocks")  # fmt: skip
+    if whole and (out is None or a_tma or grid_blocks or persist or (stage_k or 256) != 256):
+        raise ValueError("split_partials_tma: whole needs out, 256-K stages, and neither "
+                         "a_tma, grid_blocks nor persist")  # fmt: skip
+    if whole:
+        segs = 1
+        counters = counters if counters is not None else w_global  # unread
+    elif part is None:
+        raise ValueError("split_partials_tma: part (the fp32 partials) is needed unless whole")
     grid_blocks = min(grid_blocks, blocks)
     box = 2 if CODE_WIDE and stage_k == 256 else int(CODE_BOX3)
     if TILED and box == 2 and codes.shape[1] % 64 == 0:
         box = 3
-    tr = _tile_rows(n, box, stage_k, grid_blocks, persist, a_tma, out_unit_order,
-                    _l2_ahead(box, grid_blocks, persist, stage_k, seg, buffers),
-                    _x_ring(gated, block_m, grid_blocks, persist, a_tma))  # fmt: skip
+    l2 = 0 if whole else _l2_ahead(box, grid_blocks, persist, stage_k, seg, buffers)
+    x_ring = not whole and _x_ring(gated, block_m, grid_blocks, persist, a_tma)
+    tr = 64 if whole else _tile_rows(n, box, stage_k, grid_blocks, persist, a_tma,
+                                     out_unit_order, l2, x_ring)  # fmt: skip
     tiles = triton.cdiv(n, tr)
     c_desc, s_desc = descriptors(codes, scales, box, stage_k, tr)
     x_desc = c_desc
@@ -1028,9 +1120,11 @@ def split_partials_tma(
     if persist:
         gb = min(persist, tiles * segs * blocks)  # the loop's step
         grid = (gb,)
+    if whole:
+        part = w_global  # unread
     dummy = part
     trace = dummy
-    if TRACE and not grid_blocks and not persist:
+    if TRACE and not grid_blocks and not persist and not whole:
         trace = torch.full((tiles * segs * gb, TRACE_FIELDS), -1, dtype=torch.int64,
                            device=x.device)  # fmt: skip
         TRACES.append((dict(n=n, k=k, gated=gated, block_m=block_m, grid=grid), trace))
@@ -1048,11 +1142,17 @@ def split_partials_tma(
         A_FP4=a_global is not None and epilogue, BOX3=box, SK=stage_k, USE_PDL=pdl,
         EARLY_W=pdl and early_weights and EARLY_WEIGHTS, A_TMA=a_tma,
         OUT_UNIT=out_unit_order, DIAG=DIAG, LOOP=grid_blocks > 0, TRACE=trace is not dummy,
-        PERSIST=persist > 0, XRING=_x_ring(gated, block_m, grid_blocks, persist, a_tma),
-        L2=_l2_ahead(box, grid_blocks, persist, stage_k, seg, buffers), SKEW=SKEW_NS, TR=tr,
+        PERSIST=persist > 0, XRING=x_ring, L2=l2, SKEW=SKEW_NS, TR=tr, WHOLE=whole,
         num_warps=tr // 16, launch_pdl=pdl,
-        **_maxnreg(gated, block_m, grid_blocks, persist, a_tma, tr),
+        **(_whole_maxnreg(gated, block_m) if whole
+           else _maxnreg(gated, block_m, grid_blocks, persist, a_tma, tr)),
     )  # fmt: skip
+
+
+def _whole_maxnreg(gated: bool, block_m: int) -> dict:
+    """A WHOLE launch's register cap (``WHOLE_MAXNREG``), or none."""
+    cap = WHOLE_MAXNREG.get((gated, block_m))
+    return {"maxnreg": cap} if cap else {}
 
 
 def _buffers(buffers: int | None, persist: int) -> int:
@@ -1139,6 +1239,7 @@ def compile_sm90(
     l2: int = 0,
     skew: int = 0,
     tile_rows: int = 64,
+    whole: bool = False,
 ):
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
     layout conversions are asserted trivial at compile time. ``box3``: the code copies
@@ -1172,7 +1273,7 @@ def compile_sm90(
                  A_FP4=a_fp4, BOX3=int(box3), SK=stage_k, USE_PDL=pdl,
                  EARLY_W=pdl and early_weights, A_TMA=a_tma, OUT_UNIT=out_unit_order,
                  DIAG=diag, LOOP=loop_blocks > 0, TRACE=trace, PERSIST=persist,
-                 XRING=x_ring, L2=l2, SKEW=skew, TR=tile_rows)  # fmt: skip
+                 XRING=x_ring, L2=l2, SKEW=skew, TR=tile_rows, WHOLE=whole)  # fmt: skip
     opts = {} if maxnreg is None else {"maxnreg": maxnreg}
     return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows", "loop_step"),
                                gluon=True, descs=descs, num_warps=tile_rows // 16,

@@ -287,6 +287,16 @@ class TritonOptions:
         stages in flight, two programs an SM, no split-K partials and no second wave of
         programs; the rows gathered into sorted unit order first (``dense_rows``). The
         same bits.
+    gluon_whole_upto: experiment (session 18, 0 = off until measured): the expected valid
+        rows an expert (``valid_rows``) up to which GEMMs that loop 3 would run unsplit and
+        not dense (above ``gluon_upto``, at 16-row tiles: DeepSeek-V3 EP8 at 128 and 256
+        tokens) run as the Gluon kernels with whole-K programs instead
+        (``gluon_ws.split_partials_tma(whole=True)``): a program owns 64 weight rows of
+        one row block over all of K, its ring running from one 1024-K segment to the
+        next, and adds the segment sums in registers in the split epilogue's order, so
+        no partials, counters or second pass; the TMA copies and the in-register decode
+        of the decode-size kernels. Not for FC1 writing NVFP4 (static W4A4) or taking
+        the fused amax. The same bits.
     gluon_grid_blocks: the row blocks of the Gluon kernels' grid. None: the schedule's
         worst case (``max_blocks``: every route in an expert of its own), whose empty
         programs each hold one of the SM's few slots (shared memory allows 6 to 8) for a
@@ -345,6 +355,7 @@ class TritonOptions:
     gluon_prefill: bool = True
     prefill_above: int | None = 96
     gluon_whole_k: bool = False
+    gluon_whole_upto: float = 0.0
 
     def grid_blocks(self, n_routes: int, num_experts: int, block_m: int, max_b: int) -> int:
         """The Gluon kernels' grid row blocks (``gluon_grid_blocks``; 0: the worst case
@@ -392,6 +403,30 @@ class TritonOptions:
             return False
         return self.valid_rows(n_routes, num_experts) <= self.gluon_upto
 
+    def whole_runs(self, split: bool, dense: bool, k: int, a_fp4: bool, cfg: GemmConfig,
+                   n_routes: int, num_experts: int) -> bool:  # fmt: skip
+        """Whether a GEMM of inner size ``k`` of a call of ``n_routes`` routes, which loop 3
+        would run unsplit (``split`` False) and not dense, runs as the Gluon kernel with
+        whole-K programs (``gluon_whole_upto``; the kernel able to, ``gluon_applies``).
+        FC1 also needs an epilogue that writes bf16 (``_gemm`` falls back otherwise)."""
+        if split or dense or not self.gluon_decode or not self.gluon_whole_upto:
+            return False
+        if int(self.chunked) != 3 or k <= SEGMENT or num_experts <= 0:
+            return False
+        if self.valid_rows(n_routes, num_experts) > self.gluon_whole_upto:
+            return False
+        return gluon_applies(k, a_fp4, cfg)
+
+    def fc1_whole_runs(self, mode: str, act_scale: str, split1: bool, dense: bool, h: int,
+                       cfg1: GemmConfig, n_routes: int, num_experts: int) -> bool:  # fmt: skip
+        """``whole_runs`` for a call's FC1, whose epilogue must write bf16: not static
+        W4A4's NVFP4 output (``fc1_nvfp4_out``) and not the fused amax."""
+        if mode == "w4a4" and act_scale == "static" and self.fc1_nvfp4_out:
+            return False
+        if self.amax_in_fc1(mode, act_scale):
+            return False
+        return self.whole_runs(split1, dense, h, mode == "w4a4", cfg1, n_routes, num_experts)
+
     def ordered_for(
         self, mode: str, n_routes: int, num_experts: int, hidden: int, inter: int,
         cfg1: GemmConfig, cfg2: GemmConfig,
@@ -406,6 +441,7 @@ class TritonOptions:
             and k_order(3, inter, cfg2.block_k) == 64
             # not where either GEMM runs as the Gluon kernel, which neither reads nor
             # writes rows in the unit order
+            and not self.whole_runs(False, False, hidden, False, cfg1, n_routes, num_experts)
             and not any(
                 self.gluon_runs(s, k, False, cfg)
                 for s, k, cfg in zip(
@@ -449,6 +485,10 @@ class TritonOptions:
             return s, s
         if cfg1.block_m == 8 and cfg2.block_m == 8 and self.gluon_split(n_routes, num_experts):
             return True, True  # the Gluon kernels' 8-row tiles (gemm_configs, gluon_upto)
+        # a GEMM on the whole-K Gluon kernel is not split (gluon_whole_upto)
+        dense = self.dense_for(n_routes, num_experts, (hidden, inter))
+        w1 = self.whole_runs(False, dense, hidden, False, cfg1, n_routes, num_experts)
+        w2 = self.whole_runs(False, dense, inter, False, cfg2, n_routes, num_experts)
         valid = self.valid_rows(n_routes, num_experts) * num_experts
         if valid <= 0:
             return False, False
@@ -459,7 +499,7 @@ class TritonOptions:
             blocks = math.ceil(rows / cfg.block_m - 1e-6)  # 16.000001 rows: one 16-row block
             programs = triton.cdiv(n, cfg.block_n) * touched * blocks
             out.append(k > SEGMENT and programs < SPLIT_BELOW_PROGRAMS)
-        return out[0], out[1]
+        return out[0] and not w1, out[1] and not w2
 
     def prefill_here(self) -> bool:
         """Whether ``gluon_prefill`` can run: the option on, loop 3, and a Hopper GPU with
@@ -510,6 +550,9 @@ class TritonOptions:
         g = self.gluon_upto
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not g > 0:
             raise ValueError(f"gluon_upto: expected a number > 0, got {g!r}")
+        g = self.gluon_whole_upto
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
+            raise ValueError(f"gluon_whole_upto: expected a number >= 0, got {g!r}")
         g = self.gluon_pdl_upto
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
             raise ValueError(f"gluon_pdl_upto: expected a number >= 0, got {g!r}")
@@ -757,6 +800,7 @@ def _gemm(
     w_dense: torch.Tensor | None = None,
     prefill: bool = False,
     whole_k: bool = False,
+    whole: bool = False,
 ) -> None:
     """One grouped GEMM. ``out_fp4`` = (scales, globals, static table): ``out`` receives
     NVFP4 codes of the FC1 activation instead of bf16 (static W4A4). ``dense``: decode
@@ -780,7 +824,9 @@ def _gemm(
     (with ``dense``): the weights decoded already (``dense_weights`` in this GEMM's
     order), e.g. on a side stream (``TritonOptions.dense_overlap``). ``prefill`` (with
     ``dense``): the GEMM runs on ``gluon_prefill`` where ``_prefill_fits`` (the same
-    bits)."""
+    bits). ``whole`` (not ``split``; ``TritonOptions.whole_runs``): the Gluon kernel with
+    whole-K programs, where its epilogue can write ``out`` (bf16 or fused; not
+    ``out_fp4`` or ``amax_out``), else loop 3 (the same bits)."""
     a_fp4 = a_scales is not None
     if dense and prefill and _prefill_fits(cfg, n, k, gated, out_fp4, amax_out):
         _prefill_gemm(sort, a, a_scales, a_global, w_codes, w_scales, w_global, out, topk_w,
@@ -825,6 +871,8 @@ def _gemm(
     split = split and nseg > 1
     part, cnt, ws_rows = dummy, dummy, 0
     gluon = _gluon_gemm(gluon, split, int(chunked), k, a_fp4, cfg)
+    whole = whole and not split and not dense and out_fp4 is None and amax_out is None
+    gluon = gluon or whole
     if gluon and whole_k and not a_fp4 and _prefill_fits(cfg, n, k, gated, out_fp4, amax_out,
                                                          cfg.block_m):  # fmt: skip
         # TritonOptions.gluon_whole_k: the decode-size GEMM on the prefill kernel
@@ -835,10 +883,12 @@ def _gemm(
         return
     # the split grid: blocks last or 3-D
     blocks_last = blocks_last and split and not gluon and not group_m
-    if split:  # one program a K segment; fp32 partials, summed by the last one of a tile
+    if split or whole:  # one program a K segment; fp32 partials, summed by the last one of
+        # a tile (whole: one program a tile, no partials)
         ws_rows = sort.sorted_routes.shape[0]
-        part = torch.empty(nseg * ws_rows * (2 * n if gated else n), dtype=torch.float32,
-                           device=a.device)  # fmt: skip
+        if not whole:
+            part = torch.empty(nseg * ws_rows * (2 * n if gated else n), dtype=torch.float32,
+                               device=a.device)  # fmt: skip
         if gluon:  # the Gluon kernel (TritonOptions.gluon_decode, kernels.gluon_ws)
             from . import gluon_ws
 
@@ -864,7 +914,9 @@ def _gemm(
             # output or the fused amax: then the split kernel below does (REDUCE_ONLY)
             epi = out_fp4 is None and amax_out is None
             kw = {}
-            if epi:  # 64-row weight tiles
+            if epi and whole:
+                cnt = None
+            elif epi:  # 64-row weight tiles
                 cnt = _tile_counters(counters, triton.cdiv(n, 64) * sort.num_blocks, a.device)
                 kw = dict(out=out, counters=cnt, w_global=w_global, topk_w=topk_w,
                           fused=fused, out_scale=out_scale,
@@ -873,11 +925,12 @@ def _gemm(
                 kw["out_unit_order"] = True
             gluon_ws.split_partials_tma(
                 a_src, sort.sorted_routes, w_codes, w_scales, sort.block_expert,
-                sort.block_start, sort.block_end, part, n=n, topk=topk, gated=gated,
-                gather=gather, block_m=cfg.block_m, seg=SEGMENT, ws_rows=ws_rows,
+                sort.block_start, sort.block_end, None if whole else part, n=n, topk=topk,
+                gated=gated, gather=gather, block_m=cfg.block_m, seg=SEGMENT, ws_rows=ws_rows,
                 a_unit_order=a_fp4 or a_ordered, pdl=pdl and gluon_pdl,
-                early_weights=early_weights, a_tma=a_tma, valid_blocks=sort.valid_blocks,
-                grid_blocks=grid_blocks, persist=0 if a_tma or grid_blocks else persist, **kw,
+                early_weights=early_weights, a_tma=a_tma and not whole,
+                valid_blocks=sort.valid_blocks, grid_blocks=0 if whole else grid_blocks,
+                persist=0 if a_tma or grid_blocks or whole else persist, whole=whole, **kw,
             )  # fmt: skip
             if epi:
                 return
@@ -1035,6 +1088,20 @@ def gemm_configs_for(
         # of 16 (measured: benchmarks/gluon_experiment.py). Any block_m gives the same bits.
         cfg1 = replace(cfg1, block_m=8)
         cfg2 = replace(cfg2, block_m=8)
+    elif (
+        options.gluon_decode
+        and options.gluon_whole_upto
+        and options.fc1 is None
+        and options.fc2 is None
+        and loop == 3
+        and valid_rows <= options.gluon_whole_upto
+        and any(options.whole_runs(False, False, kk, a_fp4, replace(c, block_m=16), n_routes,
+                                   num_experts) for kk, c in ((h, cfg1), (inter, cfg2)))
+    ):  # fmt: skip
+        # The whole-K Gluon kernels take 16-row tiles (both GEMMs: one tile schedule; a
+        # GEMM that cannot run there runs loop 3 at them, the same bits)
+        cfg1 = replace(cfg1, block_m=16)
+        cfg2 = replace(cfg2, block_m=16)
     for name, cfg in (("fc1", options.fc1), ("fc2", options.fc2)):
         if cfg is not None and cfg.block_m < 16:
             # Triton's dot at 8 token columns is not loop 3's wgmma: other bits.
@@ -1193,6 +1260,8 @@ def expert_gemms(
     # rows in the unit order for FC2 (both GEMMs on the Gluon kernels)
     g1 = opt.gluon_runs(split1, h, w4a4, cfg1)
     g2 = opt.gluon_runs(split2, inter, w4a4, cfg2)
+    whole1 = opt.fc1_whole_runs(mode, act_scale, split1, dense, h, cfg1, n_routes, e_count)
+    whole2 = opt.whole_runs(split2, dense, inter, w4a4, cfg2, n_routes, e_count)
     mid_unit = opt.gluon_a_tma and g1 and g2 and not w4a4 and not ordered
     atma1 = opt.gluon_a_tma and g1 and not ordered
     atma2 = opt.gluon_a_tma and g2 and (w4a4 or mid_unit)
@@ -1225,12 +1294,13 @@ def expert_gemms(
         a_ordered=ordered, out_ordered=ordered or mid_unit, blocks_last=opt.blocks_last,
         a_decoded=a_decoded, gluon_pdl=gpdl, early_weights=fc1_early_weights, a_tma=atma1,
         grid_blocks=gb1, persist=ps1, prefill=prefill, whole_k=opt.gluon_whole_k,
+        whole=whole1,
     )  # fmt: skip
 
     # FC2 input.
     b_src, b_scales, b_global = act, None, None
     b_dec = None  # W4A4 on the Gluon kernel: the quantize kernel decodes FC2's rows too
-    if w4a4 and not fc1_fp4 and opt.quantize_decoded and opt.gluon_runs(split2, inter, True, cfg2):
+    if w4a4 and not fc1_fp4 and opt.quantize_decoded and (g2 or whole2):
         b_dec = _empty((n_routes, inter), decoded_rows_dtype(), dev, opt.poison)
     if w4a4:
         if act_scale == "per_token":
@@ -1272,7 +1342,7 @@ def expert_gemms(
         counters=counters[1] if counters else None, a_ordered=ordered or mid_unit,
         blocks_last=opt.blocks_last, a_decoded=b_dec, early_weights=True, gluon_pdl=gpdl,
         a_tma=atma2, grid_blocks=gb2, persist=ps2, w_dense=w2_dense, prefill=prefill,
-        whole_k=opt.gluon_whole_k,
+        whole_k=opt.gluon_whole_k, whole=whole2,
     )  # fmt: skip
     return dest
 
@@ -1345,7 +1415,10 @@ def moe_triton(
     a_dec = None  # W4A4 on the Gluon kernel: the quantize kernel decodes FC1's rows too
     if mode == "w4a4" and opt.quantize_decoded:
         split1 = opt.gemm_splits(n_routes, e_count, h, experts.intermediate_size, cfg1, cfg2)[0]
-        if opt.gluon_runs(split1, h, True, cfg1):
+        dense1 = opt.dense_for(n_routes, e_count, (h, experts.intermediate_size))
+        if opt.gluon_runs(split1, h, True, cfg1) or opt.fc1_whole_runs(
+            mode, act_scale, split1, dense1, h, cfg1, n_routes, e_count
+        ):
             rows = n_routes if act_scale == "static" else t
             a_dec = _empty((rows, h), decoded_rows_dtype(), dev, opt.poison)
     if mode == "w4a4":
@@ -1516,14 +1589,19 @@ def workspace_bytes(
             tmp1 += -(-h // SEGMENT) * n * 2 * i * 4
         if s2 and i > SEGMENT:
             tmp2 += -(-i // SEGMENT) * n * h * 4
+        dn = opt.dense_for(n, num_experts, (h, i))
         if w4a4:  # the Gluon GEMMs' decoded activation rows (bf16)
-            if opt.gluon_runs(s1, h, True, cfgs[0]):
+            if opt.gluon_runs(s1, h, True, cfgs[0]) or opt.fc1_whole_runs(
+                mode, act_scale, s1, dn, h, cfgs[0], n, num_experts
+            ):
                 rows1 = (n if act_scale == "static" else t) * h * 2
                 if opt.quantize_decoded:  # written by the quantize kernel, held by
                     common += rows1  # moe_triton for the whole call
                 else:  # dense_rows inside FC1's launch, freed after it
                     tmp1 += rows1
-            if opt.gluon_runs(s2, i, True, cfgs[1]):
+            if opt.gluon_runs(s2, i, True, cfgs[1]) or opt.whole_runs(
+                s2, dn, i, True, cfgs[1], n, num_experts
+            ):
                 tmp2 += n * i * 2
         elif opt.gluon_a_tma and opt.gluon_runs(s1, h, False, cfgs[0]):
             tmp1 += n * h * 2  # FC1's input rows gathered in sorted unit order (bf16)

@@ -1,0 +1,170 @@
+"""The decode-size Gluon GEMMs with whole-K programs (``gluon_ws.split_partials_tma(
+whole=True)``, ``TritonOptions.gluon_whole_upto``): compiled for sm_90 and the path's
+choices here; loop 3's bits on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp4moe.kernels import gluon_ws, launch
+from fp4moe.kernels.gemm import GemmConfig
+from fp4moe.kernels.launch import TritonOptions, moe_triton, workspace_bytes
+from fp4moe.reference import moe_reference
+from test_gluon_ws import _compile_check
+from test_kernels import GPU_SHAPES, MODES, _gpu_routes, _mode_id, _x
+from testing import TOL, rel_err
+
+
+def test_whole_kernel_compiles_for_sm90():
+    """Both GEMMs, 8- and 16-row tiles, bf16 rows or the fused finalize, W4A4's globals:
+    wgmma, no local memory, FC1 at 16-row tiles within 128 registers (four programs an
+    SM); the ring's copies (a stage's two weights: a code and a scale box each) for the
+    first stage, the three refills of each segment and the next segment's first stage,
+    once in the code (the segments are a loop, not unrolled); no tile counter (no
+    acq_rel atomic), and the fp32 atomic add exactly when fused."""
+    pytest.importorskip("triton")
+    code = (
+        "from fp4moe.kernels.common import resource_usage\n"
+        "from fp4moe.kernels.gluon_ws import compile_sm90\n"
+        "for n, k, g in ((2048, 7168, True), (7168, 2048, False)):\n"
+        "    for bm in (8, 16):\n"
+        "        for fused, a_fp4 in ((False, False), (not g, False), (False, True)):\n"
+        "            c = compile_sm90(n=n, k=k, gated=g, block_m=bm, asynchronous=True,\n"
+        "                             buffers=1, epilogue=True, fused=fused, a_fp4=a_fp4,\n"
+        "                             box3=2, whole=True, pdl=not g, early_weights=not g)\n"
+        "            ptx = c.asm['ptx']\n"
+        "            res = resource_usage(c)\n"
+        "            key = (n, bm, fused, a_fp4)\n"
+        "            assert '.local' not in ptx and res['STACK'] == 0, key\n"
+        "            assert 'wgmma.mma_async' in ptx, key\n"
+        "            assert res['REG'] <= (128 if bm == 16 else 96), (key, res['REG'])\n"
+        "            w = 2 if g else 1\n"
+        "            assert ptx.count('cp.async.bulk.tensor') == 2 * w * (1 + 3 + 1), key\n"
+        "            assert 'acq_rel' not in ptx, key\n"
+        "            assert ('atom.global.gpu.relaxed.add' in ptx) == fused, key\n"
+        "print('ok')\n"
+    )
+    _compile_check(code)
+
+
+def _on_hopper(monkeypatch):
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "hopper_device", lambda: True)
+    monkeypatch.setattr(launch, "gluon_available", lambda: True)
+
+
+def test_whole_runs_where_loop_3_would_not_split(monkeypatch):
+    """``whole_runs``: off at 0 (the default) and without a Hopper GPU; with
+    ``gluon_whole_upto`` set, GEMMs that loop 3 runs unsplit and not dense, up to that many
+    expected valid rows an expert, of K over one segment, at 8- or 16-row tiles; FC1 not
+    where it writes NVFP4 (static W4A4) or takes the fused amax."""
+    cfg16 = GemmConfig(16, 64, 128)
+    off = TritonOptions(valid_fraction=1.0)
+    on = TritonOptions(valid_fraction=1.0, gluon_whole_upto=16)
+    assert not on.whole_runs(False, False, 7168, False, cfg16, 10 * 32, 32)  # no GPU here
+    _on_hopper(monkeypatch)
+    assert not off.whole_runs(False, False, 7168, False, cfg16, 10 * 32, 32)
+    assert on.whole_runs(False, False, 7168, False, cfg16, 10 * 32, 32)
+    assert on.whole_runs(False, False, 2048, True, cfg16, 16 * 32, 32)
+    assert not on.whole_runs(False, False, 7168, False, cfg16, 17 * 32, 32)  # above upto
+    assert not on.whole_runs(True, False, 7168, False, cfg16, 10 * 32, 32)  # split
+    assert not on.whole_runs(False, True, 7168, False, cfg16, 10 * 32, 32)  # dense
+    assert not on.whole_runs(False, False, 1024, False, cfg16, 10 * 32, 32)  # one segment
+    assert not on.whole_runs(False, False, 768, False, cfg16, 10 * 32, 32)  # Qwen3's FC2
+    assert not on.whole_runs(False, False, 7168, False, GemmConfig(64, 128, 64), 320, 32)
+    assert not TritonOptions(valid_fraction=1.0, gluon_whole_upto=16, gluon_decode=False
+                             ).whole_runs(False, False, 7168, False, cfg16, 320, 32)  # fmt: skip
+    args = (False, False, 7168, cfg16, 10 * 32, 32)
+    assert on.fc1_whole_runs("w4a16", "per_token", *args)
+    assert on.fc1_whole_runs("w4a4", "per_token", *args)
+    assert not on.fc1_whole_runs("w4a4", "static", *args)  # FC1 writes NVFP4
+    famax = TritonOptions(valid_fraction=1.0, gluon_whole_upto=16, fused_amax=True)
+    assert not famax.fc1_whole_runs("w4a4", "per_tensor", *args)
+    for bad in (-1, True, "8"):
+        with pytest.raises(ValueError, match="gluon_whole_upto"):
+            TritonOptions(gluon_whole_upto=bad)
+
+
+def test_workspace_bytes_without_partials(monkeypatch):
+    """On the whole-K kernels a call holds no split-K partials: DeepSeek-V3 EP8's shape
+    at 256 tokens (loop 3 unsplit: no partials either way), and at 64 tokens with
+    ``gluon_upto`` lowered so that the call is not on the split Gluon kernels, the
+    same bytes as loop 3 unsplit, fewer than loop 3 split."""
+    _on_hopper(monkeypatch)
+    h, i, e = 7168, 2048, 32
+    base = dict(valid_fraction=0.125)
+    for t, extra in ((256, {}), (64, dict(gluon_upto=1.0))):
+        off = workspace_bytes(t, 8, h, i, e, options=TritonOptions(**base, **extra))
+        on = workspace_bytes(t, 8, h, i, e,
+                             options=TritonOptions(**base, **extra, gluon_whole_upto=16))  # fmt: skip
+        assert on <= off, (t, on, off)
+    split = workspace_bytes(64, 8, h, i, e, options=TritonOptions(**base, split_k=True))
+    whole = workspace_bytes(64, 8, h, i, e,
+                            options=TritonOptions(**base, gluon_upto=1.0, gluon_whole_upto=16))  # fmt: skip
+    assert whole < split
+
+
+def test_split_partials_tma_whole_rejects():
+    """``whole`` needs ``out`` (its epilogue) and the one-block body; the partials are
+    needed otherwise. Named before any device work."""
+    x = torch.zeros(8, 2048, dtype=torch.bfloat16)
+    z = torch.zeros(4, dtype=torch.int32)
+    w = torch.zeros(4, 1024, 1024, dtype=torch.uint8)
+    kw = dict(n=1024, topk=8, gated=False, gather=False, block_m=16, ws_rows=8)
+    with pytest.raises(ValueError, match="whole needs out"):
+        gluon_ws.split_partials_tma(x, z, w, w, z, z, z, None, whole=True, **kw)
+    out = torch.zeros(8, 1024, dtype=torch.bfloat16)
+    g = torch.ones(4)
+    with pytest.raises(ValueError, match="whole needs out"):
+        gluon_ws.split_partials_tma(x, z, w, w, z, z, z, None, whole=True, out=out,
+                                    w_global=g, a_tma=True, **kw)  # fmt: skip
+    with pytest.raises(ValueError, match="part"):
+        gluon_ws.split_partials_tma(x, z, w, w, z, z, z, None, out=out, w_global=g,
+                                    counters=torch.zeros(64, dtype=torch.int32), **kw)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [128, 256, "one-expert", "all-masked", "qwen3"])
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+@pytest.mark.parametrize("fused", [False, True], ids=["deterministic", "fused"])
+def test_gluon_whole_gpu(gpu_experts, monkeypatch, t, mode, fused):
+    """On the GPU, GEMMs on the whole-K Gluon kernels give loop 3's bits with the
+    deterministic finalize, the reference's tolerance either way, every mode; DeepSeek-V3
+    EP8 at 128 and 256 tokens (5 and 11 expected valid rows an expert), every route on
+    one expert (many 16-row blocks), every route masked (zeros), and Qwen3 at 1024
+    tokens (its FC1 whole, its FC2, K 768, on loop 3). Outputs poisoned first; the
+    kernel asserted to have run."""
+    shape = "qwen3-30b-a3b" if t == "qwen3" else "deepseek-v3-ep8"
+    e, h, _, k, e_total = GPU_SHAPES[shape]
+    experts = gpu_experts(shape)
+    m, sc = mode
+    tt = {"qwen3": 1024}.get(t, 256) if isinstance(t, str) else t
+    x = _x(tt, h, seed=17, device="cuda")
+    ids, w = _gpu_routes(tt, k, e, e_total, seed=17)
+    if t == "one-expert":
+        ids = torch.where(ids >= 0, 3, -1).to(torch.int32)
+        ids[:, 0] = 3
+    elif t == "all-masked":
+        ids = torch.full_like(ids, -1)
+    wholes = []
+    spl = gluon_ws.split_partials_tma
+
+    def spy(*a, **kw):
+        wholes.append(kw.get("whole", False))
+        return spl(*a, **kw)
+
+    monkeypatch.setattr(gluon_ws, "split_partials_tma", spy)
+    outs = {}
+    for upto in (0.0, 16.0):
+        opt = TritonOptions(gluon_whole_upto=upto, poison=True)
+        outs[upto] = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                                fused_finalize=fused, options=opt)  # fmt: skip
+    assert True in wholes, wholes
+    if t == "all-masked":
+        assert not outs[16.0].float().abs().any()
+        return
+    if not fused:
+        assert torch.equal(outs[0.0], outs[16.0])
+    ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
+    assert rel_err(outs[16.0], ref) <= TOL[m]
