@@ -914,10 +914,11 @@ def _gemm(
             # output or the fused amax: then the split kernel below does (REDUCE_ONLY)
             epi = out_fp4 is None and amax_out is None
             kw = {}
-            if epi and whole:
+            if epi:  # 64-row weight tiles (whole: no counters)
                 cnt = None
-            elif epi:  # 64-row weight tiles
-                cnt = _tile_counters(counters, triton.cdiv(n, 64) * sort.num_blocks, a.device)
+                if not whole:
+                    cnt = _tile_counters(counters, triton.cdiv(n, 64) * sort.num_blocks,
+                                         a.device)  # fmt: skip
                 kw = dict(out=out, counters=cnt, w_global=w_global, topk_w=topk_w,
                           fused=fused, out_scale=out_scale,
                           a_global=a_global if a_fp4 else None)  # fmt: skip
