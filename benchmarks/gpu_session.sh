@@ -69,12 +69,13 @@
 #   bash benchmarks/gpu_session.sh s18a       # the skeleton without wgmmas (DIAG 4); memcheck of prefill
 #   bash benchmarks/gpu_session.sh s18b       # tests/test_kernels.py's GPU suite with the prefill kernels
 #   bash benchmarks/gpu_session.sh s18c       # whole-K Gluon programs (gluon_whole_upto): bits, sweeps
+#   bash benchmarks/gpu_session.sh s18d       # their ring depth, the bench, presets, memcheck
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -861,6 +862,20 @@ s18c)
         step tests_rest 120 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_whole.py \
             -k "not (deterministic and (256 or qwen3 or one-expert))"
     fi
+    ;;
+s18d)
+    # gluon_whole_upto 24 the default: two ring stages a whole-K program against one, the
+    # bench at every count, Qwen3 and Mixtral rows, compute-sanitizer over the new kernel
+    step buffers 90 python3 benchmarks/sweep_decode.py --tokens 256 384 512 768 \
+        --modes w4a16 --variants c3-whole24 c3-whole24b2 --iters 10 --out "$out/buffers.json"
+    step deepseek 250 python3 -m fp4moe bench --num-tokens 1 8 16 32 64 128 256 512 1024 \
+        4096 8192 16384 --iters 10 --out "$out/deepseek"
+    for pr in qwen3-30b-a3b mixtral-8x7b; do
+        step "bench_$pr" 70 python3 -m fp4moe bench --preset "$pr" --num-tokens 16 64 256 \
+            --iters 10 --out "$out/$pr"
+    done
+    step memcheck 90 compute-sanitizer --tool memcheck python3 -m pytest -m gpu \
+        --device cuda -q tests/test_gluon_whole.py -k "256 and (w4a16 or per_token)"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

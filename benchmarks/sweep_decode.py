@@ -40,6 +40,7 @@ c3-tiled (gluon_ws.TILED: the Gluon GEMMs read a tiled copy of the weights, cont
 c3-nogluon (gluon_decode off: loop 3 at decode sizes too),
 c3-wholeN (TritonOptions.gluon_whole_upto N: the Gluon GEMMs with whole-K programs and
 16-row tiles where loop 3 runs unsplit, up to N expected valid rows an expert),
+c3-wholeNb2 (the same with gluon_ws.WHOLE_BUFFERS 2: two ring stages a program),
 c3-nofusedchain (TritonOptions.fused_chain off: with --fused, the accumulator's zeros after
 W4A4's quantize and torch's cast, as before session 16),
 c3-prefill, c3-noprefill (TritonOptions.gluon_prefill on / off: the dense path's GEMMs on
@@ -176,6 +177,7 @@ def main() -> None:
     a = ap.parse_args()
     qsplit0, segment0 = launch.QUANTIZE_SPLIT_ROWS, launch.SEGMENT
     prefill0 = gluon_prefill.DEFER, gluon_prefill.BM, dict(gluon_prefill.PER_SM)
+    whole_buffers0 = gluon_ws.WHOLE_BUFFERS
     ceil = card_ceilings()
     tbs, tfl = ceil["copy_bytes_per_s"] / 1e12, ceil["bf16_matmul_flops"] / 1e12
     print(f"copy {tbs:.2f} TB/s, bf16 {tfl:.0f} TFLOP/s")
@@ -265,6 +267,8 @@ def main() -> None:
             for name in a.variants:
                 if name.startswith("c3-whole") and name[8:].isdigit():
                     variants[name] = c3(gluon_whole_upto=float(name[8:]))
+                elif name.startswith("c3-whole") and name.endswith("b2"):  # WHOLE_BUFFERS 2
+                    variants[name] = c3(gluon_whole_upto=float(name[8:-2]))
             # the Gluon GEMMs as persistent programs: as many as the SMs hold, or N an SM
             variants["c3-persist"] = c3(gluon_persist="auto")
             variants["c3-tiled"] = c3()  # with gluon_ws.TILED set below
@@ -318,6 +322,8 @@ def main() -> None:
                 launch.QUANTIZE_SPLIT_ROWS = QSPLIT_ROWS if name == "c3-qsplit" else qsplit0
                 launch.SEGMENT = int(name[6:]) if name.startswith("c3-seg") else segment0
                 gluon_ws.TILED = name == "c3-tiled"
+                b2 = name.startswith("c3-whole") and name.endswith("b2")
+                gluon_ws.WHOLE_BUFFERS = 2 if b2 else whole_buffers0
                 # gluon_prefill's experiments; every other variant runs its defaults
                 defer, bm, per_sm = prefill0
                 if name in PREFILL_FLAGS:
@@ -373,6 +379,7 @@ def main() -> None:
     launch.QUANTIZE_SPLIT_ROWS = qsplit0
     launch.SEGMENT = segment0
     gluon_prefill.DEFER, gluon_prefill.BM, gluon_prefill.PER_SM = prefill0
+    gluon_ws.WHOLE_BUFFERS = whole_buffers0
 
 
 if __name__ == "__main__":

@@ -55,13 +55,14 @@ def _on_hopper(monkeypatch):
 
 
 def test_whole_runs_where_loop_3_would_not_split(monkeypatch):
-    """``whole_runs``: off at 0 (the default) and without a Hopper GPU; with
-    ``gluon_whole_upto`` set, GEMMs that loop 3 runs unsplit and not dense, up to that many
+    """``whole_runs``: off at 0 and without a Hopper GPU; with ``gluon_whole_upto`` set
+    (24 by default), GEMMs that loop 3 runs unsplit and not dense, up to that many
     expected valid rows an expert, of K over one segment, at 8- or 16-row tiles; FC1 not
     where it writes NVFP4 (static W4A4) or takes the fused amax."""
     cfg16 = GemmConfig(16, 64, 128)
-    off = TritonOptions(valid_fraction=1.0)
+    off = TritonOptions(valid_fraction=1.0, gluon_whole_upto=0)
     on = TritonOptions(valid_fraction=1.0, gluon_whole_upto=16)
+    assert TritonOptions().gluon_whole_upto == 24
     assert not on.whole_runs(False, False, 7168, False, cfg16, 10 * 32, 32)  # no GPU here
     _on_hopper(monkeypatch)
     assert not off.whole_runs(False, False, 7168, False, cfg16, 10 * 32, 32)
@@ -95,13 +96,14 @@ def test_workspace_bytes_without_partials(monkeypatch):
     h, i, e = 7168, 2048, 32
     base = dict(valid_fraction=0.125)
     for t, extra in ((256, {}), (64, dict(gluon_upto=1.0))):
-        off = workspace_bytes(t, 8, h, i, e, options=TritonOptions(**base, **extra))
-        on = workspace_bytes(t, 8, h, i, e,
-                             options=TritonOptions(**base, **extra, gluon_whole_upto=16))  # fmt: skip
+        opt_off = TritonOptions(**base, **extra, gluon_whole_upto=0)
+        opt_on = TritonOptions(**base, **extra, gluon_whole_upto=16)
+        off = workspace_bytes(t, 8, h, i, e, options=opt_off)
+        on = workspace_bytes(t, 8, h, i, e, options=opt_on)
         assert on <= off, (t, on, off)
     split = workspace_bytes(64, 8, h, i, e, options=TritonOptions(**base, split_k=True))
-    whole = workspace_bytes(64, 8, h, i, e,
-                            options=TritonOptions(**base, gluon_upto=1.0, gluon_whole_upto=16))  # fmt: skip
+    opt = TritonOptions(**base, gluon_upto=1.0, gluon_whole_upto=16)
+    whole = workspace_bytes(64, 8, h, i, e, options=opt)
     assert whole < split
 
 

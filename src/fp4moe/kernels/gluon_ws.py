@@ -179,8 +179,10 @@ LOOP_MAXNREG = {(True, 8): 80, (False, 8): 64, (True, 16): 128, (False, 16): 96}
 # measured with LOOP_MAXNREG's caps, which gave FC2's 8-row tiles a 16-byte stack; the
 # launch no longer caps PERSIST)
 # Register caps of the whole-K programs (``split_partials_tma(whole=True)``), by (GATED,
-# block_m): none until measured.
+# block_m): none until measured. WHOLE_BUFFERS: their ring's 256-K stages (1: FC1 at 16-row
+# tiles 51 KB and 121 registers, four programs an SM; 2: 69 KB, three).
 WHOLE_MAXNREG: dict = {}
+WHOLE_BUFFERS = 1
 PERSIST_PER_SM = {(True, 8): 6, (False, 8): 8, (True, 16): 4, (False, 16): 5}
 # The ring buffers of PERSIST's launches (None: BUFFERS, as every launch). Session 15: with
 # two, a program's next stage flies while it decodes, across its units as well.
@@ -1137,7 +1139,8 @@ def split_partials_tma(
         ws_rows, gb,
         N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=gather, BM=block_m,
         SEG=seg, ASYNC=asynchronous, BLOCKS_LAST=blocks_last,
-        NBUF=_buffers(buffers, persist), EPILOGUE=epilogue,
+        NBUF=(buffers or WHOLE_BUFFERS) if whole else _buffers(buffers, persist),
+        EPILOGUE=epilogue,
         FUSED=fused and epilogue, OUT_SCALE=out_scale, A_UNIT_ORDER=a_unit_order,
         A_FP4=a_global is not None and epilogue, BOX3=box, SK=stage_k, USE_PDL=pdl,
         EARLY_W=pdl and early_weights and EARLY_WEIGHTS, A_TMA=a_tma,

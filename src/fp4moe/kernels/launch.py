@@ -287,16 +287,20 @@ class TritonOptions:
         stages in flight, two programs an SM, no split-K partials and no second wave of
         programs; the rows gathered into sorted unit order first (``dense_rows``). The
         same bits.
-    gluon_whole_upto: experiment (session 18, 0 = off until measured): the expected valid
-        rows an expert (``valid_rows``) up to which GEMMs that loop 3 would run unsplit and
-        not dense (above ``gluon_upto``, at 16-row tiles: DeepSeek-V3 EP8 at 128 and 256
-        tokens) run as the Gluon kernels with whole-K programs instead
+    gluon_whole_upto: the expected valid rows an expert (``valid_rows``) up to which GEMMs
+        that loop 3 would run unsplit and not dense (above ``gluon_upto``; DeepSeek-V3 EP8
+        at 256 to 768 tokens) run as the Gluon kernels with whole-K programs and 16-row
+        tiles instead
         (``gluon_ws.split_partials_tma(whole=True)``): a program owns 64 weight rows of
         one row block over all of K, its ring running from one 1024-K segment to the
         next, and adds the segment sums in registers in the split epilogue's order, so
         no partials, counters or second pass; the TMA copies and the in-register decode
         of the decode-size kernels. Not for FC1 writing NVFP4 (static W4A4) or taking
-        the fused amax. The same bits.
+        the fused amax. The same bits. 0: off. 24 since session 18 (``sweep_decode.py
+        --variants c3 c3-whole24``, s18c, loop 3 -> whole-K, us): DeepSeek-V3 EP8 W4A16
+        256 / 384 / 512 / 768 tokens 474.8 / 790.2 / 794.3 / 844.1 -> 435.1 / 494.5 /
+        580.6 / 805.8 (W4A4 per-token alike), Mixtral-8x7B 64 tokens 545.2 -> 492.4,
+        Qwen3-30B-A3B 256 / 384 tokens 332.1 / 414.1 -> 314.8 / 381.2.
     gluon_grid_blocks: the row blocks of the Gluon kernels' grid. None: the schedule's
         worst case (``max_blocks``: every route in an expert of its own), whose empty
         programs each hold one of the SM's few slots (shared memory allows 6 to 8) for a
@@ -355,7 +359,7 @@ class TritonOptions:
     gluon_prefill: bool = True
     prefill_above: int | None = 96
     gluon_whole_k: bool = False
-    gluon_whole_upto: float = 0.0
+    gluon_whole_upto: float = 24.0
 
     def grid_blocks(self, n_routes: int, num_experts: int, block_m: int, max_b: int) -> int:
         """The Gluon kernels' grid row blocks (``gluon_grid_blocks``; 0: the worst case
