@@ -70,12 +70,13 @@
 #   bash benchmarks/gpu_session.sh s18b       # tests/test_kernels.py's GPU suite with the prefill kernels
 #   bash benchmarks/gpu_session.sh s18c       # whole-K Gluon programs (gluon_whole_upto): bits, sweeps
 #   bash benchmarks/gpu_session.sh s18d       # their ring depth, the bench, presets, memcheck
+#   bash benchmarks/gpu_session.sh s18e       # batch invariance across them, 256 tokens' kernels
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -876,6 +877,18 @@ s18d)
     done
     step memcheck 90 compute-sanitizer --tool memcheck python3 -m pytest -m gpu \
         --device cuda -q tests/test_gluon_whole.py -k "256 and (w4a16 or per_token)"
+    ;;
+s18e)
+    # Batch invariance across the whole-K kernels (a batch of 384 tokens), each kernel of a
+    # 256-token call, and 128 tokens (4 valid rows an expert) on the whole-K kernels
+    step invariance 120 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py \
+        -k "batch_invariance_gpu"
+    for wu in 0 24; do
+        step "kernels_256_$wu" 45 python3 benchmarks/profile_call.py --kernels --calls 5 \
+            --tokens 256 --whole-upto "$wu"
+    done
+    step sweep128 90 python3 benchmarks/sweep_decode.py --tokens 128 --modes w4a16 w4a4-token \
+        --variants c3 c3-whole24u3 --iters 10 --out "$out/sweep128.json"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

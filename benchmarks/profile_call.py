@@ -40,6 +40,8 @@ p.add_argument(
     help="gluon_ws.TILE_ROWS: the Gluon GEMMs' weight rows a program",
 )
 p.add_argument("--whole-k", action="store_true", help="TritonOptions.gluon_whole_k=True")
+p.add_argument("--whole-upto", type=float, default=None,
+               help="TritonOptions.gluon_whole_upto (0: loop 3 where it runs unsplit)")  # fmt: skip
 a = p.parse_args()
 pr = PRESETS[a.preset]
 if a.diag or a.tile_rows != 64:
@@ -61,6 +63,8 @@ if a.split_k:
     kw["split_k"] = True
 if a.whole_k:
     kw["gluon_whole_k"] = True
+if a.whole_upto is not None:
+    kw["gluon_whole_upto"] = a.whole_upto
 if a.gluon_tma == 0:
     kw["gluon_decode"] = False
 elif a.gluon_tma is not None:

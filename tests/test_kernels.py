@@ -291,7 +291,7 @@ def test_batch_invariance_gpu(gpu_experts, mode):
     x0 = _x(1, h, seed=100, device="cuda")
     ids0, w0 = _gpu_routes(1, k, e, 32, seed=100)  # a token with local routes
     alone = fp4moe.moe(x0, ids0, w0, experts, mode=m, act_scale=sc)
-    for t in (7, 64, 4096):
+    for t in (7, 64, 384, 4096):  # 384: the whole-K Gluon kernels (gluon_whole_upto)
         x = _x(t, h, seed=t, device="cuda")
         ids, w = _gpu_routes(t, k, e, e_total, seed=t)
         pos = t // 2
