@@ -71,12 +71,13 @@
 #   bash benchmarks/gpu_session.sh s18c       # whole-K Gluon programs (gluon_whole_upto): bits, sweeps
 #   bash benchmarks/gpu_session.sh s18d       # their ring depth, the bench, presets, memcheck
 #   bash benchmarks/gpu_session.sh s18e       # batch invariance across them, 256 tokens' kernels
+#   bash benchmarks/gpu_session.sh s18f       # the sort kernel up to 4096 routes; whole-K from 1 row
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -889,6 +890,17 @@ s18e)
     done
     step sweep128 90 python3 benchmarks/sweep_decode.py --tokens 128 --modes w4a16 w4a4-token \
         --variants c3 c3-whole24u3 --iters 10 --out "$out/sweep128.json"
+    ;;
+s18f)
+    # sort_routes_kernel up to 4096 routes (was 1024): its GPU tests and batch invariance;
+    # the whole-K kernels from 1 valid row an expert; 256 tokens' kernels; the bench rows
+    step tests 150 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py \
+        -k "sort_invariants or batch_invariance_gpu"
+    step sweep 90 python3 benchmarks/sweep_decode.py --tokens 64 96 128 --modes w4a16 \
+        w4a4-token --variants c3 c3-whole24u1 --iters 10 --out "$out/sweep.json"
+    step kernels_256 45 python3 benchmarks/profile_call.py --kernels --calls 5 --tokens 256
+    step deepseek 100 python3 -m fp4moe bench --num-tokens 128 256 512 --iters 10 \
+        --out "$out/deepseek"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

@@ -62,8 +62,12 @@ def _x(t, h, *, seed, device):
 
 
 @pytest.mark.parametrize(
-    "t,k,e,bm", [(0, 2, 4, 16), (1, 1, 3, 16), (37, 3, 5, 16), (50, 4, 8, 32), (150, 2, 40, 16)]
-)
+    "t,k,e,bm",
+    [
+        (0, 2, 4, 16), (1, 1, 3, 16), (37, 3, 5, 16), (50, 4, 8, 32), (150, 2, 40, 16),
+        (200, 8, 32, 16), (500, 8, 32, 8),  # 1600 and 4000 routes: 8 and 4 a sort program
+    ],
+)  # fmt: skip
 @pytest.mark.parametrize("masked", [0.0, 0.3, 1.0], ids=["none", "some", "all"])
 @pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "triton"])
 def test_sort_invariants(interpret, device, t, k, e, bm, masked, use_kernel):

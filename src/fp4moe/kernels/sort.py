@@ -19,10 +19,11 @@ CUDA graph); an expert with no rows gets no block:
 
 - ``sort_routes_kernel``, one Triton launch for up to ``SMALL_ROUTES`` routes (decode),
   instead of the ~35 small torch kernels below, which cost about 70 us in a CUDA graph at
-  1 token (docs/perf-notes.md). Each program places 16 routes and writes 16 tile-schedule
-  entries; it histograms all the routes itself, so the programs never wait on each other.
-  (One program walking the routes 16 at a time took 13.8 us at 128 routes and 42.5 us at
-  512 on the H200.)
+  1 token and about 90 us at 2048 routes (docs/perf-notes.md, sessions 2 and 18). Each
+  program places 16 routes (8 above 1024 routes, 4 above 2048) and writes as many
+  tile-schedule entries; it histograms all the routes itself, so the programs never wait
+  on each other. (One program walking the routes 16 at a time took 13.8 us at 128 routes
+  and 42.5 us at 512 on the H200.)
 - torch ops (stable sort, scatter-add, cumsum, searchsorted; no ``nonzero``, ``bincount``
   or ``.item()``) for larger batches, where their cost is small against the GEMMs.
 """
@@ -39,7 +40,14 @@ from .common import order_rows
 
 __all__ = ["SMALL_ROUTES", "RouteSort", "max_blocks", "sort_routes", "sort_routes_reference"]
 
-SMALL_ROUTES = 1024  # up to this many routes (T*K) one Triton launch sorts them
+SMALL_ROUTES = 4096  # up to this many routes (T*K) one Triton launch sorts them
+
+
+def _chunk(n: int) -> int:
+    """Routes (and schedule entries) a program of ``sort_routes_kernel`` places: 16 up to
+    1024 routes, fewer above, so that a program's rank matrix ([chunk, N] compares) stays
+    at 16K entries."""
+    return 16 if n <= 1024 else 8 if n <= 2048 else 4
 
 
 @dataclass(frozen=True)
@@ -273,7 +281,7 @@ def _sort_routes_triton(
             ("valid_blocks", 1),
         )
     }  # fmt: skip
-    chunk = 16
+    chunk = _chunk(n)
     grid = triton.cdiv(max(n, nb), chunk)
     nz = 0 if zero is None else zero.numel()
     zper = triton.cdiv(nz, grid)
