@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 from typing import ClassVar
 
 import pytest
@@ -157,3 +158,21 @@ def test_rounds_flag():
     assert p.parse_args(["--rounds", "2"]).rounds == 2
     with pytest.raises(SystemExit):
         p.parse_args(["--rounds", "0"])
+
+
+def test_source_digest_names_the_code(tmp_path, monkeypatch):
+    """``source_sha`` in the bench's JSON: 12 hex digits over the package's sources,
+    stable from call to call and changed by a change to any source file."""
+    import shutil
+
+    import fp4moe
+
+    d = bench._source_digest()
+    assert len(d) == 12 and int(d, 16) >= 0 and bench._source_digest() == d
+    pkg = tmp_path / "fp4moe"
+    shutil.copytree(os.path.dirname(fp4moe.__file__), pkg)
+    monkeypatch.setattr(bench, "__file__", str(pkg / "bench.py"))
+    assert bench._source_digest() == d  # the same bytes elsewhere: the same digest
+    with open(pkg / "kernels" / "sort.py", "a") as f:
+        f.write("\n# changed\n")
+    assert bench._source_digest() != d

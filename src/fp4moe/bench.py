@@ -310,6 +310,24 @@ def _git_commit() -> str | None:
         return None
 
 
+def _source_digest() -> str:
+    """The first 12 hex digits of a SHA-256 over the package's Python sources (relative
+    path and bytes of each, in sorted order): names the code a run timed even where the
+    checkout's .git is stale or missing (a copied working tree)."""
+    import hashlib
+
+    root = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for dirpath, dirnames, files in sorted(os.walk(root)):
+        dirnames.sort()
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(dirpath, name)
+            h.update(os.path.relpath(path, root).encode() + b"\0")
+            with open(path, "rb") as f:
+                h.update(f.read() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def _progress(i: int, n: int, label: str) -> None:
     width = 30
     done = int(width * i / max(n, 1))
@@ -414,6 +432,7 @@ def run(args: argparse.Namespace) -> dict:
         "triton": _triton_version(),
         "fp4moe": fp4moe.__version__,
         "commit": _git_commit(),
+        "source_sha": _source_digest(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "preset": args.preset,
         "shape": asdict(p),
