@@ -446,6 +446,7 @@ class TritonOptions:
             # not where either GEMM runs as the Gluon kernel, which neither reads nor
             # writes rows in the unit order
             and not self.whole_runs(False, False, hidden, False, cfg1, n_routes, num_experts)
+            and not self.whole_runs(False, False, inter, False, cfg2, n_routes, num_experts)
             and not any(
                 self.gluon_runs(s, k, False, cfg)
                 for s, k, cfg in zip(
