@@ -75,12 +75,13 @@
 #   bash benchmarks/gpu_session.sh s18g       # whole-K against split at 4 rows: Qwen3, Mixtral
 #   bash benchmarks/gpu_session.sh s18h       # the bench at every count, the last defaults
 #   bash benchmarks/gpu_session.sh s18i       # Qwen3's rows with the last defaults
+#   bash benchmarks/gpu_session.sh s19a       # prepared: the prefill kernels from 24 / 48 rows
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -924,6 +925,15 @@ s18i)
     # routes, now on the sort kernel)
     step qwen3 120 python3 -m fp4moe bench --preset qwen3-30b-a3b --num-tokens 16 64 256 512 \
         --iters 10 --out "$out/qwen3"
+    ;;
+s19a)
+    # Session 18's next steps, prepared: Mixtral at 256 tokens (64 valid rows an expert,
+    # loop 3 at 64-row tiles, 1.06x the bf16 MoE) on the prefill kernels from 48 rows;
+    # DeepSeek-V3 at 1024 tokens (32 rows) likewise
+    step mixtral 120 python3 benchmarks/sweep_decode.py --preset mixtral-8x7b --tokens 128 256 \
+        --modes w4a16 w4a4-token --variants c3 c3-pa48 c3-pa24 --iters 10 --out "$out/mixtral.json"
+    step deepseek 120 python3 benchmarks/sweep_decode.py --tokens 768 1024 2048 \
+        --modes w4a16 --variants c3 c3-pa48 c3-pa24 --iters 10 --out "$out/deepseek.json"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

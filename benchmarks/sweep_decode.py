@@ -42,6 +42,8 @@ c3-wholeN (TritonOptions.gluon_whole_upto N: the Gluon GEMMs with whole-K progra
 16-row tiles where loop 3 runs unsplit, up to N expected valid rows an expert),
 c3-wholeNb2 (the same with gluon_ws.WHOLE_BUFFERS 2: two ring stages a program),
 c3-wholeNuU (the same with gluon_upto U: the split Gluon kernels only up to U rows),
+c3-paN (TritonOptions.prefill_above N: the prefill kernels from N valid rows an expert
+where both GEMMs fit them),
 c3-nofusedchain (TritonOptions.fused_chain off: with --fused, the accumulator's zeros after
 W4A4's quantize and torch's cast, as before session 16),
 c3-prefill, c3-noprefill (TritonOptions.gluon_prefill on / off: the dense path's GEMMs on
@@ -270,6 +272,8 @@ def main() -> None:
                     variants[name] = c3(gluon_whole_upto=float(name[8:]))
                 elif name.startswith("c3-whole") and name.endswith("b2"):  # WHOLE_BUFFERS 2
                     variants[name] = c3(gluon_whole_upto=float(name[8:-2]))
+                elif name.startswith("c3-pa") and name[5:].isdigit():  # prefill_above N
+                    variants[name] = c3(prefill_above=int(name[5:]))
                 elif name.startswith("c3-whole") and "u" in name:  # and gluon_upto U
                     n_, u_ = name[8:].split("u")
                     variants[name] = c3(gluon_whole_upto=float(n_), gluon_upto=float(u_))
