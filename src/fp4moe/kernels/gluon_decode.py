@@ -153,6 +153,19 @@ def _x_stage(x_ptr, src, m_ok, kbase, K: gl.constexpr, BM: gl.constexpr,
 
 
 @gluon.jit
+def _tile_index(pid_n, start, end, N: gl.constexpr, BM: gl.constexpr, MMA: gl.constexpr,
+                TR: gl.constexpr = 64):  # fmt: skip
+    """A [TR weight rows, BM token rows] tile's indices in the ``MMA`` layout: its output
+    columns ``on`` (weight tile ``pid_n``), its sorted rows ``om`` (from ``start``), which
+    rows are valid (``m_ok``: below ``end``) and the [TR, BM] mask of valid elements."""
+    on = pid_n * TR + gl.arange(0, TR, layout=gl.SliceLayout(1, MMA))
+    om = start + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
+    n_ok = on < N
+    m_ok = om < end
+    return on, om, m_ok, n_ok[:, None] & m_ok[None, :]
+
+
+@gluon.jit
 def _store_partials(acc_g, acc_u, part_ptr, pid_n, start, end, s_id, ws_rows,
                     N: gl.constexpr, GATED: gl.constexpr, BM: gl.constexpr,
                     MMA: gl.constexpr, TR: gl.constexpr = 64):  # fmt: skip
@@ -163,9 +176,7 @@ def _store_partials(acc_g, acc_u, part_ptr, pid_n, start, end, s_id, ws_rows,
         gn: gl.constexpr = 2 * N
     else:
         gn: gl.constexpr = N
-    on = pid_n * TR + gl.arange(0, TR, layout=gl.SliceLayout(1, MMA))
-    om = start + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
-    pmask = (on < N)[:, None] & (om < end)[None, :]
+    on, om, _, pmask = _tile_index(pid_n, start, end, N, BM, MMA, TR)
     stride = ws_rows.to(gl.int64) * gn
     prow = part_ptr + s_id * stride + om.to(gl.int64)[None, :] * gn + on[:, None]
     gl.store(prow, acc_g, mask=pmask)

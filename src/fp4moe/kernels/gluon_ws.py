@@ -45,6 +45,7 @@ from .gluon_decode import (
     _row_globals,
     _stage_x,
     _store_partials,
+    _tile_index,
     _x_rows,
     _x_stage,
     code_layout,
@@ -355,11 +356,7 @@ def _last_unit_epilogue(
     done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
     if done == NSEG - 1:
         gl.store(cnt_ptr + tile, 0)  # ready for the next call (and graph replay)
-        on = pid_n * TR + gl.arange(0, TR, layout=gl.SliceLayout(1, MMA))
-        om = start + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
-        m_ok = om < end
-        n_ok = on < N
-        mask = n_ok[:, None] & m_ok[None, :]
+        on, om, _, mask = _tile_index(pid_n, start, end, N, BM, MMA, TR)
         prow = part_ptr + om.to(gl.int64)[None, :] * gn + on[:, None]
         acc_g = gl.zeros([TR, BM], gl.float32, layout=MMA)
         acc_u = gl.zeros([TR, BM], gl.float32, layout=MMA)
@@ -386,11 +383,7 @@ def _tile_out(
     fp32 in the ``MMA`` layout) with the operations of ``gemm._epilogue``: global scales,
     SwiGLU when GATED, one bf16 rounding; bf16 rows, or the router-weighted atomic add
     when FUSED."""
-    on = pid_n * TR + gl.arange(0, TR, layout=gl.SliceLayout(1, MMA))
-    om = start + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
-    m_ok = om < end
-    n_ok = on < N
-    mask = n_ok[:, None] & m_ok[None, :]
+    on, om, m_ok, mask = _tile_index(pid_n, start, end, N, BM, MMA, TR)
     e64 = e.to(gl.int64)
     h = acc_g * OUT_SCALE
     if A_FP4:  # the activation row's global (W4A4)
