@@ -413,13 +413,11 @@ class TritonOptions:
         would run unsplit (``split`` False) and not dense, runs as the Gluon kernel with
         whole-K programs (``gluon_whole_upto``; the kernel able to, ``gluon_applies``).
         FC1 also needs an epilogue that writes bf16 (``_gemm`` falls back otherwise)."""
-        if split or dense or not self.gluon_decode or not self.gluon_whole_upto:
-            return False
-        if int(self.chunked) != 3 or k <= SEGMENT or num_experts <= 0:
+        if split or dense or not self.gluon_whole_upto or num_experts <= 0:
             return False
         if self.valid_rows(n_routes, num_experts) > self.gluon_whole_upto:
             return False
-        return gluon_applies(k, a_fp4, cfg)
+        return _gluon_fits(self.gluon_decode, int(self.chunked), k, a_fp4, cfg)
 
     def fc1_whole_runs(self, mode: str, act_scale: str, split1: bool, dense: bool, h: int,
                        cfg1: GemmConfig, n_routes: int, num_experts: int) -> bool:  # fmt: skip
@@ -757,12 +755,18 @@ def _tile_counters(counters: torch.Tensor | None, need: int, device) -> torch.Te
     return counters
 
 
+def _gluon_fits(gluon: bool, chunked: int, k: int, a_fp4: bool, cfg: GemmConfig) -> bool:
+    """Whether a GEMM can run as the Gluon kernel, split or whole-K: ``gluon``
+    (``gluon_decode``) on, loop 3, more than one K segment and the kernel able to
+    (``gluon_applies``)."""
+    return gluon and chunked == 3 and k > SEGMENT and gluon_applies(k, a_fp4, cfg)
+
+
 def _gluon_gemm(
     gluon: bool, split: bool, chunked: int, k: int, a_fp4: bool, cfg: GemmConfig
 ) -> bool:
-    """Whether one GEMM runs as the Gluon kernel: ``gluon`` (``gluon_decode``) on, K split
-    (loop 3, more than one segment) and the kernel able to (``gluon_applies``)."""
-    return gluon and split and chunked == 3 and k > SEGMENT and gluon_applies(k, a_fp4, cfg)
+    """Whether one GEMM runs as the split Gluon kernel: K split and ``_gluon_fits``."""
+    return split and _gluon_fits(gluon, chunked, k, a_fp4, cfg)
 
 
 def _gemm(
@@ -1095,12 +1099,8 @@ def gemm_configs_for(
         cfg1 = replace(cfg1, block_m=8)
         cfg2 = replace(cfg2, block_m=8)
     elif (
-        options.gluon_decode
-        and options.gluon_whole_upto
-        and options.fc1 is None
+        options.fc1 is None
         and options.fc2 is None
-        and loop == 3
-        and valid_rows <= options.gluon_whole_upto
         and any(options.whole_runs(False, False, kk, a_fp4, replace(c, block_m=16), n_routes,
                                    num_experts) for kk, c in ((h, cfg1), (inter, cfg2)))
     ):  # fmt: skip
@@ -1595,10 +1595,9 @@ def workspace_bytes(
             tmp1 += -(-h // SEGMENT) * n * 2 * i * 4
         if s2 and i > SEGMENT:
             tmp2 += -(-i // SEGMENT) * n * h * 4
-        dn = opt.dense_for(n, num_experts, (h, i))
         if w4a4:  # the Gluon GEMMs' decoded activation rows (bf16)
             if opt.gluon_runs(s1, h, True, cfgs[0]) or opt.fc1_whole_runs(
-                mode, act_scale, s1, dn, h, cfgs[0], n, num_experts
+                mode, act_scale, s1, dense, h, cfgs[0], n, num_experts
             ):
                 rows1 = (n if act_scale == "static" else t) * h * 2
                 if opt.quantize_decoded:  # written by the quantize kernel, held by
@@ -1606,7 +1605,7 @@ def workspace_bytes(
                 else:  # dense_rows inside FC1's launch, freed after it
                     tmp1 += rows1
             if opt.gluon_runs(s2, i, True, cfgs[1]) or opt.whole_runs(
-                s2, dn, i, True, cfgs[1], n, num_experts
+                s2, dense, i, True, cfgs[1], n, num_experts
             ):
                 tmp2 += n * i * 2
         elif opt.gluon_a_tma and opt.gluon_runs(s1, h, False, cfgs[0]):
