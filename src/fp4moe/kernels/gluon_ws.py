@@ -179,10 +179,9 @@ LOOP_MAXNREG = {(True, 8): 80, (False, 8): 64, (True, 16): 128, (False, 16): 96}
 # PERSIST is off (TritonOptions.gluon_persist): slower than the worst-case grid (session 13,
 # measured with LOOP_MAXNREG's caps, which gave FC2's 8-row tiles a 16-byte stack; the
 # launch no longer caps PERSIST)
-# Register caps of the whole-K programs (``split_partials_tma(whole=True)``), by (GATED,
-# block_m): none until measured. WHOLE_BUFFERS: their ring's 256-K stages (1: FC1 at 16-row
-# tiles 51 KB and 121 registers, four programs an SM; 2: 69 KB, three).
-WHOLE_MAXNREG: dict = {}
+# The ring's 256-K stages of the whole-K programs (``split_partials_tma(whole=True)``; 1:
+# FC1 at 16-row tiles 51 KB and 121 registers, four programs an SM; 2: 69 KB, three, within
+# 3% in session 18). They take no register cap.
 WHOLE_BUFFERS = 1
 PERSIST_PER_SM = {(True, 8): 6, (False, 8): 8, (True, 16): 4, (False, 16): 5}
 # The ring buffers of PERSIST's launches (None: BUFFERS, as every launch). Session 15: with
@@ -1087,9 +1086,10 @@ def split_partials_tma(
     if whole and (out is None or a_tma or grid_blocks or persist or (stage_k or 256) != 256):
         raise ValueError("split_partials_tma: whole needs out, 256-K stages, and neither "
                          "a_tma, grid_blocks nor persist")  # fmt: skip
-    if whole:
+    if whole:  # no partials and no counters: any fp32 tensor fills their (unread) slots
         segs = 1
-        counters = counters if counters is not None else w_global  # unread
+        part = w_global
+        counters = counters if counters is not None else w_global
     elif part is None:
         raise ValueError("split_partials_tma: part (the fp32 partials) is needed unless whole")
     grid_blocks = min(grid_blocks, blocks)
@@ -1115,8 +1115,6 @@ def split_partials_tma(
     if persist:
         gb = min(persist, tiles * segs * blocks)  # the loop's step
         grid = (gb,)
-    if whole:
-        part = w_global  # unread
     dummy = part
     trace = dummy
     if TRACE and not grid_blocks and not persist and not whole:
@@ -1132,7 +1130,7 @@ def split_partials_tma(
         ws_rows, gb,
         N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=gather, BM=block_m,
         SEG=seg, ASYNC=asynchronous, BLOCKS_LAST=blocks_last,
-        NBUF=(buffers or WHOLE_BUFFERS) if whole else _buffers(buffers, persist),
+        NBUF=_buffers(buffers, persist, whole),
         EPILOGUE=epilogue,
         FUSED=fused and epilogue, OUT_SCALE=out_scale, A_UNIT_ORDER=a_unit_order,
         A_FP4=a_global is not None and epilogue, BOX3=box, SK=stage_k, USE_PDL=pdl,
@@ -1140,22 +1138,17 @@ def split_partials_tma(
         OUT_UNIT=out_unit_order, DIAG=DIAG, LOOP=grid_blocks > 0, TRACE=trace is not dummy,
         PERSIST=persist > 0, XRING=x_ring, L2=l2, SKEW=SKEW_NS, TR=tr, WHOLE=whole,
         num_warps=tr // 16, launch_pdl=pdl,
-        **(_whole_maxnreg(gated, block_m) if whole
-           else _maxnreg(gated, block_m, grid_blocks, persist, a_tma, tr)),
+        **({} if whole else _maxnreg(gated, block_m, grid_blocks, persist, a_tma, tr)),
     )  # fmt: skip
 
 
-def _whole_maxnreg(gated: bool, block_m: int) -> dict:
-    """A WHOLE launch's register cap (``WHOLE_MAXNREG``), or none."""
-    cap = WHOLE_MAXNREG.get((gated, block_m))
-    return {"maxnreg": cap} if cap else {}
-
-
-def _buffers(buffers: int | None, persist: int) -> int:
-    """A launch's ring buffers: ``buffers``, else ``PERSIST_BUFFERS`` for a PERSIST launch
-    when set, else ``BUFFERS``."""
+def _buffers(buffers: int | None, persist: int, whole: bool = False) -> int:
+    """A launch's ring buffers: ``buffers``, else ``WHOLE_BUFFERS`` for a whole-K launch,
+    ``PERSIST_BUFFERS`` for a PERSIST launch when set, else ``BUFFERS``."""
     if buffers is not None:
         return buffers
+    if whole:
+        return WHOLE_BUFFERS
     if persist and PERSIST_BUFFERS is not None:
         return PERSIST_BUFFERS
     return BUFFERS
