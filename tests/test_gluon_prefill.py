@@ -8,12 +8,11 @@ import pytest
 import torch
 
 from fp4moe.bench import warm_up
-from fp4moe.kernels import launch
 from fp4moe.kernels.launch import TritonOptions, moe_triton, workspace_bytes
 from fp4moe.reference import moe_reference
 from test_gluon_ws import _compile_check
 from test_kernels import GPU_SHAPES, MODES, _gpu_routes, _mode_id, _x
-from testing import TOL, rel_err
+from testing import TOL, pretend_hopper, rel_err
 
 
 def test_prefill_kernel_compiles_for_sm90():
@@ -79,9 +78,7 @@ def test_prefill_runs_only_on_the_dense_path_of_a_hopper_gpu(monkeypatch):
     GPU with the Gluon kernels (never in the interpreter or on this machine)."""
     on = TritonOptions(gluon_prefill=True, valid_fraction=1.0)
     assert not on.prefill_runs(8192 * 8, 32)  # no GPU here (or the interpreter)
-    monkeypatch.setattr(launch, "interpreting", lambda: False)
-    monkeypatch.setattr(launch, "hopper_device", lambda: True)
-    monkeypatch.setattr(launch, "gluon_available", lambda: True)
+    pretend_hopper(monkeypatch)
     assert on.prefill_runs(8192 * 8, 32)  # 2048 valid rows an expert: dense
     assert not on.prefill_runs(16 * 8, 32)  # 4: not dense
     off = TritonOptions(gluon_prefill=False, valid_fraction=1.0)
@@ -99,9 +96,7 @@ def test_prefill_above_moves_the_dense_path_where_both_gemms_fit(monkeypatch):
     on = TritonOptions(valid_fraction=1.0)
     ds, qwen = (7168, 2048), (2048, 768)
     assert not on.dense_for(97 * 32, 32, ds)  # no Hopper GPU here
-    monkeypatch.setattr(launch, "interpreting", lambda: False)
-    monkeypatch.setattr(launch, "hopper_device", lambda: True)
-    monkeypatch.setattr(launch, "gluon_available", lambda: True)
+    pretend_hopper(monkeypatch)
     assert not on.dense_for(96 * 32, 32, ds) and on.dense_for(97 * 32, 32, ds)
     assert not on.dense_for(97 * 32, 32) and on.dense_for(193 * 32, 32)  # no shape given
     assert not on.dense_for(150 * 32, 32, qwen) and on.dense_for(193 * 32, 32, qwen)
@@ -118,9 +113,7 @@ def test_workspace_bytes_on_the_prefill_path(monkeypatch):
     """On ``gluon_prefill`` no weight is decoded: the FC1 phase holds the gathered rows
     (all routes x H, bf16) instead of every expert's decoded w13, and static W4A4's FC1
     writes bf16 (the two-step path)."""
-    monkeypatch.setattr(launch, "interpreting", lambda: False)
-    monkeypatch.setattr(launch, "hopper_device", lambda: True)
-    monkeypatch.setattr(launch, "gluon_available", lambda: True)
+    pretend_hopper(monkeypatch)
     t, k, h, i, e = 1024, 8, 2048, 1024, 32
     off = TritonOptions(gluon_prefill=False, valid_fraction=1.0)
     on = TritonOptions(gluon_prefill=True, valid_fraction=1.0)

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp4moe.kernels import gluon_ws, launch
+from fp4moe.kernels import gluon_ws
 from fp4moe.kernels.gemm import GemmConfig
 from fp4moe.kernels.launch import TritonOptions, moe_triton, workspace_bytes
 from fp4moe.reference import moe_reference
 from test_gluon_ws import _compile_check
 from test_kernels import GPU_SHAPES, MODES, _gpu_routes, _mode_id, _x
-from testing import TOL, rel_err
+from testing import TOL, pretend_hopper, rel_err
 
 
 def test_whole_kernel_compiles_for_sm90():
@@ -48,12 +48,6 @@ def test_whole_kernel_compiles_for_sm90():
     _compile_check(code)
 
 
-def _on_hopper(monkeypatch):
-    monkeypatch.setattr(launch, "interpreting", lambda: False)
-    monkeypatch.setattr(launch, "hopper_device", lambda: True)
-    monkeypatch.setattr(launch, "gluon_available", lambda: True)
-
-
 def test_whole_runs_where_loop_3_would_not_split(monkeypatch):
     """``whole_runs``: off at 0 and without a Hopper GPU; with ``gluon_whole_upto`` set
     (24 by default), GEMMs that loop 3 runs unsplit and not dense, up to that many
@@ -64,7 +58,7 @@ def test_whole_runs_where_loop_3_would_not_split(monkeypatch):
     on = TritonOptions(valid_fraction=1.0, gluon_whole_upto=16)
     assert TritonOptions().gluon_whole_upto == 24
     assert not on.whole_runs(False, False, 7168, False, cfg16, 10 * 32, 32)  # no GPU here
-    _on_hopper(monkeypatch)
+    pretend_hopper(monkeypatch)
     assert not off.whole_runs(False, False, 7168, False, cfg16, 10 * 32, 32)
     assert on.whole_runs(False, False, 7168, False, cfg16, 10 * 32, 32)
     assert on.whole_runs(False, False, 2048, True, cfg16, 16 * 32, 32)
@@ -92,7 +86,7 @@ def test_workspace_bytes_without_partials(monkeypatch):
     at 256 tokens (loop 3 unsplit: no partials either way), and at 64 tokens with
     ``gluon_upto`` lowered so that the call is not on the split Gluon kernels, the
     same bytes as loop 3 unsplit, fewer than loop 3 split."""
-    _on_hopper(monkeypatch)
+    pretend_hopper(monkeypatch)
     h, i, e = 7168, 2048, 32
     base = dict(valid_fraction=0.125)
     for t, extra in ((256, {}), (64, dict(gluon_upto=1.0))):

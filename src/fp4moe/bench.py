@@ -315,16 +315,12 @@ def _source_digest() -> str:
     path and bytes of each, in sorted order): names the code a run timed even where the
     checkout's .git is stale or missing (a copied working tree)."""
     import hashlib
+    from pathlib import Path
 
-    root = os.path.dirname(os.path.abspath(__file__))
+    root = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for dirpath, dirnames, files in sorted(os.walk(root)):
-        dirnames.sort()
-        for name in sorted(f for f in files if f.endswith(".py")):
-            path = os.path.join(dirpath, name)
-            h.update(os.path.relpath(path, root).encode() + b"\0")
-            with open(path, "rb") as f:
-                h.update(f.read() + b"\0")
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:12]
 
 
