@@ -75,13 +75,14 @@
 #   bash benchmarks/gpu_session.sh s18g       # whole-K against split at 4 rows: Qwen3, Mixtral
 #   bash benchmarks/gpu_session.sh s18h       # the bench at every count, the last defaults
 #   bash benchmarks/gpu_session.sh s18i       # Qwen3's rows with the last defaults
-#   bash benchmarks/gpu_session.sh s19a       # prepared: the prefill kernels from 24 / 48 rows
+#   bash benchmarks/gpu_session.sh s19a       # the prefill kernels from 24 / 48 rows
+#   bash benchmarks/gpu_session.sh s19b       # SCHED_AHEAD, gluon_whole_over, prefill_above
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -934,6 +935,27 @@ s19a)
         --modes w4a16 w4a4-token --variants c3 c3-pa48 c3-pa24 --iters 10 --out "$out/mixtral.json"
     step deepseek 120 python3 benchmarks/sweep_decode.py --tokens 768 1024 2048 \
         --modes w4a16 --variants c3 c3-pa48 c3-pa24 --iters 10 --out "$out/deepseek.json"
+    ;;
+s19b)
+    # Session 19: a valid program's start / end read beside its expert (c3-sched), two
+    # processes; whole-K above 3.5 rows (gluon_whole_over, now on) against the split
+    # kernels (c3-noover); the prefill kernels from fewer rows, and 64-row blocks there
+    step sched1 150 python3 benchmarks/sweep_decode.py --tokens 1 8 16 32 64 --modes w4a16 \
+        --variants c3 c3-sched --iters 20 --out "$out/sched1.json"
+    step sched2 150 python3 benchmarks/sweep_decode.py --tokens 1 8 16 32 64 \
+        --modes w4a16 w4a4-token --variants c3 c3-sched --iters 20 --out "$out/sched2.json"
+    step over 150 python3 benchmarks/sweep_decode.py --tokens 96 112 120 128 144 \
+        --modes w4a16 w4a4-token w4a4-tensor --variants c3 c3-noover --iters 20 \
+        --out "$out/over.json"
+    step over_kimi 90 python3 benchmarks/sweep_decode.py --preset kimi-k2-ep8 --tokens 160 192 \
+        --modes w4a16 --variants c3 c3-noover --iters 20 --out "$out/over-kimi.json"
+    step pa_mix 200 python3 benchmarks/sweep_decode.py --preset mixtral-8x7b \
+        --tokens 96 128 192 256 384 --modes w4a16 w4a4-token \
+        --variants c3 c3-pa16 c3-pa32 c3-pa48 c3-pa48-pbm64x2-defer --iters 10 \
+        --out "$out/pa-mixtral.json"
+    step pa_ds 150 python3 benchmarks/sweep_decode.py --tokens 1536 2048 3072 \
+        --modes w4a16 w4a4-token --variants c3 c3-pa32 c3-pa48 c3-pa48-pbm64x2-defer \
+        --iters 10 --out "$out/pa-deepseek.json"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

@@ -43,7 +43,10 @@ c3-wholeN (TritonOptions.gluon_whole_upto N: the Gluon GEMMs with whole-K progra
 c3-wholeNb2 (the same with gluon_ws.WHOLE_BUFFERS 2: two ring stages a program),
 c3-wholeNuU (the same with gluon_upto U: the split Gluon kernels only up to U rows),
 c3-paN (TritonOptions.prefill_above N: the prefill kernels from N valid rows an expert
-where both GEMMs fit them),
+where both GEMMs fit them), c3-paN-FLAGS (the same with c3-FLAGS of PREFILL_FLAGS below,
+e.g. c3-pa48-pbm64x2-defer), c3-noover (TritonOptions.gluon_whole_over None: the split
+Gluon kernels up to gluon_upto, no whole-K below it), c3-sched (gluon_ws.SCHED_AHEAD: a
+valid program's block start and end read beside its expert),
 c3-nofusedchain (TritonOptions.fused_chain off: with --fused, the accumulator's zeros after
 W4A4's quantize and torch's cast, as before session 16),
 c3-prefill, c3-noprefill (TritonOptions.gluon_prefill on / off: the dense path's GEMMs on
@@ -181,6 +184,7 @@ def main() -> None:
     qsplit0, segment0 = launch.QUANTIZE_SPLIT_ROWS, launch.SEGMENT
     prefill0 = gluon_prefill.DEFER, gluon_prefill.BM, dict(gluon_prefill.PER_SM)
     whole_buffers0 = gluon_ws.WHOLE_BUFFERS
+    sched0 = gluon_ws.SCHED_AHEAD
     ceil = card_ceilings()
     tbs, tfl = ceil["copy_bytes_per_s"] / 1e12, ceil["bf16_matmul_flops"] / 1e12
     print(f"copy {tbs:.2f} TB/s, bf16 {tfl:.0f} TFLOP/s")
@@ -264,6 +268,12 @@ def main() -> None:
                 "c3-gbworst": c3(gluon_grid_blocks=None),
                 # loop 3 everywhere (the Gluon kernels off; the same bits)
                 "c3-nogluon": c3(gluon_decode=False),
+                # the split Gluon kernels up to gluon_upto, never whole-K below it
+                # (gluon_whole_over None; 3.5 by default since session 19)
+                "c3-noover": c3(gluon_whole_over=None),
+                # the valid programs' block start and end read beside their expert
+                # (gluon_ws.SCHED_AHEAD, set below; the same bits)
+                "c3-sched": c3(),
             }
             # the Gluon kernels with whole-K programs where loop 3 runs unsplit, up to N
             # expected valid rows an expert (TritonOptions.gluon_whole_upto)
@@ -274,6 +284,10 @@ def main() -> None:
                     variants[name] = c3(gluon_whole_upto=float(name[8:-2]))
                 elif name.startswith("c3-pa") and name[5:].isdigit():  # prefill_above N
                     variants[name] = c3(prefill_above=int(name[5:]))
+                elif name.startswith("c3-pa") and f"c3-{name[5:].partition('-')[2]}" in (
+                    PREFILL_FLAGS
+                ):  # prefill_above N with one of gluon_prefill's experiments (c3-paN-FLAGS)
+                    variants[name] = c3(prefill_above=int(name[5:].partition("-")[0]))
                 elif name.startswith("c3-whole") and "u" in name:  # and gluon_upto U
                     n_, u_ = name[8:].split("u")
                     variants[name] = c3(gluon_whole_upto=float(n_), gluon_upto=float(u_))
@@ -330,12 +344,16 @@ def main() -> None:
                 launch.QUANTIZE_SPLIT_ROWS = QSPLIT_ROWS if name == "c3-qsplit" else qsplit0
                 launch.SEGMENT = int(name[6:]) if name.startswith("c3-seg") else segment0
                 gluon_ws.TILED = name == "c3-tiled"
+                gluon_ws.SCHED_AHEAD = name == "c3-sched" or sched0
                 b2 = name.startswith("c3-whole") and name.endswith("b2")
                 gluon_ws.WHOLE_BUFFERS = 2 if b2 else whole_buffers0
                 # gluon_prefill's experiments; every other variant runs its defaults
                 defer, bm, per_sm = prefill0
-                if name in PREFILL_FLAGS:
-                    defer, bm, extra = PREFILL_FLAGS[name]
+                flags = name
+                if name.startswith("c3-pa") and "-" in name[5:]:  # c3-paN-FLAGS
+                    flags = "c3-" + name[5:].partition("-")[2]
+                if flags in PREFILL_FLAGS:
+                    defer, bm, extra = PREFILL_FLAGS[flags]
                     per_sm = {**per_sm, **extra}
                 gluon_prefill.DEFER, gluon_prefill.BM, gluon_prefill.PER_SM = defer, bm, per_sm
                 try:
@@ -388,6 +406,7 @@ def main() -> None:
     launch.SEGMENT = segment0
     gluon_prefill.DEFER, gluon_prefill.BM, gluon_prefill.PER_SM = prefill0
     gluon_ws.WHOLE_BUFFERS = whole_buffers0
+    gluon_ws.SCHED_AHEAD = sched0
 
 
 if __name__ == "__main__":

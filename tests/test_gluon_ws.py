@@ -969,3 +969,32 @@ def test_gluon_tile_rows_gpu(monkeypatch, t, mode):
     (deterministic finalize), the fused finalize within the tolerance, every mode; no
     token, and every route masked gives zeros."""
     _flags_same_as_loop3(monkeypatch, dict(TILE_ROWS=128), t, mode, seed=41, expert=5)
+
+
+def test_sched_ahead_compiles_for_sm90():
+    """``SA`` (``gluon_ws.SCHED_AHEAD``, off: refuted in session 19): the block's expert,
+    start and end are the kernel's first three ``.cg`` loads, all before its first branch
+    (off: one load, the branch, then the other two), with the same copies, wgmmas,
+    registers and shared memory."""
+    pytest.importorskip("triton")
+    code = (
+        "from fp4moe.kernels.common import resource_usage\n"
+        "from fp4moe.kernels.gluon_ws import compile_sm90\n"
+        "def first(ptx):\n"
+        "    body = [x.strip() for x in ptx.split('.entry')[1].splitlines()]\n"
+        "    return [x for x in body if x.startswith('ld.global.cg') or ' bra' in x][:4]\n"
+        "for n, k, g in ((2048, 7168, True), (7168, 2048, False)):\n"
+        "    kw = dict(n=n, k=k, gated=g, block_m=8, asynchronous=True, buffers=1,\n"
+        "              epilogue=True, box3=2)\n"
+        "    base, sa = compile_sm90(**kw), compile_sm90(**kw, sched_ahead=True)\n"
+        "    b, s = base.asm['ptx'], sa.asm['ptx']\n"
+        "    f, g0 = first(s), first(b)\n"
+        "    assert all(x.startswith('ld.') for x in f[:3]) and ' bra' in f[3], f\n"
+        "    assert g0[0].startswith('ld.') and ' bra' in g0[1], g0\n"
+        "    for op in ('cp.async.bulk.tensor', 'wgmma.mma_async'):\n"
+        "        assert s.count(op) == b.count(op), op\n"
+        "    assert sa.metadata.shared == base.metadata.shared and '.local' not in s\n"
+        "    assert resource_usage(sa)['REG'] <= resource_usage(base)['REG'] + 2\n"
+        "print('ok')\n"
+    )
+    _compile_check(code)

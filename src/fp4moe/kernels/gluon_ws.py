@@ -183,6 +183,14 @@ LOOP_MAXNREG = {(True, 8): 80, (False, 8): 64, (True, 16): 128, (False, 16): 96}
 # FC1 at 16-row tiles 51 KB and 121 registers, four programs an SM; 2: 69 KB, three, within
 # 3% in session 18). They take no register cap.
 WHOLE_BUFFERS = 1
+# Experiment (session 19, off: refuted): a valid program's block start and end loaded
+# beside its expert (before the branch on it) instead of after: one dependent L2 round trip
+# the less before its first copies and its rows' staging, in the one-block body. The same
+# bits. Measured (``sweep_decode.py --variants c3 c3-sched``, two processes, DeepSeek-V3
+# EP8 W4A16 1 / 8 / 16 / 32 / 64 tokens, us): 44.9, 46.5 / 93.6, 92.8 / 57.5, 57.7 /
+# 160.2, 156.4 / 206.4, 206.0 -> 44.6, 45.3 / 90.6, 93.7 / 58.1, 58.1 / 159.7, 155.8 /
+# 210.1, 206.1: within run noise; a round trip is not what a program's chain waits on.
+SCHED_AHEAD = False
 PERSIST_PER_SM = {(True, 8): 6, (False, 8): 8, (True, 16): 4, (False, 16): 5}
 # The ring buffers of PERSIST's launches (None: BUFFERS, as every launch). Session 15: with
 # two, a program's next stage flies while it decodes, across its units as well.
@@ -503,6 +511,8 @@ def tma_split_kernel(
     TR: gl.constexpr = 64,  # weight rows a tile (128: 8 warps, gluon_ws.TILE_ROWS)
     WHOLE: gl.constexpr = False,  # a program takes every K segment of its tile in turn and
     # writes its output (EPILOGUE): no partials, no counter (the grid's segments: 1)
+    SA: gl.constexpr = False,  # the block's start and end read with its expert, not after
+    # it (gluon_ws.SCHED_AHEAD; the one-block body)
 ):
     pid_n = gl.program_id(0)
     if BLOCKS_LAST:
@@ -572,7 +582,7 @@ def tma_split_kernel(
             out_ptr, a_global_ptr, ws_rows, pid_m, pid_n, s_id, True, N, K, TOPK, GATED,
             A_GATHER, BM, SEG, ASYNC, NBUF, EPILOGUE, FUSED, OUT_SCALE, A_UNIT_ORDER, A_FP4,
             BOX3, SK, USE_PDL, EARLY_W, A_TMA, OUT_UNIT, DIAG, TRACE=TRACE, tb=tb, XRING=XRING,
-            L2=L2, c_ptr=c_ptr, s_ptr=s_ptr, TR=TR, WHOLE=WHOLE,
+            L2=L2, c_ptr=c_ptr, s_ptr=s_ptr, TR=TR, WHOLE=WHOLE, SA=SA,
         )  # fmt: skip
         if TRACE:
             _stamp(tb + 10, 0)  # T_END
@@ -687,6 +697,7 @@ def _block_work(
     L2: gl.constexpr = 0, c_ptr=0, s_ptr=0,
     TR: gl.constexpr = 64,
     WHOLE: gl.constexpr = False,
+    SA: gl.constexpr = False,
 ):  # fmt: skip
     """One (weight tile ``pid_n``, K segment ``s_id``, row block ``pid_m``) unit of
     ``tma_split_kernel`` (its arguments). ``first``: the program's first block, which
@@ -698,14 +709,23 @@ def _block_work(
     ``has_next`` this unit's last stages are refilled with the first ones of the next
     unit (weight rows from ``n_row``, K from ``n_k0``). ``XRING``: the rows go into two
     shared buffers a ring stage at a time (``X_RING``). ``L2``: that many stages beyond the
-    ring are prefetched into L2 from ``c_ptr`` / ``s_ptr`` (``L2_AHEAD``)."""
+    ring are prefetched into L2 from ``c_ptr`` / ``s_ptr`` (``L2_AHEAD``). ``SA``: the
+    block's start and end are loaded beside its expert, before the branch on it (one
+    dependent load the less for a valid block, two loads more for an empty one)."""
     e = gl.load(block_expert_ptr + pid_m, cache_modifier=".cg")
+    if SA:
+        start_a = gl.load(block_start_ptr + pid_m, cache_modifier=".cg")
+        end_a = gl.load(block_end_ptr + pid_m, cache_modifier=".cg")
     if TRACE:
         gl.store(tb + 12, e.to(gl.int64))  # T_EXPERT
         _stamp(tb + 4, 0)  # T_SCHED
     if e >= 0:
-        start = gl.load(block_start_ptr + pid_m, cache_modifier=".cg")
-        end = gl.load(block_end_ptr + pid_m, cache_modifier=".cg")
+        if SA:
+            start = start_a
+            end = end_a
+        else:
+            start = gl.load(block_start_ptr + pid_m, cache_modifier=".cg")
+            end = gl.load(block_end_ptr + pid_m, cache_modifier=".cg")
         NU: gl.constexpr = SEG // UNIT
         UPS: gl.constexpr = SK // UNIT  # units a stage
         NS: gl.constexpr = SEG // SK  # stages a segment
@@ -1137,7 +1157,7 @@ def split_partials_tma(
         EARLY_W=pdl and early_weights and EARLY_WEIGHTS, A_TMA=a_tma,
         OUT_UNIT=out_unit_order, DIAG=DIAG, LOOP=grid_blocks > 0, TRACE=trace is not dummy,
         PERSIST=persist > 0, XRING=x_ring, L2=l2, SKEW=SKEW_NS, TR=tr, WHOLE=whole,
-        num_warps=tr // 16, launch_pdl=pdl,
+        SA=SCHED_AHEAD and not (grid_blocks or persist), num_warps=tr // 16, launch_pdl=pdl,
         **({} if whole else _maxnreg(gated, block_m, grid_blocks, persist, a_tma, tr)),
     )  # fmt: skip
 
@@ -1229,6 +1249,7 @@ def compile_sm90(
     skew: int = 0,
     tile_rows: int = 64,
     whole: bool = False,
+    sched_ahead: bool = False,
 ):
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
     layout conversions are asserted trivial at compile time. ``box3``: the code copies
@@ -1262,7 +1283,8 @@ def compile_sm90(
                  A_FP4=a_fp4, BOX3=int(box3), SK=stage_k, USE_PDL=pdl,
                  EARLY_W=pdl and early_weights, A_TMA=a_tma, OUT_UNIT=out_unit_order,
                  DIAG=diag, LOOP=loop_blocks > 0, TRACE=trace, PERSIST=persist,
-                 XRING=x_ring, L2=l2, SKEW=skew, TR=tile_rows, WHOLE=whole)  # fmt: skip
+                 XRING=x_ring, L2=l2, SKEW=skew, TR=tile_rows, WHOLE=whole,
+                 SA=sched_ahead)  # fmt: skip
     opts = {} if maxnreg is None else {"maxnreg": maxnreg}
     return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows", "loop_step"),
                                gluon=True, descs=descs, num_warps=tile_rows // 16,
