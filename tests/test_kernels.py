@@ -1593,18 +1593,37 @@ def test_gluon_decode_configs(monkeypatch):
     off = TritonOptions(gluon_decode=False)
     assert {c.block_m for c in gemm_configs(16 * 8, deepseek, "w4a16", off)} == {16}
     assert TritonOptions().gluon_decode  # on by default (session 9)
-    # gluon_upto (4 expected valid rows an expert since session 10): DeepSeek-V3 EP8 at 128
-    # tokens (4 valid rows an expert) on the Gluon kernels, split, 8-row tiles; at 256
-    # (8) and Mixtral at 32 tokens (8) loop 3 with 16-row tiles (measured faster there)
-    assert TritonOptions().gluon_upto == 4
+    # gluon_upto (4 expected valid rows an expert since session 10): DeepSeek-V3 EP8 at 96
+    # tokens (3 valid rows an expert) on the Gluon kernels, split, 8-row tiles; at 128 (4)
+    # above gluon_whole_over (3.5, session 19) on the whole-K ones, 16-row tiles, unsplit
+    # (both GEMMs can: loop 3 would not split them), as at 256 (8); Mixtral at 32 tokens
+    # (8) loop 3 with 16-row tiles (measured faster there)
+    assert TritonOptions().gluon_upto == 4 and TritonOptions().gluon_whole_over == 3.5
     up = TritonOptions(valid_fraction=1 / 8)
-    n128 = 128 * 8
-    cfgs = gemm_configs(n128, deepseek, "w4a16", up)
+    n96, n128 = 96 * 8, 128 * 8
+    cfgs = gemm_configs(n96, deepseek, "w4a16", up)
     assert {c.block_m for c in cfgs} == {8}
-    assert up.gemm_splits(n128, 32, 7168, 2048, *cfgs) == (True, True)
+    assert up.gemm_splits(n96, 32, 7168, 2048, *cfgs) == (True, True)
+    cfgs = gemm_configs(n128, deepseek, "w4a16", up)
+    assert {c.block_m for c in cfgs} == {16}
+    assert up.gemm_splits(n128, 32, 7168, 2048, *cfgs) == (False, False)
+    assert up.whole_both(n128, 32, 7168, 2048) and not up.whole_both(n96 // 4, 32, 7168, 2048)
+    # W4A4: per-token and per-tensor alike; static W4A4 (FC1 writes NVFP4) and an unknown
+    # activation scale keep the split kernels
+    for sc, bm in (("per_token", 16), ("per_tensor", 16), ("static", 8), (None, 8)):
+        assert {c.block_m for c in gemm_configs(n128, deepseek, "w4a4", up, sc)} == {bm}, sc
+    no_over = TritonOptions(valid_fraction=1 / 8, gluon_whole_over=None)
+    cfgs = gemm_configs(n128, deepseek, "w4a16", no_over)
+    assert {c.block_m for c in cfgs} == {8}
+    assert no_over.gemm_splits(n128, 32, 7168, 2048, *cfgs) == (True, True)
+    for bad in (-1, True, "3"):
+        with pytest.raises(ValueError, match="gluon_whole_over"):
+            TritonOptions(gluon_whole_over=bad)
     assert {c.block_m for c in gemm_configs(2 * n128, deepseek, "w4a16", up)} == {16}
     mixtral = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_experts=8)
     full = TritonOptions(valid_fraction=1.0)
+    # 16 tokens: 4 rows, but loop 3 would split K there (4 routes an expert), so no
+    # whole-K: the split kernels
     assert {c.block_m for c in gemm_configs(16 * 2, mixtral, "w4a16", full)} == {8}
     assert {c.block_m for c in gemm_configs(32 * 2, mixtral, "w4a16", full)} == {16}
     wide = TritonOptions(valid_fraction=1.0, gluon_upto=8)

@@ -206,7 +206,7 @@ def _route_rows_triton(rows, row_expert, experts, mode, act_scale, amax_reduce):
             amax_reduce(torch.zeros((), dtype=torch.float32, device=dev))
         return torch.empty(0, experts.hidden_size, dtype=torch.bfloat16, device=dev)
     opt = TritonOptions(valid_fraction=1.0)  # every received row is a valid route
-    cfg1, cfg2 = gemm_configs(n, experts, mode, opt)
+    cfg1, cfg2 = gemm_configs(n, experts, mode, opt, act_scale)
     slot_fc2, _ = amax_slots(opt, mode, act_scale, n, experts.hidden_size, n,
                              experts.intermediate_size, amax_reduce)  # fmt: skip
     zero, counters, amax_zero = split_counters(n, experts, cfg1, cfg2, opt, dev, amax=slot_fc2)

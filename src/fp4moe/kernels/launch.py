@@ -301,6 +301,14 @@ class TritonOptions:
         256 / 384 / 512 / 768 tokens 474.8 / 790.2 / 794.3 / 844.1 -> 435.1 / 494.5 /
         580.6 / 805.8 (W4A4 per-token alike), Mixtral-8x7B 64 tokens 545.2 -> 492.4,
         Qwen3-30B-A3B 256 / 384 tokens 332.1 / 414.1 -> 314.8 / 381.2.
+    gluon_whole_over: above this many expected valid rows an expert (and up to
+        ``gluon_upto``) a call whose two GEMMs would both run whole-K (loop 3 unsplit,
+        ``whole_runs``) takes the whole-K Gluon kernels at 16-row tiles instead of the
+        split ones at 8-row tiles. None: off (the split kernels up to ``gluon_upto``).
+        The same bits. 3.5 since session 19 (DeepSeek-V3 EP8 W4A16, whole-K against
+        split, us: 64 / 96 / 128 tokens, 2 / 3 / 4 rows, 212.9 / 262.0 / 324.3 -> 239.6 /
+        272.3 / 296.7 in session 18): whole-K's cost is flat in the rows up to its 16,
+        the split kernels' grows with them, and they cross near 3.3 rows.
     gluon_grid_blocks: the row blocks of the Gluon kernels' grid. None: the schedule's
         worst case (``max_blocks``: every route in an expert of its own), whose empty
         programs each hold one of the SM's few slots (shared memory allows 6 to 8) for a
@@ -360,6 +368,7 @@ class TritonOptions:
     prefill_above: int | None = 96
     gluon_whole_k: bool = False
     gluon_whole_upto: float = 24.0
+    gluon_whole_over: float | None = 3.5
 
     def grid_blocks(self, n_routes: int, num_experts: int, block_m: int, max_b: int) -> int:
         """The Gluon kernels' grid row blocks (``gluon_grid_blocks``; 0: the worst case
@@ -398,14 +407,36 @@ class TritonOptions:
         # (session 7); splitting wins by far at 4 rows (16 tokens: 76.6 against 94.0).
         return n_routes / num_experts <= 8
 
-    def gluon_split(self, n_routes: int, num_experts: int) -> bool:
+    def gluon_split(self, n_routes: int, num_experts: int,
+                    shape: tuple[int, int] | None = None) -> bool:  # fmt: skip
         """Whether a call of ``n_routes`` routes may run its GEMMs as the Gluon kernels
         with split K (``gluon_decode``, at most ``gluon_upto`` expected valid rows an
         expert; never with ``split_k=False``). The GEMMs must also be able to
-        (``gluon_applies``)."""
+        (``gluon_applies``). With ``shape`` = (hidden, inter): not above
+        ``gluon_whole_over`` rows where both GEMMs run whole-K instead (``whole_both``)."""
         if not self.gluon_decode or self.split_k is False or num_experts <= 0:
             return False
-        return self.valid_rows(n_routes, num_experts) <= self.gluon_upto
+        rows = self.valid_rows(n_routes, num_experts)
+        if rows > self.gluon_upto:
+            return False
+        over = self.gluon_whole_over
+        if shape is not None and over is not None and rows > over:
+            return not self.whole_both(n_routes, num_experts, *shape)
+        return True
+
+    def whole_both(self, n_routes: int, num_experts: int, hidden: int, inter: int) -> bool:
+        """Whether both GEMMs of a call (W4A16 or per-token W4A4) would run as whole-K
+        Gluon kernels at 16-row tiles: loop 3 would not split them (``split_for``), the
+        call is not dense, and ``whole_runs`` takes each."""
+        if self.split_k is not None or self.split_for(n_routes, num_experts):
+            return False
+        if self.dense_for(n_routes, num_experts, (hidden, inter)):
+            return False
+        cfg = GemmConfig(16, 64, 128)
+        return all(
+            self.whole_runs(False, False, k, False, cfg, n_routes, num_experts)
+            for k in (hidden, inter)
+        )
 
     def whole_runs(self, split: bool, dense: bool, k: int, a_fp4: bool, cfg: GemmConfig,
                    n_routes: int, num_experts: int) -> bool:  # fmt: skip
@@ -419,13 +450,21 @@ class TritonOptions:
             return False
         return _gluon_fits(self.gluon_decode, int(self.chunked), k, a_fp4, cfg)
 
+    def fc1_whole_can(self, mode: str, act_scale: str | None) -> bool:
+        """Whether a call's FC1 epilogue writes bf16, as the whole-K kernel must: not
+        static W4A4's NVFP4 output (``fc1_nvfp4_out``) and not the fused amax; for W4A4
+        with ``act_scale`` None, not known: False."""
+        if mode != "w4a4":
+            return True
+        if act_scale is None or (act_scale == "static" and self.fc1_nvfp4_out):
+            return False
+        return not self.amax_in_fc1(mode, act_scale)
+
     def fc1_whole_runs(self, mode: str, act_scale: str, split1: bool, dense: bool, h: int,
                        cfg1: GemmConfig, n_routes: int, num_experts: int) -> bool:  # fmt: skip
-        """``whole_runs`` for a call's FC1, whose epilogue must write bf16: not static
-        W4A4's NVFP4 output (``fc1_nvfp4_out``) and not the fused amax."""
-        if mode == "w4a4" and act_scale == "static" and self.fc1_nvfp4_out:
-            return False
-        if self.amax_in_fc1(mode, act_scale):
+        """``whole_runs`` for a call's FC1, whose epilogue must write bf16
+        (``fc1_whole_can``)."""
+        if not self.fc1_whole_can(mode, act_scale):
             return False
         return self.whole_runs(split1, dense, h, mode == "w4a4", cfg1, n_routes, num_experts)
 
@@ -556,6 +595,9 @@ class TritonOptions:
         g = self.gluon_whole_upto
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
             raise ValueError(f"gluon_whole_upto: expected a number >= 0, got {g!r}")
+        g = self.gluon_whole_over
+        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or g < 0):
+            raise ValueError(f"gluon_whole_over: expected None or a number >= 0, got {g!r}")
         g = self.gluon_pdl_upto
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
             raise ValueError(f"gluon_pdl_upto: expected a number >= 0, got {g!r}")
@@ -1044,21 +1086,25 @@ def _per_tensor_table(src, rows, count, opt, pdl, amax_reduce, zero=None):
 
 
 def gemm_configs(
-    n_routes: int, experts: PreparedExperts, mode: str, options: TritonOptions
-) -> tuple[GemmConfig, GemmConfig]:
+    n_routes: int, experts: PreparedExperts, mode: str, options: TritonOptions,
+    act_scale: str | None = None,
+) -> tuple[GemmConfig, GemmConfig]:  # fmt: skip
     """FC1 and FC2 configs for ``n_routes`` rows over ``experts`` (pinned ones from
-    ``options`` win). Any config gives the same bits (one summation order a loop)."""
+    ``options`` win; ``act_scale`` as ``gemm_configs_for``). Any config gives the same
+    bits (one summation order a loop)."""
     return gemm_configs_for(
         n_routes, experts.num_experts, experts.hidden_size, experts.intermediate_size, mode,
-        options,
+        options, act_scale,
     )  # fmt: skip
 
 
 def gemm_configs_for(
-    n_routes: int, num_experts: int, h: int, inter: int, mode: str, options: TritonOptions
-) -> tuple[GemmConfig, GemmConfig]:
+    n_routes: int, num_experts: int, h: int, inter: int, mode: str, options: TritonOptions,
+    act_scale: str | None = None,
+) -> tuple[GemmConfig, GemmConfig]:  # fmt: skip
     """``gemm_configs`` from the shape alone: ``num_experts`` experts of hidden size ``h``
-    and intermediate size ``inter``."""
+    and intermediate size ``inter``. ``act_scale`` (W4A4's): whether FC1 can take the
+    whole-K kernel (``gluon_whole_over``); None for W4A4 keeps the split kernels."""
     rows_per_expert = n_routes / num_experts
     valid_rows = options.valid_rows(n_routes, num_experts)
     loop = int(options.chunked)
@@ -1090,7 +1136,9 @@ def gemm_configs_for(
         and options.fc1 is None
         and options.fc2 is None
         and loop == 3
-        and options.gluon_split(n_routes, num_experts)
+        and options.gluon_split(
+            n_routes, num_experts, (h, inter) if options.fc1_whole_can(mode, act_scale) else None
+        )
         and gluon_applies(h, a_fp4, cfg1)
         and gluon_applies(inter, a_fp4, cfg2)
     ):
@@ -1394,7 +1442,7 @@ def moe_triton(
     ids = topk_ids.contiguous()
     w_flat = topk_weights.contiguous().reshape(-1)
 
-    cfg1, cfg2 = gemm_configs(n_routes, experts, mode, opt)
+    cfg1, cfg2 = gemm_configs(n_routes, experts, mode, opt, act_scale)
     slot_fc2, slot_fc1 = amax_slots(opt, mode, act_scale, t, h, n_routes,
                                     experts.intermediate_size)  # fmt: skip
     zero, counters, slots = split_counters(
@@ -1558,7 +1606,7 @@ def workspace_bytes(
     dense = opt.dense_for(n, num_experts, (h, i))
     pre1 = pre2 = False  # the GEMMs on gluon_prefill (no decoded weights)
     if dense and opt.prefill_here():  # prefill_runs
-        dcfg = gemm_configs_for(n, num_experts, h, i, mode, opt)
+        dcfg = gemm_configs_for(n, num_experts, h, i, mode, opt, act_scale)
         pre1, pre2 = _prefill_fits(dcfg[0], i, h, True), _prefill_fits(dcfg[1], h, i, False)
     fc1_fp4 = w4a4 and act_scale == "static" and opt.fc1_nvfp4_out and not pre1
     act = n * (i // 2 + i // 16 + 4) if fc1_fp4 else n * i * 2  # FC1 output a
@@ -1587,7 +1635,7 @@ def workspace_bytes(
     if int(opt.chunked) == 3 and n:
         # Segment partials of each split GEMM (at least 32-element tiles: SEGMENT is a
         # multiple of any BK), with the configs the call would take (``gemm_configs``).
-        cfgs = gemm_configs_for(n, num_experts, h, i, mode, opt)
+        cfgs = gemm_configs_for(n, num_experts, h, i, mode, opt, act_scale)
         if opt.ordered_for(mode, n, num_experts, h, i, *cfgs):
             tmp1 += t * h * 2  # FC1's input rows in the unit order (bf16)
         s1, s2 = opt.gemm_splits(n, num_experts, h, i, *cfgs)
