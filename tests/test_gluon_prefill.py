@@ -90,14 +90,15 @@ def test_prefill_runs_only_on_the_dense_path_of_a_hopper_gpu(monkeypatch):
 
 def test_prefill_above_moves_the_dense_path_where_both_gemms_fit(monkeypatch):
     """With both GEMMs of the shape on ``gluon_prefill``, the dense path starts above
-    ``prefill_above`` (96) valid rows an expert instead of ``dense_above`` (192); a shape
+    ``prefill_above`` (32) valid rows an expert instead of ``dense_above`` (192); a shape
     with one GEMM that does not fit (Qwen3's FC2, K 768), the option off, no GPU, or
     ``prefill_above`` None keep ``dense_above``."""
     on = TritonOptions(valid_fraction=1.0)
+    assert TritonOptions().prefill_above == 32
     ds, qwen = (7168, 2048), (2048, 768)
-    assert not on.dense_for(97 * 32, 32, ds)  # no Hopper GPU here
+    assert not on.dense_for(33 * 32, 32, ds)  # no Hopper GPU here
     pretend_hopper(monkeypatch)
-    assert not on.dense_for(96 * 32, 32, ds) and on.dense_for(97 * 32, 32, ds)
+    assert not on.dense_for(32 * 32, 32, ds) and on.dense_for(33 * 32, 32, ds)
     assert not on.dense_for(97 * 32, 32) and on.dense_for(193 * 32, 32)  # no shape given
     assert not on.dense_for(150 * 32, 32, qwen) and on.dense_for(193 * 32, 32, qwen)
     off = TritonOptions(valid_fraction=1.0, gluon_prefill=False)

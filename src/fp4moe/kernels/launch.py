@@ -275,11 +275,15 @@ class TritonOptions:
         (``sweep_decode.py --variants c3 c3-prefill``).
     prefill_above: where ``gluon_prefill`` runs both GEMMs of a call's shape, the dense
         path (as the prefill kernel) starts above this many expected valid rows an expert
-        instead of ``dense_above`` (the kernel has no fixed decode cost to repay). 96:
-        DeepSeek-V3 EP8 W4A16 (session 17) at 64 rows an expert (2048 tokens) 1146.7 us on
-        loop 3 against 1180.6 on the prefill kernel (``prefill_check.py``, dense_above 0),
-        at 128 (4096 tokens) 1781.0 against 1394.1 (``sweep_decode.py --variants c3
-        c3-prefill-d64``; per-token W4A4 1931.4 against 1522.0). None: off.
+        instead of ``dense_above`` (the kernel has no fixed decode cost to repay). 32
+        since session 19 (96 before; ``sweep_decode.py --variants c3 c3-pa32 c3-pa48``,
+        W4A16, loop 3 -> prefill kernel, us): DeepSeek-V3 EP8 at 48 / 64 / 96 rows an
+        expert (1536 / 2048 / 3072 tokens) 1105.3 / 1146.6 / 1449.5 -> 951.8 / 971.3 /
+        1083.3, Mixtral-8x7B at 48 / 64 / 96 rows (192 / 256 / 384 tokens) 1192.9 /
+        1061.5 / 1341.1 -> 721.9 / 727.9 / 738.2, W4A4 per-token alike. At 32 rows the
+        shapes part: Mixtral-8x7B (128 tokens) 886.7 -> 721.0, DeepSeek-V3 (1024 tokens)
+        868.9 -> 938.0; at 24 Mixtral-8x7B (96 tokens, whole-K) 615.7 -> 719.0. None:
+        off.
     gluon_whole_k: experiment (session 17, off until measured): W4A16 GEMMs that would
         run as the decode-size Gluon kernels (``gluon_decode``) run as
         ``gluon_prefill.prefill_kernel`` with the schedule's 8-row blocks instead: one
@@ -365,7 +369,7 @@ class TritonOptions:
     dense_overlap: bool = False
     fused_chain: bool = True
     gluon_prefill: bool = True
-    prefill_above: int | None = 96
+    prefill_above: int | None = 32
     gluon_whole_k: bool = False
     gluon_whole_upto: float = 24.0
     gluon_whole_over: float | None = 3.5
