@@ -166,3 +166,29 @@ def test_gluon_whole_gpu(gpu_experts, monkeypatch, t, mode, fused):
         assert torch.equal(outs[0.0], outs[16.0])
     ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
     assert rel_err(outs[16.0], ref) <= TOL[m]
+
+
+def test_whole_fill_splits_a_gemm_of_too_few_whole_k_programs(monkeypatch):
+    """``gluon_whole_fill``: a GEMM that would run whole-K splits K instead where its
+    expected whole-K programs fill fewer than that many times the SMs' slots
+    (``gluon_ws.WHOLE_PER_SM``): Mixtral-8x7B at 64 tokens (16 rows an expert), FC2's 8 x
+    64 = 512 programs for 5 x 132 slots, not FC1's 8 x 224; DeepSeek-V3 EP8 at 256 tokens
+    neither. Off (0) by default."""
+    from fp4moe.kernels.gluon_ws import WHOLE_PER_SM
+    from fp4moe.kernels.launch import gemm_configs_for, sm_count
+
+    pretend_hopper(monkeypatch)
+    assert TritonOptions().gluon_whole_fill == 0 and WHOLE_PER_SM == {True: 4, False: 5}
+    assert sm_count() == 132  # no GPU here: the H200's
+    mix = (4096, 14336)
+    for fill, want in ((0.0, (False, False)), (1.0, (False, True)), (8.0, (True, True))):
+        o = TritonOptions(valid_fraction=1.0, gluon_whole_fill=fill)
+        cfgs = gemm_configs_for(128, 8, *mix, "w4a16", o)
+        assert {c.block_m for c in cfgs} == {16}
+        assert o.gemm_splits(128, 8, *mix, *cfgs) == want, fill
+    o = TritonOptions(valid_fraction=1 / 8, gluon_whole_fill=1.0)
+    cfgs = gemm_configs_for(2048, 32, 7168, 2048, "w4a16", o)
+    assert o.gemm_splits(2048, 32, 7168, 2048, *cfgs) == (False, False)
+    for bad in (-1, True, "1"):
+        with pytest.raises(ValueError, match="gluon_whole_fill"):
+            TritonOptions(gluon_whole_fill=bad)

@@ -183,6 +183,9 @@ LOOP_MAXNREG = {(True, 8): 80, (False, 8): 64, (True, 16): 128, (False, 16): 96}
 # FC1 at 16-row tiles 51 KB and 121 registers, four programs an SM; 2: 69 KB, three, within
 # 3% in session 18). They take no register cap.
 WHOLE_BUFFERS = 1
+# The whole-K programs an SM holds, by gated (FC1: 16-row tiles 121 registers and 51 KB,
+# four; FC2: 96 and 42 KB, five; compiled for sm_90), for TritonOptions.gluon_whole_fill
+WHOLE_PER_SM = {True: 4, False: 5}
 # Experiment (session 19, off: refuted): a valid program's block start and end loaded
 # beside its expert (before the branch on it) instead of after: one dependent L2 round trip
 # the less before its first copies and its rows' staging, in the one-block body. The same

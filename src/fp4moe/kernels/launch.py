@@ -313,6 +313,11 @@ class TritonOptions:
         split, us: 64 / 96 / 128 tokens, 2 / 3 / 4 rows, 212.9 / 262.0 / 324.3 -> 239.6 /
         272.3 / 296.7 in session 18): whole-K's cost is flat in the rows up to its 16,
         the split kernels' grows with them, and they cross near 3.3 rows.
+    gluon_whole_fill: a GEMM that would run whole-K (``whole_runs``) splits K instead (the
+        split Gluon kernel at 16-row tiles) where its expected whole-K programs (touched
+        experts x 64-row tiles x 16-row blocks) are fewer than this many times the SMs'
+        slots for them (``gluon_ws.WHOLE_PER_SM`` an SM): Mixtral-8x7B's FC2 at 64 tokens
+        makes 512 programs of K 14336 for 660 slots. 0: never. The same bits.
     gluon_grid_blocks: the row blocks of the Gluon kernels' grid. None: the schedule's
         worst case (``max_blocks``: every route in an expert of its own), whose empty
         programs each hold one of the SM's few slots (shared memory allows 6 to 8) for a
@@ -373,6 +378,7 @@ class TritonOptions:
     gluon_whole_k: bool = False
     gluon_whole_upto: float = 24.0
     gluon_whole_over: float | None = 3.5
+    gluon_whole_fill: float = 0.0
 
     def grid_blocks(self, n_routes: int, num_experts: int, block_m: int, max_b: int) -> int:
         """The Gluon kernels' grid row blocks (``gluon_grid_blocks``; 0: the worst case
@@ -437,6 +443,8 @@ class TritonOptions:
         if self.dense_for(n_routes, num_experts, (hidden, inter)):
             return False
         cfg = GemmConfig(16, 64, 128)
+        if any(self.gemm_splits(n_routes, num_experts, hidden, inter, cfg, cfg)):
+            return False  # gluon_whole_fill
         return all(
             self.whole_runs(False, False, k, False, cfg, n_routes, num_experts)
             for k in (hidden, inter)
@@ -525,7 +533,10 @@ class TritonOptions:
         """Whether loop 3 splits K of FC1 and of FC2 (``split_k``): both at decode sizes
         (``split_for``), else a GEMM of more than one K segment whose expected programs
         (row tiles x experts touched x row blocks an expert, valid routes spread evenly
-        over the experts) are fewer than ``SPLIT_BELOW_PROGRAMS``. Same bits either way."""
+        over the experts) are fewer than ``SPLIT_BELOW_PROGRAMS``; a GEMM that runs whole-K
+        (``whole_runs``) only where its expected whole-K programs fill fewer than
+        ``gluon_whole_fill`` times the SMs' slots for them (``gluon_ws.WHOLE_PER_SM``).
+        Same bits either way."""
         if self.split_k is not None or self.split_for(n_routes, num_experts):
             s = self.split_for(n_routes, num_experts)
             return s, s
@@ -541,11 +552,18 @@ class TritonOptions:
         touched = num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** valid)
         rows = valid / max(touched, 1.0)
         out = []
-        for n, k, cfg in ((inter, hidden, cfg1), (hidden, inter, cfg2)):
+        for n, k, cfg, whole, gated in ((inter, hidden, cfg1, w1, True),
+                                        (hidden, inter, cfg2, w2, False)):  # fmt: skip
             blocks = math.ceil(rows / cfg.block_m - 1e-6)  # 16.000001 rows: one 16-row block
-            programs = triton.cdiv(n, cfg.block_n) * touched * blocks
-            out.append(k > SEGMENT and programs < SPLIT_BELOW_PROGRAMS)
-        return out[0] and not w1, out[1] and not w2
+            if whole:  # whole-K unless its programs fill too few of the SMs' slots
+                from .gluon_ws import WHOLE_PER_SM
+
+                slots = WHOLE_PER_SM[gated] * sm_count()
+                out.append(triton.cdiv(n, 64) * touched * blocks < self.gluon_whole_fill * slots)
+            else:
+                programs = triton.cdiv(n, cfg.block_n) * touched * blocks
+                out.append(k > SEGMENT and programs < SPLIT_BELOW_PROGRAMS)
+        return out[0], out[1]
 
     def prefill_here(self) -> bool:
         """Whether ``gluon_prefill`` can run: the option on, loop 3, and a Hopper GPU with
@@ -602,6 +620,9 @@ class TritonOptions:
         g = self.gluon_whole_over
         if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or g < 0):
             raise ValueError(f"gluon_whole_over: expected None or a number >= 0, got {g!r}")
+        g = self.gluon_whole_fill
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
+            raise ValueError(f"gluon_whole_fill: expected a number >= 0, got {g!r}")
         g = self.gluon_pdl_upto
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
             raise ValueError(f"gluon_pdl_upto: expected a number >= 0, got {g!r}")
@@ -799,6 +820,15 @@ def _tile_counters(counters: torch.Tensor | None, need: int, device) -> torch.Te
     if counters is None or counters.numel() < need:
         return torch.zeros(need, dtype=torch.int32, device=device)
     return counters
+
+
+@functools.cache
+def sm_count() -> int:
+    """The SMs of the current CUDA device (132, an H200's, without one: the launch
+    decisions made on a CPU are the H200's)."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return 132
 
 
 def _gluon_fits(gluon: bool, chunked: int, k: int, a_fp4: bool, cfg: GemmConfig) -> bool:
