@@ -77,12 +77,15 @@
 #   bash benchmarks/gpu_session.sh s18i       # Qwen3's rows with the last defaults
 #   bash benchmarks/gpu_session.sh s19a       # the prefill kernels from 24 / 48 rows
 #   bash benchmarks/gpu_session.sh s19b       # SCHED_AHEAD, gluon_whole_over, prefill_above
+#   bash benchmarks/gpu_session.sh s19c       # gluon_whole_fill; the bench, Qwen3's rows
+#   bash benchmarks/gpu_session.sh s19d       # GPU tests of the session's paths; Mixtral
+#   bash benchmarks/gpu_session.sh s19e       # prefill_above_long; Mixtral's bench rows
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -956,6 +959,41 @@ s19b)
     step pa_ds 150 python3 benchmarks/sweep_decode.py --tokens 1536 2048 3072 \
         --modes w4a16 w4a4-token --variants c3 c3-pa32 c3-pa48 c3-pa48-pbm64x2-defer \
         --iters 10 --out "$out/pa-deepseek.json"
+    ;;
+s19c)
+    # gluon_whole_fill on Mixtral's under-filled whole-K FC2 (48 and 64 tokens); the bench
+    # at every count and Qwen3's rows with the session's defaults (gluon_whole_over 3.5,
+    # prefill_above 32)
+    step fill 100 python3 benchmarks/sweep_decode.py --preset mixtral-8x7b --tokens 48 64 \
+        --modes w4a16 w4a4-token --variants c3 c3-fill1 --iters 20 --out "$out/fill.json"
+    step deepseek 270 python3 -m fp4moe bench --num-tokens 1 8 16 32 64 128 256 512 1024 \
+        2048 4096 8192 16384 --iters 10 --out "$out/deepseek"
+    step qwen3 120 python3 -m fp4moe bench --preset qwen3-30b-a3b --num-tokens 16 64 256 512 \
+        --iters 10 --out "$out/qwen3"
+    ;;
+s19d)
+    # GPU tests of the session's paths (whole-K at 128 tokens, batch invariance), Mixtral's
+    # rows
+    step whole_tests 200 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_whole.py
+    step invariance 90 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py \
+        -k batch_invariance_gpu
+    step mixtral 200 python3 -m fp4moe bench --preset mixtral-8x7b --num-tokens 16 64 128 256 \
+        --iters 10 --out "$out/mixtral"
+    # per-tensor W4A4's fused call at 1 token (1.18x the fused W4A16 call in s19c, 1.12x in
+    # s18h) against per-token's and W4A16's, each kernel
+    for m in w4a4-tensor w4a4-token w4a16; do
+        step "k1_$m" 45 python3 benchmarks/profile_call.py --kernels --calls 5 --tokens 1 \
+            --mode "$m" --fused
+    done
+    ;;
+s19e)
+    # prefill_above_long (24 where both GEMMs' K reach 4096): Mixtral at 25 to 32 rows an
+    # expert on the prefill kernels, against prefill_above alone (c3-nolong); DeepSeek-V3
+    # at 1024 tokens unchanged; Mixtral's bench rows
+    step long 150 python3 benchmarks/sweep_decode.py --preset mixtral-8x7b --tokens 104 112 128 \
+        --modes w4a16 w4a4-token --variants c3 c3-nolong --iters 10 --out "$out/long.json"
+    step mixtral 200 python3 -m fp4moe bench --preset mixtral-8x7b --num-tokens 16 64 128 256 \
+        --iters 10 --out "$out/mixtral"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

@@ -45,8 +45,9 @@ c3-wholeNuU (the same with gluon_upto U: the split Gluon kernels only up to U ro
 c3-paN (TritonOptions.prefill_above N: the prefill kernels from N valid rows an expert
 where both GEMMs fit them), c3-paN-FLAGS (the same with c3-FLAGS of PREFILL_FLAGS below,
 e.g. c3-pa48-pbm64x2-defer), c3-noover (TritonOptions.gluon_whole_over None: the split
-Gluon kernels up to gluon_upto, no whole-K below it), c3-sched (gluon_ws.SCHED_AHEAD: a
-valid program's block start and end read beside its expert),
+Gluon kernels up to gluon_upto, no whole-K below it), c3-fill1 / c3-fill2
+(TritonOptions.gluon_whole_fill 1 / 2), c3-nolong (prefill_above_long None), c3-sched
+(gluon_ws.SCHED_AHEAD: a valid program's block start and end read beside its expert),
 c3-nofusedchain (TritonOptions.fused_chain off: with --fused, the accumulator's zeros after
 W4A4's quantize and torch's cast, as before session 16),
 c3-prefill, c3-noprefill (TritonOptions.gluon_prefill on / off: the dense path's GEMMs on
@@ -271,6 +272,12 @@ def main() -> None:
                 # the split Gluon kernels up to gluon_upto, never whole-K below it
                 # (gluon_whole_over None; 3.5 by default since session 19)
                 "c3-noover": c3(gluon_whole_over=None),
+                # prefill_above everywhere, none from fewer rows for long-K shapes
+                "c3-nolong": c3(prefill_above_long=None),
+                # whole-K only where its programs fill the SMs' slots once / twice, else
+                # the split Gluon kernels (gluon_whole_fill)
+                "c3-fill1": c3(gluon_whole_fill=1.0),
+                "c3-fill2": c3(gluon_whole_fill=2.0),
                 # the valid programs' block start and end read beside their expert
                 # (gluon_ws.SCHED_AHEAD, set below; the same bits)
                 "c3-sched": c3(),

@@ -284,6 +284,13 @@ class TritonOptions:
         shapes part: Mixtral-8x7B (128 tokens) 886.7 -> 721.0, DeepSeek-V3 (1024 tokens)
         868.9 -> 938.0; at 24 Mixtral-8x7B (96 tokens, whole-K) 615.7 -> 719.0. None:
         off.
+    prefill_above_long: ``prefill_above`` for shapes whose GEMMs both have K of at least
+        ``PREFILL_LONG_K`` (4096; both ``hidden`` and ``inter``), where the prefill
+        kernel's fixed cost a tile (its prologue, the epilogue through shared memory) is
+        spread over more K: 24 since session 19 (Mixtral-8x7B W4A16 at 32 rows an expert,
+        128 tokens, 886.7 us on loop 3 against 721.0 on the prefill kernel; at 24 rows, 96
+        tokens, 615.7 on the whole-K kernels against 719.0; DeepSeek-V3 EP8, K 2048 in
+        FC2, loses at 32 rows: 868.9 against 938.0). None: ``prefill_above`` everywhere.
     gluon_whole_k: experiment (session 17, off until measured): W4A16 GEMMs that would
         run as the decode-size Gluon kernels (``gluon_decode``) run as
         ``gluon_prefill.prefill_kernel`` with the schedule's 8-row blocks instead: one
@@ -375,6 +382,7 @@ class TritonOptions:
     fused_chain: bool = True
     gluon_prefill: bool = True
     prefill_above: int | None = 32
+    prefill_above_long: int | None = 24
     gluon_whole_k: bool = False
     gluon_whole_upto: float = 24.0
     gluon_whole_over: float | None = 3.5
@@ -594,7 +602,12 @@ class TritonOptions:
         rows = self.valid_rows(n_routes, num_experts)
         if rows > self.dense_above:
             return True
-        if shape is None or self.prefill_above is None or rows <= self.prefill_above:
+        if shape is None or self.prefill_above is None:
+            return False
+        above = self.prefill_above
+        if self.prefill_above_long is not None and min(shape) >= PREFILL_LONG_K:
+            above = self.prefill_above_long
+        if rows <= above:
             return False
         from . import gluon_prefill
 
@@ -604,9 +617,10 @@ class TritonOptions:
         d, f = self.dense_above, self.valid_fraction
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 0):
             raise ValueError(f"dense_above: expected None or an int >= 0, got {d!r}")
-        pa = self.prefill_above
-        if pa is not None and (isinstance(pa, bool) or not isinstance(pa, int) or pa < 0):
-            raise ValueError(f"prefill_above: expected None or an int >= 0, got {pa!r}")
+        for name in ("prefill_above", "prefill_above_long"):
+            pa = getattr(self, name)
+            if pa is not None and (isinstance(pa, bool) or not isinstance(pa, int) or pa < 0):
+                raise ValueError(f"{name}: expected None or an int >= 0, got {pa!r}")
         if f is not None and (
             isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1
         ):
@@ -820,6 +834,10 @@ def _tile_counters(counters: torch.Tensor | None, need: int, device) -> torch.Te
     if counters is None or counters.numel() < need:
         return torch.zeros(need, dtype=torch.int32, device=device)
     return counters
+
+
+# prefill_above_long's shapes: both GEMMs' K at least this
+PREFILL_LONG_K = 4096
 
 
 @functools.cache
