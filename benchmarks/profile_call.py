@@ -3,10 +3,13 @@
     ncu --clock-control none -k regex:moe_gemm_kernel -c 2 \
         python3 benchmarks/profile_call.py --tokens 16 --mode w4a16
     python3 benchmarks/profile_call.py --tokens 8192 --calls 5 --kernels   # torch.profiler
+    python3 benchmarks/profile_call.py --tokens 1 --calls 5 --kernels --graph --timeline
 
 ``--kernels`` prints the GPU time of each kernel (torch.profiler, averaged over the
-calls) instead of leaving the profiling to an outside tool. Options as ``fp4moe bench``
-sets them (``valid_fraction`` from the preset); ``--no-dense`` turns the dense path off.
+calls) instead of leaving the profiling to an outside tool; ``--graph`` profiles replays
+of one CUDA graph of the call, ``--timeline`` prints the last call's kernels in time.
+Options as ``fp4moe bench`` sets them (``valid_fraction`` from the preset);
+``--no-dense`` turns the dense path off.
 """
 
 import argparse
@@ -42,6 +45,11 @@ p.add_argument(
 p.add_argument("--whole-k", action="store_true", help="TritonOptions.gluon_whole_k=True")
 p.add_argument("--whole-upto", type=float, default=None,
                help="TritonOptions.gluon_whole_upto (0: loop 3 where it runs unsplit)")  # fmt: skip
+p.add_argument("--graph", action="store_true",
+               help="--kernels over replays of one CUDA graph of the call")  # fmt: skip
+p.add_argument("--timeline", action="store_true",
+               help="--kernels: also each kernel's start and end in the last call, us from "
+               "its first kernel's start")  # fmt: skip
 a = p.parse_args()
 pr = PRESETS[a.preset]
 if a.diag or a.tile_rows != 64:
@@ -80,23 +88,47 @@ def call():
 
 call()
 torch.cuda.synchronize()
+run = call
+if a.graph:
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()  # the workspaces' allocations before the capture
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        call()
+    g.replay()
+    torch.cuda.synchronize()
+    run = g.replay
 if a.kernels:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(a.calls):
-            call()
-        torch.cuda.synchronize()
+            run()
+            torch.cuda.synchronize()  # calls apart, so the last call's kernels are its own
     tot: dict[str, list[float]] = {}
+    spans = []
     for ev in prof.events():
         if ev.device_type.name == "CUDA":
             tot.setdefault(ev.name[:60], []).append(ev.device_time_total)
+            spans.append((ev.time_range.start, ev.time_range.end, ev.name[:60]))
     print(f"{a.preset} T={a.tokens} {a.mode} dense={not a.no_dense}: us a call (launches)")
     for name, ts in sorted(tot.items(), key=lambda kv: -sum(kv[1])):
         print(f"  {sum(ts) / a.calls:9.1f}  ({len(ts) // a.calls})  {name}")
     print(f"  {sum(sum(v) for v in tot.values()) / a.calls:9.1f}  total")
     if not tot:  # a torch whose events carry no device type: its own table
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25))
+    if a.timeline and spans:
+        spans.sort()
+        per = len(spans) // a.calls  # the last call: its kernels are the last ones started
+        last = spans[-per:]
+        t0 = last[0][0]
+        print(f"the last call's kernels, us from its first kernel's start ({per} kernels):")
+        for st, en, name in last:
+            print(f"  {st - t0:8.1f} .. {en - t0:8.1f}  ({en - st:6.1f})  {name}")
+        print(f"  span {last[-1][1] - t0:.1f} (last end {max(e for _, e, _ in last) - t0:.1f})")
 else:
     torch.cuda.cudart().cudaProfilerStart()
     for _ in range(a.calls):
