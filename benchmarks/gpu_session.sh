@@ -80,12 +80,13 @@
 #   bash benchmarks/gpu_session.sh s19c       # gluon_whole_fill; the bench, Qwen3's rows
 #   bash benchmarks/gpu_session.sh s19d       # GPU tests of the session's paths; Mixtral
 #   bash benchmarks/gpu_session.sh s19e       # prefill_above_long; Mixtral's bench rows
+#   bash benchmarks/gpu_session.sh s20a       # prepared: gluon_ws.WS_PRODUCER, bits and time
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -994,6 +995,20 @@ s19e)
         --modes w4a16 w4a4-token --variants c3 c3-nolong --iters 10 --out "$out/long.json"
     step mixtral 200 python3 -m fp4moe bench --preset mixtral-8x7b --num-tokens 16 64 128 256 \
         --iters 10 --out "$out/mixtral"
+    ;;
+s20a)
+    # Prepared in session 19, not run: gluon_ws.WS_PRODUCER (the one-block body as a TMA
+    # producer warp and the consumer warpgroup, a ring of four 64-K stages released a warp
+    # at a time). Its bits first, then whole calls against the default in two processes,
+    # then FC1 and FC2 at 16 tokens each (profile_call.py --kernels)
+    step ws_test 240 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
+        -k "ws_producer"
+    step ws1 150 python3 benchmarks/sweep_decode.py --tokens 1 8 16 32 64 128 --modes w4a16 \
+        w4a4-token --variants c3 c3-ws --iters 20 --out "$out/ws1.json"
+    step ws2 150 python3 benchmarks/sweep_decode.py --tokens 1 16 64 --modes w4a16 \
+        --variants c3 c3-ws --iters 20 --out "$out/ws2.json"
+    step ws_mixtral 90 python3 benchmarks/sweep_decode.py --preset mixtral-8x7b --tokens 1 16 \
+        --modes w4a16 --variants c3 c3-ws --iters 20 --out "$out/ws-mixtral.json"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

@@ -48,6 +48,7 @@ e.g. c3-pa48-pbm64x2-defer), c3-noover (TritonOptions.gluon_whole_over None: the
 Gluon kernels up to gluon_upto, no whole-K below it), c3-fill1 / c3-fill2
 (TritonOptions.gluon_whole_fill 1 / 2), c3-nolong (prefill_above_long None), c3-sched
 (gluon_ws.SCHED_AHEAD: a valid program's block start and end read beside its expert),
+c3-ws (gluon_ws.WS_PRODUCER: the Gluon GEMMs' one-block body warp-specialized),
 c3-nofusedchain (TritonOptions.fused_chain off: with --fused, the accumulator's zeros after
 W4A4's quantize and torch's cast, as before session 16),
 c3-prefill, c3-noprefill (TritonOptions.gluon_prefill on / off: the dense path's GEMMs on
@@ -186,6 +187,7 @@ def main() -> None:
     prefill0 = gluon_prefill.DEFER, gluon_prefill.BM, dict(gluon_prefill.PER_SM)
     whole_buffers0 = gluon_ws.WHOLE_BUFFERS
     sched0 = gluon_ws.SCHED_AHEAD
+    ws0 = gluon_ws.WS_PRODUCER
     ceil = card_ceilings()
     tbs, tfl = ceil["copy_bytes_per_s"] / 1e12, ceil["bf16_matmul_flops"] / 1e12
     print(f"copy {tbs:.2f} TB/s, bf16 {tfl:.0f} TFLOP/s")
@@ -281,6 +283,8 @@ def main() -> None:
                 # the valid programs' block start and end read beside their expert
                 # (gluon_ws.SCHED_AHEAD, set below; the same bits)
                 "c3-sched": c3(),
+                # the Gluon GEMMs' one-block body warp-specialized (gluon_ws.WS_PRODUCER)
+                "c3-ws": c3(),
             }
             # the Gluon kernels with whole-K programs where loop 3 runs unsplit, up to N
             # expected valid rows an expert (TritonOptions.gluon_whole_upto)
@@ -352,6 +356,7 @@ def main() -> None:
                 launch.SEGMENT = int(name[6:]) if name.startswith("c3-seg") else segment0
                 gluon_ws.TILED = name == "c3-tiled"
                 gluon_ws.SCHED_AHEAD = name == "c3-sched" or sched0
+                gluon_ws.WS_PRODUCER = name == "c3-ws" or ws0
                 b2 = name.startswith("c3-whole") and name.endswith("b2")
                 gluon_ws.WHOLE_BUFFERS = 2 if b2 else whole_buffers0
                 # gluon_prefill's experiments; every other variant runs its defaults
@@ -414,6 +419,7 @@ def main() -> None:
     gluon_prefill.DEFER, gluon_prefill.BM, gluon_prefill.PER_SM = prefill0
     gluon_ws.WHOLE_BUFFERS = whole_buffers0
     gluon_ws.SCHED_AHEAD = sched0
+    gluon_ws.WS_PRODUCER = ws0
 
 
 if __name__ == "__main__":

@@ -998,3 +998,52 @@ def test_sched_ahead_compiles_for_sm90():
         "print('ok')\n"
     )
     _compile_check(code)
+
+
+def test_ws_producer_compiles_for_sm90():
+    """``WS`` (``gluon_ws.WS_PRODUCER``, an experiment built in session 19, not yet run): the
+    one-block body as a producer warp and the consumer warpgroup (``setmaxnreg``: the
+    producer 24 registers, the consumers 72 for FC1 / 56 for FC2 under ``WS_MAXNREG``'s
+    48 / 40), 8 warps a program; the segment's 16 stages of 64 K as one code box each (and
+    a scale box a 256-K group), waited for on 16 barriers and released by one arrival a
+    stage (with the producer's 16 expected-bytes arrivals, 32); the same wgmmas as the
+    one-block body; no local memory; FC1 within five programs an SM (shared memory and
+    registers), FC2 six."""
+    pytest.importorskip("triton")
+    code = (
+        "import re\n"
+        "from fp4moe.kernels import gluon_ws\n"
+        "from fp4moe.kernels.common import resource_usage\n"
+        "from fp4moe.kernels.gluon_ws import WS_MAXNREG, compile_sm90\n"
+        "for n, k, g, slots, cons in ((2048, 7168, True, 5, 72), (7168, 2048, False, 6, 56)):\n"
+        "    kw = dict(n=n, k=k, gated=g, block_m=8, asynchronous=True, epilogue=True,\n"
+        "              pdl=not g, early_weights=not g)\n"
+        "    base = compile_sm90(**kw, buffers=1, box3=2)\n"
+        "    c = compile_sm90(**kw, buffers=4, box3=0, stage_k=64, ws=True,\n"
+        "                     maxnreg=WS_MAXNREG[g])\n"
+        "    ptx, res = c.asm['ptx'], resource_usage(c)\n"
+        "    regs = sorted({int(r) for r in re.findall(r'setmaxnreg[.a-z0-9]*\\s+(\\d+)', ptx)})\n"
+        "    assert regs == [24, cons], (g, regs)\n"
+        "    assert c.metadata.num_warps == 8, c.metadata.num_warps\n"
+        "    w = 2 if g else 1\n"
+        "    assert ptx.count('cp.async.bulk.tensor') == w * (16 + 4), g\n"
+        "    assert ptx.count('mbarrier.try_wait') >= 16 + 12, g\n"
+        "    assert ptx.count('mbarrier.arrive') == 32, g\n"
+        "    assert ptx.count('wgmma.mma_async') == base.asm['ptx'].count('wgmma.mma_async')\n"
+        "    assert '.local' not in ptx and res['STACK'] == 0, (g, res)\n"
+        "    assert res['REG'] == WS_MAXNREG[g] and slots * 256 * res['REG'] <= 65536, res\n"
+        "    assert slots * (c.metadata.shared + 1024) <= 233472, c.metadata.shared\n"
+        "print('ok')\n"
+    )
+    _compile_check(code)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [0, 1, 16, 64, "one-expert", "all-masked"])
+@pytest.mark.parametrize("mode", MODES[:3], ids=_mode_id)
+def test_gluon_ws_producer_gpu(monkeypatch, t, mode):
+    """``gluon_ws.WS_PRODUCER`` on the GPU: the warp-specialized one-block body gives loop
+    3's bits for whole calls (deterministic finalize), the fused finalize within the
+    tolerance, every mode; no token, every route on one expert, every route masked
+    (zeros)."""
+    _flags_same_as_loop3(monkeypatch, dict(WS_PRODUCER=True), t, mode, seed=43, expert=6)
