@@ -183,19 +183,20 @@ LOOP_MAXNREG = {(True, 8): 80, (False, 8): 64, (True, 16): 128, (False, 16): 96}
 # FC1 at 16-row tiles 51 KB and 121 registers, four programs an SM; 2: 69 KB, three, within
 # 3% in session 18). They take no register cap.
 WHOLE_BUFFERS = 1
-# Experiment (session 19, built after the GPU time ran out; compiled on the CPU only, never
-# run): the one-block body warp-specialized (``gl.warp_specialize``). A producer warp issues
-# a ring of WS_BUFFERS 64-K stages (the scales in 256-K groups beside it), refilling each
-# buffer as soon as the four consumer warps have each released it (an mbarrier of count 4
-# a buffer: every consumer warp's lane 0 arrives after its own shared loads of the stage,
-# no CTA barrier); the consumer warpgroup stages the rows, decodes unit by unit and runs
-# the wgmmas, the partials and the epilogue as now. The same units, operands and order:
-# loop 3's bits. Session 16 item 2 (ncu's samples: 27% to 36% of a valid program's time
-# in the waits for stages 2 to 4) and session 11 (a 64-K ring of four refilled by the
-# consumers behind three barriers each, no gain) are why. A worker partition is padded to
-# a warpgroup (8 warps a program), so the registers are capped at launch
-# (``WS_MAXNREG``) and split by ``setmaxnreg``: FC1 48 (consumers 72, producer 24; five
-# programs an SM), FC2 40 (consumers 56; six).
+# Experiment (session 19, built after the GPU time ran out; compiled on the CPU only,
+# never run): the one-block body warp-specialized (``gl.warp_specialize``). A producer
+# warp issues a ring of WS_BUFFERS 64-K stages (the scales in 256-K groups beside it),
+# refilling each buffer as soon as the four consumer warps have each released it (an
+# mbarrier of count 4 a buffer: every consumer warp's lane 0 arrives after its shared
+# loads of the stage; the consumers issue no copies, though Triton still puts a consumer-
+# wide bar.sync before each arrive and each unit's wgmma); the consumer warpgroup stages
+# the rows, decodes unit by unit and runs the wgmmas, the partials and the epilogue as
+# now. The same units, operands and order: loop 3's bits. Session 16 item 2 (ncu's
+# samples: 27% to 36% of a valid program's time in the waits for stages 2 to 4) and
+# session 11 (a 64-K ring of four refilled by the consumers behind three barriers each, no
+# gain) are why. A worker partition is padded to a warpgroup (8 warps a program), so the
+# registers are capped at launch (``WS_MAXNREG``) and split by ``setmaxnreg``: FC1 48
+# (consumers 72, producer 24; five programs an SM), FC2 40 (consumers 56; six).
 WS_PRODUCER = False
 WS_BUFFERS = 4
 WS_MAXNREG = {True: 48, False: 40}

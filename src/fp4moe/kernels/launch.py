@@ -316,10 +316,12 @@ class TritonOptions:
         ``gluon_upto``) a call whose two GEMMs would both run whole-K (loop 3 unsplit,
         ``whole_runs``) takes the whole-K Gluon kernels at 16-row tiles instead of the
         split ones at 8-row tiles. None: off (the split kernels up to ``gluon_upto``).
-        The same bits. 3.5 since session 19 (DeepSeek-V3 EP8 W4A16, whole-K against
-        split, us: 64 / 96 / 128 tokens, 2 / 3 / 4 rows, 212.9 / 262.0 / 324.3 -> 239.6 /
-        272.3 / 296.7 in session 18): whole-K's cost is flat in the rows up to its 16,
-        the split kernels' grows with them, and they cross near 3.3 rows.
+        The same bits. 3.5 since session 19 (DeepSeek-V3 EP8 W4A16, split -> whole-K, us:
+        64 / 96 / 128 tokens, 2 / 3 / 4 rows, 212.9 / 262.0 / 324.3 -> 239.6 / 272.3 /
+        296.7 in session 18; with the rule, ``sweep_decode.py --variants c3 c3-noover``,
+        128 tokens 323.2 -> 300.8, per-token W4A4 341.7 -> 309.7, Kimi-K2 EP8 at 192
+        tokens 395.5 -> 369.8): whole-K's cost is flat in the rows up to its 16, the split
+        kernels' grows with them, and they cross near 3.3 rows.
     gluon_whole_fill: a GEMM that would run whole-K (``whole_runs``) splits K instead (the
         split Gluon kernel at 16-row tiles) where its expected whole-K programs (touched
         experts x 64-row tiles x 16-row blocks) are fewer than this many times the SMs'
@@ -443,9 +445,10 @@ class TritonOptions:
         return True
 
     def whole_both(self, n_routes: int, num_experts: int, hidden: int, inter: int) -> bool:
-        """Whether both GEMMs of a call (W4A16 or per-token W4A4) would run as whole-K
-        Gluon kernels at 16-row tiles: loop 3 would not split them (``split_for``), the
-        call is not dense, and ``whole_runs`` takes each."""
+        """Whether both GEMMs of a call would run as whole-K Gluon kernels at 16-row
+        tiles: loop 3 would not split them (``split_for``, ``gemm_splits``), the call is
+        not dense, and ``whole_runs`` takes each. Whether FC1's epilogue can
+        (``fc1_whole_can``) is the caller's to check."""
         if self.split_k is not None or self.split_for(n_routes, num_experts):
             return False
         if self.dense_for(n_routes, num_experts, (hidden, inter)):
