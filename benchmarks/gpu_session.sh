@@ -80,7 +80,7 @@
 #   bash benchmarks/gpu_session.sh s19c       # gluon_whole_fill; the bench, Qwen3's rows
 #   bash benchmarks/gpu_session.sh s19d       # GPU tests of the session's paths; Mixtral
 #   bash benchmarks/gpu_session.sh s19e       # prefill_above_long; Mixtral's bench rows
-#   bash benchmarks/gpu_session.sh s20a       # prepared: gluon_ws.WS_PRODUCER, bits and time
+#   bash benchmarks/gpu_session.sh s20a       # prepared: WS_PRODUCER, QUANTIZE_ROW_FIRST
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
@@ -1009,6 +1009,15 @@ s20a)
         --variants c3 c3-ws --iters 20 --out "$out/ws2.json"
     step ws_mixtral 90 python3 benchmarks/sweep_decode.py --preset mixtral-8x7b --tokens 1 16 \
         --modes w4a16 --variants c3 c3-ws --iters 20 --out "$out/ws-mixtral.json"
+    # launch.QUANTIZE_ROW_FIRST: its bits, then per-tensor and per-token W4A4 at 1 and 16
+    # tokens, fused (per-tensor's fused 1-token row is target 3's weakest) and not
+    step rowfirst_test 90 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py \
+        -k "row_first"
+    step rowfirst 120 python3 benchmarks/sweep_decode.py --tokens 1 16 --modes w4a4-tensor \
+        w4a4-token --variants c3 c3-rowfirst --iters 20 --fused --out "$out/rowfirst-fused.json"
+    step rowfirst_det 100 python3 benchmarks/sweep_decode.py --tokens 1 16 \
+        --modes w4a4-tensor w4a4-token --variants c3 c3-rowfirst --iters 20 \
+        --out "$out/rowfirst.json"
     ;;
 stalls)
     # Why the decode-size GEMMs issue so little: ncu's stall reasons a issued instruction.

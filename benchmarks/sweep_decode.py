@@ -49,6 +49,8 @@ Gluon kernels up to gluon_upto, no whole-K below it), c3-fill1 / c3-fill2
 (TritonOptions.gluon_whole_fill 1 / 2), c3-nolong (prefill_above_long None), c3-sched
 (gluon_ws.SCHED_AHEAD: a valid program's block start and end read beside its expert),
 c3-ws (gluon_ws.WS_PRODUCER: the Gluon GEMMs' one-block body warp-specialized),
+c3-rowfirst (launch.QUANTIZE_ROW_FIRST: W4A4's quantize programs load their first chunk
+before their global),
 c3-nofusedchain (TritonOptions.fused_chain off: with --fused, the accumulator's zeros after
 W4A4's quantize and torch's cast, as before session 16),
 c3-prefill, c3-noprefill (TritonOptions.gluon_prefill on / off: the dense path's GEMMs on
@@ -184,6 +186,7 @@ def main() -> None:
     )
     a = ap.parse_args()
     qsplit0, segment0 = launch.QUANTIZE_SPLIT_ROWS, launch.SEGMENT
+    rowfirst0 = launch.QUANTIZE_ROW_FIRST
     prefill0 = gluon_prefill.DEFER, gluon_prefill.BM, dict(gluon_prefill.PER_SM)
     whole_buffers0 = gluon_ws.WHOLE_BUFFERS
     sched0 = gluon_ws.SCHED_AHEAD
@@ -285,6 +288,9 @@ def main() -> None:
                 "c3-sched": c3(),
                 # the Gluon GEMMs' one-block body warp-specialized (gluon_ws.WS_PRODUCER)
                 "c3-ws": c3(),
+                # the quantize programs' first chunk before their global (W4A4;
+                # launch.QUANTIZE_ROW_FIRST)
+                "c3-rowfirst": c3(),
             }
             # the Gluon kernels with whole-K programs where loop 3 runs unsplit, up to N
             # expected valid rows an expert (TritonOptions.gluon_whole_upto)
@@ -353,6 +359,7 @@ def main() -> None:
             first = first3 = None
             for name, opt in variants.items():
                 launch.QUANTIZE_SPLIT_ROWS = QSPLIT_ROWS if name == "c3-qsplit" else qsplit0
+                launch.QUANTIZE_ROW_FIRST = name == "c3-rowfirst" or rowfirst0
                 launch.SEGMENT = int(name[6:]) if name.startswith("c3-seg") else segment0
                 gluon_ws.TILED = name == "c3-tiled"
                 gluon_ws.SCHED_AHEAD = name == "c3-sched" or sched0
@@ -415,6 +422,7 @@ def main() -> None:
                         indent=1,
                     )
     launch.QUANTIZE_SPLIT_ROWS = qsplit0
+    launch.QUANTIZE_ROW_FIRST = rowfirst0
     launch.SEGMENT = segment0
     gluon_prefill.DEFER, gluon_prefill.BM, gluon_prefill.PER_SM = prefill0
     gluon_ws.WHOLE_BUFFERS = whole_buffers0

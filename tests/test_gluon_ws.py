@@ -872,8 +872,10 @@ def test_gluon_loop_graph_replay_gpu(opt):
 
 def test_quantize_amax_self_compiles_for_sm90():
     """``quantize_rows_kernel`` in ``MODE_AMAX_SELF`` (the row loop over a count) compiles
-    for sm_90 in both grids, with the count given and from a pointer; its ``n_rows`` is not
-    specialized, since a count of 1 (a constant) broke Triton 3.6's coalesce pass there."""
+    for sm_90 in both grids, with the count given and from a pointer, and with
+    ``ROW_FIRST`` (``launch.QUANTIZE_ROW_FIRST``), with no local memory; its ``n_rows`` is
+    not specialized, since a count of 1 (a constant) broke Triton 3.6's coalesce pass
+    there."""
     pytest.importorskip("triton")
     code = (
         "import triton.language as tl\n"
@@ -883,14 +885,15 @@ def test_quantize_amax_self_compiles_for_sm90():
         "ptrs = {'src_ptr': '*bf16', 'src_index_ptr': '*i32', 'n_rows_ptr': '*i32',\n"
         "        'codes_ptr': '*u8', 'scales_ptr': '*fp8e4nv', 'global_out_ptr': '*fp32',\n"
         "        'table_ptr': '*fp32', 'row_expert_ptr': '*i32'}\n"
-        "for split in (False, True):\n"
-        "    for cfp in (False, True):\n"
-        "        const = dict(C=7168, MODE=MODE_AMAX_SELF, GATHER=False, DIV=1,\n"
-        "                     COUNT_FROM_PTR=cfp, BLOCK_C=512, USE_PDL=True, INTERPRET=False,\n"
-        "                     AMAX_C=1024, SPLIT_C=split, dec_ptr=None, DEC=False,\n"
-        "                     DEC_DTYPE=tl.bfloat16)\n"
-        "        c = compile_sm90(k, ptrs, const, ints=('n_rows',), num_warps=4)\n"
-        "        assert '.local' not in c.asm['ptx']\n"
+        "for split, cfp, first in ((False, False, False), (False, True, False),\n"
+        "                          (True, False, False), (True, True, False),\n"
+        "                          (False, True, True), (True, True, True)):\n"
+        "    const = dict(C=7168, MODE=MODE_AMAX_SELF, GATHER=False, DIV=1,\n"
+        "                 COUNT_FROM_PTR=cfp, BLOCK_C=512, USE_PDL=True, INTERPRET=False,\n"
+        "                 AMAX_C=1024, SPLIT_C=split, dec_ptr=None, DEC=False,\n"
+        "                 DEC_DTYPE=tl.bfloat16, ROW_FIRST=first)\n"
+        "    c = compile_sm90(k, ptrs, const, ints=('n_rows',), num_warps=4)\n"
+        "    assert '.local' not in c.asm['ptx']\n"
         "print('ok')\n"
     )
     _compile_check(code)

@@ -732,6 +732,44 @@ def test_quantize_split_rows_same_bits(interpret, device, monkeypatch):
         assert _same_quantized(one, split, n)
 
 
+@pytest.mark.kernel
+def test_quantize_row_first_same_bits(interpret, device, monkeypatch):
+    """``QUANTIZE_ROW_FIRST`` (the first chunk loaded before the global) gives the same
+    codes, scales and globals in every mode, one row a program and one chunk a program,
+    and the reference's on its tie cases."""
+    if device != "cpu":
+        pytest.skip("interpreter case; test_quantize_row_first_gpu runs it on the GPU")
+    from fp4moe.kernels import launch
+
+    _row_first_same(device, monkeypatch, 5, 160)
+    monkeypatch.setattr(launch, "QUANTIZE_ROW_FIRST", True)
+    test_quantize_rows_matches_reference(interpret, device, 96)
+
+
+def _row_first_same(device, monkeypatch, rows, c):
+    """``quantize_rows`` with and without ``QUANTIZE_ROW_FIRST``: the same outputs, for
+    ``_quantize_split_cases`` one row a program and one chunk a program."""
+    from fp4moe.kernels import launch
+
+    for split_rows in (0, 1024):
+        monkeypatch.setattr(launch, "QUANTIZE_SPLIT_ROWS", split_rows)
+        for x, n, kw in _quantize_split_cases(device, rows, c, seed=rows + c + 1):
+            monkeypatch.setattr(launch, "QUANTIZE_ROW_FIRST", False)
+            base = launch.quantize_rows(x, rows, **kw)
+            monkeypatch.setattr(launch, "QUANTIZE_ROW_FIRST", True)
+            first = launch.quantize_rows(x, rows, **kw)
+            assert _same_quantized(base, first, n), (split_rows, kw.get("mode"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,c", [(1, 7168), (8, 2048), (64, 768), (600, 7168)])
+def test_quantize_row_first_gpu(device, monkeypatch, rows, c):
+    """On the GPU: ``QUANTIZE_ROW_FIRST`` gives the bits without it, every mode."""
+    if device != "cuda":
+        pytest.skip("GPU test")
+    _row_first_same("cuda", monkeypatch, rows, c)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,c", [(1, 7168), (8, 7168), (8, 2048), (64, 768)])
 def test_quantize_split_rows_gpu(device, monkeypatch, rows, c):

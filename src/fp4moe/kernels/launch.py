@@ -81,6 +81,13 @@ QUANTIZE_SPLIT_ROWS = 512
 # amax_rows above QUANTIZE_SPLIT_ROWS rows: rows a program (one atomic max each)
 AMAX_ROWS = 16
 QUANTIZE_SPLIT_C = 256
+# Experiment (session 19, off; built after the GPU time ran out, interpreter-tested, not run
+# on a GPU): each quantize program loads its first chunk of the row before the loads of
+# its global (the row's amax, or per-tensor W4A4's pass over every counted row at few
+# rows), so that the two latencies overlap. The same values: the same bits. Per-tensor
+# W4A4's fused 1-token call spends 4.8 us in its second quantize after FC1, per-token 3.2
+# (perf-notes session 19 item 6).
+QUANTIZE_ROW_FIRST = False
 AMAX_WIDE_C = 8192
 
 
@@ -736,7 +743,7 @@ def quantize_rows(
         table if table is not None else dummy, row_expert if row_expert is not None else dummy,
         c, MODE=mode, GATHER=index is not None, DIV=div, COUNT_FROM_PTR=count is not None,
         BLOCK_C=block_c, AMAX_C=_row_block(c, few), INTERPRET=interpreting(), num_warps=4,
-        **split, **dec,
+        ROW_FIRST=QUANTIZE_ROW_FIRST, **split, **dec,
     )  # fmt: skip
     return codes, scales, glob
 

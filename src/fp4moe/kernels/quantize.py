@@ -169,6 +169,8 @@ def quantize_rows_kernel(
     dec_ptr=None,  # DEC: [rows, C] DEC_DTYPE, the decoded values in the unit order
     DEC: tl.constexpr = False,
     DEC_DTYPE: tl.constexpr = tl.bfloat16,
+    ROW_FIRST: tl.constexpr = False,  # the program's first chunk loaded before the global
+    # (``launch.QUANTIZE_ROW_FIRST``): its latency under the amax's, the same values
 ):
     """One row a program (SPLIT_C: one BLOCK_C chunk of a row a program, grid axis 1, for
     few rows); the per-row amax reads AMAX_C elements at a time. The same bits either way.
@@ -187,6 +189,10 @@ def quantize_rows_kernel(
     else:
         src = i.to(tl.int64)
     row = src_ptr + src * C
+    if ROW_FIRST:  # the first chunk's load issued before the global's loads
+        x0 = _load_chunk(row, tl.program_id(1) * BLOCK_C if SPLIT_C else 0, C, BLOCK_C)
+    else:
+        x0 = None
 
     if MODE == 1:
         g = tl.load(table_ptr + tl.load(row_expert_ptr + i))
@@ -218,27 +224,31 @@ def quantize_rows_kernel(
     if FAST_DIV_MODES and not INTERPRET:
         if (g >= 6.462348535570529e-27) & (g <= 1.5474250491067253e26):  # 2^-87 .. 2^87
             _quantize_span(row, c_off, i64, g, codes_ptr, scales_ptr, C, BLOCK_C, c_span,
-                           INTERPRET, dec_ptr, DEC, DEC_DTYPE, True)  # fmt: skip
+                           INTERPRET, dec_ptr, DEC, DEC_DTYPE, True, x0, ROW_FIRST)  # fmt: skip
         else:
             _quantize_span(row, c_off, i64, g, codes_ptr, scales_ptr, C, BLOCK_C, c_span,
-                           INTERPRET, dec_ptr, DEC, DEC_DTYPE, False)  # fmt: skip
+                           INTERPRET, dec_ptr, DEC, DEC_DTYPE, False, x0, ROW_FIRST)  # fmt: skip
     else:
         _quantize_span(row, c_off, i64, g, codes_ptr, scales_ptr, C, BLOCK_C, c_span,
-                       INTERPRET, dec_ptr, DEC, DEC_DTYPE, False)  # fmt: skip
+                       INTERPRET, dec_ptr, DEC, DEC_DTYPE, False, x0, ROW_FIRST)  # fmt: skip
 
 
 @triton.jit
 def _quantize_span(row, c_off, i64, g, codes_ptr, scales_ptr, C: tl.constexpr,
                    BLOCK_C: tl.constexpr, SPAN: tl.constexpr, INTERPRET: tl.constexpr,
                    dec_ptr, DEC: tl.constexpr, DEC_DTYPE: tl.constexpr,
-                   FAST: tl.constexpr):  # fmt: skip
+                   FAST: tl.constexpr, x0=None, HAVE_X0: tl.constexpr = False):  # fmt: skip
     """Elements c_off .. c_off + SPAN of a row, BLOCK_C at a time (``_quantize_chunk``).
     Unrolled, each chunk loaded before the one before it is stored: the compiler cannot
     move a load above a store that may alias it, so otherwise every chunk's load waits
-    for the last chunk's stores (one load in flight a thread)."""
+    for the last chunk's stores (one load in flight a thread). ``HAVE_X0``: the first
+    chunk is ``x0``, loaded by the caller (``ROW_FIRST``)."""
     six_g = 6.0 * g
     y6 = _fast_rcp(six_g, FAST)
-    xb = _load_chunk(row, c_off, C, BLOCK_C)
+    if HAVE_X0:
+        xb = x0
+    else:
+        xb = _load_chunk(row, c_off, C, BLOCK_C)
     for cb in tl.static_range(0, SPAN, BLOCK_C):
         x_now = xb
         if cb + BLOCK_C < SPAN:
