@@ -307,6 +307,17 @@ def _stage_buffers(GATED: gl.constexpr, NB: gl.constexpr, NBS: gl.constexpr,
 
 
 @gluon.jit
+def _mma_drain(acc_g, acc_u, GATED: gl.constexpr):
+    """Wait for every asynchronous wgmma in flight into ``acc_g`` (and ``acc_u`` when
+    GATED); the accumulators to read afterwards."""
+    if GATED:
+        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+    else:
+        acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
+    return acc_g, acc_u
+
+
+@gluon.jit
 def _gdc_wait_release():
     """Programmatic dependent launch: wait for the preceding kernel's writes, then let the
     next kernel's programs start (``tl.extra.cuda.gdc_wait`` / ``gdc_launch_dependents``;
@@ -744,10 +755,7 @@ def _ws_consumer(
         if GATED:
             acc_u = warpgroup_mma(wu, xb, acc_u, is_async=True)
             pu = wu  # noqa: F841
-    if GATED:
-        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
-    else:
-        acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
+    acc_g, acc_u = _mma_drain(acc_g, acc_u, GATED)
     stride = _store_partials(acc_g, acc_u, part_ptr, pid_n, start, end, s_id, ws_rows, N,
                              GATED, BM, MMA)  # fmt: skip
     if EPILOGUE:
@@ -1063,11 +1071,7 @@ def _block_work(
                 # the stage's buffer is read: refill it with stage + NB (ring only)
                 if kb % UPS == UPS - 1 and kb // UPS + NB < NS and DIAG < 2:
                     if A_TMA and ASYNC:  # the stage's x rows are read by the wgmma in flight
-                        if GATED:
-                            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0,
-                                                              deps=(acc_g, acc_u))  # fmt: skip
-                        else:
-                            acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
+                        acc_g, acc_u = _mma_drain(acc_g, acc_u, GATED)
                     gl.thread_barrier()  # every warp's shared loads of the buffer done
                     fence_async_shared()  # ordered before the TMA writes (async proxy)
                     rb = bars.index((kb // UPS) % NB)
@@ -1103,10 +1107,7 @@ def _block_work(
                             _issue_stage(c_desc, s_desc, cdst, sbuf, rb, nr + N, nk, st2,
                                          1, NB, BOX3, UPS, NBS, K // 256)  # fmt: skip
             if ASYNC:
-                if GATED:
-                    acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
-                else:
-                    acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
+                acc_g, acc_u = _mma_drain(acc_g, acc_u, GATED)
             if WHOLE:
                 tot_g = tot_g + acc_g
                 tot_u = tot_u + acc_u
