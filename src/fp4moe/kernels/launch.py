@@ -574,10 +574,8 @@ class TritonOptions:
                                         (hidden, inter, cfg2, w2, False)):  # fmt: skip
             blocks = math.ceil(rows / cfg.block_m - 1e-6)  # 16.000001 rows: one 16-row block
             if whole:  # whole-K unless its programs fill too few of the SMs' slots
-                from .gluon_ws import WHOLE_PER_SM
-
-                slots = WHOLE_PER_SM[gated] * sm_count()
-                out.append(triton.cdiv(n, 64) * touched * blocks < self.gluon_whole_fill * slots)
+                out.append(bool(self.gluon_whole_fill) and triton.cdiv(n, 64) * touched * blocks
+                           < self.gluon_whole_fill * _whole_slots(gated))  # fmt: skip
             else:
                 programs = triton.cdiv(n, cfg.block_n) * touched * blocks
                 out.append(k > SEGMENT and programs < SPLIT_BELOW_PROGRAMS)
@@ -857,6 +855,14 @@ def sm_count() -> int:
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     return 132
+
+
+def _whole_slots(gated: bool) -> int:
+    """The whole-K Gluon programs the GPU holds at once (``gluon_ws.WHOLE_PER_SM`` an SM
+    times ``sm_count``)."""
+    from .gluon_ws import WHOLE_PER_SM
+
+    return WHOLE_PER_SM[gated] * sm_count()
 
 
 def _gluon_fits(gluon: bool, chunked: int, k: int, a_fp4: bool, cfg: GemmConfig) -> bool:
