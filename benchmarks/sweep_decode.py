@@ -137,6 +137,14 @@ C3_DENSE = [  # the dense path: both operands from shared memory, bigger tiles p
 ]
 
 
+# variants that run c3 with one module flag switched on
+FLAG_VARIANTS = {
+    "c3-tiled": (gluon_ws, "TILED"),
+    "c3-sched": (gluon_ws, "SCHED_AHEAD"),
+    "c3-ws": (gluon_ws, "WS_PRODUCER"),
+    "c3-rowfirst": (launch, "QUANTIZE_ROW_FIRST"),
+}
+
 # gluon_prefill's module flags of its experiment variants: (DEFER, BM, PER_SM entries), as
 # session 17 measured them (c3-pbm64 and c3-pbm64x2 without DEFER, then its default off)
 PREFILL_FLAGS = {
@@ -186,11 +194,9 @@ def main() -> None:
     )
     a = ap.parse_args()
     qsplit0, segment0 = launch.QUANTIZE_SPLIT_ROWS, launch.SEGMENT
-    rowfirst0 = launch.QUANTIZE_ROW_FIRST
+    flags0 = {v: getattr(mod, attr) for v, (mod, attr) in FLAG_VARIANTS.items()}
     prefill0 = gluon_prefill.DEFER, gluon_prefill.BM, dict(gluon_prefill.PER_SM)
     whole_buffers0 = gluon_ws.WHOLE_BUFFERS
-    sched0 = gluon_ws.SCHED_AHEAD
-    ws0 = gluon_ws.WS_PRODUCER
     ceil = card_ceilings()
     tbs, tfl = ceil["copy_bytes_per_s"] / 1e12, ceil["bf16_matmul_flops"] / 1e12
     print(f"copy {tbs:.2f} TB/s, bf16 {tfl:.0f} TFLOP/s")
@@ -284,7 +290,7 @@ def main() -> None:
                 "c3-fill1": c3(gluon_whole_fill=1.0),
                 "c3-fill2": c3(gluon_whole_fill=2.0),
                 # the valid programs' block start and end read beside their expert
-                # (gluon_ws.SCHED_AHEAD, set below; the same bits)
+                # (gluon_ws.SCHED_AHEAD, FLAG_VARIANTS; the same bits)
                 "c3-sched": c3(),
                 # the Gluon GEMMs' one-block body warp-specialized (gluon_ws.WS_PRODUCER)
                 "c3-ws": c3(),
@@ -310,7 +316,7 @@ def main() -> None:
                     variants[name] = c3(gluon_whole_upto=float(n_), gluon_upto=float(u_))
             # the Gluon GEMMs as persistent programs: as many as the SMs hold, or N an SM
             variants["c3-persist"] = c3(gluon_persist="auto")
-            variants["c3-tiled"] = c3()  # with gluon_ws.TILED set below
+            variants["c3-tiled"] = c3()  # with gluon_ws.TILED (FLAG_VARIANTS)
             # ... and taking calls of up to 8 expected valid rows an expert (gluon_upto 8)
             variants["c3-persist-u8"] = c3(gluon_persist="auto", gluon_upto=8.0)
             for name in a.variants:
@@ -359,11 +365,9 @@ def main() -> None:
             first = first3 = None
             for name, opt in variants.items():
                 launch.QUANTIZE_SPLIT_ROWS = QSPLIT_ROWS if name == "c3-qsplit" else qsplit0
-                launch.QUANTIZE_ROW_FIRST = name == "c3-rowfirst" or rowfirst0
                 launch.SEGMENT = int(name[6:]) if name.startswith("c3-seg") else segment0
-                gluon_ws.TILED = name == "c3-tiled"
-                gluon_ws.SCHED_AHEAD = name == "c3-sched" or sched0
-                gluon_ws.WS_PRODUCER = name == "c3-ws" or ws0
+                for v, (mod, attr) in FLAG_VARIANTS.items():
+                    setattr(mod, attr, name == v or flags0[v])
                 b2 = name.startswith("c3-whole") and name.endswith("b2")
                 gluon_ws.WHOLE_BUFFERS = 2 if b2 else whole_buffers0
                 # gluon_prefill's experiments; every other variant runs its defaults
@@ -422,12 +426,11 @@ def main() -> None:
                         indent=1,
                     )
     launch.QUANTIZE_SPLIT_ROWS = qsplit0
-    launch.QUANTIZE_ROW_FIRST = rowfirst0
     launch.SEGMENT = segment0
     gluon_prefill.DEFER, gluon_prefill.BM, gluon_prefill.PER_SM = prefill0
     gluon_ws.WHOLE_BUFFERS = whole_buffers0
-    gluon_ws.SCHED_AHEAD = sched0
-    gluon_ws.WS_PRODUCER = ws0
+    for v, (mod, attr) in FLAG_VARIANTS.items():
+        setattr(mod, attr, flags0[v])
 
 
 if __name__ == "__main__":
