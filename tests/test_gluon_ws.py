@@ -1009,9 +1009,10 @@ def test_ws_producer_compiles_for_sm90():
     producer 24 registers, the consumers 72 for FC1 / 56 for FC2 under ``WS_MAXNREG``'s
     48 / 40), 8 warps a program; the segment's 16 stages of 64 K as one code box each (and
     a scale box a 256-K group), waited for on 16 barriers and released by one arrival a
-    stage (with the producer's 16 expected-bytes arrivals, 32); the same wgmmas as the
-    one-block body; no local memory; FC1 within five programs an SM (shared memory and
-    registers), FC2 six."""
+    stage, from one thread of the consumers, so every barrier's count is 1 (with the
+    producer's 16 expected-bytes arrivals, 32); the same wgmmas as the one-block body;
+    no local memory; FC1 within five programs an SM (shared memory and registers), FC2
+    six."""
     pytest.importorskip("triton")
     code = (
         "import re\n"
@@ -1032,6 +1033,12 @@ def test_ws_producer_compiles_for_sm90():
         "    assert ptx.count('cp.async.bulk.tensor') == w * (16 + 4), g\n"
         "    assert ptx.count('mbarrier.try_wait') >= 16 + 12, g\n"
         "    assert ptx.count('mbarrier.arrive') == 32, g\n"
+        "    # each arrive runs on one thread of its partition (thread 0 of the consumers' 128),\n"
+        "    # so every barrier completes a phase on one arrival: a count of 4 (one a warp,\n"
+        "    # session 19's) never completes and hangs the launch (session 20, on the H200)\n"
+        "    init = r'mbarrier\\.init\\S*\\s+\\[[^]]*\\],\\s*(\\d+);'\n"
+        "    inits = {int(v) for v in re.findall(init, ptx)}\n"
+        "    assert inits == {1}, (g, inits)\n"
         "    assert ptx.count('wgmma.mma_async') == base.asm['ptx'].count('wgmma.mma_async')\n"
         "    assert '.local' not in ptx and res['STACK'] == 0, (g, res)\n"
         "    assert res['REG'] == WS_MAXNREG[g] and slots * 256 * res['REG'] <= 65536, res\n"

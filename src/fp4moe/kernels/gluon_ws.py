@@ -186,12 +186,13 @@ WHOLE_BUFFERS = 1
 # Experiment (session 19, built after the GPU time ran out; compiled on the CPU only,
 # never run): the one-block body warp-specialized (``gl.warp_specialize``). A producer
 # warp issues a ring of WS_BUFFERS 64-K stages (the scales in 256-K groups beside it),
-# refilling each buffer as soon as the four consumer warps have each released it (an
-# mbarrier of count 4 a buffer: every consumer warp's lane 0 arrives after its shared
-# loads of the stage; the consumers issue no copies, though Triton still puts a consumer-
-# wide bar.sync before each arrive and each unit's wgmma); the consumer warpgroup stages
-# the rows, decodes unit by unit and runs the wgmmas, the partials and the epilogue as
-# now. The same units, operands and order: loop 3's bits. Session 16 item 2 (ncu's
+# refilling each buffer as soon as the consumer warpgroup has released it (an mbarrier of
+# count 1 a buffer: Triton lowers the consumers' arrive to one thread of the partition,
+# thread 0 of its 128, after a partition-wide bar.sync that orders every warp's shared
+# loads of the stage; the count of 4 that session 19 gave it, one a warp, hung every
+# launch on the H200 in session 20); the consumers issue no copies. The consumer
+# warpgroup stages the rows, decodes unit by unit and runs the wgmmas, the partials and
+# the epilogue as now. The same units, operands and order: loop 3's bits. Session 16 item 2 (ncu's
 # samples: 27% to 36% of a valid program's time in the waits for stages 2 to 4) and
 # session 11 (a 64-K ring of four refilled by the consumers behind three barriers each, no
 # gain) are why. A worker partition is padded to a warpgroup (8 warps a program), so the
@@ -655,7 +656,7 @@ def _ws_block(
         cbuf, sbuf, full = _stage_buffers(GATED, NB, NBS, 1, 0)
         empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(NB):
-            mbarrier.init(empty.index(b), count=4)  # one arrival a consumer warp
+            mbarrier.init(empty.index(b), count=1)  # the partition's one arrival (thread 0)
         XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
         xs = gl.allocate_shared_memory(gl.bfloat16, [SEG // UNIT * BM, UNIT], XS)
         fence_async_shared()  # the barriers' init before the producer's first copies
