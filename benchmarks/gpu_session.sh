@@ -83,12 +83,13 @@
 #   bash benchmarks/gpu_session.sh s20a       # WS_PRODUCER: bits, then c3 against c3-ws
 #   bash benchmarks/gpu_session.sh s20b       # QUANTIZE_ROW_FIRST: bits, then c3 against c3-rowfirst
 #   bash benchmarks/gpu_session.sh s20c       # s20a after the fix of WS_PRODUCER's hang
+#   bash benchmarks/gpu_session.sh s20d       # gluon_whole_wide: bits, then c3 against c3-wide24/32
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -1021,6 +1022,18 @@ s20c)
         -k "ws_producer"
     step ws_mixtral 90 python3 benchmarks/sweep_decode.py --preset mixtral-8x7b --tokens 1 16 \
         --modes w4a16 --variants c3 c3-ws --iters 20 --out "$out/ws-mixtral.json"
+    ;;
+s20d)
+    # TritonOptions.gluon_whole_wide (whole-K at 32-row tiles): its bits, then DeepSeek-V3
+    # at 16 to 32 rows an expert and Mixtral at 16 to 32 (64 to 128 tokens)
+    step wide_test 170 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_whole.py \
+        -k "wide"
+    step wide_ds 170 python3 benchmarks/sweep_decode.py --tokens 512 640 768 896 1024 \
+        --modes w4a16 w4a4-token --variants c3 c3-wide24 c3-wide32 --iters 10 \
+        --out "$out/wide-deepseek.json"
+    step wide_mixtral 150 python3 benchmarks/sweep_decode.py --preset mixtral-8x7b \
+        --tokens 64 80 96 112 128 --modes w4a16 w4a4-token --variants c3 c3-wide24 \
+        c3-wide32 --iters 10 --out "$out/wide-mixtral.json"
     ;;
 s20b)
     # launch.QUANTIZE_ROW_FIRST: its bits, then per-tensor and per-token W4A4 at 1 and 16

@@ -42,6 +42,8 @@ c3-wholeN (TritonOptions.gluon_whole_upto N: the Gluon GEMMs with whole-K progra
 16-row tiles where loop 3 runs unsplit, up to N expected valid rows an expert),
 c3-wholeNb2 (the same with gluon_ws.WHOLE_BUFFERS 2: two ring stages a program),
 c3-wholeNuU (the same with gluon_upto U: the split Gluon kernels only up to U rows),
+c3-wideN (TritonOptions.gluon_whole_wide 16: whole-K at 32-row tiles above 16 rows, up to
+gluon_whole_upto N; above 24 with prefill_above_long off),
 c3-paN (TritonOptions.prefill_above N: the prefill kernels from N valid rows an expert
 where both GEMMs fit them), c3-paN-FLAGS (the same with c3-FLAGS of PREFILL_FLAGS below,
 e.g. c3-pa48-pbm64x2-defer), c3-noover (TritonOptions.gluon_whole_over None: the split
@@ -311,6 +313,14 @@ def main() -> None:
                     PREFILL_FLAGS
                 ):  # prefill_above N with one of gluon_prefill's experiments (c3-paN-FLAGS)
                     variants[name] = c3(prefill_above=int(name[5:].partition("-")[0]))
+                elif name.startswith("c3-wide") and name[7:].isdigit():
+                    # whole-K at 32-row tiles above 16 rows (gluon_whole_wide), up to N rows
+                    # (gluon_whole_upto N; above 24, prefill_above_long off so that
+                    # Mixtral's 25 to N rows are not on the prefill kernels)
+                    n_ = int(name[7:])
+                    extra = {"prefill_above_long": None} if n_ > 24 else {}
+                    variants[name] = c3(gluon_whole_upto=float(n_), gluon_whole_wide=16.0,
+                                        **extra)  # fmt: skip
                 elif name.startswith("c3-whole") and "u" in name:  # and gluon_upto U
                     n_, u_ = name[8:].split("u")
                     variants[name] = c3(gluon_whole_upto=float(n_), gluon_upto=float(u_))

@@ -192,3 +192,113 @@ def test_whole_fill_splits_a_gemm_of_too_few_whole_k_programs(monkeypatch):
     for bad in (-1, True, "1"):
         with pytest.raises(ValueError, match="gluon_whole_fill"):
             TritonOptions(gluon_whole_fill=bad)
+
+
+def test_whole_wide_configs(monkeypatch):
+    """``gluon_whole_wide``: above that many expected valid rows an expert, a call whose
+    GEMMs run whole-K takes 32-row tiles (both GEMMs), which only the whole-K kernel
+    takes (``gluon_applies(whole=True)``); at or below it, and off (None, the default),
+    16-row tiles. DeepSeek-V3 EP8 (valid fraction 1/8) at 768 / 1024 tokens is 24 / 32
+    rows an expert."""
+    from fp4moe.kernels.launch import gemm_configs_for, gluon_applies
+
+    pretend_hopper(monkeypatch)
+    monkeypatch.setattr("fp4moe.kernels.launch.gluon_available", lambda: True)
+    assert TritonOptions().gluon_whole_wide is None
+    ds = (7168, 2048)
+    base = dict(valid_fraction=1 / 8, gluon_whole_upto=32.0)
+    for wide, t, bm in ((None, 768, 16), (16.0, 768, 32), (16.0, 1024, 32), (16.0, 512, 16),
+                        (24.0, 768, 16)):  # fmt: skip
+        o = TritonOptions(**base, gluon_whole_wide=wide)
+        cfgs = gemm_configs_for(t * 8, 32, *ds, "w4a16", o, "per_token")
+        assert {c.block_m for c in cfgs} == {bm}, (wide, t, cfgs)
+        assert all(o.whole_runs(False, False, k, False, c, t * 8, 32)
+                   for k, c in zip(ds, cfgs)), (wide, t)  # fmt: skip
+    c32 = GemmConfig(32, 64, 128)
+    assert gluon_applies(7168, False, c32, whole=True)
+    assert not gluon_applies(7168, False, c32)  # the split kernels: 8 or 16 rows
+    for bad in (-1, True, "16"):
+        with pytest.raises(ValueError, match="gluon_whole_wide"):
+            TritonOptions(gluon_whole_wide=bad)
+
+
+def test_whole_wide_kernel_compiles_for_sm90():
+    """The whole-K kernel at 32-row tiles (``gluon_whole_wide``): both GEMMs, bf16 rows or
+    the fused finalize, W4A4's globals; wgmma of N 32, no local memory, the segment's rows
+    staged a 256-K stage at a time (FC1 within 160 registers: two programs an SM), the
+    same copies as at 16 rows; and the 16-row kernel refuses nothing new: 32-row tiles
+    are for WHOLE only (the split kernels are refused at launch)."""
+    pytest.importorskip("triton")
+    code = (
+        "from fp4moe.kernels.common import resource_usage\n"
+        "from fp4moe.kernels.gluon_ws import compile_sm90\n"
+        "for n, k, g in ((2048, 7168, True), (7168, 2048, False)):\n"
+        "    for fused, a_fp4 in ((False, False), (not g, False), (False, True)):\n"
+        "        c = compile_sm90(n=n, k=k, gated=g, block_m=32, asynchronous=True,\n"
+        "                         buffers=1, epilogue=True, fused=fused, a_fp4=a_fp4,\n"
+        "                         box3=2, whole=True, pdl=not g, early_weights=not g)\n"
+        "        ptx = c.asm['ptx']\n"
+        "        res = resource_usage(c)\n"
+        "        key = (n, fused, a_fp4)\n"
+        "        assert '.local' not in ptx and res['STACK'] == 0, key\n"
+        "        assert 'wgmma.mma_async.sync.aligned.m64n32k16' in ptx, key\n"
+        "        assert res['REG'] <= (160 if g else 112), (key, res['REG'])\n"
+        "        assert 2 * (c.metadata.shared + 1024) <= 233472, c.metadata.shared\n"
+        "        w = 2 if g else 1\n"
+        "        assert ptx.count('cp.async.bulk.tensor') == 2 * w * (1 + 3 + 1), key\n"
+        "print('ok')\n"
+    )
+    _compile_check(code)
+
+
+def test_split_partials_tma_32_rows_whole_only():
+    """32-row tiles are the whole-K kernel's only; the split kernel refuses them by name,
+    before any device work."""
+    x = torch.zeros(8, 2048, dtype=torch.bfloat16)
+    z = torch.zeros(4, dtype=torch.int32)
+    w = torch.zeros(4, 1024, 1024, dtype=torch.uint8)
+    part = torch.zeros(16, dtype=torch.float32)
+    kw = dict(n=1024, topk=8, gated=False, gather=False, block_m=32, ws_rows=8)
+    with pytest.raises(ValueError, match="32 with whole"):
+        gluon_ws.split_partials_tma(x, z, w, w, z, z, z, part, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [768, 1024, "one-expert"])
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+@pytest.mark.parametrize("fused", [False, True], ids=["deterministic", "fused"])
+def test_gluon_whole_wide_gpu(gpu_experts, monkeypatch, t, mode, fused):
+    """On the GPU, the whole-K kernels at 32-row tiles (``gluon_whole_wide`` 16,
+    ``gluon_whole_upto`` 32) give loop 3's bits with the deterministic finalize and the
+    reference's tolerance either way, every mode: DeepSeek-V3 EP8 at 768 and 1024 tokens
+    (24 and 32 expected valid rows an expert: one or two 32-row blocks), every route on
+    one expert (many blocks). Outputs poisoned first; the 32-row whole-K launches
+    asserted."""
+    e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
+    experts = gpu_experts("deepseek-v3-ep8")
+    m, sc = mode
+    tt = 1024 if t == "one-expert" else t
+    x = _x(tt, h, seed=19, device="cuda")
+    ids, w = _gpu_routes(tt, k, e, e_total, seed=19)
+    if t == "one-expert":
+        ids = torch.where(ids >= 0, 5, -1).to(torch.int32)
+        ids[:, 0] = 5
+    launches = []
+    spl = gluon_ws.split_partials_tma
+
+    def spy(*a, **kw):
+        launches.append((kw.get("whole", False), kw.get("block_m")))
+        return spl(*a, **kw)
+
+    monkeypatch.setattr(gluon_ws, "split_partials_tma", spy)
+    base = dict(valid_fraction=1 / 8, poison=True, gluon_whole_upto=32.0)
+    loop3 = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused,
+                       options=TritonOptions(**base, gluon_decode=False))  # fmt: skip
+    assert not launches
+    out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused,
+                     options=TritonOptions(**base, gluon_whole_wide=16.0))  # fmt: skip
+    assert (True, 32) in launches, launches
+    if not fused:
+        assert torch.equal(out, loop3)
+    ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc)
+    assert rel_err(out, ref) <= TOL[m]

@@ -95,21 +95,29 @@ def _decode_unit(codes, sc, A_L: gl.constexpr, DIAG: gl.constexpr = 0, TR: gl.co
 def _stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K: gl.constexpr, TOPK: gl.constexpr,
              A_GATHER: gl.constexpr, BM: gl.constexpr, SEG: gl.constexpr,
              A_UNIT_ORDER: gl.constexpr = False, HAS_DST: gl.constexpr = False,
-             dst=0, NWARPS: gl.constexpr = 4):  # fmt: skip
+             dst=0, NWARPS: gl.constexpr = 4, CH: gl.constexpr = 0):  # fmt: skip
     """The row block's activations of one K segment in the unit order, in shared memory
     [SEG / 64 * BM, 64] (unit-major), fenced and synchronized for the wgmma: rows
     ``start`` .. ``end`` (A_GATHER: tokens route // TOPK of the sorted routes), zeros past
     ``end``; A_UNIT_ORDER: the rows are in the unit order already (only unit-major);
-    HAS_DST: into ``dst`` instead of a buffer of its own; NWARPS: the program's warps."""
+    HAS_DST: into ``dst`` instead of a buffer of its own; NWARPS: the program's warps;
+    CH (0: the whole segment): loaded and stored CH K elements at a time, which holds
+    CH / SEG of the registers (32-row tiles: a segment's rows are 128 registers a thread)."""
     NU: gl.constexpr = SEG // UNIT
     src, m_ok = _x_rows(sorted_routes_ptr, start, end, TOPK, A_GATHER, BM, NWARPS)
-    x = _x_stage(x_ptr, src, m_ok, k0, K, BM, SEG, A_UNIT_ORDER, NWARPS)
     XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
     if HAS_DST:  # the caller's buffer [NU * BM, 64] of that layout
         xs = dst
     else:
         xs = gl.allocate_shared_memory(gl.bfloat16, [NU * BM, UNIT], XS)
-    xs.store(x)
+    if CH == 0 or CH == SEG:
+        x = _x_stage(x_ptr, src, m_ok, k0, K, BM, SEG, A_UNIT_ORDER, NWARPS)
+        xs.store(x)
+    else:  # unit-major: chunk c is units c * CH / 64 .., rows of xs from c * CH / 64 * BM
+        CU: gl.constexpr = CH // UNIT
+        for c in gl.static_range(SEG // CH):
+            x = _x_stage(x_ptr, src, m_ok, k0 + c * CH, K, BM, CH, A_UNIT_ORDER, NWARPS)
+            xs.slice(c * CU * BM, CU * BM).store(x)
     fence_async_shared()
     gl.thread_barrier()
     return xs

@@ -509,7 +509,7 @@ def tma_split_kernel(
     TOPK: gl.constexpr,
     GATED: gl.constexpr,
     A_GATHER: gl.constexpr,
-    BM: gl.constexpr,  # rows (tokens) a tile: the wgmma N (8 or 16)
+    BM: gl.constexpr,  # rows (tokens) a tile: the wgmma N (8 or 16; 32 with WHOLE)
     SEG: gl.constexpr,  # K elements a segment (1024)
     ASYNC: gl.constexpr = False,  # asynchronous wgmma
     BLOCKS_LAST: gl.constexpr = True,  # grid (tiles, segments, blocks)
@@ -567,6 +567,7 @@ def tma_split_kernel(
                                    and L2 == 0 and TR == 64 and SK == 256),
                      "WHOLE: the one-block body with its epilogue, 64-row tiles, 256-K "
                      "stages")  # fmt: skip
+    gl.static_assert(BM != 32 or WHOLE, "32-row tiles: WHOLE only")
     gl.static_assert(not WS or (not (LOOP or PERSIST or XRING or A_TMA or TRACE or WHOLE or SA)
                                 and L2 == 0 and TR == 64 and SK == 64 and BOX3 == 0
                                 and DIAG == 0),
@@ -1011,9 +1012,10 @@ def _block_work(
                 xs_all = gl.allocate_shared_memory(gl.bfloat16, [1, 2 * UPS * BM, UNIT], XSL)
                 x_src, x_ok = _x_rows(sorted_routes_ptr, start, end, TOPK, A_GATHER, BM)
                 xv = _x_stage(x_ptr, x_src, x_ok, kj, K, BM, SK, A_UNIT_ORDER)
-            elif not A_TMA:
+            elif not A_TMA:  # (32-row tiles, WHOLE only: a stage's K at a time)
                 xs = _stage_x(x_ptr, sorted_routes_ptr, start, end, kj, K, TOPK, A_GATHER, BM,
-                              SEG, A_UNIT_ORDER, PRE or WHOLE, xd, TR // 16)  # fmt: skip
+                              SEG, A_UNIT_ORDER, PRE or WHOLE, xd, TR // 16,
+                              SK if BM == 32 else 0)  # fmt: skip
 
             # ---- decode and multiply, stage by stage as the copies land
             acc_g = gl.zeros([TR, BM], gl.float32, layout=MMA)
@@ -1203,7 +1205,8 @@ def split_partials_tma(
     tokens (``gather``: row route // topk) or rows in sorted order; ``codes``, ``scales``:
     one GEMM's weights, uint8 [E, W_ROWS, K/2] and e4m3 [E, W_ROWS, K/16];
     ``block_expert``, ``block_start``, ``block_end``: the tile schedule of ``sort_routes``
-    with ``block_m`` (8 or 16) rows a tile. Needs K % seg == 0 and seg % 256 == 0.
+    with ``block_m`` (8 or 16; 32 with ``whole``) rows a tile. Needs K % seg == 0 and
+    seg % 256 == 0.
 
     With ``out`` the kernel also runs the split epilogue: the last unit of each
     tile sums its partials and writes bf16 rows [ws_rows, n] in sorted order into ``out``,
@@ -1250,9 +1253,9 @@ def split_partials_tma(
         stage_k = STAGE_K
     if stage_k not in (64, 128, 256):
         raise ValueError(f"split_partials_tma: stage_k must be 64, 128 or 256, got {stage_k}")
-    if k % seg or seg % STAGE or block_m not in (8, 16):
+    if k % seg or seg % STAGE or block_m not in ((8, 16, 32) if whole else (8, 16)):
         raise ValueError(f"split_partials_tma: needs K % {seg} == 0, seg % 256 == 0 and "
-                         "block_m 8 or 16")  # fmt: skip
+                         "block_m 8 or 16 (or 32 with whole)")  # fmt: skip
     tiles, blocks, segs = triton.cdiv(n, 64), block_expert.numel(), k // seg
     epilogue = out is not None
     short = not whole and (counters is None or counters.numel() < tiles * blocks)

@@ -334,6 +334,14 @@ class TritonOptions:
         experts x 64-row tiles x 16-row blocks) are fewer than this many times the SMs'
         slots for them (``gluon_ws.WHOLE_PER_SM`` an SM): Mixtral-8x7B's FC2 at 64 tokens
         makes 512 programs of K 14336 for 660 slots. 0: never. The same bits.
+    gluon_whole_wide: experiment (session 20, off until measured): above this many
+        expected valid rows an expert, a call whose GEMMs run whole-K (``whole_runs``, up
+        to ``gluon_whole_upto``) takes 32-row tiles instead of 16 (both GEMMs: one tile
+        schedule), so that each weight is decoded once for up to 32 rows of an expert
+        instead of once a 16-row block: the wgmma's N is 32, the segment's rows 64 KB of
+        shared memory (staged a 256-K stage at a time), FC1 159 registers and 84 KB (two
+        programs an SM), FC2 about 105 and 75 KB (three). The same operands and sums: the
+        same bits. None: off.
     gluon_grid_blocks: the row blocks of the Gluon kernels' grid. None: the schedule's
         worst case (``max_blocks``: every route in an expert of its own), whose empty
         programs each hold one of the SM's few slots (shared memory allows 6 to 8) for a
@@ -396,6 +404,7 @@ class TritonOptions:
     gluon_whole_upto: float = 24.0
     gluon_whole_over: float | None = 3.5
     gluon_whole_fill: float = 0.0
+    gluon_whole_wide: float | None = None
 
     def grid_blocks(self, n_routes: int, num_experts: int, block_m: int, max_b: int) -> int:
         """The Gluon kernels' grid row blocks (``gluon_grid_blocks``; 0: the worst case
@@ -478,7 +487,7 @@ class TritonOptions:
             return False
         if self.valid_rows(n_routes, num_experts) > self.gluon_whole_upto:
             return False
-        return _gluon_fits(self.gluon_decode, int(self.chunked), k, a_fp4, cfg)
+        return _gluon_fits(self.gluon_decode, int(self.chunked), k, a_fp4, cfg, whole=True)
 
     def fc1_whole_can(self, mode: str, act_scale: str | None) -> bool:
         """Whether a call's FC1 epilogue writes bf16, as the whole-K kernel must: not
@@ -645,6 +654,9 @@ class TritonOptions:
         g = self.gluon_whole_fill
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
             raise ValueError(f"gluon_whole_fill: expected a number >= 0, got {g!r}")
+        g = self.gluon_whole_wide
+        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or g < 0):
+            raise ValueError(f"gluon_whole_wide: expected None or a number >= 0, got {g!r}")
         g = self.gluon_pdl_upto
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
             raise ValueError(f"gluon_pdl_upto: expected a number >= 0, got {g!r}")
@@ -820,17 +832,17 @@ def _major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
-def gluon_applies(k: int, a_fp4: bool, cfg: GemmConfig) -> bool:
+def gluon_applies(k: int, a_fp4: bool, cfg: GemmConfig, whole: bool = False) -> bool:
     """Whether a split-K GEMM can run as the Gluon kernel (``gluon_decode``,
     ``gluon_ws``): W4A16 or W4A4 (``a_fp4``: its rows decoded first, either way), whole
-    1024-element segments in loop 3's unit order (``k_order``), 8 or 16 rows a tile, a
-    Hopper GPU (``hopper_device``; not the interpreter) and Triton 3.6
-    (``gluon_available``)."""
+    1024-element segments in loop 3's unit order (``k_order``), 8 or 16 rows a tile (or
+    32 with ``whole``: the whole-K kernel, ``gluon_whole_wide``), a Hopper GPU
+    (``hopper_device``; not the interpreter) and Triton 3.6 (``gluon_available``)."""
     return (
         not interpreting()
         and k % SEGMENT == 0
         and k_order(3, k, cfg.block_k) == 64
-        and cfg.block_m in (8, 16)
+        and cfg.block_m in ((8, 16, 32) if whole else (8, 16))
         and hopper_device()
         and gluon_available()
     )
@@ -865,11 +877,12 @@ def _whole_slots(gated: bool) -> int:
     return WHOLE_PER_SM[gated] * sm_count()
 
 
-def _gluon_fits(gluon: bool, chunked: int, k: int, a_fp4: bool, cfg: GemmConfig) -> bool:
-    """Whether a GEMM can run as the Gluon kernel, split or whole-K: ``gluon``
+def _gluon_fits(gluon: bool, chunked: int, k: int, a_fp4: bool, cfg: GemmConfig,
+                whole: bool = False) -> bool:  # fmt: skip
+    """Whether a GEMM can run as the Gluon kernel, split or whole-K (``whole``): ``gluon``
     (``gluon_decode``) on, loop 3, more than one K segment and the kernel able to
     (``gluon_applies``)."""
-    return gluon and chunked == 3 and k > SEGMENT and gluon_applies(k, a_fp4, cfg)
+    return gluon and chunked == 3 and k > SEGMENT and gluon_applies(k, a_fp4, cfg, whole)
 
 
 def _gluon_gemm(
@@ -1221,9 +1234,12 @@ def gemm_configs_for(
                                    num_experts) for kk, c in ((h, cfg1), (inter, cfg2)))
     ):  # fmt: skip
         # The whole-K Gluon kernels take 16-row tiles (both GEMMs: one tile schedule; a
-        # GEMM that cannot run there runs loop 3 at them, the same bits)
-        cfg1 = replace(cfg1, block_m=16)
-        cfg2 = replace(cfg2, block_m=16)
+        # GEMM that cannot run there runs loop 3 at them, the same bits), or 32 above
+        # gluon_whole_wide rows
+        wide = options.gluon_whole_wide
+        bm = 32 if wide is not None and valid_rows > wide else 16
+        cfg1 = replace(cfg1, block_m=bm)
+        cfg2 = replace(cfg2, block_m=bm)
     for name, cfg in (("fc1", options.fc1), ("fc2", options.fc2)):
         if cfg is not None and cfg.block_m < 16:
             # Triton's dot at 8 token columns is not loop 3's wgmma: other bits.
