@@ -84,12 +84,13 @@
 #   bash benchmarks/gpu_session.sh s20b       # QUANTIZE_ROW_FIRST: bits, then c3 against c3-rowfirst
 #   bash benchmarks/gpu_session.sh s20c       # s20a after the fix of WS_PRODUCER's hang
 #   bash benchmarks/gpu_session.sh s20d       # gluon_whole_wide: bits, then c3 against c3-wide24/32
+#   bash benchmarks/gpu_session.sh s20e       # session 20's defaults against session 19's (c3-nowide)
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -978,7 +979,7 @@ s19c)
 s19d)
     # GPU tests of the session's paths (whole-K at 128 tokens, batch invariance), Mixtral's
     # rows
-    step whole_tests 200 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_whole.py
+    step whole_tests 170 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_whole.py
     step invariance 90 python3 -m pytest -m gpu --device cuda -q tests/test_kernels.py \
         -k batch_invariance_gpu
     step mixtral 200 python3 -m fp4moe bench --preset mixtral-8x7b --num-tokens 16 64 128 256 \
@@ -1034,6 +1035,21 @@ s20d)
     step wide_mixtral 150 python3 benchmarks/sweep_decode.py --preset mixtral-8x7b \
         --tokens 64 80 96 112 128 --modes w4a16 w4a4-token --variants c3 c3-wide24 \
         c3-wide32 --iters 10 --out "$out/wide-mixtral.json"
+    ;;
+s20e)
+    # session 20's defaults (gluon_whole_wide 16, gluon_whole_upto 28, prefill_above_long
+    # 28) against session 19's (c3-nowide): the whole-K GPU tests, then the row counts
+    # the change moves on the three presets (16 to 28 rows an expert)
+    step whole_tests 170 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_whole.py
+    step nowide_ds 110 python3 benchmarks/sweep_decode.py --tokens 576 768 832 896 \
+        --modes w4a16 w4a4-token --variants c3 c3-nowide --iters 10 \
+        --out "$out/nowide-deepseek.json"
+    step nowide_mixtral 90 python3 benchmarks/sweep_decode.py --preset mixtral-8x7b \
+        --tokens 72 96 104 112 --modes w4a16 w4a4-token --variants c3 c3-nowide --iters 10 \
+        --out "$out/nowide-mixtral.json"
+    step nowide_qwen3 90 python3 benchmarks/sweep_decode.py --preset qwen3-30b-a3b \
+        --tokens 288 384 448 --modes w4a16 w4a4-token --variants c3 c3-nowide --iters 10 \
+        --out "$out/nowide-qwen3.json"
     ;;
 s20b)
     # launch.QUANTIZE_ROW_FIRST: its bits, then per-tensor and per-token W4A4 at 1 and 16

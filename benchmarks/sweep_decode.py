@@ -43,7 +43,8 @@ c3-wholeN (TritonOptions.gluon_whole_upto N: the Gluon GEMMs with whole-K progra
 c3-wholeNb2 (the same with gluon_ws.WHOLE_BUFFERS 2: two ring stages a program),
 c3-wholeNuU (the same with gluon_upto U: the split Gluon kernels only up to U rows),
 c3-wideN (TritonOptions.gluon_whole_wide 16: whole-K at 32-row tiles above 16 rows, up to
-gluon_whole_upto N; above 24 with prefill_above_long off),
+gluon_whole_upto N; above 24 with prefill_above_long off), c3-nowide (session 19's
+defaults: whole-K at 16-row tiles up to 24 rows, prefill_above_long 24),
 c3-paN (TritonOptions.prefill_above N: the prefill kernels from N valid rows an expert
 where both GEMMs fit them), c3-paN-FLAGS (the same with c3-FLAGS of PREFILL_FLAGS below,
 e.g. c3-pa48-pbm64x2-defer), c3-noover (TritonOptions.gluon_whole_over None: the split
@@ -285,6 +286,11 @@ def main() -> None:
                 # the split Gluon kernels up to gluon_upto, never whole-K below it
                 # (gluon_whole_over None; 3.5 by default since session 19)
                 "c3-noover": c3(gluon_whole_over=None),
+                # whole-K at 16-row tiles up to 24 rows, the prefill kernels above 24 rows
+                # for long-K shapes: session 19's defaults (gluon_whole_wide 16 since 20)
+                "c3-nowide": c3(
+                    gluon_whole_wide=None, gluon_whole_upto=24.0, prefill_above_long=24
+                ),
                 # prefill_above everywhere, none from fewer rows for long-K shapes
                 "c3-nolong": c3(prefill_above_long=None),
                 # whole-K only where its programs fill the SMs' slots once / twice, else

@@ -110,10 +110,10 @@ def test_prefill_above_moves_the_dense_path_where_both_gemms_fit(monkeypatch):
             TritonOptions(prefill_above=bad)
         with pytest.raises(ValueError, match="prefill_above_long"):
             TritonOptions(prefill_above_long=bad)
-    # prefill_above_long (24) where both GEMMs' K reach 4096 (Mixtral-8x7B), not DeepSeek-V3
+    # prefill_above_long (28) where both GEMMs' K reach 4096 (Mixtral-8x7B), not DeepSeek-V3
     mix = (4096, 14336)
-    assert TritonOptions().prefill_above_long == 24
-    assert not on.dense_for(24 * 8, 8, mix) and on.dense_for(25 * 8, 8, mix)
+    assert TritonOptions().prefill_above_long == 28
+    assert not on.dense_for(28 * 8, 8, mix) and on.dense_for(29 * 8, 8, mix)
     assert not on.dense_for(32 * 32, 32, ds)
     no_long = TritonOptions(valid_fraction=1.0, prefill_above_long=None)
     assert not no_long.dense_for(32 * 8, 8, mix) and no_long.dense_for(33 * 8, 8, mix)

@@ -50,13 +50,13 @@ def test_whole_kernel_compiles_for_sm90():
 
 def test_whole_runs_where_loop_3_would_not_split(monkeypatch):
     """``whole_runs``: off at 0 and without a Hopper GPU; with ``gluon_whole_upto`` set
-    (24 by default), GEMMs that loop 3 runs unsplit and not dense, up to that many
+    (28 by default), GEMMs that loop 3 runs unsplit and not dense, up to that many
     expected valid rows an expert, of K over one segment, at 8- or 16-row tiles; FC1 not
     where it writes NVFP4 (static W4A4) or takes the fused amax."""
     cfg16 = GemmConfig(16, 64, 128)
     off = TritonOptions(valid_fraction=1.0, gluon_whole_upto=0)
     on = TritonOptions(valid_fraction=1.0, gluon_whole_upto=16)
-    assert TritonOptions().gluon_whole_upto == 24
+    assert TritonOptions().gluon_whole_upto == 28
     assert not on.whole_runs(False, False, 7168, False, cfg16, 10 * 32, 32)  # no GPU here
     pretend_hopper(monkeypatch)
     assert not off.whole_runs(False, False, 7168, False, cfg16, 10 * 32, 32)
@@ -197,14 +197,14 @@ def test_whole_fill_splits_a_gemm_of_too_few_whole_k_programs(monkeypatch):
 def test_whole_wide_configs(monkeypatch):
     """``gluon_whole_wide``: above that many expected valid rows an expert, a call whose
     GEMMs run whole-K takes 32-row tiles (both GEMMs), which only the whole-K kernel
-    takes (``gluon_applies(whole=True)``); at or below it, and off (None, the default),
-    16-row tiles. DeepSeek-V3 EP8 (valid fraction 1/8) at 768 / 1024 tokens is 24 / 32
+    takes (``gluon_applies(whole=True)``); at or below it, and off (None), 16-row tiles.
+    16 by default. DeepSeek-V3 EP8 (valid fraction 1/8) at 768 / 1024 tokens is 24 / 32
     rows an expert."""
     from fp4moe.kernels.launch import gemm_configs_for, gluon_applies
 
     pretend_hopper(monkeypatch)
     monkeypatch.setattr("fp4moe.kernels.launch.gluon_available", lambda: True)
-    assert TritonOptions().gluon_whole_wide is None
+    assert TritonOptions().gluon_whole_wide == 16
     ds = (7168, 2048)
     base = dict(valid_fraction=1 / 8, gluon_whole_upto=32.0)
     for wide, t, bm in ((None, 768, 16), (16.0, 768, 32), (16.0, 1024, 32), (16.0, 512, 16),

@@ -297,7 +297,10 @@ class TritonOptions:
         spread over more K: 24 since session 19 (Mixtral-8x7B W4A16 at 32 rows an expert,
         128 tokens, 886.7 us on loop 3 against 721.0 on the prefill kernel; at 24 rows, 96
         tokens, 615.7 on the whole-K kernels against 719.0; DeepSeek-V3 EP8, K 2048 in
-        FC2, loses at 32 rows: 868.9 against 938.0). None: ``prefill_above`` everywhere.
+        FC2, loses at 32 rows: 868.9 against 938.0). 28 since session 20, where
+        ``gluon_whole_wide``'s 32-row whole-K kernels take Mixtral's 25 to 28 rows (112
+        tokens: 724.4 us on the prefill kernel, 577.4 on them). None: ``prefill_above``
+        everywhere.
     gluon_whole_k: experiment (session 17, off until measured): W4A16 GEMMs that would
         run as the decode-size Gluon kernels (``gluon_decode``) run as
         ``gluon_prefill.prefill_kernel`` with the schedule's 8-row blocks instead: one
@@ -318,7 +321,10 @@ class TritonOptions:
         --variants c3 c3-whole24``, s18c, loop 3 -> whole-K, us): DeepSeek-V3 EP8 W4A16
         256 / 384 / 512 / 768 tokens 474.8 / 790.2 / 794.3 / 844.1 -> 435.1 / 494.5 /
         580.6 / 805.8 (W4A4 per-token alike), Mixtral-8x7B 64 tokens 545.2 -> 492.4,
-        Qwen3-30B-A3B 256 / 384 tokens 332.1 / 414.1 -> 314.8 / 381.2.
+        Qwen3-30B-A3B 256 / 384 tokens 332.1 / 414.1 -> 314.8 / 381.2. 28 since session
+        20, with ``gluon_whole_wide``'s 32-row tiles above 16 rows (28 rows: DeepSeek-V3
+        EP8 896 tokens 847.0 -> 765.5 us, Mixtral-8x7B 112 tokens 724.4 -> 577.4; 32 rows
+        lose).
     gluon_whole_over: above this many expected valid rows an expert (and up to
         ``gluon_upto``) a call whose two GEMMs would both run whole-K (loop 3 unsplit,
         ``whole_runs``) takes the whole-K Gluon kernels at 16-row tiles instead of the
@@ -334,14 +340,19 @@ class TritonOptions:
         experts x 64-row tiles x 16-row blocks) are fewer than this many times the SMs'
         slots for them (``gluon_ws.WHOLE_PER_SM`` an SM): Mixtral-8x7B's FC2 at 64 tokens
         makes 512 programs of K 14336 for 660 slots. 0: never. The same bits.
-    gluon_whole_wide: experiment (session 20, off until measured): above this many
-        expected valid rows an expert, a call whose GEMMs run whole-K (``whole_runs``, up
-        to ``gluon_whole_upto``) takes 32-row tiles instead of 16 (both GEMMs: one tile
-        schedule), so that each weight is decoded once for up to 32 rows of an expert
-        instead of once a 16-row block: the wgmma's N is 32, the segment's rows 64 KB of
-        shared memory (staged a 256-K stage at a time), FC1 159 registers and 84 KB (two
-        programs an SM), FC2 about 105 and 75 KB (three). The same operands and sums: the
-        same bits. None: off.
+    gluon_whole_wide: above this many expected valid rows an expert, a call whose GEMMs
+        run whole-K (``whole_runs``, up to ``gluon_whole_upto``) takes 32-row tiles
+        instead of 16 (both GEMMs: one tile schedule), so that each weight is decoded
+        once for up to 32 rows of an expert instead of once a 16-row block: the wgmma's N
+        is 32, the segment's rows 64 KB of shared memory (staged a 256-K stage at a
+        time), FC1 159 registers and 84 KB (two programs an SM), FC2 about 105 and 75 KB
+        (three). The same operands and sums: the same bits. None: off. 16 since session
+        20 (``sweep_decode.py --variants c3 c3-wide24 c3-wide32``, s20d, W4A16, us):
+        DeepSeek-V3 EP8 at 768 / 896 tokens (24 / 28 rows) 792.9 / 847.0 -> 755.4 /
+        765.5, Mixtral-8x7B at 96 / 112 tokens (24 / 28 rows) 609.6 / 724.4 -> 573.3 /
+        577.4 (W4A4 per-token 673.2 / 785.6 -> 613.3 / 625.5); at 32 rows it loses
+        (DeepSeek-V3 1024 tokens 864.5 -> 868.8, Mixtral 128 tokens 716.7 -> 778.2: many
+        experts hold two 32-row blocks), hence ``gluon_whole_upto`` 28.
     gluon_grid_blocks: the row blocks of the Gluon kernels' grid. None: the schedule's
         worst case (``max_blocks``: every route in an expert of its own), whose empty
         programs each hold one of the SM's few slots (shared memory allows 6 to 8) for a
@@ -399,12 +410,12 @@ class TritonOptions:
     fused_chain: bool = True
     gluon_prefill: bool = True
     prefill_above: int | None = 32
-    prefill_above_long: int | None = 24
+    prefill_above_long: int | None = 28
     gluon_whole_k: bool = False
-    gluon_whole_upto: float = 24.0
+    gluon_whole_upto: float = 28.0
     gluon_whole_over: float | None = 3.5
     gluon_whole_fill: float = 0.0
-    gluon_whole_wide: float | None = None
+    gluon_whole_wide: float | None = 16.0
 
     def grid_blocks(self, n_routes: int, num_experts: int, block_m: int, max_b: int) -> int:
         """The Gluon kernels' grid row blocks (``gluon_grid_blocks``; 0: the worst case
