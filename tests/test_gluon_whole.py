@@ -198,13 +198,13 @@ def test_whole_wide_configs(monkeypatch):
     """``gluon_whole_wide``: above that many expected valid rows an expert, a call whose
     GEMMs run whole-K takes 32-row tiles (both GEMMs), which only the whole-K kernel
     takes (``gluon_applies(whole=True)``); at or below it, and off (None), 16-row tiles.
-    16 by default. DeepSeek-V3 EP8 (valid fraction 1/8) at 768 / 1024 tokens is 24 / 32
+    19 by default. DeepSeek-V3 EP8 (valid fraction 1/8) at 768 / 1024 tokens is 24 / 32
     rows an expert."""
     from fp4moe.kernels.launch import gemm_configs_for, gluon_applies
 
     pretend_hopper(monkeypatch)
     monkeypatch.setattr("fp4moe.kernels.launch.gluon_available", lambda: True)
-    assert TritonOptions().gluon_whole_wide == 16
+    assert TritonOptions().gluon_whole_wide == 19
     ds = (7168, 2048)
     base = dict(valid_fraction=1 / 8, gluon_whole_upto=32.0)
     for wide, t, bm in ((None, 768, 16), (16.0, 768, 32), (16.0, 1024, 32), (16.0, 512, 16),

@@ -346,13 +346,17 @@ class TritonOptions:
         once for up to 32 rows of an expert instead of once a 16-row block: the wgmma's N
         is 32, the segment's rows 64 KB of shared memory (staged a 256-K stage at a
         time), FC1 159 registers and 84 KB (two programs an SM), FC2 about 105 and 75 KB
-        (three). The same operands and sums: the same bits. None: off. 16 since session
+        (three). The same operands and sums: the same bits. None: off. 19 since session
         20 (``sweep_decode.py --variants c3 c3-wide24 c3-wide32``, s20d, W4A16, us):
         DeepSeek-V3 EP8 at 768 / 896 tokens (24 / 28 rows) 792.9 / 847.0 -> 755.4 /
         765.5, Mixtral-8x7B at 96 / 112 tokens (24 / 28 rows) 609.6 / 724.4 -> 573.3 /
         577.4 (W4A4 per-token 673.2 / 785.6 -> 613.3 / 625.5); at 32 rows it loses
         (DeepSeek-V3 1024 tokens 864.5 -> 868.8, Mixtral 128 tokens 716.7 -> 778.2: many
-        experts hold two 32-row blocks), hence ``gluon_whole_upto`` 28.
+        experts hold two 32-row blocks), hence ``gluon_whole_upto`` 28; at 18 rows too
+        (``--variants c3 c3-nowide`` with 16 here, s20e: DeepSeek-V3 576 tokens 608.9 ->
+        650.7, Mixtral 72 tokens 525.6 -> 546.8, Qwen3-30B-A3B 288 tokens 227.8 -> 226.8),
+        at 20 even (s20d: DeepSeek-V3 640 tokens 671.9 -> 661.3, Mixtral 80 tokens 519.2
+        -> 519.9), hence 19.
     gluon_grid_blocks: the row blocks of the Gluon kernels' grid. None: the schedule's
         worst case (``max_blocks``: every route in an expert of its own), whose empty
         programs each hold one of the SM's few slots (shared memory allows 6 to 8) for a
@@ -415,7 +419,7 @@ class TritonOptions:
     gluon_whole_upto: float = 28.0
     gluon_whole_over: float | None = 3.5
     gluon_whole_fill: float = 0.0
-    gluon_whole_wide: float | None = 16.0
+    gluon_whole_wide: float | None = 19.0
 
     def grid_blocks(self, n_routes: int, num_experts: int, block_m: int, max_b: int) -> int:
         """The Gluon kernels' grid row blocks (``gluon_grid_blocks``; 0: the worst case
