@@ -80,9 +80,9 @@
 #   bash benchmarks/gpu_session.sh s19c       # gluon_whole_fill; the bench, Qwen3's rows
 #   bash benchmarks/gpu_session.sh s19d       # GPU tests of the session's paths; Mixtral
 #   bash benchmarks/gpu_session.sh s19e       # prefill_above_long; Mixtral's bench rows
-#   bash benchmarks/gpu_session.sh s20a       # WS_PRODUCER: bits, then c3 against c3-ws
+#   bash benchmarks/gpu_session.sh s20a       # (removed with WS_PRODUCER)
 #   bash benchmarks/gpu_session.sh s20b       # QUANTIZE_ROW_FIRST: bits, then c3 against c3-rowfirst
-#   bash benchmarks/gpu_session.sh s20c       # s20a after the fix of WS_PRODUCER's hang
+#   bash benchmarks/gpu_session.sh s20c       # (removed with WS_PRODUCER)
 #   bash benchmarks/gpu_session.sh s20d       # gluon_whole_wide: bits, then c3 against c3-wide24/32
 #   bash benchmarks/gpu_session.sh s20e       # session 20's defaults against session 19's (c3-nowide)
 #   bash benchmarks/gpu_session.sh s20f       # gluon_whole_wide 19 at 18 / 20 / 22 rows
@@ -1002,28 +1002,14 @@ s19e)
         --iters 10 --out "$out/mixtral"
     ;;
 s20a)
-    # Prepared in session 19, not run: gluon_ws.WS_PRODUCER (the one-block body as a TMA
-    # producer warp and the consumer warpgroup, a ring of four 64-K stages released a warp
-    # at a time). Its bits first, then whole calls against the default in two processes,
-    # then FC1 and FC2 at 16 tokens each (profile_call.py --kernels)
-    step ws_test 240 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
-        -k "ws_producer"
-    step ws1 150 python3 benchmarks/sweep_decode.py --tokens 1 8 16 32 64 128 --modes w4a16 \
-        w4a4-token --variants c3 c3-ws --iters 20 --out "$out/ws1.json"
-    step ws2 150 python3 benchmarks/sweep_decode.py --tokens 1 16 64 --modes w4a16 \
-        --variants c3 c3-ws --iters 20 --out "$out/ws2.json"
-    step ws_mixtral 90 python3 benchmarks/sweep_decode.py --preset mixtral-8x7b --tokens 1 16 \
-        --modes w4a16 --variants c3 c3-ws --iters 20 --out "$out/ws-mixtral.json"
+    # Session 20: gluon_ws.WS_PRODUCER, c3 against c3-ws (every launch hung: its barriers'
+    # count); removed in session 20 with the experiment (docs/perf-notes.md, session 20)
+    echo "s20a: removed with gluon_ws.WS_PRODUCER (session 20)"
     ;;
 s20c)
-    # s20a again after the fix of the hang (the empty barriers' count 4 -> 1): the timings
-    # first (their `same` column checks the bits at each count), then the edge cases
-    step ws1 220 python3 benchmarks/sweep_decode.py --tokens 1 8 16 32 64 128 --modes w4a16 \
-        w4a4-token --variants c3 c3-ws --iters 20 --out "$out/ws1.json"
-    step ws_test 150 python3 -m pytest -m gpu --device cuda -q -x tests/test_gluon_ws.py \
-        -k "ws_producer"
-    step ws_mixtral 90 python3 benchmarks/sweep_decode.py --preset mixtral-8x7b --tokens 1 16 \
-        --modes w4a16 --variants c3 c3-ws --iters 20 --out "$out/ws-mixtral.json"
+    # Session 20: s20a after the barriers' fix (slower at 8 to 64 tokens, wrong bits in
+    # two cases); removed with gluon_ws.WS_PRODUCER (docs/perf-notes.md, session 20)
+    echo "s20c: removed with gluon_ws.WS_PRODUCER (session 20)"
     ;;
 s20d)
     # TritonOptions.gluon_whole_wide (whole-K at 32-row tiles): its bits, then DeepSeek-V3

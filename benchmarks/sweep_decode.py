@@ -51,7 +51,6 @@ e.g. c3-pa48-pbm64x2-defer), c3-noover (TritonOptions.gluon_whole_over None: the
 Gluon kernels up to gluon_upto, no whole-K below it), c3-fill1 / c3-fill2
 (TritonOptions.gluon_whole_fill 1 / 2), c3-nolong (prefill_above_long None), c3-sched
 (gluon_ws.SCHED_AHEAD: a valid program's block start and end read beside its expert),
-c3-ws (gluon_ws.WS_PRODUCER: the Gluon GEMMs' one-block body warp-specialized),
 c3-rowfirst (launch.QUANTIZE_ROW_FIRST: W4A4's quantize programs load their first chunk
 before their global),
 c3-nofusedchain (TritonOptions.fused_chain off: with --fused, the accumulator's zeros after
@@ -144,7 +143,6 @@ C3_DENSE = [  # the dense path: both operands from shared memory, bigger tiles p
 FLAG_VARIANTS = {
     "c3-tiled": (gluon_ws, "TILED"),
     "c3-sched": (gluon_ws, "SCHED_AHEAD"),
-    "c3-ws": (gluon_ws, "WS_PRODUCER"),
     "c3-rowfirst": (launch, "QUANTIZE_ROW_FIRST"),
 }
 
@@ -300,8 +298,6 @@ def main() -> None:
                 # the valid programs' block start and end read beside their expert
                 # (gluon_ws.SCHED_AHEAD, FLAG_VARIANTS; the same bits)
                 "c3-sched": c3(),
-                # the Gluon GEMMs' one-block body warp-specialized (gluon_ws.WS_PRODUCER)
-                "c3-ws": c3(),
                 # the quantize programs' first chunk before their global (W4A4;
                 # launch.QUANTIZE_ROW_FIRST)
                 "c3-rowfirst": c3(),

@@ -183,24 +183,10 @@ LOOP_MAXNREG = {(True, 8): 80, (False, 8): 64, (True, 16): 128, (False, 16): 96}
 # FC1 at 16-row tiles 51 KB and 121 registers, four programs an SM; 2: 69 KB, three, within
 # 3% in session 18). They take no register cap.
 WHOLE_BUFFERS = 1
-# Experiment (session 19, built after the GPU time ran out; compiled on the CPU only,
-# never run): the one-block body warp-specialized (``gl.warp_specialize``). A producer
-# warp issues a ring of WS_BUFFERS 64-K stages (the scales in 256-K groups beside it),
-# refilling each buffer as soon as the consumer warpgroup has released it (an mbarrier of
-# count 1 a buffer: Triton lowers the consumers' arrive to one thread of the partition,
-# thread 0 of its 128, after a partition-wide bar.sync that orders every warp's shared
-# loads of the stage; the count of 4 that session 19 gave it, one a warp, hung every
-# launch on the H200 in session 20); the consumers issue no copies. The consumer
-# warpgroup stages the rows, decodes unit by unit and runs the wgmmas, the partials and
-# the epilogue as now. The same units, operands and order: loop 3's bits. Session 16 item 2 (ncu's
-# samples: 27% to 36% of a valid program's time in the waits for stages 2 to 4) and
-# session 11 (a 64-K ring of four refilled by the consumers behind three barriers each, no
-# gain) are why. A worker partition is padded to a warpgroup (8 warps a program), so the
-# registers are capped at launch (``WS_MAXNREG``) and split by ``setmaxnreg``: FC1 48
-# (consumers 72, producer 24; five programs an SM), FC2 40 (consumers 56; six).
-WS_PRODUCER = False
-WS_BUFFERS = 4
-WS_MAXNREG = {True: 48, False: 40}
+# Session 19's WS_PRODUCER (the one-block body under gl.warp_specialize: a TMA producer
+# warp and a ring of four 64-K stages the consumer warpgroup released) was removed in
+# session 20: slower at 8 to 64 tokens and wrong bits in two cases (docs/perf-notes.md,
+# session 20 item 1; the code is in git before that session's removal commit).
 # The whole-K programs an SM holds, by gated (FC1: 16-row tiles 121 registers and 51 KB,
 # four; FC2: 96 and 42 KB, five; compiled for sm_90), for TritonOptions.gluon_whole_fill
 WHOLE_PER_SM = {True: 4, False: 5}
@@ -545,7 +531,6 @@ def tma_split_kernel(
     # writes its output (EPILOGUE): no partials, no counter (the grid's segments: 1)
     SA: gl.constexpr = False,  # the block's start and end read with its expert, not after
     # it (gluon_ws.SCHED_AHEAD; the one-block body)
-    WS: gl.constexpr = False,  # the one-block body warp-specialized (gluon_ws.WS_PRODUCER)
 ):
     pid_n = gl.program_id(0)
     if BLOCKS_LAST:
@@ -568,10 +553,6 @@ def tma_split_kernel(
                      "WHOLE: the one-block body with its epilogue, 64-row tiles, 256-K "
                      "stages")  # fmt: skip
     gl.static_assert(BM != 32 or WHOLE, "32-row tiles: WHOLE only")
-    gl.static_assert(not WS or (not (LOOP or PERSIST or XRING or A_TMA or TRACE or WHOLE or SA)
-                                and L2 == 0 and TR == 64 and SK == 64 and BOX3 == 0
-                                and DIAG == 0),
-                     "WS: the one-block body, 64-row tiles, 64-K stages of one box")  # fmt: skip
     slot = pid_n + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
     tb = trace_ptr + slot.to(gl.int64) * 16
     if TRACE:
@@ -613,13 +594,6 @@ def tma_split_kernel(
                 True, cbuf, sbuf, bars, xbuf.index(_opaque_zero()), ph,
             )  # fmt: skip
             ph = (ph + NS // NB) % 2  # each buffer's barrier completes NS / NB times a block
-    elif WS:
-        _ws_block(
-            x_ptr, sorted_routes_ptr, c_desc, s_desc, block_expert_ptr, block_start_ptr,
-            block_end_ptr, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr, out_ptr,
-            a_global_ptr, ws_rows, pid_m, pid_n, s_id, N, K, TOPK, GATED, A_GATHER, BM, SEG,
-            NBUF, EPILOGUE, FUSED, OUT_SCALE, A_UNIT_ORDER, A_FP4, USE_PDL, EARLY_W, OUT_UNIT,
-        )  # fmt: skip
     else:
         _block_work(
             x_ptr, sorted_routes_ptr, c_desc, s_desc, x_desc, block_expert_ptr,
@@ -632,140 +606,6 @@ def tma_split_kernel(
         if TRACE:
             _stamp(tb + 10, 0)  # T_END
             _stamp(tb + 1, 1)  # T_GEND
-
-
-@gluon.jit
-def _ws_block(
-    x_ptr, sorted_routes_ptr, c_desc, s_desc, block_expert_ptr, block_start_ptr,
-    block_end_ptr, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr, out_ptr, a_global_ptr,
-    ws_rows, pid_m, pid_n, s_id, N: gl.constexpr, K: gl.constexpr, TOPK: gl.constexpr,
-    GATED: gl.constexpr, A_GATHER: gl.constexpr, BM: gl.constexpr, SEG: gl.constexpr,
-    NBUF: gl.constexpr, EPILOGUE: gl.constexpr, FUSED: gl.constexpr,
-    OUT_SCALE: gl.constexpr, A_UNIT_ORDER: gl.constexpr, A_FP4: gl.constexpr,
-    USE_PDL: gl.constexpr, EARLY_W: gl.constexpr, OUT_UNIT: gl.constexpr,
-):  # fmt: skip
-    """``tma_split_kernel``'s one-block body with WS (``gluon_ws.WS_PRODUCER``): the
-    buffers and barriers, then a producer warp (``_ws_producer``) and the consumer
-    warpgroup (``_ws_consumer``). ``full`` [NB]: a stage landed (the producer's expected
-    bytes); ``empty`` [NB]: each of the 4 consumer warps released it."""
-    e = gl.load(block_expert_ptr + pid_m, cache_modifier=".cg")
-    if e >= 0:
-        start = gl.load(block_start_ptr + pid_m, cache_modifier=".cg")
-        end = gl.load(block_end_ptr + pid_m, cache_modifier=".cg")
-        NB: gl.constexpr = NBUF
-        NBS: gl.constexpr = (NB + 4 - 2) // 4 + 1  # scale groups of 4 stages (scale_slots)
-        cbuf, sbuf, full = _stage_buffers(GATED, NB, NBS, 1, 0)
-        empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(NB):
-            mbarrier.init(empty.index(b), count=1)  # the partition's one arrival (thread 0)
-        XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
-        xs = gl.allocate_shared_memory(gl.bfloat16, [SEG // UNIT * BM, UNIT], XS)
-        fence_async_shared()  # the barriers' init before the producer's first copies
-        if GATED:
-            w_rows = 2 * N
-        else:
-            w_rows = N
-        row = e * w_rows + pid_n * 64
-        gl.warp_specialize(
-            [
-                (_ws_consumer, (x_ptr, sorted_routes_ptr, part_ptr, cnt_ptr, w_global_ptr,
-                                topk_w_ptr, out_ptr, a_global_ptr, ws_rows, pid_m, pid_n,
-                                s_id, e, start, end, cbuf, sbuf, full, empty, xs, N, K, TOPK,
-                                GATED, A_GATHER, BM, SEG, NB, NBS, EPILOGUE, FUSED, OUT_SCALE,
-                                A_UNIT_ORDER, A_FP4, USE_PDL, EARLY_W, OUT_UNIT)),
-                (_ws_producer, (c_desc, s_desc, cbuf, sbuf, full, empty, row, s_id * SEG, N,
-                                K, GATED, SEG, NB, NBS)),
-            ],
-            [1],
-            [24],
-        )  # fmt: skip
-
-
-@gluon.jit
-def _ws_producer(c_desc, s_desc, cbuf, sbuf, full, empty, row, k0, N: gl.constexpr,
-                 K: gl.constexpr, GATED: gl.constexpr, SEG: gl.constexpr, NB: gl.constexpr,
-                 NBS: gl.constexpr):  # fmt: skip
-    """WS's producer warp: the segment's 64-K stages in order, stage st into buffer
-    st % NB once every consumer warp released that buffer's last stage (st - NB); each
-    stage that starts a 256-K group brings the group's scales into slot group % NBS,
-    whose last group ended NBS * 4 stages back, before that buffer's release."""
-    NS: gl.constexpr = SEG // UNIT
-    CODE: gl.constexpr = (2 if GATED else 1) * 64 * 32
-    SCALE: gl.constexpr = (2 if GATED else 1) * 64 * 16
-    for st in gl.static_range(NS):
-        if st >= NB:
-            mbarrier.wait(empty.index(st % NB), (st // NB - 1) % 2)
-        bar = full.index(st % NB)
-        if st % 4 == 0:
-            mbarrier.expect(bar, CODE + SCALE)
-        else:
-            mbarrier.expect(bar, CODE)
-        _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row, k0, st, 0, NB, 0, 1, NBS, K // 256)
-        if GATED:
-            _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row + N, k0, st, 1, NB, 0, 1, NBS,
-                         K // 256)  # fmt: skip
-
-
-@gluon.jit
-def _ws_consumer(
-    x_ptr, sorted_routes_ptr, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr, out_ptr,
-    a_global_ptr, ws_rows, pid_m, pid_n, s_id, e, start, end, cbuf, sbuf, full, empty, xs,
-    N: gl.constexpr, K: gl.constexpr, TOPK: gl.constexpr, GATED: gl.constexpr,
-    A_GATHER: gl.constexpr, BM: gl.constexpr, SEG: gl.constexpr, NB: gl.constexpr,
-    NBS: gl.constexpr, EPILOGUE: gl.constexpr, FUSED: gl.constexpr,
-    OUT_SCALE: gl.constexpr, A_UNIT_ORDER: gl.constexpr, A_FP4: gl.constexpr,
-    USE_PDL: gl.constexpr, EARLY_W: gl.constexpr, OUT_UNIT: gl.constexpr,
-):  # fmt: skip
-    """WS's consumer warpgroup: the rows (after the grid wait with EARLY_W), then each
-    unit as it lands (its stage's shared loads, then the stage released by this warp,
-    then the decode and the asynchronous wgmma, the last one waited for first: the order
-    of ``_block_work``'s units), then the partials and the split epilogue."""
-    if USE_PDL and EARLY_W:
-        _gdc_wait_release()
-    k0 = s_id * SEG
-    xd = _stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K, TOPK, A_GATHER, BM, SEG,
-                  A_UNIT_ORDER, True, xs, 4)  # fmt: skip
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16]
-    )
-    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    acc_g = gl.zeros([64, BM], gl.float32, layout=MMA)
-    acc_u = gl.zeros([64, BM], gl.float32, layout=MMA)
-    NU: gl.constexpr = SEG // UNIT
-    for kb in gl.static_range(NU):
-        mbarrier.wait(full.index(kb % NB), (kb // NB) % 2)
-        gc, gs = _smem_unit(cbuf, sbuf, kb, 0, NB, 1, NBS)
-        if GATED:
-            uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, 1, NBS)
-        # this warp's shared loads of the stage are done once their values are in
-        # registers; the arrive (release semantics) orders them before the refill
-        mbarrier.arrive(empty.index(kb % NB), count=1)
-        wg = _decode_unit(gc, gs, A_L)
-        if GATED:
-            wu = _decode_unit(uc, us, A_L)
-        xb = xd.slice(kb * BM, BM).permute((1, 0))
-        if kb > 0:
-            if GATED:
-                acc_g, acc_u, _, _ = warpgroup_mma_wait(
-                    num_outstanding=0,
-                    deps=(acc_g, acc_u, pg, pu),  # noqa: F821
-                )
-            else:
-                acc_g, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, pg))  # noqa: F821
-        acc_g = warpgroup_mma(wg, xb, acc_g, is_async=True)
-        pg = wg  # noqa: F841 (read by the next unrolled unit)
-        if GATED:
-            acc_u = warpgroup_mma(wu, xb, acc_u, is_async=True)
-            pu = wu  # noqa: F841
-    acc_g, acc_u = _mma_drain(acc_g, acc_u, GATED)
-    stride = _store_partials(acc_g, acc_u, part_ptr, pid_n, start, end, s_id, ws_rows, N,
-                             GATED, BM, MMA)  # fmt: skip
-    if EPILOGUE:
-        _last_unit_epilogue(
-            pid_m, pid_n, e, start, end, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr,
-            sorted_routes_ptr, out_ptr, a_global_ptr, stride, N, K, TOPK, GATED, BM, SEG,
-            FUSED, OUT_SCALE, MMA, A_GATHER, A_FP4, OUT_UNIT,
-        )  # fmt: skip
 
 
 @gluon.jit
@@ -1294,11 +1134,6 @@ def split_partials_tma(
     x_ring = not whole and _x_ring(gated, block_m, grid_blocks, persist, a_tma)
     tr = 64 if whole else _tile_rows(n, box, stage_k, grid_blocks, persist, a_tma,
                                      out_unit_order, l2, x_ring)  # fmt: skip
-    # WS_PRODUCER: the one-block body only, with its own ring (64-K stages of one box)
-    ws = (WS_PRODUCER and not (whole or a_tma or grid_blocks or persist or l2 or x_ring or TRACE)
-          and DIAG == 0 and tr == 64)  # fmt: skip
-    if ws:
-        stage_k, box, buffers = 64, 0, WS_BUFFERS
     tiles = triton.cdiv(n, tr)
     c_desc, s_desc = descriptors(codes, scales, box, stage_k, tr)
     x_desc = c_desc
@@ -1336,10 +1171,9 @@ def split_partials_tma(
         EARLY_W=pdl and early_weights and EARLY_WEIGHTS, A_TMA=a_tma,
         OUT_UNIT=out_unit_order, DIAG=DIAG, LOOP=grid_blocks > 0, TRACE=trace is not dummy,
         PERSIST=persist > 0, XRING=x_ring, L2=l2, SKEW=SKEW_NS, TR=tr, WHOLE=whole,
-        SA=SCHED_AHEAD and not (grid_blocks or persist or ws), WS=ws, num_warps=tr // 16,
+        SA=SCHED_AHEAD and not (grid_blocks or persist), num_warps=tr // 16,
         launch_pdl=pdl,
-        **({} if whole else {"maxnreg": WS_MAXNREG[gated]} if ws
-           else _maxnreg(gated, block_m, grid_blocks, persist, a_tma, tr)),
+        **({} if whole else _maxnreg(gated, block_m, grid_blocks, persist, a_tma, tr)),
     )  # fmt: skip
 
 
@@ -1431,7 +1265,6 @@ def compile_sm90(
     tile_rows: int = 64,
     whole: bool = False,
     sched_ahead: bool = False,
-    ws: bool = False,
 ):
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
     layout conversions are asserted trivial at compile time. ``box3``: the code copies
@@ -1466,7 +1299,7 @@ def compile_sm90(
                  EARLY_W=pdl and early_weights, A_TMA=a_tma, OUT_UNIT=out_unit_order,
                  DIAG=diag, LOOP=loop_blocks > 0, TRACE=trace, PERSIST=persist,
                  XRING=x_ring, L2=l2, SKEW=skew, TR=tile_rows, WHOLE=whole,
-                 SA=sched_ahead, WS=ws)  # fmt: skip
+                 SA=sched_ahead)  # fmt: skip
     opts = {} if maxnreg is None else {"maxnreg": maxnreg}
     return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows", "loop_step"),
                                gluon=True, descs=descs, num_warps=tile_rows // 16,
