@@ -81,12 +81,14 @@ QUANTIZE_SPLIT_ROWS = 512
 # amax_rows above QUANTIZE_SPLIT_ROWS rows: rows a program (one atomic max each)
 AMAX_ROWS = 16
 QUANTIZE_SPLIT_C = 256
-# Experiment (session 19, off; built after the GPU time ran out, interpreter-tested, not run
-# on a GPU): each quantize program loads its first chunk of the row before the loads of
-# its global (the row's amax, or per-tensor W4A4's pass over every counted row at few
-# rows), so that the two latencies overlap. The same values: the same bits. Per-tensor
-# W4A4's fused 1-token call spends 4.8 us in its second quantize after FC1, per-token 3.2
-# (perf-notes session 19 item 6).
+# Experiment (session 19, off: refuted in session 20): each quantize program loads its
+# first chunk of the row before the loads of its global (the row's amax, or per-tensor
+# W4A4's pass over every counted row at few rows), so that the two latencies overlap. The
+# same values: the same bits (every sweep row of s20b). Per-tensor W4A4's fused 1-token
+# call spends 4.8 us in its second quantize after FC1, per-token 3.2 (perf-notes session
+# 19 item 6). Measured (``sweep_decode.py --variants c3 c3-rowfirst``, s20b, DeepSeek-V3
+# EP8, us): per-tensor fused 1 / 16 tokens 53.2 / 62.9 -> 53.8 / 63.1, deterministic 50.0 /
+# 63.2 -> 49.8 / 63.6; per-token within 1.3 us either way: no gain.
 QUANTIZE_ROW_FIRST = False
 AMAX_WIDE_C = 8192
 
