@@ -324,7 +324,7 @@ class TritonOptions:
         256 / 384 / 512 / 768 tokens 474.8 / 790.2 / 794.3 / 844.1 -> 435.1 / 494.5 /
         580.6 / 805.8 (W4A4 per-token alike), Mixtral-8x7B 64 tokens 545.2 -> 492.4,
         Qwen3-30B-A3B 256 / 384 tokens 332.1 / 414.1 -> 314.8 / 381.2. 28 since session
-        20, with ``gluon_whole_wide``'s 32-row tiles above 16 rows (28 rows: DeepSeek-V3
+        20, with ``gluon_whole_wide``'s 32-row tiles above 19 rows (28 rows: DeepSeek-V3
         EP8 896 tokens 847.0 -> 765.5 us, Mixtral-8x7B 112 tokens 724.4 -> 577.4; 32 rows
         lose).
     gluon_whole_over: above this many expected valid rows an expert (and up to
