@@ -198,13 +198,13 @@ def test_whole_wide_configs(monkeypatch):
     """``gluon_whole_wide``: above that many expected valid rows an expert, a call whose
     GEMMs run whole-K takes 32-row tiles (both GEMMs), which only the whole-K kernel
     takes (``gluon_applies(whole=True)``); at or below it, and off (None), 16-row tiles.
-    19 by default. DeepSeek-V3 EP8 (valid fraction 1/8) at 768 / 1024 tokens is 24 / 32
+    21.5 by default. DeepSeek-V3 EP8 (valid fraction 1/8) at 768 / 1024 tokens is 24 / 32
     rows an expert."""
     from fp4moe.kernels.launch import gemm_configs_for, gluon_applies
 
     pretend_hopper(monkeypatch)
     monkeypatch.setattr("fp4moe.kernels.launch.gluon_available", lambda: True)
-    assert TritonOptions().gluon_whole_wide == 19
+    assert TritonOptions().gluon_whole_wide == 21.5
     ds = (7168, 2048)
     base = dict(valid_fraction=1 / 8, gluon_whole_upto=32.0)
     for wide, t, bm in ((None, 768, 16), (16.0, 768, 32), (16.0, 1024, 32), (16.0, 512, 16),
@@ -214,6 +214,17 @@ def test_whole_wide_configs(monkeypatch):
         assert {c.block_m for c in cfgs} == {bm}, (wide, t, cfgs)
         assert all(o.whole_runs(False, False, k, False, c, t * 8, 32)
                    for k, c in zip(ds, cfgs)), (wide, t)  # fmt: skip
+    # the defaults: 32-row tiles above 21.5 rows, whole-K up to 28, the prefill kernels
+    # for long K (Mixtral-8x7B) from 29 rows
+    d = TritonOptions(valid_fraction=1 / 8)
+    for t, bm, whole in ((672, 16, True), (704, 32, True), (896, 32, True), (928, None, False)):
+        cfgs = gemm_configs_for(t * 8, 32, *ds, "w4a16", d, "per_token")
+        if bm is not None:
+            assert {c.block_m for c in cfgs} == {bm}, (t, cfgs)
+        assert d.whole_runs(False, False, 7168, False, cfgs[0], t * 8, 32) == whole, t
+    mix, dm = (4096, 14336), TritonOptions(valid_fraction=1.0)
+    assert {c.block_m for c in gemm_configs_for(88 * 2, 8, *mix, "w4a16", dm)} == {32}
+    assert not dm.dense_for(112 * 2, 8, mix) and dm.dense_for(116 * 2, 8, mix)
     c32 = GemmConfig(32, 64, 128)
     assert gluon_applies(7168, False, c32, whole=True)
     assert not gluon_applies(7168, False, c32)  # the split kernels: 8 or 16 rows

@@ -324,7 +324,7 @@ class TritonOptions:
         256 / 384 / 512 / 768 tokens 474.8 / 790.2 / 794.3 / 844.1 -> 435.1 / 494.5 /
         580.6 / 805.8 (W4A4 per-token alike), Mixtral-8x7B 64 tokens 545.2 -> 492.4,
         Qwen3-30B-A3B 256 / 384 tokens 332.1 / 414.1 -> 314.8 / 381.2. 28 since session
-        20, with ``gluon_whole_wide``'s 32-row tiles above 19 rows (28 rows: DeepSeek-V3
+        20, with ``gluon_whole_wide``'s 32-row tiles above 21.5 rows (28 rows: DeepSeek-V3
         EP8 896 tokens 847.0 -> 765.5 us, Mixtral-8x7B 112 tokens 724.4 -> 577.4; 32 rows
         lose).
     gluon_whole_over: above this many expected valid rows an expert (and up to
@@ -348,7 +348,7 @@ class TritonOptions:
         once for up to 32 rows of an expert instead of once a 16-row block: the wgmma's N
         is 32, the segment's rows 64 KB of shared memory (staged a 256-K stage at a
         time), FC1 159 registers and 84 KB (two programs an SM), FC2 about 105 and 75 KB
-        (three). The same operands and sums: the same bits. None: off. 19 since session
+        (three). The same operands and sums: the same bits. None: off. 21.5 since session
         20 (``sweep_decode.py --variants c3 c3-wide24 c3-wide32``, s20d, W4A16, us):
         DeepSeek-V3 EP8 at 768 / 896 tokens (24 / 28 rows) 792.9 / 847.0 -> 755.4 /
         765.5, Mixtral-8x7B at 96 / 112 tokens (24 / 28 rows) 609.6 / 724.4 -> 573.3 /
@@ -357,8 +357,13 @@ class TritonOptions:
         experts hold two 32-row blocks), hence ``gluon_whole_upto`` 28; at 18 rows too
         (``--variants c3 c3-nowide`` with 16 here, s20e: DeepSeek-V3 576 tokens 608.9 ->
         650.7, Mixtral 72 tokens 525.6 -> 546.8, Qwen3-30B-A3B 288 tokens 227.8 -> 226.8),
-        at 20 even (s20d: DeepSeek-V3 640 tokens 671.9 -> 661.3, Mixtral 80 tokens 519.2
-        -> 519.9), hence 19.
+        at 20 even on DeepSeek-V3 and Mixtral (s20d: DeepSeek-V3 640 tokens 671.9 -> 661.3,
+        Mixtral 80 tokens 519.2 -> 519.9) and a win on Qwen3 (s20f: 320 tokens 246.0 ->
+        223.8), but a loss on Kimi-K2 EP8 at 19 to 21 rows (s20g: 928 / 960 / 1024 tokens
+        964.2 / 896.2 / 947.3 -> 999.2 / 953.9 / 962.2; 1056 tokens, 22 rows, 1004.6 ->
+        993.2), hence 21.5: 22 rows gain on every preset measured (Mixtral 88 tokens 566.3
+        -> 518.3, Qwen3 352 tokens 260.5 -> 227.7), Kimi-K2's 1024 tokens (21.3 rows) keep
+        the 16-row tiles.
     gluon_grid_blocks: the row blocks of the Gluon kernels' grid. None: the schedule's
         worst case (``max_blocks``: every route in an expert of its own), whose empty
         programs each hold one of the SM's few slots (shared memory allows 6 to 8) for a
@@ -421,7 +426,7 @@ class TritonOptions:
     gluon_whole_upto: float = 28.0
     gluon_whole_over: float | None = 3.5
     gluon_whole_fill: float = 0.0
-    gluon_whole_wide: float | None = 19.0
+    gluon_whole_wide: float | None = 21.5
 
     def grid_blocks(self, n_routes: int, num_experts: int, block_m: int, max_b: int) -> int:
         """The Gluon kernels' grid row blocks (``gluon_grid_blocks``; 0: the worst case
