@@ -88,12 +88,13 @@
 #   bash benchmarks/gpu_session.sh s20f       # gluon_whole_wide 19 at 18 / 20 / 22 rows
 #   bash benchmarks/gpu_session.sh s20g       # Kimi-K2 EP8 at 928 to 1056 tokens, c3 against c3-nowide
 #   bash benchmarks/gpu_session.sh s20h       # the split kernels' bits tests and batch invariance
+#   bash benchmarks/gpu_session.sh s21a       # the CUDA decode GEMMs: build, bits and time, tests
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -1058,6 +1059,21 @@ s20g)
     step kimi 170 python3 benchmarks/sweep_decode.py --preset kimi-k2-ep8 \
         --tokens 928 960 1024 1056 --modes w4a16 w4a4-token --variants c3 c3-nowide \
         --iters 10 --out "$out/nowide-kimi.json"
+    ;;
+s21a)
+    # TritonOptions.cuda_decode (kernels/cuda/decode_gemm.cu): the library built with the
+    # machine's nvcc, then W4A16 at decode sizes against the defaults (bits: `same`) with
+    # the ring slots a warp (dN) and the L2 prefetch, each GEMM alone at 16 tokens, and the tests
+    export FP4MOE_CACHE="$out/cache"
+    step build 120 python3 -c "from fp4moe.kernels import cuda_decode as c; \
+        print(c.available(), c.build_error(), c.library_path())"
+    step cuda 220 python3 benchmarks/sweep_decode.py --tokens 1 8 16 32 64 128 \
+        --modes w4a16 --variants c3 c3-cuda c3-cuda-d2 c3-cuda-d6 c3-cuda-d8 c3-cuda-l2 \
+        c3-cuda-d8-l2 --iters 20 --out "$out/cuda.json"
+    step cuda_one 60 python3 benchmarks/sweep_decode.py --tokens 16 --modes w4a16 \
+        --variants c3 c3-cuda-fc1 c3-cuda-fc2 --iters 20 --out "$out/cuda-one.json"
+    step cuda_tests 150 python3 -m pytest -m gpu --device cuda -q tests/test_cuda_decode.py
+    rm -rf "$out/cache"
     ;;
 s20h)
     # After the WS removal and the rows' staging change (_stage_x CH): the split Gluon

@@ -390,6 +390,13 @@ class TritonOptions:
         the hardware hands a freed slot the next program at once, while a fixed stride
         holds a program's later units behind its slow ones (measured under a register cap
         that gave FC2 a 16-byte stack, since removed; ``gpu_session.sh s14a`` re-times it).
+    cuda_decode: W4A16's GEMMs that would run on the Gluon kernels at 8- or 16-row tiles
+        (split or whole-K) run on the CUDA C++ kernel of ``kernels.cuda_decode`` instead,
+        where it is available (nvcc, a Hopper GPU) and the shape fits
+        (``cuda_decode.applies``): each weight loaded from HBM into its MMA fragment's
+        registers, a tile's K segments the warps of one thread block summed in shared
+        memory. The same decode, K order, segment sums and epilogue operations: the same
+        bits. Experiment, off (docs/perf-notes.md, session 21).
     """
 
     pdl: bool | None = None
@@ -427,6 +434,7 @@ class TritonOptions:
     gluon_whole_over: float | None = 3.5
     gluon_whole_fill: float = 0.0
     gluon_whole_wide: float | None = 21.5
+    cuda_decode: bool = False
 
     def grid_blocks(self, n_routes: int, num_experts: int, block_m: int, max_b: int) -> int:
         """The Gluon kernels' grid row blocks (``gluon_grid_blocks``; 0: the worst case
@@ -435,10 +443,16 @@ class TritonOptions:
         if g is None or max_b <= 0:
             return 0
         if g == "auto":
-            valid = self.valid_rows(n_routes, num_experts) * num_experts
-            touched = num_experts * (1.0 - (1.0 - 1.0 / max(num_experts, 1)) ** valid)
-            g = math.ceil(touched + valid / block_m) + 2
+            g = self.expected_blocks(n_routes, num_experts, block_m) + 2
         return max(1, min(int(g), max_b))
+
+    def expected_blocks(self, n_routes: int, num_experts: int, block_m: int) -> int:
+        """The valid row blocks of ``block_m`` rows a call of ``n_routes`` routes is
+        expected to have (``valid_rows`` spread evenly over the experts: the experts
+        touched plus the valid rows over ``block_m``, rounded up)."""
+        valid = self.valid_rows(n_routes, num_experts) * num_experts
+        touched = num_experts * (1.0 - (1.0 - 1.0 / max(num_experts, 1)) ** valid)
+        return math.ceil(touched + valid / block_m)
 
     def persist_programs(self, gated: bool, block_m: int, device: torch.device) -> int:
         """The Gluon kernel's persistent programs on ``device`` (``gluon_persist``; 0:
@@ -955,6 +969,8 @@ def _gemm(
     prefill: bool = False,
     whole_k: bool = False,
     whole: bool = False,
+    cuda: bool = False,
+    cuda_blocks: int | None = None,
 ) -> None:
     """One grouped GEMM. ``out_fp4`` = (scales, globals, static table): ``out`` receives
     NVFP4 codes of the FC1 activation instead of bf16 (static W4A4). ``dense``: decode
@@ -980,7 +996,10 @@ def _gemm(
     ``dense``): the GEMM runs on ``gluon_prefill`` where ``_prefill_fits`` (the same
     bits). ``whole`` (not ``split``; ``TritonOptions.whole_runs``): the Gluon kernel with
     whole-K programs, where its epilogue can write ``out`` (bf16 or fused; not
-    ``out_fp4`` or ``amax_out``), else loop 3 (the same bits)."""
+    ``out_fp4`` or ``amax_out``), else loop 3 (the same bits). ``cuda``: where the Gluon
+    kernel would run a W4A16 GEMM with its epilogue at 8- or 16-row tiles, the CUDA kernel
+    of ``cuda_decode`` runs it if it can (``TritonOptions.cuda_decode``; the same bits),
+    sized for ``cuda_blocks`` valid row blocks (None: the schedule's worst case)."""
     a_fp4 = a_scales is not None
     if dense and prefill and _prefill_fits(cfg, n, k, gated, out_fp4, amax_out):
         _prefill_gemm(sort, a, a_scales, a_global, w_codes, w_scales, w_global, out, topk_w,
@@ -1078,6 +1097,23 @@ def _gemm(
                           a_global=a_global if a_fp4 else None)  # fmt: skip
             if epi and out_ordered:  # FC1 for FC2 with a_tma: unit-order rows
                 kw["out_unit_order"] = True
+            if cuda and epi and not (a_fp4 or a_tma or a_ordered or out_ordered):
+                from . import cuda_decode
+
+                only = cuda_decode.ONLY
+                if (
+                    (only is None or only == ("fc1" if gated else "fc2"))
+                    and cuda_decode.applies(n, k, gated, cfg.block_m)
+                    and cuda_decode.available()
+                ):
+                    cuda_decode.decode_gemm(
+                        a, sort.sorted_routes, w_codes, w_scales, sort.block_expert,
+                        sort.block_start, sort.block_end, sort.valid_blocks, w_global, out,
+                        n=n, topk=topk, gated=gated, gather=a_gather, block_m=cfg.block_m,
+                        fused=fused, topk_w=topk_w, pdl=pdl and gluon_pdl,
+                        expected_blocks=cuda_blocks,
+                    )  # fmt: skip
+                    return
             gluon_ws.split_partials_tma(
                 a_src, sort.sorted_routes, w_codes, w_scales, sort.block_expert,
                 sort.block_start, sort.block_end, None if whole else part, n=n, topk=topk,
@@ -1454,7 +1490,8 @@ def expert_gemms(
         a_ordered=ordered, out_ordered=ordered or mid_unit, blocks_last=opt.blocks_last,
         a_decoded=a_decoded, gluon_pdl=gpdl, early_weights=fc1_early_weights, a_tma=atma1,
         grid_blocks=gb1, persist=ps1, prefill=prefill, whole_k=opt.gluon_whole_k,
-        whole=whole1,
+        whole=whole1, cuda=opt.cuda_decode and not w4a4,
+        cuda_blocks=opt.expected_blocks(n_routes, e_count, cfg1.block_m),
     )  # fmt: skip
 
     # FC2 input.
@@ -1502,7 +1539,8 @@ def expert_gemms(
         counters=counters[1] if counters else None, a_ordered=ordered or mid_unit,
         blocks_last=opt.blocks_last, a_decoded=b_dec, early_weights=True, gluon_pdl=gpdl,
         a_tma=atma2, grid_blocks=gb2, persist=ps2, w_dense=w2_dense, prefill=prefill,
-        whole_k=opt.gluon_whole_k, whole=whole2,
+        whole_k=opt.gluon_whole_k, whole=whole2, cuda=opt.cuda_decode and not w4a4,
+        cuda_blocks=opt.expected_blocks(n_routes, e_count, cfg2.block_m),
     )  # fmt: skip
     return dest
 

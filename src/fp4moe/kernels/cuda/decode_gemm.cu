@@ -1,0 +1,514 @@
+// fp4moe: the decode-size grouped GEMMs (FC1 with SwiGLU, FC2) of W4A16 in CUDA C++ for
+// Hopper (sm_90a), with loop 3's bits (docs/architecture.md, kernels/gluon_decode.py).
+//
+// Why a CUDA kernel: at decode sizes the Triton/Gluon kernels spend most of their time in
+// their skeleton (TMA descriptors and mbarriers, the split-K partials in HBM, the tile
+// counter, the last program's sums; docs/perf-notes.md sessions 16 to 18). Here a weight
+// is loaded straight from HBM into the registers that hold it for the MMA, and the K
+// segments of a tile are the warps of one thread block, summed through shared memory.
+//
+// Numerics (the same as the Gluon kernels', so that every path gives the same bits):
+//   - weights decoded to bf16 e2m1 * scale * 2^-8 (exact) with the same instructions as
+//     gemm._CHUNK_DECODE_ASM; activations bf16 as given;
+//   - the K order of loop 3's units (launch.k_order 64): element 16 q + 4 s + 2 a + b of a
+//     64-element unit at position 16 s + 8 b + 2 q + a, so k16 step s holds the same
+//     elements as the wgmma's;
+//   - each 1024-element segment summed from zero by the tensor cores (k16 steps in
+//     order), the segment sums added in order from zero, ((0 + P_0) + P_1) + ...;
+//   - the epilogue of gluon_ws._tile_out with the same PTX operations (mul.f32, ex2.approx,
+//     div.full, cvt.rn.bf16), so nothing is contracted or reordered (built with
+//     --fmad=false, and the operations written as intrinsics or PTX).
+//
+// Work: a thread block takes (weight tile, row block) items of the sort's schedule in turn
+// (a persistent grid, items of valid blocks only). Its warps are (row group, K segment)
+// pairs: warp w takes segment w % S of row group w / S. A warp's rows are two 16-row
+// m16n8k16 A tiles (FC1: 16 gate rows and their 16 up rows; FC2: 32 rows); the block's
+// 8 (NT = 1) or 16 (NT = 2) rows are the MMA's N.
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+struct Params {
+  const void* x;               // bf16 [rows, K]: FC1 tokens (gather: route // topk), FC2 sorted rows
+  const int32_t* sorted_routes;  // int32 [T * topk]
+  const uint8_t* codes;        // uint8 [E, W_ROWS, K / 2]
+  const uint8_t* scales;       // e4m3 bytes [E, W_ROWS, K / 16]
+  const int32_t* block_expert;  // int32 [blocks] (-1: empty)
+  const int32_t* block_start;
+  const int32_t* block_end;
+  const int32_t* valid_blocks;  // int32 [1]: the valid blocks come first
+  const float* w_global;       // fp32 [E] or [E, 2] (gated)
+  const float* topk_w;         // fp32 [T * topk] (fused)
+  void* out;                   // bf16 [rows, N] sorted rows, or fp32 [T, N] (fused)
+  int n, k, topk, gather, fused, pdl, segs;
+};
+
+constexpr int RT = 2;          // 16-row A tiles a warp
+constexpr int UNITS = 16;      // 64-element units a 1024-element segment
+
+__device__ __forceinline__ void pdl_wait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+__device__ __forceinline__ void pdl_release() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// Asynchronous copies global -> shared (LDGSTS), each thread into slots only it reads:
+// nothing of them is held in registers while in flight, and the compiler cannot move them
+// next to their use (it does so with plain loads, which kept the loads ahead at one unit).
+__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+// 16 bytes, or zeros when !ok (src-size 0: nothing is read)
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ uint2 lds64(uint32_t a) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ uint32_t lds32(uint32_t a) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ uint4 lds128(uint32_t a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
+// e4m3 scale byte (non-negative) -> bf16x2 (scale * 2^118, both halves), exactly what
+// (scale.to(fp32) * 2^118).to(bf16) gives: the byte's bits at 26..20 are an fp32 of
+// value scale * 2^-120 (normal and subnormal alike), times 2^119 twice.
+__device__ __forceinline__ uint32_t scale_pair(uint32_t byte) {
+  float f = __uint_as_float(byte << 20);
+  f = __fmul_rn(f, 6.64613997892457936e35f);  // 2^119
+  f = __fmul_rn(f, 6.64613997892457936e35f);
+  uint32_t b = __float_as_uint(f);
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %1, 0x3232;" : "=r"(r) : "r"(b));
+  return r;
+}
+
+// Two code bytes (bytes 2 j and 2 j + 1 of a row's 8-byte block piece, j = step) to the
+// bf16 pairs of their low and high nibbles times the scale (gemm._CHUNK_DECODE_ASM).
+template <int SEL>
+__device__ __forceinline__ void decode_pair(uint32_t w, uint32_t s2, uint32_t& lo, uint32_t& hi) {
+  asm("{\n.reg .b32 t, u, z;\nmov.b32 z, 0x80008000;\n"
+      "prmt.b32 t, %2, 0, %4;\n"
+      "and.b32 u, t, 0x000F000F;\nmul.lo.u32 u, u, 0x1040;\nand.b32 u, u, 0x81C081C0;\n"
+      "fma.rn.bf16x2 %0, u, %3, z;\n"
+      "and.b32 u, t, 0x00F000F0;\nmul.lo.u32 u, u, 0x104;\nand.b32 u, u, 0x81C081C0;\n"
+      "fma.rn.bf16x2 %1, u, %3, z;\n}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(w), "r"(s2), "n"(SEL));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float div_full(float a, float b) {
+  float y;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
+
+// A warp's slot of one unit (64 K) in shared memory, lane-major so that every access is
+// conflict-free: the 8 code bytes of each of the thread's four rows (two A tiles, rows gi
+// and gi + 8) for its block q, the 4-byte scale group of the unit of each row (byte q is
+// the thread's), and 32 bytes of each of its activation rows (elements 16 q .. 16 q + 15).
+template <int NT>
+struct Slot {
+  static constexpr int CODES = 0;                       // [4 rows][32 lanes] x 8 bytes
+  static constexpr int SCALES = CODES + 4 * 32 * 8;      // [4 rows][32 lanes] x 4 bytes
+  static constexpr int X = SCALES + 4 * 32 * 4;          // [NT][2 halves][32 lanes] x 16
+  static constexpr int BYTES = X + NT * 2 * 32 * 16;
+};
+
+template <bool GATED, int NT, int D, bool L2PF>
+__global__ void __launch_bounds__(512) decode_gemm_kernel(const Params p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  // [warps][RT * NT * 4][32] fp32 partials, then each warp's ring of D slots
+  float* part = reinterpret_cast<float*>(smem);
+  unsigned char* ring_base = smem + (blockDim.x >> 5) * RT * NT * 4 * 32 * sizeof(float);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int S = p.segs;
+  const int seg = warp % S, rg = warp / S;
+  const int R = (blockDim.x >> 5) / S;
+  const int gi = lane >> 2, q = lane & 3;
+  constexpr int OUT_W = GATED ? 16 : 32;  // outputs of a warp (row group)
+  const int cta_out = R * OUT_W;
+  const int N = p.n, K = p.k;
+  const int ntiles = (N + cta_out - 1) / cta_out;
+  const int w_rows = GATED ? 2 * N : N;
+  const size_t crow = (size_t)K / 2, srow = (size_t)K / 16;
+
+  if (p.pdl) {
+    pdl_wait();
+    pdl_release();
+  }
+  const int nvalid = *p.valid_blocks;
+  const int total = ntiles * nvalid;
+  const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(p.x);
+
+  for (int item = blockIdx.x; item < total; item += gridDim.x) {
+    const int b = item / ntiles, t = item - (item / ntiles) * ntiles;
+    const int e = p.block_expert[b];
+    const int start = p.block_start[b], end = p.block_end[b];
+    const int n0 = t * cta_out + rg * OUT_W;
+    const bool active = n0 < N;
+    float acc[RT][NT][4];
+#pragma unroll
+    for (int a = 0; a < RT; ++a)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[a][j][c] = 0.0f;
+
+    if (active) {
+      // this thread's weight rows and activation rows
+      const uint8_t* cp[RT][2];
+      const uint8_t* sp[RT][2];
+#pragma unroll
+      for (int a = 0; a < RT; ++a)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = GATED ? (a * N + n0 + gi + 8 * h) : (n0 + 16 * a + gi + 8 * h);
+          const size_t row = (size_t)e * w_rows + r;
+          cp[a][h] = p.codes + row * crow + (size_t)seg * 512 + q * 8;
+          sp[a][h] = p.scales + row * srow + (size_t)seg * 64 + q;
+        }
+      if (L2PF) {  // the warp's 32 rows of this segment into L2: one row a lane
+        const int a = lane >> 4, r16 = lane & 15;
+        const int r = GATED ? (a * N + n0 + r16) : (n0 + 16 * a + r16);
+        const size_t row = (size_t)e * w_rows + r;
+        prefetch_l2(p.codes + row * crow + (size_t)seg * 512, 512);
+        prefetch_l2(p.scales + row * srow + (size_t)seg * 64, 64);
+      }
+      const __nv_bfloat16* xp[NT];
+      bool xok[NT];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const int m = start + 8 * j + gi;
+        xok[j] = m < end;
+        int src = m;
+        if (p.gather) src = xok[j] ? p.sorted_routes[m] / p.topk : 0;
+        xp[j] = x + (size_t)(xok[j] ? src : 0) * K + (size_t)seg * 1024 + q * 16;
+      }
+
+      // this warp's ring of D slots, after the partials' area
+      const uint32_t ring = smem_addr(ring_base) + (uint32_t)(warp * D * Slot<NT>::BYTES);
+      auto issue = [&](int u) {  // unit u's copies into slot u % D, one commit group
+        if (u < UNITS) {
+          const uint32_t sl = ring + (uint32_t)((u % D) * Slot<NT>::BYTES);
+#pragma unroll
+          for (int a = 0; a < RT; ++a)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int r = a * 2 + h;
+              cp_async8(sl + Slot<NT>::CODES + (r * 32 + lane) * 8, cp[a][h] + u * 32);
+              cp_async4(sl + Slot<NT>::SCALES + (r * 32 + lane) * 4, sp[a][h] + u * 4);
+            }
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+              cp_async16(sl + Slot<NT>::X + ((j * 2 + i) * 32 + lane) * 16,
+                         xp[j] + u * 64 + 8 * i, xok[j]);
+        }
+        cp_commit();  // (empty at the tail: the wait below counts groups)
+      };
+#pragma unroll
+      for (int u = 0; u < D; ++u) issue(u);
+
+#pragma unroll
+      for (int u = 0; u < UNITS; ++u) {
+        cp_wait<D - 1>();  // unit u's group (D - 1 younger ones may fly)
+        const uint32_t sl = ring + (uint32_t)((u % D) * Slot<NT>::BYTES);
+        uint2 cw[RT][2];
+        uint32_t s2[RT][2];
+#pragma unroll
+        for (int a = 0; a < RT; ++a)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = a * 2 + h;
+            cw[a][h] = lds64(sl + Slot<NT>::CODES + (r * 32 + lane) * 8);
+            const uint32_t g = lds32(sl + Slot<NT>::SCALES + (r * 32 + lane) * 4);
+            uint32_t byte;
+            asm("bfe.u32 %0, %1, %2, 8;" : "=r"(byte) : "r"(g), "r"(8 * q));
+            s2[a][h] = scale_pair(byte);
+          }
+        uint32_t xw[NT][8];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const uint4 v0 = lds128(sl + Slot<NT>::X + ((j * 2) * 32 + lane) * 16);
+          const uint4 v1 = lds128(sl + Slot<NT>::X + ((j * 2 + 1) * 32 + lane) * 16);
+          xw[j][0] = v0.x; xw[j][1] = v0.y; xw[j][2] = v0.z; xw[j][3] = v0.w;
+          xw[j][4] = v1.x; xw[j][5] = v1.y; xw[j][6] = v1.z; xw[j][7] = v1.w;
+        }
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          uint32_t bf[NT][2];
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {  // positions 2q, 2q+1 | 2q+8, 2q+9 of step s
+            asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(bf[j][0]) : "r"(xw[j][2 * s]), "r"(xw[j][2 * s + 1]));
+            asm("prmt.b32 %0, %1, %2, 0x7632;" : "=r"(bf[j][1]) : "r"(xw[j][2 * s]), "r"(xw[j][2 * s + 1]));
+          }
+#pragma unroll
+          for (int a = 0; a < RT; ++a) {
+            uint32_t af[4];
+            const uint32_t w0 = (s < 2) ? cw[a][0].x : cw[a][0].y;
+            const uint32_t w1 = (s < 2) ? cw[a][1].x : cw[a][1].y;
+            if (s % 2 == 0) {
+              decode_pair<0x4140>(w0, s2[a][0], af[0], af[2]);
+              decode_pair<0x4140>(w1, s2[a][1], af[1], af[3]);
+            } else {
+              decode_pair<0x4342>(w0, s2[a][0], af[0], af[2]);
+              decode_pair<0x4342>(w1, s2[a][1], af[1], af[3]);
+            }
+#pragma unroll
+            for (int j = 0; j < NT; ++j) mma_bf16(acc[a][j], af, bf[j][0], bf[j][1]);
+          }
+        }
+        issue(u + D);  // into the slot just read (its loads are in registers)
+      }
+      cp_wait<0>();
+    }
+
+    // the segments' sums of each row group, in order, by its segment-0 warp
+    constexpr int NV = RT * NT * 4;
+    float* mine = part + (size_t)warp * NV * 32 + lane;
+#pragma unroll
+    for (int a = 0; a < RT; ++a)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) mine[((a * NT + j) * 4 + c) * 32] = acc[a][j][c];
+    __syncthreads();
+    if (seg == 0 && active) {
+      float tot[RT][NT][4];
+#pragma unroll
+      for (int a = 0; a < RT; ++a)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) tot[a][j][c] = 0.0f;
+      for (int sg = 0; sg < S; ++sg) {
+        const float* src = part + (size_t)(rg * S + sg) * NV * 32 + lane;
+#pragma unroll
+        for (int a = 0; a < RT; ++a)
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+              tot[a][j][c] = __fadd_rn(tot[a][j][c], src[((a * NT + j) * 4 + c) * 32]);
+      }
+      // epilogue (gluon_ws._tile_out): element c of (tile a, n8 tile j) is weight row
+      // gi + 8 (c >> 1) of the tile, block row 8 j + 2 q + (c & 1)
+      float g0, g1 = 0.0f;
+      if (GATED) {
+        g0 = p.w_global[2 * e];
+        g1 = p.w_global[2 * e + 1];
+      } else {
+        g0 = p.w_global[e];
+      }
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int m = start + 8 * j + 2 * q + (c & 1);
+          if (m >= end) continue;
+#pragma unroll
+          for (int a = 0; a < (GATED ? 1 : RT); ++a) {
+            const int nn = n0 + (GATED ? 0 : 16 * a) + gi + 8 * (c >> 1);
+            float y;
+            if (GATED) {
+              const float h256 = __fmul_rn(tot[0][j][c], 256.0f);
+              const float hg = __fmul_rn(h256, g0);
+              const float hu = __fmul_rn(__fmul_rn(tot[1][j][c], 256.0f), g1);
+              const float nh = __fmaf_rn(-h256, g0, 0.0f);
+              const float ex = ex2_approx(__fmul_rn(nh, 1.44269502162933349609f));
+              const float sg = div_full(hg, __fadd_rn(ex, 1.0f));
+              y = __fmul_rn(hu, sg);
+            } else {
+              y = __fmul_rn(__fmul_rn(tot[a][j][c], 256.0f), g0);
+            }
+            const __nv_bfloat16 yb = __float2bfloat16_rn(y);
+            if (p.fused) {
+              const int route = p.sorted_routes[m];
+              const float wt = p.topk_w[route];
+              const size_t tok = (size_t)(route / p.topk);
+              atomicAdd(static_cast<float*>(p.out) + tok * N + nn,
+                        __fmul_rn(__bfloat162float(yb), wt));
+            } else {
+              static_cast<__nv_bfloat16*>(p.out)[(size_t)m * N + nn] = yb;
+            }
+          }
+        }
+    }
+    __syncthreads();  // the partials read before the next item's are written
+  }
+}
+
+template <bool GATED, int NT, int D, bool L2PF>
+cudaError_t launch_one(const Params& p, int rows_per_block, int num_blocks, int max_ctas,
+                       cudaStream_t stream) {
+  auto kern = decode_gemm_kernel<GATED, NT, D, L2PF>;
+  constexpr size_t SMEM_MAX = 227 * 1024;
+  auto smem_of = [&](int rpb) {
+    return (size_t)(p.segs * rpb) * (RT * NT * 4 * 32 * sizeof(float) + D * Slot<NT>::BYTES);
+  };
+  while (rows_per_block > 1 && smem_of(rows_per_block) > SMEM_MAX) --rows_per_block;
+  const size_t smem = smem_of(rows_per_block);
+  if (smem > SMEM_MAX) return cudaErrorInvalidConfiguration;
+  const int threads = 32 * p.segs * rows_per_block;
+  static bool attr_set = false;  // one specialization's shared-memory limit, once
+  if (!attr_set) {
+    cudaError_t err =
+        cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_MAX);
+    if (err != cudaSuccess) return err;
+    attr_set = true;
+  }
+  static int occ[17] = {0};  // thread blocks an SM, by warps a block: asked once each
+  const int key = threads / 32;
+  if (occ[key] == 0) {
+    int nb = 0;
+    cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, kern, threads, smem);
+    if (err != cudaSuccess) return err;
+    occ[key] = nb > 0 ? nb : 1;
+  }
+  int dev = 0, sms = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int out_w = GATED ? 16 : 32;
+  const int cta_out = out_w * rows_per_block;
+  const long long items = (long long)((p.n + cta_out - 1) / cta_out) * num_blocks;
+  long long grid = (long long)occ[key] * sms;
+  if (max_ctas > 0 && grid > max_ctas) grid = max_ctas;
+  if (grid > items) grid = items;
+  if (grid < 1) grid = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)grid);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = p.pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kern, p);
+}
+
+template <bool GATED, int NT>
+cudaError_t launch_depth(const Params& p, int rpb, int nb, int max_ctas, int depth, int l2pf,
+                         cudaStream_t s) {
+  if (l2pf) {
+    switch (depth) {
+      case 2: return launch_one<GATED, NT, 2, true>(p, rpb, nb, max_ctas, s);
+      case 4: return launch_one<GATED, NT, 4, true>(p, rpb, nb, max_ctas, s);
+      case 6: return launch_one<GATED, NT, 6, true>(p, rpb, nb, max_ctas, s);
+      case 8: return launch_one<GATED, NT, 8, true>(p, rpb, nb, max_ctas, s);
+      default: return cudaErrorInvalidValue;
+    }
+  }
+  switch (depth) {
+    case 2: return launch_one<GATED, NT, 2, false>(p, rpb, nb, max_ctas, s);
+    case 4: return launch_one<GATED, NT, 4, false>(p, rpb, nb, max_ctas, s);
+    case 6: return launch_one<GATED, NT, 6, false>(p, rpb, nb, max_ctas, s);
+    case 8: return launch_one<GATED, NT, 8, false>(p, rpb, nb, max_ctas, s);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// The ABI version: fp4moe/kernels/cuda_decode.py checks it.
+int fp4moe_cuda_abi() { return 1; }
+
+// One grouped GEMM. gated: FC1 (SwiGLU, bf16 rows out); else FC2 (bf16 rows, or with
+// fused the router-weighted atomic add into fp32 [T, N]). block_m 8 or 16 (the sort's
+// rows a block); rows_per_block: row groups (warps of K segments) a thread block;
+// depth: units in flight a warp (2, 4, 6 or 8 ring slots); l2_prefetch: a warp's segment into L2 first;
+// max_ctas > 0 caps the grid. Returns a cudaError_t (0: launched).
+int fp4moe_decode_gemm(const void* x, const int32_t* sorted_routes, const uint8_t* codes,
+                       const uint8_t* scales, const int32_t* block_expert,
+                       const int32_t* block_start, const int32_t* block_end,
+                       const int32_t* valid_blocks, const float* w_global, const float* topk_w,
+                       void* out, int n, int k, int topk, int gated, int gather, int fused,
+                       int block_m, int num_blocks, int rows_per_block, int depth,
+                       int l2_prefetch, int pdl, int max_ctas, void* stream) {
+  Params p;
+  p.x = x;
+  p.sorted_routes = sorted_routes;
+  p.codes = codes;
+  p.scales = scales;
+  p.block_expert = block_expert;
+  p.block_start = block_start;
+  p.block_end = block_end;
+  p.valid_blocks = valid_blocks;
+  p.w_global = w_global;
+  p.topk_w = topk_w;
+  p.out = out;
+  p.n = n;
+  p.k = k;
+  p.topk = topk;
+  p.gather = gather;
+  p.fused = fused;
+  p.pdl = pdl;
+  p.segs = k / 1024;
+  if (k % 1024 || p.segs * rows_per_block > 16 || rows_per_block < 1 ||
+      (block_m != 8 && block_m != 16) || n % (gated ? 16 : 32))
+    return (int)cudaErrorInvalidValue;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  cudaError_t err;
+  if (gated)
+    err = block_m == 8 ? launch_depth<true, 1>(p, rows_per_block, num_blocks, max_ctas, depth,
+                                               l2_prefetch, s)
+                       : launch_depth<true, 2>(p, rows_per_block, num_blocks, max_ctas, depth,
+                                               l2_prefetch, s);
+  else
+    err = block_m == 8 ? launch_depth<false, 1>(p, rows_per_block, num_blocks, max_ctas, depth,
+                                                l2_prefetch, s)
+                       : launch_depth<false, 2>(p, rows_per_block, num_blocks, max_ctas, depth,
+                                                l2_prefetch, s);
+  return (int)err;
+}
+
+const char* fp4moe_cuda_error(int code) { return cudaGetErrorString((cudaError_t)code); }
+
+}  // extern "C"

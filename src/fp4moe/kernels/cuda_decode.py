@@ -1,0 +1,249 @@
+"""The decode-size W4A16 grouped GEMMs as a CUDA C++ kernel (``cuda/decode_gemm.cu``).
+
+The kernel gives the Gluon decode kernels' bits (the same decode, the same K order and
+segment sums, the same epilogue operations) with a thinner skeleton: each weight goes
+from HBM straight into the registers of its ``mma.sync`` A fragment, and a tile's K
+segments are the warps of one thread block, summed through shared memory (no partials in
+HBM, no tile counter, no TMA descriptors or mbarriers). ``TritonOptions.cuda_decode``
+routes the W4A16 GEMMs that would run on the Gluon kernels at 8- or 16-row tiles here.
+
+Building: the library is compiled with ``nvcc`` (``$CUDA_HOME/bin/nvcc`` or the one on
+PATH) for sm_90a on first use, into ``$FP4MOE_CACHE/cuda`` (default
+``~/.cache/fp4moe/cuda``) under a name holding the source's hash, and loaded with ctypes:
+no PyTorch extension ABI is involved, so it works with any torch of the machine. Where
+there is no nvcc, no Hopper GPU or the build fails, ``available()`` is False and the
+GEMMs stay on the Triton kernels (``build_error()`` says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["applies", "available", "build_error", "decode_gemm", "library_path"]
+
+SOURCE = Path(__file__).with_name("cuda") / "decode_gemm.cu"
+ABI = 1
+NVCC_FLAGS = (
+    "-O3", "--fmad=false", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
+    "-shared", "-Xcompiler", "-fPIC",
+)  # fmt: skip
+
+# Experiment knobs (benchmarks/sweep_decode.py variants c3-cuda*): units (64 K of the
+# warp's 32 weight rows and its activation rows) in flight a warp, its ring's slots in
+# shared memory (2, 4, 6 or 8); a warp's segment of weights prefetched into L2 first
+# (cp.async.bulk.prefetch); row groups a thread block (None: ``_rows_per_block``; the
+# library lowers it where the ring would not fit shared memory).
+DEPTH = 4
+L2_PREFETCH = False
+ROWS_PER_BLOCK: int | None = None
+# Diagnostics: "fc1" or "fc2" routes only that GEMM here (None: both)
+ONLY: str | None = None
+
+_ERR: list[str] = []
+
+
+def nvcc() -> str | None:
+    """The nvcc to build with: ``$CUDA_HOME/bin/nvcc``, else the one on PATH, else None."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and (Path(home) / "bin" / "nvcc").is_file():
+        return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def library_path() -> Path:
+    """Where the built library lives: the cache directory, named by the source's and the
+    flags' hash (a changed source builds anew)."""
+    h = hashlib.sha256(SOURCE.read_bytes() + " ".join(NVCC_FLAGS).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("FP4MOE_CACHE") or Path.home() / ".cache" / "fp4moe")
+    return root / "cuda" / f"decode_gemm-{h}.so"
+
+
+def build(path: Path | None = None) -> Path:
+    """Compile ``decode_gemm.cu`` into ``path`` (default ``library_path()``) if it is not
+    there. Raises RuntimeError with nvcc's output when the build fails."""
+    path = path or library_path()
+    if path.is_file():
+        return path
+    exe = nvcc()
+    if exe is None:
+        raise RuntimeError("cuda_decode: no nvcc (set CUDA_HOME or put nvcc on PATH)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run([exe, *NVCC_FLAGS, "-o", tmp, str(SOURCE)], capture_output=True,
+                             text=True)  # fmt: skip
+        if res.returncode:
+            raise RuntimeError(f"cuda_decode: nvcc failed ({res.returncode}):\n"
+                               f"{res.stderr[-4000:]}")  # fmt: skip
+        os.replace(tmp, path)  # atomic: concurrent builders each write their own file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(str(build()))
+        lib.fp4moe_cuda_abi.restype = ctypes.c_int
+        if lib.fp4moe_cuda_abi() != ABI:
+            raise RuntimeError(f"cuda_decode: library ABI {lib.fp4moe_cuda_abi()}, want {ABI}")
+        vp, i = ctypes.c_void_p, ctypes.c_int
+        lib.fp4moe_decode_gemm.argtypes = [vp] * 11 + [i] * 13 + [vp]
+        lib.fp4moe_decode_gemm.restype = i
+        lib.fp4moe_cuda_error.argtypes = [i]
+        lib.fp4moe_cuda_error.restype = ctypes.c_char_p
+        return lib
+    except (OSError, RuntimeError) as exc:
+        _ERR.append(str(exc))
+        return None
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel can run here: a Hopper GPU (sm_90) and the library built and
+    loaded (``build_error()`` says why not)."""
+    if not torch.cuda.is_available():
+        _ERR.append("cuda_decode: no CUDA device")
+        return False
+    if torch.cuda.get_device_capability()[0] != 9:
+        _ERR.append("cuda_decode: the kernel is for Hopper (sm_90)")
+        return False
+    return _lib() is not None
+
+
+def build_error() -> str | None:
+    """Why ``available()`` is False (None when it is True or was not asked)."""
+    return _ERR[-1] if _ERR else None
+
+
+def applies(n: int, k: int, gated: bool, block_m: int) -> bool:
+    """Whether a GEMM of ``n`` outputs and inner size ``k`` at ``block_m``-row tiles fits
+    the kernel's shapes: K a multiple of 1024 of at most 16 segments, n a multiple of 16
+    (FC1, gated) or 32 (FC2), 8 or 16 rows a tile."""
+    return (
+        k % 1024 == 0 and 0 < k // 1024 <= 16 and n % (16 if gated else 32) == 0
+        and block_m in (8, 16)
+    )  # fmt: skip
+
+
+def _rows_per_block(segs: int, n: int, gated: bool, blocks: int) -> int:
+    """Row groups (16 outputs of FC1, 32 of FC2; one warp a K segment each) a thread
+    block: as many as 16 warps allow, fewer where the blocks' items would not fill two
+    thread blocks an SM."""
+    from .launch import sm_count
+
+    if ROWS_PER_BLOCK is not None:
+        return max(1, min(int(ROWS_PER_BLOCK), 16 // segs))
+    out_w = 16 if gated else 32
+    r = max(1, 16 // segs)
+    while r > 1 and -(-n // (r * out_w)) * blocks < 2 * sm_count():
+        r //= 2
+    return r
+
+
+def decode_gemm(
+    x: torch.Tensor,
+    sorted_routes: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    block_expert: torch.Tensor,
+    block_start: torch.Tensor,
+    block_end: torch.Tensor,
+    valid_blocks: torch.Tensor,
+    w_global: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    n: int,
+    topk: int,
+    gated: bool,
+    gather: bool,
+    block_m: int,
+    fused: bool = False,
+    topk_w: torch.Tensor | None = None,
+    pdl: bool = False,
+    expected_blocks: int | None = None,
+) -> None:
+    """One W4A16 grouped GEMM on the sort's schedule (``sort_routes`` at ``block_m`` rows
+    a block), with the Gluon kernels' bits.
+
+    Args:
+        x: bf16 [rows, K]: the tokens (``gather``: row ``sorted_routes // topk``) for FC1,
+            or FC1's output rows in sorted order for FC2.
+        codes, scales: uint8 [E, W_ROWS, K/2] and float8_e4m3fn [E, W_ROWS, K/16], W_ROWS
+            ``2 n`` (gated: n gate rows, then n up rows) or ``n``.
+        block_expert, block_start, block_end: int32 [blocks], the schedule;
+            ``valid_blocks`` int32 [1], its valid blocks (they come first).
+        w_global: fp32 [E, 2] (gated) or [E].
+        out: bf16 [rows, n], rows in sorted order (FC1: SwiGLU of gate and up; FC2: y),
+            or with ``fused`` fp32 [T, n] into which router weight (``topk_w`` fp32
+            [T * topk]) times y of each route is added atomically.
+        pdl: launched with programmatic dependent launch (waits for the kernel before it,
+            then releases the next).
+        expected_blocks: the valid blocks expected (sizes the thread blocks); None: all.
+    """
+    k = x.shape[-1]
+    e = codes.shape[0]
+    w_rows = 2 * n if gated else n
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"x: expected contiguous bf16 [rows, K], got {x.dtype} {tuple(x.shape)}")
+    if not applies(n, k, gated, block_m):
+        raise ValueError(f"cuda_decode: n={n}, K={k}, gated={gated}, block_m={block_m} do not "
+                         "fit the kernel (applies())")  # fmt: skip
+    if codes.dtype != torch.uint8 or tuple(codes.shape) != (e, w_rows, k // 2):
+        raise ValueError(f"codes: expected uint8 [{e}, {w_rows}, {k // 2}], got {codes.dtype} "
+                         f"{tuple(codes.shape)}")  # fmt: skip
+    if scales.dtype != torch.float8_e4m3fn or tuple(scales.shape) != (e, w_rows, k // 16):
+        raise ValueError(f"scales: expected float8_e4m3fn [{e}, {w_rows}, {k // 16}], got "
+                         f"{scales.dtype} {tuple(scales.shape)}")  # fmt: skip
+    want_g = (e, 2) if gated else (e,)
+    if w_global.dtype != torch.float32 or tuple(w_global.shape) != want_g:
+        raise ValueError(f"w_global: expected fp32 {list(want_g)}, got {w_global.dtype} "
+                         f"{tuple(w_global.shape)}")  # fmt: skip
+    if fused:
+        if gated or topk_w is None or out.dtype != torch.float32:
+            raise ValueError("fused: FC2 only, with topk_w and fp32 out [T, n]")
+    elif out.dtype != torch.bfloat16 or out.shape[-1] != n:
+        raise ValueError(f"out: expected bf16 [rows, {n}], got {out.dtype} {tuple(out.shape)}")
+    if x.data_ptr() % 16 or codes.data_ptr() % 16 or scales.data_ptr() % 16:
+        raise ValueError("x, codes, scales: expected 16-byte aligned storage")
+    if int(DEPTH) not in (2, 4, 6, 8):
+        raise ValueError(f"cuda_decode.DEPTH: expected 2, 4, 6 or 8, got {DEPTH!r}")
+    tensors = (x, sorted_routes, codes, scales, block_expert, block_start, block_end,
+               valid_blocks, w_global, out) + ((topk_w,) if fused else ())  # fmt: skip
+    if any(not t.is_contiguous() or t.device != x.device for t in tensors):
+        raise ValueError("cuda_decode: every tensor contiguous and on x's device")
+    for name, t in (("sorted_routes", sorted_routes), ("block_expert", block_expert),
+                    ("block_start", block_start), ("block_end", block_end),
+                    ("valid_blocks", valid_blocks)):  # fmt: skip
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name}: expected int32, got {t.dtype}")
+    lib = _lib() if available() else None
+    if lib is None:
+        raise RuntimeError(f"cuda_decode: not available: {build_error()}")
+    blocks = block_expert.numel()
+    segs = k // 1024
+    rpb = _rows_per_block(segs, n, gated, blocks if expected_blocks is None else expected_blocks)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    with torch.cuda.device(x.device):
+        rc = lib.fp4moe_decode_gemm(
+            x.data_ptr(), sorted_routes.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+            block_expert.data_ptr(), block_start.data_ptr(), block_end.data_ptr(),
+            valid_blocks.data_ptr(), w_global.data_ptr(),
+            topk_w.data_ptr() if fused else w_global.data_ptr(), out.data_ptr(),
+            n, k, topk, int(gated), int(gather), int(fused), block_m, blocks, rpb,
+            int(DEPTH), int(bool(L2_PREFETCH)), int(pdl), 0, stream,
+        )  # fmt: skip
+    if rc:
+        raise RuntimeError(f"cuda_decode: launch failed: {lib.fp4moe_cuda_error(rc).decode()}")

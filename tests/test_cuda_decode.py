@@ -1,0 +1,164 @@
+"""The CUDA C++ decode GEMMs (``kernels.cuda_decode``, ``TritonOptions.cuda_decode``):
+built with nvcc for sm_90a here where nvcc is, its arguments checked, and on the GPU the
+Gluon kernels' bits."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp4moe.kernels import cuda_decode
+from fp4moe.kernels.launch import TritonOptions, moe_triton
+from fp4moe.reference import moe_reference
+from test_kernels import GPU_SHAPES, _gpu_routes, _x
+from testing import TOL, rel_err
+
+
+def _cuobjdump() -> str | None:
+    exe = shutil.which("cuobjdump")
+    if exe:
+        return exe
+    try:
+        import triton
+
+        p = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        return str(p) if p.is_file() else None
+    except ImportError:
+        return None
+
+
+@pytest.mark.skipif(cuda_decode.nvcc() is None, reason="no nvcc")
+def test_cuda_kernel_builds_for_sm90a(tmp_path):
+    """The library builds with the package's flags; ptxas reports no spill and no stack
+    for any of the kernel's specializations, every register budget within the 512-thread
+    launch bound (128 a thread); the SASS (where a cuobjdump is) holds only bf16 MMAs of
+    m16n8k16 with fp32 sums, fully unrolled (128 a segment a warp at 8 rows, 256 at 16;
+    32 specializations), and the fp32 atomic add of the fused epilogue."""
+    out = tmp_path / "lib.so"
+    res = subprocess.run(
+        [cuda_decode.nvcc(), *cuda_decode.NVCC_FLAGS, "-Xptxas", "-v", "-o", str(out),
+         str(cuda_decode.SOURCE)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", res.stderr)]
+    assert len(regs) == 32 and max(regs) <= 128, regs
+    stacks = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", res.stderr)
+    assert stacks and all(s == ("0", "0") for s in stacks), stacks
+    dump = _cuobjdump()
+    if dump is None:
+        return
+    sass = subprocess.run([dump, "-sass", str(out)], capture_output=True, text=True).stdout
+    mma = re.findall(r"\bHMMA\.[0-9A-Z.]+", sass)
+    assert set(mma) == {"HMMA.16816.F32.BF16"}, set(mma)
+    assert len(mma) == 16 * 128 + 16 * 256
+    assert "REDG.E.ADD.F32" in sass
+
+
+def test_decode_gemm_checks_its_arguments():
+    """Bad arguments are refused by name before anything is launched (on any machine)."""
+    e, n, k = 2, 64, 2048
+    dev = "cpu"
+    i32 = torch.zeros(4, dtype=torch.int32)
+    x = torch.zeros(3, k, dtype=torch.bfloat16)
+    codes = torch.zeros(e, 2 * n, k // 2, dtype=torch.uint8)
+    scales = torch.zeros(e, 2 * n, k // 16, dtype=torch.float8_e4m3fn)
+    g = torch.ones(e, 2)
+    out = torch.empty(8, n, dtype=torch.bfloat16, device=dev)
+    args = (x, i32, codes, scales, i32, i32, i32, i32[:1], g, out)
+    kw = dict(n=n, topk=2, gated=True, gather=True, block_m=8)
+    bad = [
+        ((x.float(), *args[1:]), kw, "x"),
+        (args, {**kw, "block_m": 32}, "block_m"),
+        ((*args[:2], codes[:, :n], *args[3:]), kw, "codes"),
+        ((*args[:3], scales.view(torch.uint8), *args[4:]), kw, "scales"),
+        ((*args[:8], g[:, 0], *args[9:]), kw, "w_global"),
+        ((*args[:9], out.float()), kw, "out"),
+        (args, {**kw, "fused": True, "topk_w": torch.ones(6)}, "fused"),
+        ((*args[:4], i32.long(), *args[5:]), kw, "block_expert"),
+    ]
+    for a, k_, name in bad:
+        with pytest.raises(ValueError, match=name):
+            cuda_decode.decode_gemm(*a, **k_)
+    assert cuda_decode.applies(2048, 7168, True, 8) and cuda_decode.applies(7168, 2048, False, 16)
+    assert not cuda_decode.applies(7168, 768, False, 8)  # K not a multiple of 1024
+    assert not cuda_decode.applies(2880, 2880, True, 8)
+    assert not cuda_decode.applies(2048, 7168, True, 32)
+    assert not cuda_decode.applies(48, 2048, False, 8)  # FC2's n: 32 a warp
+    assert not TritonOptions().cuda_decode
+
+
+@pytest.mark.kernel
+def test_cuda_decode_falls_back_without_the_kernel(interpret, device, monkeypatch):
+    """Where the kernel cannot run (the interpreter here, or no Hopper GPU or nvcc) the
+    option changes nothing: the kernel is never called and the results are the same bits
+    with the option on and off; without a CUDA device ``available()`` says why not."""
+    if device != "cpu":
+        pytest.skip("interpreter case; the GPU runs test_cuda_decode_gpu")
+    from test_kernels import _experts, _routes
+
+    def boom(*a, **kw):
+        raise AssertionError("cuda_decode.decode_gemm called in the interpreter")
+
+    monkeypatch.setattr(cuda_decode, "decode_gemm", boom)
+    experts = _experts(4, 64, 32, seed=3, device=device)
+    x = _x(5, 64, seed=5, device=device)
+    ids, w = _routes(5, 2, 4, seed=9, device=device)
+    outs = [
+        moe_triton(x, ids, w, experts, mode="w4a16",
+                   options=TritonOptions(poison=True, cuda_decode=on))
+        for on in (False, True)
+    ]  # fmt: skip
+    assert torch.equal(outs[0], outs[1])
+    if not torch.cuda.is_available():
+        assert not cuda_decode.available()
+        assert "no CUDA device" in cuda_decode.build_error()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["deterministic", "fused"])
+@pytest.mark.parametrize("t", [1, 3, 16, 64, 200, "one-expert", "all-masked"])
+def test_cuda_decode_gpu(gpu_experts, monkeypatch, t, fused):
+    """On the H200, W4A16 with the CUDA decode GEMMs gives the default kernels' bits with
+    the deterministic finalize and the reference's tolerance either way: DeepSeek-V3 EP8
+    at 1 to 200 tokens (8- and 16-row tiles), every route on one expert (many blocks of
+    one expert), every route masked (zeros). Outputs poisoned first; the kernel asserted
+    to have run."""
+    if not cuda_decode.available():
+        pytest.skip(f"cuda_decode not available: {cuda_decode.build_error()}")
+    e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
+    experts = gpu_experts("deepseek-v3-ep8")
+    tt = 64 if isinstance(t, str) else t
+    x = _x(tt, h, seed=23, device="cuda")
+    ids, w = _gpu_routes(tt, k, e, e_total, seed=23)
+    if t == "one-expert":
+        ids = torch.where(ids >= 0, 3, -1).to(torch.int32)
+        ids[:, 0] = 3
+    elif t == "all-masked":
+        ids = torch.full_like(ids, -1)
+    calls = []
+    real = cuda_decode.decode_gemm
+
+    def spy(*a, **kw):
+        calls.append(kw["gated"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(cuda_decode, "decode_gemm", spy)
+    base = moe_triton(x, ids, w, experts, mode="w4a16", fused_finalize=fused,
+                      options=TritonOptions(poison=True))  # fmt: skip
+    assert not calls
+    out = moe_triton(x, ids, w, experts, mode="w4a16", fused_finalize=fused,
+                     options=TritonOptions(poison=True, cuda_decode=True))  # fmt: skip
+    assert sorted(set(calls)) == [False, True], calls
+    if t == "all-masked":
+        assert not out.float().abs().any()
+        return
+    if not fused:
+        assert torch.equal(out, base)
+    ref = moe_reference(x, ids, w, experts, mode="w4a16")
+    assert rel_err(out, ref) <= TOL["w4a16"]
