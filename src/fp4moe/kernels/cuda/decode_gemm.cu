@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(512) decode_gemm_kernel(const Params p) {
           const int r = GATED ? (a * N + n0 + gi + 8 * h) : (n0 + 16 * a + gi + 8 * h);
           const size_t row = (size_t)e * w_rows + r;
           cp[a][h] = p.codes + row * crow + (size_t)seg * 512 + q * 8;
-          sp[a][h] = p.scales + row * srow + (size_t)seg * 64 + q;
+          sp[a][h] = p.scales + row * srow + (size_t)seg * 64;  // the unit's 4-byte group
         }
       if (L2PF) {  // the warp's 32 rows of this segment into L2: one row a lane
         const int a = lane >> 4, r16 = lane & 15;
