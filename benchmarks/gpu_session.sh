@@ -89,12 +89,13 @@
 #   bash benchmarks/gpu_session.sh s20g       # Kimi-K2 EP8 at 928 to 1056 tokens, c3 against c3-nowide
 #   bash benchmarks/gpu_session.sh s20h       # the split kernels' bits tests and batch invariance
 #   bash benchmarks/gpu_session.sh s21a       # the CUDA decode GEMMs: build, bits and time, tests
+#   bash benchmarks/gpu_session.sh s21b       # the same: thread blocks of fewer warps, ring depth
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -1073,6 +1074,20 @@ s21a)
     step cuda_one 60 python3 benchmarks/sweep_decode.py --tokens 16 --modes w4a16 \
         --variants c3 c3-cuda-fc1 c3-cuda-fc2 --iters 20 --out "$out/cuda-one.json"
     step cuda_tests 150 python3 -m pytest -m gpu --device cuda -q tests/test_cuda_decode.py
+    rm -rf "$out/cache"
+    ;;
+s21b)
+    # s21a (session 21 item 1): 2x slower than the Gluon kernels with 14-warp thread blocks
+    # (one an SM by registers). Row groups a block (rN) and ring slots (dN) by warps an SM
+    export FP4MOE_CACHE="$out/cache"
+    step build 120 python3 -c "from fp4moe.kernels import cuda_decode as c; \
+        print(c.available(), c.build_error(), c.library_path())"
+    step cuda 300 python3 benchmarks/sweep_decode.py --tokens 1 8 16 64 \
+        --modes w4a16 --variants c3 c3-cuda-r1-d2 c3-cuda-r1-d3 c3-cuda-r1-d4 c3-cuda-r2-d2 \
+        c3-cuda-r2-d3 c3-cuda-r4-d2 c3-cuda-r1-d3-l2 --iters 20 --out "$out/cuda.json"
+    step cuda_one 90 python3 benchmarks/sweep_decode.py --tokens 16 --modes w4a16 \
+        --variants c3 c3-cuda-r1-d3-fc1 c3-cuda-r1-d3-fc2 c3-cuda-r2-d3-fc2 c3-cuda-r4-d3-fc2 \
+        --iters 20 --out "$out/cuda-one.json"
     rm -rf "$out/cache"
     ;;
 s20h)

@@ -39,10 +39,10 @@ NVCC_FLAGS = (
 
 # Experiment knobs (benchmarks/sweep_decode.py variants c3-cuda*): units (64 K of the
 # warp's 32 weight rows and its activation rows) in flight a warp, its ring's slots in
-# shared memory (2, 4, 6 or 8); a warp's segment of weights prefetched into L2 first
+# shared memory (2, 3, 4 or 6); a warp's segment of weights prefetched into L2 first
 # (cp.async.bulk.prefetch); row groups a thread block (None: ``_rows_per_block``; the
 # library lowers it where the ring would not fit shared memory).
-DEPTH = 4
+DEPTH = 3
 L2_PREFETCH = False
 ROWS_PER_BLOCK: int | None = None
 # Diagnostics: "fc1" or "fc2" routes only that GEMM here (None: both)
@@ -218,8 +218,8 @@ def decode_gemm(
         raise ValueError(f"out: expected bf16 [rows, {n}], got {out.dtype} {tuple(out.shape)}")
     if x.data_ptr() % 16 or codes.data_ptr() % 16 or scales.data_ptr() % 16:
         raise ValueError("x, codes, scales: expected 16-byte aligned storage")
-    if int(DEPTH) not in (2, 4, 6, 8):
-        raise ValueError(f"cuda_decode.DEPTH: expected 2, 4, 6 or 8, got {DEPTH!r}")
+    if int(DEPTH) not in (2, 3, 4, 6):
+        raise ValueError(f"cuda_decode.DEPTH: expected 2, 3, 4 or 6, got {DEPTH!r}")
     tensors = (x, sorted_routes, codes, scales, block_expert, block_start, block_end,
                valid_blocks, w_global, out) + ((topk_w,) if fused else ())  # fmt: skip
     if any(not t.is_contiguous() or t.device != x.device for t in tensors):

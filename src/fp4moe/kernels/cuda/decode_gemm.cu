@@ -439,16 +439,16 @@ cudaError_t launch_depth(const Params& p, int rpb, int nb, int max_ctas, int dep
     switch (depth) {
       case 2: return launch_one<GATED, NT, 2, true>(p, rpb, nb, max_ctas, s);
       case 4: return launch_one<GATED, NT, 4, true>(p, rpb, nb, max_ctas, s);
+      case 3: return launch_one<GATED, NT, 3, true>(p, rpb, nb, max_ctas, s);
       case 6: return launch_one<GATED, NT, 6, true>(p, rpb, nb, max_ctas, s);
-      case 8: return launch_one<GATED, NT, 8, true>(p, rpb, nb, max_ctas, s);
       default: return cudaErrorInvalidValue;
     }
   }
   switch (depth) {
     case 2: return launch_one<GATED, NT, 2, false>(p, rpb, nb, max_ctas, s);
     case 4: return launch_one<GATED, NT, 4, false>(p, rpb, nb, max_ctas, s);
+    case 3: return launch_one<GATED, NT, 3, false>(p, rpb, nb, max_ctas, s);
     case 6: return launch_one<GATED, NT, 6, false>(p, rpb, nb, max_ctas, s);
-    case 8: return launch_one<GATED, NT, 8, false>(p, rpb, nb, max_ctas, s);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -463,7 +463,7 @@ int fp4moe_cuda_abi() { return 1; }
 // One grouped GEMM. gated: FC1 (SwiGLU, bf16 rows out); else FC2 (bf16 rows, or with
 // fused the router-weighted atomic add into fp32 [T, N]). block_m 8 or 16 (the sort's
 // rows a block); rows_per_block: row groups (warps of K segments) a thread block;
-// depth: units in flight a warp (2, 4, 6 or 8 ring slots); l2_prefetch: a warp's segment into L2 first;
+// depth: units in flight a warp (2, 3, 4 or 6 ring slots); l2_prefetch: a warp's segment into L2 first;
 // max_ctas > 0 caps the grid. Returns a cudaError_t (0: launched).
 int fp4moe_decode_gemm(const void* x, const int32_t* sorted_routes, const uint8_t* codes,
                        const uint8_t* scales, const int32_t* block_expert,
