@@ -90,12 +90,13 @@
 #   bash benchmarks/gpu_session.sh s20h       # the split kernels' bits tests and batch invariance
 #   bash benchmarks/gpu_session.sh s21a       # the CUDA decode GEMMs: build, bits and time, tests
 #   bash benchmarks/gpu_session.sh s21b       # the same: thread blocks of fewer warps, ring depth
+#   bash benchmarks/gpu_session.sh s21c       # the kernel's 16-byte row copies: depth, block shape
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -1088,6 +1089,22 @@ s21b)
     step cuda_one 90 python3 benchmarks/sweep_decode.py --tokens 16 --modes w4a16 \
         --variants c3 c3-cuda-r1-d3-fc1 c3-cuda-r1-d3-fc2 c3-cuda-r2-d3-fc2 c3-cuda-r4-d3-fc2 \
         --iters 20 --out "$out/cuda-one.json"
+    rm -rf "$out/cache"
+    ;;
+s21c)
+    # session 21 item 2: the codes copied 16 bytes a lane (four rows a warp instruction),
+    # the segment's scales once, the activations by plain loads; groups of 4 units in
+    # flight (dN) and row groups a block (rN)
+    export FP4MOE_CACHE="$out/cache"
+    step build 120 python3 -c "from fp4moe.kernels import cuda_decode as c; \
+        print(c.available(), c.build_error(), c.library_path())"
+    step cuda 300 python3 benchmarks/sweep_decode.py --tokens 1 8 16 64 \
+        --modes w4a16 --variants c3 c3-cuda-d1-r1 c3-cuda-d2-r1 c3-cuda-d4-r1 c3-cuda-d2 \
+        c3-cuda-d4 c3-cuda-d2-r2 c3-cuda-d2-r4 --iters 20 --out "$out/cuda.json"
+    step cuda_one 90 python3 benchmarks/sweep_decode.py --tokens 16 --modes w4a16 \
+        --variants c3 c3-cuda-d2-r1-fc1 c3-cuda-d4-r1-fc1 c3-cuda-d2-r2-fc2 c3-cuda-d2-r4-fc2 \
+        --iters 20 --out "$out/cuda-one.json"
+    step cuda_tests 120 python3 -m pytest -m gpu --device cuda -q tests/test_cuda_decode.py
     rm -rf "$out/cache"
     ;;
 s20h)

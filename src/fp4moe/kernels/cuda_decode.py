@@ -31,19 +31,17 @@ import torch
 __all__ = ["applies", "available", "build_error", "decode_gemm", "library_path"]
 
 SOURCE = Path(__file__).with_name("cuda") / "decode_gemm.cu"
-ABI = 1
+ABI = 2
 NVCC_FLAGS = (
     "-O3", "--fmad=false", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
     "-shared", "-Xcompiler", "-fPIC",
 )  # fmt: skip
 
-# Experiment knobs (benchmarks/sweep_decode.py variants c3-cuda*): units (64 K of the
-# warp's 32 weight rows and its activation rows) in flight a warp, its ring's slots in
-# shared memory (2, 3, 4 or 6); a warp's segment of weights prefetched into L2 first
-# (cp.async.bulk.prefetch); row groups a thread block (None: ``_rows_per_block``; the
-# library lowers it where the ring would not fit shared memory).
-DEPTH = 3
-L2_PREFETCH = False
+# Experiment knobs (benchmarks/sweep_decode.py variants c3-cuda*): groups of four units
+# (64 K each of the warp's 32 weight rows) in flight a warp, its ring's slots in shared
+# memory (1 to 4; 4: the whole 1024-K segment at once); row groups a thread block (None:
+# ``_rows_per_block``; the library lowers it where the rings would not fit shared memory).
+DEPTH = 2
 ROWS_PER_BLOCK: int | None = None
 # Diagnostics: "fc1" or "fc2" routes only that GEMM here (None: both)
 ONLY: str | None = None
@@ -218,8 +216,8 @@ def decode_gemm(
         raise ValueError(f"out: expected bf16 [rows, {n}], got {out.dtype} {tuple(out.shape)}")
     if x.data_ptr() % 16 or codes.data_ptr() % 16 or scales.data_ptr() % 16:
         raise ValueError("x, codes, scales: expected 16-byte aligned storage")
-    if int(DEPTH) not in (2, 3, 4, 6):
-        raise ValueError(f"cuda_decode.DEPTH: expected 2, 3, 4 or 6, got {DEPTH!r}")
+    if int(DEPTH) not in (1, 2, 3, 4):
+        raise ValueError(f"cuda_decode.DEPTH: expected 1, 2, 3 or 4, got {DEPTH!r}")
     tensors = (x, sorted_routes, codes, scales, block_expert, block_start, block_end,
                valid_blocks, w_global, out) + ((topk_w,) if fused else ())  # fmt: skip
     if any(not t.is_contiguous() or t.device != x.device for t in tensors):
@@ -243,7 +241,7 @@ def decode_gemm(
             valid_blocks.data_ptr(), w_global.data_ptr(),
             topk_w.data_ptr() if fused else w_global.data_ptr(), out.data_ptr(),
             n, k, topk, int(gated), int(gather), int(fused), block_m, blocks, rpb,
-            int(DEPTH), int(bool(L2_PREFETCH)), int(pdl), 0, stream,
+            int(DEPTH), 0, int(pdl), 0, stream,
         )  # fmt: skip
     if rc:
         raise RuntimeError(f"cuda_decode: launch failed: {lib.fp4moe_cuda_error(rc).decode()}")

@@ -59,15 +59,9 @@ __device__ __forceinline__ void pdl_release() {
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-// Asynchronous copies global -> shared (LDGSTS), each thread into slots only it reads:
-// nothing of them is held in registers while in flight, and the compiler cannot move them
-// next to their use (it does so with plain loads, which kept the loads ahead at one unit).
-__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
-}
+// Asynchronous copies global -> shared (LDGSTS): nothing of them is held in registers while
+// in flight, and the compiler cannot move them next to their use (it does so with plain
+// loads, which kept the loads ahead at one unit).
 // 16 bytes, or zeros when !ok (src-size 0: nothing is read)
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
@@ -82,20 +76,6 @@ __device__ __forceinline__ uint2 lds64(uint32_t a) {
   uint2 v;
   asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a));
   return v;
-}
-__device__ __forceinline__ uint32_t lds32(uint32_t a) {
-  uint32_t v;
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
-  return v;
-}
-__device__ __forceinline__ uint4 lds128(uint32_t a) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
-  return v;
-}
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
 // e4m3 scale byte (non-negative) -> bf16x2 (scale * 2^118, both halves), exactly what
@@ -145,28 +125,44 @@ __device__ __forceinline__ float div_full(float a, float b) {
   return y;
 }
 
-// A warp's slot of one unit (64 K) in shared memory, lane-major so that every access is
-// conflict-free: the 8 code bytes of each of the thread's four rows (two A tiles, rows gi
-// and gi + 8) for its block q, the 4-byte scale group of the unit of each row (byte q is
-// the thread's), and 32 bytes of each of its activation rows (elements 16 q .. 16 q + 15).
-template <int NT>
-struct Slot {
-  static constexpr int CODES = 0;                       // [4 rows][32 lanes] x 8 bytes
-  static constexpr int SCALES = CODES + 4 * 32 * 8;      // [4 rows][32 lanes] x 4 bytes
-  static constexpr int X = SCALES + 4 * 32 * 4;          // [NT][2 halves][32 lanes] x 16
-  static constexpr int BYTES = X + NT * 2 * 32 * 16;
+// A warp's shared memory: DG slots of a group of 4 units (the codes of its 32 weight rows,
+// 128 bytes a row: one line each, copied 16 bytes a lane, four rows a warp instruction),
+// the 16-byte chunks of a row at chunk ^ (row & 7) so that the fragments' 8-byte reads
+// are conflict-free; then the segment's scales of its rows (64 bytes a row, 80 apart).
+template <int DG>
+struct WarpSmem {
+  static constexpr int GROUP = 32 * 128;
+  static constexpr int SCALES = DG * GROUP;
+  static constexpr int SROW = 80;
+  static constexpr int BYTES = SCALES + 32 * SROW;
 };
 
-template <bool GATED, int NT, int D, bool L2PF>
+__device__ __forceinline__ uint32_t lds_u8(uint32_t a) {
+  uint16_t v;
+  asm volatile("ld.shared.u8 %0, [%1];" : "=h"(v) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ uint4 ldg_x(const void* p, bool ok) {
+  uint4 v = make_uint4(0, 0, 0, 0);
+  if (ok)
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+template <bool GATED, int NT, int DG>
 __global__ void __launch_bounds__(512) decode_gemm_kernel(const Params p) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  // [warps][RT * NT * 4][32] fp32 partials, then each warp's ring of D slots
-  float* part = reinterpret_cast<float*>(smem);
-  unsigned char* ring_base = smem + (blockDim.x >> 5) * RT * NT * 4 * 32 * sizeof(float);
+  constexpr int NV = RT * NT * 4;  // fp32 sums a thread
+  extern __shared__ __align__(128) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nwarps = blockDim.x >> 5;
+  // [warps][NV][32] fp32 partials, then each warp's WarpSmem
+  float* part = reinterpret_cast<float*>(smem);
+  const uint32_t wsm =
+      smem_addr(smem) + (uint32_t)(nwarps * NV * 32 * 4 + warp * WarpSmem<DG>::BYTES);
   const int S = p.segs;
   const int seg = warp % S, rg = warp / S;
-  const int R = (blockDim.x >> 5) / S;
+  const int R = nwarps / S;
   const int gi = lane >> 2, q = lane & 3;
   constexpr int OUT_W = GATED ? 16 : 32;  // outputs of a warp (row group)
   const int cta_out = R * OUT_W;
@@ -198,25 +194,43 @@ __global__ void __launch_bounds__(512) decode_gemm_kernel(const Params p) {
         for (int c = 0; c < 4; ++c) acc[a][j][c] = 0.0f;
 
     if (active) {
-      // this thread's weight rows and activation rows
-      const uint8_t* cp[RT][2];
-      const uint8_t* sp[RT][2];
+      // weight row of warp row r (0..31): tile r / 16, row r % 16 of it
+      auto wrow = [&](int r) -> size_t {
+        const int a = r >> 4, rr = r & 15;
+        return (size_t)e * w_rows + (GATED ? a * N + n0 + rr : n0 + 16 * a + rr);
+      };
+      // copies: lane l takes chunk l & 7 of row 4 i + (l >> 3) of each tile's quads i
+      const int cl = lane >> 3, chunk = lane & 7;
+      const uint8_t* cbase[RT];
 #pragma unroll
       for (int a = 0; a < RT; ++a)
+        cbase[a] = p.codes + wrow(16 * a + cl) * crow + (size_t)seg * 512 + chunk * 16;
+      const size_t quad = 4 * crow;
+      auto issue = [&](int g) {  // group g (4 units) into slot g % DG; one commit group
+        if (g < 4) {
+          const uint32_t dst = wsm + (uint32_t)((g % DG) * WarpSmem<DG>::GROUP);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = GATED ? (a * N + n0 + gi + 8 * h) : (n0 + 16 * a + gi + 8 * h);
-          const size_t row = (size_t)e * w_rows + r;
-          cp[a][h] = p.codes + row * crow + (size_t)seg * 512 + q * 8;
-          sp[a][h] = p.scales + row * srow + (size_t)seg * 64;  // the unit's 4-byte group
+          for (int a = 0; a < RT; ++a)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int r = 16 * a + 4 * i + cl;
+              cp_async16(dst + r * 128 + ((chunk ^ (r & 7)) * 16), cbase[a] + i * quad + g * 128,
+                         true);
+            }
+          if (g == 0) {  // the segment's scales: 4 lanes a row, 8 rows an instruction
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int r = 8 * i + (lane >> 2), pc = lane & 3;
+              cp_async16(wsm + WarpSmem<DG>::SCALES + r * WarpSmem<DG>::SROW + pc * 16,
+                         p.scales + wrow(r) * srow + (size_t)seg * 64 + pc * 16, true);
+            }
+          }
         }
-      if (L2PF) {  // the warp's 32 rows of this segment into L2: one row a lane
-        const int a = lane >> 4, r16 = lane & 15;
-        const int r = GATED ? (a * N + n0 + r16) : (n0 + 16 * a + r16);
-        const size_t row = (size_t)e * w_rows + r;
-        prefetch_l2(p.codes + row * crow + (size_t)seg * 512, 512);
-        prefetch_l2(p.scales + row * srow + (size_t)seg * 64, 64);
-      }
+        cp_commit();  // (empty past the segment: the waits count groups)
+      };
+#pragma unroll
+      for (int g = 0; g < DG; ++g) issue(g);
+
       const __nv_bfloat16* xp[NT];
       bool xok[NT];
 #pragma unroll
@@ -227,54 +241,44 @@ __global__ void __launch_bounds__(512) decode_gemm_kernel(const Params p) {
         if (p.gather) src = xok[j] ? p.sorted_routes[m] / p.topk : 0;
         xp[j] = x + (size_t)(xok[j] ? src : 0) * K + (size_t)seg * 1024 + q * 16;
       }
-
-      // this warp's ring of D slots, after the partials' area
-      const uint32_t ring = smem_addr(ring_base) + (uint32_t)(warp * D * Slot<NT>::BYTES);
-      auto issue = [&](int u) {  // unit u's copies into slot u % D, one commit group
-        if (u < UNITS) {
-          const uint32_t sl = ring + (uint32_t)((u % D) * Slot<NT>::BYTES);
+      uint4 xv[2][NT][2];
 #pragma unroll
-          for (int a = 0; a < RT; ++a)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int r = a * 2 + h;
-              cp_async8(sl + Slot<NT>::CODES + (r * 32 + lane) * 8, cp[a][h] + u * 32);
-              cp_async4(sl + Slot<NT>::SCALES + (r * 32 + lane) * 4, sp[a][h] + u * 4);
-            }
-#pragma unroll
-          for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-              cp_async16(sl + Slot<NT>::X + ((j * 2 + i) * 32 + lane) * 16,
-                         xp[j] + u * 64 + 8 * i, xok[j]);
-        }
-        cp_commit();  // (empty at the tail: the wait below counts groups)
-      };
-#pragma unroll
-      for (int u = 0; u < D; ++u) issue(u);
+      for (int j = 0; j < NT; ++j) {
+        xv[0][j][0] = ldg_x(xp[j], xok[j]);
+        xv[0][j][1] = ldg_x(xp[j] + 8, xok[j]);
+      }
 
 #pragma unroll
       for (int u = 0; u < UNITS; ++u) {
-        cp_wait<D - 1>();  // unit u's group (D - 1 younger ones may fly)
-        const uint32_t sl = ring + (uint32_t)((u % D) * Slot<NT>::BYTES);
+        const int g = u >> 2, ug = u & 3;
+        if (ug == 0) {
+          cp_wait<DG - 1>();  // group g landed (this thread's copies) ...
+          __syncwarp();       // ... and every lane's
+        }
+        if (u + 1 < UNITS) {
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            xv[(u + 1) & 1][j][0] = ldg_x(xp[j] + (u + 1) * 64, xok[j]);
+            xv[(u + 1) & 1][j][1] = ldg_x(xp[j] + (u + 1) * 64 + 8, xok[j]);
+          }
+        }
+        const uint32_t slot = wsm + (uint32_t)((g % DG) * WarpSmem<DG>::GROUP);
         uint2 cw[RT][2];
         uint32_t s2[RT][2];
 #pragma unroll
         for (int a = 0; a < RT; ++a)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const int r = a * 2 + h;
-            cw[a][h] = lds64(sl + Slot<NT>::CODES + (r * 32 + lane) * 8);
-            const uint32_t g = lds32(sl + Slot<NT>::SCALES + (r * 32 + lane) * 4);
-            uint32_t byte;
-            asm("bfe.u32 %0, %1, %2, 8;" : "=r"(byte) : "r"(g), "r"(8 * q));
-            s2[a][h] = scale_pair(byte);
+            const int r = 16 * a + 8 * h + gi;  // r & 7 == gi
+            const int c = 2 * ug + (q >> 1);
+            cw[a][h] = lds64(slot + r * 128 + ((c ^ gi) * 16) + (q & 1) * 8);
+            s2[a][h] = scale_pair(
+                lds_u8(wsm + WarpSmem<DG>::SCALES + r * WarpSmem<DG>::SROW + 4 * u + q));
           }
         uint32_t xw[NT][8];
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-          const uint4 v0 = lds128(sl + Slot<NT>::X + ((j * 2) * 32 + lane) * 16);
-          const uint4 v1 = lds128(sl + Slot<NT>::X + ((j * 2 + 1) * 32 + lane) * 16);
+          const uint4 v0 = xv[u & 1][j][0], v1 = xv[u & 1][j][1];
           xw[j][0] = v0.x; xw[j][1] = v0.y; xw[j][2] = v0.z; xw[j][3] = v0.w;
           xw[j][4] = v1.x; xw[j][5] = v1.y; xw[j][6] = v1.z; xw[j][7] = v1.w;
         }
@@ -302,13 +306,16 @@ __global__ void __launch_bounds__(512) decode_gemm_kernel(const Params p) {
             for (int j = 0; j < NT; ++j) mma_bf16(acc[a][j], af, bf[j][0], bf[j][1]);
           }
         }
-        issue(u + D);  // into the slot just read (its loads are in registers)
+        if (ug == 3) {
+          __syncwarp();  // every lane's reads of the slot done
+          issue(g + DG);
+        }
       }
       cp_wait<0>();
+      __syncwarp();  // the scales' slot is rewritten by the next item
     }
 
     // the segments' sums of each row group, in order, by its segment-0 warp
-    constexpr int NV = RT * NT * 4;
     float* mine = part + (size_t)warp * NV * 32 + lane;
 #pragma unroll
     for (int a = 0; a < RT; ++a)
@@ -382,13 +389,13 @@ __global__ void __launch_bounds__(512) decode_gemm_kernel(const Params p) {
   }
 }
 
-template <bool GATED, int NT, int D, bool L2PF>
+template <bool GATED, int NT, int DG>
 cudaError_t launch_one(const Params& p, int rows_per_block, int num_blocks, int max_ctas,
                        cudaStream_t stream) {
-  auto kern = decode_gemm_kernel<GATED, NT, D, L2PF>;
+  auto kern = decode_gemm_kernel<GATED, NT, DG>;
   constexpr size_t SMEM_MAX = 227 * 1024;
   auto smem_of = [&](int rpb) {
-    return (size_t)(p.segs * rpb) * (RT * NT * 4 * 32 * sizeof(float) + D * Slot<NT>::BYTES);
+    return (size_t)(p.segs * rpb) * (RT * NT * 4 * 32 * sizeof(float) + WarpSmem<DG>::BYTES);
   };
   while (rows_per_block > 1 && smem_of(rows_per_block) > SMEM_MAX) --rows_per_block;
   const size_t smem = smem_of(rows_per_block);
@@ -433,22 +440,13 @@ cudaError_t launch_one(const Params& p, int rows_per_block, int num_blocks, int 
 }
 
 template <bool GATED, int NT>
-cudaError_t launch_depth(const Params& p, int rpb, int nb, int max_ctas, int depth, int l2pf,
+cudaError_t launch_depth(const Params& p, int rpb, int nb, int max_ctas, int depth,
                          cudaStream_t s) {
-  if (l2pf) {
-    switch (depth) {
-      case 2: return launch_one<GATED, NT, 2, true>(p, rpb, nb, max_ctas, s);
-      case 4: return launch_one<GATED, NT, 4, true>(p, rpb, nb, max_ctas, s);
-      case 3: return launch_one<GATED, NT, 3, true>(p, rpb, nb, max_ctas, s);
-      case 6: return launch_one<GATED, NT, 6, true>(p, rpb, nb, max_ctas, s);
-      default: return cudaErrorInvalidValue;
-    }
-  }
   switch (depth) {
-    case 2: return launch_one<GATED, NT, 2, false>(p, rpb, nb, max_ctas, s);
-    case 4: return launch_one<GATED, NT, 4, false>(p, rpb, nb, max_ctas, s);
-    case 3: return launch_one<GATED, NT, 3, false>(p, rpb, nb, max_ctas, s);
-    case 6: return launch_one<GATED, NT, 6, false>(p, rpb, nb, max_ctas, s);
+    case 1: return launch_one<GATED, NT, 1>(p, rpb, nb, max_ctas, s);
+    case 2: return launch_one<GATED, NT, 2>(p, rpb, nb, max_ctas, s);
+    case 3: return launch_one<GATED, NT, 3>(p, rpb, nb, max_ctas, s);
+    case 4: return launch_one<GATED, NT, 4>(p, rpb, nb, max_ctas, s);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -458,12 +456,13 @@ cudaError_t launch_depth(const Params& p, int rpb, int nb, int max_ctas, int dep
 extern "C" {
 
 // The ABI version: fp4moe/kernels/cuda_decode.py checks it.
-int fp4moe_cuda_abi() { return 1; }
+int fp4moe_cuda_abi() { return 2; }
 
 // One grouped GEMM. gated: FC1 (SwiGLU, bf16 rows out); else FC2 (bf16 rows, or with
 // fused the router-weighted atomic add into fp32 [T, N]). block_m 8 or 16 (the sort's
 // rows a block); rows_per_block: row groups (warps of K segments) a thread block;
-// depth: units in flight a warp (2, 3, 4 or 6 ring slots); l2_prefetch: a warp's segment into L2 first;
+// depth: groups of 4 units (64 K each) in flight a warp, its ring's slots (1 to 4: 4 is the
+// whole segment at once); l2_prefetch: unused (0);
 // max_ctas > 0 caps the grid. Returns a cudaError_t (0: launched).
 int fp4moe_decode_gemm(const void* x, const int32_t* sorted_routes, const uint8_t* codes,
                        const uint8_t* scales, const int32_t* block_expert,
@@ -491,6 +490,7 @@ int fp4moe_decode_gemm(const void* x, const int32_t* sorted_routes, const uint8_
   p.fused = fused;
   p.pdl = pdl;
   p.segs = k / 1024;
+  (void)l2_prefetch;
   if (k % 1024 || p.segs * rows_per_block > 16 || rows_per_block < 1 ||
       (block_m != 8 && block_m != 16) || n % (gated ? 16 : 32))
     return (int)cudaErrorInvalidValue;
@@ -498,14 +498,14 @@ int fp4moe_decode_gemm(const void* x, const int32_t* sorted_routes, const uint8_
   cudaError_t err;
   if (gated)
     err = block_m == 8 ? launch_depth<true, 1>(p, rows_per_block, num_blocks, max_ctas, depth,
-                                               l2_prefetch, s)
+                                               s)
                        : launch_depth<true, 2>(p, rows_per_block, num_blocks, max_ctas, depth,
-                                               l2_prefetch, s);
+                                               s);
   else
     err = block_m == 8 ? launch_depth<false, 1>(p, rows_per_block, num_blocks, max_ctas, depth,
-                                                l2_prefetch, s)
+                                                s)
                        : launch_depth<false, 2>(p, rows_per_block, num_blocks, max_ctas, depth,
-                                                l2_prefetch, s);
+                                                s);
   return (int)err;
 }
 
