@@ -91,12 +91,13 @@
 #   bash benchmarks/gpu_session.sh s21a       # the CUDA decode GEMMs: build, bits and time, tests
 #   bash benchmarks/gpu_session.sh s21b       # the same: thread blocks of fewer warps, ring depth
 #   bash benchmarks/gpu_session.sh s21c       # the kernel's 16-byte row copies: depth, block shape
+#   bash benchmarks/gpu_session.sh s21d       # each kernel in time: the defaults against the CUDA GEMMs
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -1105,6 +1106,18 @@ s21c)
         --variants c3 c3-cuda-d2-r1-fc1 c3-cuda-d4-r1-fc1 c3-cuda-d2-r2-fc2 c3-cuda-d2-r4-fc2 \
         --iters 20 --out "$out/cuda-one.json"
     step cuda_tests 120 python3 -m pytest -m gpu --device cuda -q tests/test_cuda_decode.py
+    rm -rf "$out/cache"
+    ;;
+s21d)
+    # each kernel of a call in time (CUDA graph replays, PDL) with the Gluon GEMMs and with
+    # the CUDA ones (DEPTH 2, one row group a block), at 1, 16 and 64 tokens
+    export FP4MOE_CACHE="$out/cache"
+    for t in 1 16 64; do
+        step "tl_c3_$t" 60 python3 benchmarks/profile_call.py --tokens $t --calls 5 \
+            --kernels --graph --timeline
+        step "tl_cuda_$t" 60 python3 benchmarks/profile_call.py --tokens $t --calls 5 \
+            --kernels --graph --timeline --cuda --cuda-depth 2 --cuda-rows 1
+    done
     rm -rf "$out/cache"
     ;;
 s20h)

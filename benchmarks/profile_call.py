@@ -9,7 +9,8 @@
 calls) instead of leaving the profiling to an outside tool; ``--graph`` profiles replays
 of one CUDA graph of the call, ``--timeline`` prints the last call's kernels in time.
 Options as ``fp4moe bench`` sets them (``valid_fraction`` from the preset);
-``--no-dense`` turns the dense path off.
+``--no-dense`` turns the dense path off; ``--cuda`` puts the decode GEMMs on the CUDA
+kernel (``TritonOptions.cuda_decode``).
 """
 
 import argparse
@@ -45,6 +46,10 @@ p.add_argument(
 p.add_argument("--whole-k", action="store_true", help="TritonOptions.gluon_whole_k=True")
 p.add_argument("--whole-upto", type=float, default=None,
                help="TritonOptions.gluon_whole_upto (0: loop 3 where it runs unsplit)")  # fmt: skip
+p.add_argument("--cuda", action="store_true",
+               help="TritonOptions.cuda_decode=True (the CUDA decode GEMMs)")  # fmt: skip
+p.add_argument("--cuda-depth", type=int, default=None, help="cuda_decode.DEPTH")
+p.add_argument("--cuda-rows", type=int, default=None, help="cuda_decode.ROWS_PER_BLOCK")
 p.add_argument("--graph", action="store_true",
                help="--kernels over replays of one CUDA graph of the call")  # fmt: skip
 p.add_argument("--timeline", action="store_true",
@@ -73,6 +78,13 @@ if a.whole_k:
     kw["gluon_whole_k"] = True
 if a.whole_upto is not None:
     kw["gluon_whole_upto"] = a.whole_upto
+if a.cuda:
+    from fp4moe.kernels import cuda_decode
+
+    kw["cuda_decode"] = True
+    if a.cuda_depth is not None:
+        cuda_decode.DEPTH = a.cuda_depth
+    cuda_decode.ROWS_PER_BLOCK = a.cuda_rows
 if a.gluon_tma == 0:
     kw["gluon_decode"] = False
 elif a.gluon_tma is not None:
