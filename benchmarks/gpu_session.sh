@@ -92,12 +92,13 @@
 #   bash benchmarks/gpu_session.sh s21b       # the same: thread blocks of fewer warps, ring depth
 #   bash benchmarks/gpu_session.sh s21c       # the kernel's 16-byte row copies: depth, block shape
 #   bash benchmarks/gpu_session.sh s21d       # each kernel in time: the defaults against the CUDA GEMMs
+#   bash benchmarks/gpu_session.sh s21e       # the same: each GEMM alone on CUDA, and without PDL
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -1118,6 +1119,20 @@ s21d)
         step "tl_cuda_$t" 60 python3 benchmarks/profile_call.py --tokens $t --calls 5 \
             --kernels --graph --timeline --cuda --cuda-depth 2 --cuda-rows 1
     done
+    rm -rf "$out/cache"
+    ;;
+s21e)
+    # s21d: FC2 on the CUDA kernel ends 25 us after a CUDA FC1 at 16 tokens (Gluon: 17).
+    # Each GEMM alone on the CUDA kernel, and both without PDL
+    export FP4MOE_CACHE="$out/cache"
+    tl() { python3 benchmarks/profile_call.py --calls 5 --kernels --graph --timeline --cuda \
+        --cuda-depth 2 "$@"; }
+    step tl16_fc1 60 tl --tokens 16 --cuda-rows 1 --cuda-only fc1
+    step tl16_fc2r1 60 tl --tokens 16 --cuda-rows 1 --cuda-only fc2
+    step tl16_fc2r4 60 tl --tokens 16 --cuda-rows 4 --cuda-only fc2
+    step tl16_nopdl 60 tl --tokens 16 --cuda-rows 1 --cuda-nopdl
+    step tl1_nopdl 60 tl --tokens 1 --cuda-rows 1 --cuda-nopdl
+    step tl64_fc2r4 60 tl --tokens 64 --cuda-rows 4 --cuda-only fc2
     rm -rf "$out/cache"
     ;;
 s20h)

@@ -50,6 +50,8 @@ p.add_argument("--cuda", action="store_true",
                help="TritonOptions.cuda_decode=True (the CUDA decode GEMMs)")  # fmt: skip
 p.add_argument("--cuda-depth", type=int, default=None, help="cuda_decode.DEPTH")
 p.add_argument("--cuda-rows", type=int, default=None, help="cuda_decode.ROWS_PER_BLOCK")
+p.add_argument("--cuda-only", choices=("fc1", "fc2"), default=None, help="cuda_decode.ONLY")
+p.add_argument("--cuda-nopdl", action="store_true", help="cuda_decode.PDL False")
 p.add_argument("--graph", action="store_true",
                help="--kernels over replays of one CUDA graph of the call")  # fmt: skip
 p.add_argument("--timeline", action="store_true",
@@ -85,6 +87,8 @@ if a.cuda:
     if a.cuda_depth is not None:
         cuda_decode.DEPTH = a.cuda_depth
     cuda_decode.ROWS_PER_BLOCK = a.cuda_rows
+    cuda_decode.ONLY = a.cuda_only
+    cuda_decode.PDL = not a.cuda_nopdl
 if a.gluon_tma == 0:
     kw["gluon_decode"] = False
 elif a.gluon_tma is not None:

@@ -43,8 +43,10 @@ NVCC_FLAGS = (
 # ``_rows_per_block``; the library lowers it where the rings would not fit shared memory).
 DEPTH = 2
 ROWS_PER_BLOCK: int | None = None
-# Diagnostics: "fc1" or "fc2" routes only that GEMM here (None: both)
+# Diagnostics: "fc1" or "fc2" routes only that GEMM here (None: both); PDL False launches
+# the kernel without programmatic dependent launch even in a PDL chain
 ONLY: str | None = None
+PDL = True
 
 _ERR: list[str] = []
 
@@ -241,7 +243,7 @@ def decode_gemm(
             valid_blocks.data_ptr(), w_global.data_ptr(),
             topk_w.data_ptr() if fused else w_global.data_ptr(), out.data_ptr(),
             n, k, topk, int(gated), int(gather), int(fused), block_m, blocks, rpb,
-            int(DEPTH), 0, int(pdl), 0, stream,
+            int(DEPTH), 0, int(pdl and PDL), 0, stream,
         )  # fmt: skip
     if rc:
         raise RuntimeError(f"cuda_decode: launch failed: {lib.fp4moe_cuda_error(rc).decode()}")
