@@ -1125,14 +1125,14 @@ s21e)
     # s21d: FC2 on the CUDA kernel ends 25 us after a CUDA FC1 at 16 tokens (Gluon: 17).
     # Each GEMM alone on the CUDA kernel, and both without PDL
     export FP4MOE_CACHE="$out/cache"
-    tl() { python3 benchmarks/profile_call.py --calls 5 --kernels --graph --timeline --cuda \
-        --cuda-depth 2 "$@"; }
-    step tl16_fc1 60 tl --tokens 16 --cuda-rows 1 --cuda-only fc1
-    step tl16_fc2r1 60 tl --tokens 16 --cuda-rows 1 --cuda-only fc2
-    step tl16_fc2r4 60 tl --tokens 16 --cuda-rows 4 --cuda-only fc2
-    step tl16_nopdl 60 tl --tokens 16 --cuda-rows 1 --cuda-nopdl
-    step tl1_nopdl 60 tl --tokens 1 --cuda-rows 1 --cuda-nopdl
-    step tl64_fc2r4 60 tl --tokens 64 --cuda-rows 4 --cuda-only fc2
+    tl=(python3 benchmarks/profile_call.py --calls 5 --kernels --graph --timeline --cuda
+        --cuda-depth 2)  # (timeout runs no shell function: an array)
+    step tl16_fc1 60 "${tl[@]}" --tokens 16 --cuda-rows 1 --cuda-only fc1
+    step tl16_fc2r1 60 "${tl[@]}" --tokens 16 --cuda-rows 1 --cuda-only fc2
+    step tl16_fc2r4 60 "${tl[@]}" --tokens 16 --cuda-rows 4 --cuda-only fc2
+    step tl16_nopdl 60 "${tl[@]}" --tokens 16 --cuda-rows 1 --cuda-nopdl
+    step tl1_nopdl 60 "${tl[@]}" --tokens 1 --cuda-rows 1 --cuda-nopdl
+    step tl64_fc2r4 60 "${tl[@]}" --tokens 64 --cuda-rows 4 --cuda-only fc2
     rm -rf "$out/cache"
     ;;
 s20h)
