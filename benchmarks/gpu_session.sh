@@ -93,12 +93,13 @@
 #   bash benchmarks/gpu_session.sh s21c       # the kernel's 16-byte row copies: depth, block shape
 #   bash benchmarks/gpu_session.sh s21d       # each kernel in time: the defaults against the CUDA GEMMs
 #   bash benchmarks/gpu_session.sh s21e       # the same: each GEMM alone on CUDA, and without PDL
+#   bash benchmarks/gpu_session.sh s21f       # the CUDA GEMMs' late PDL release, a 64-register cap
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s21f}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -1133,6 +1134,16 @@ s21e)
     step tl16_nopdl 60 "${tl[@]}" --tokens 16 --cuda-rows 1 --cuda-nopdl
     step tl1_nopdl 60 "${tl[@]}" --tokens 1 --cuda-rows 1 --cuda-nopdl
     step tl64_fc2r4 60 "${tl[@]}" --tokens 64 --cuda-rows 4 --cuda-only fc2
+    rm -rf "$out/cache"
+    ;;
+s21f)
+    # s21e: the CUDA FC2 after a CUDA FC1 lost 6 us to PDL's early launch; the release now
+    # comes with each block's last item. And a 64-register cap (more warps an SM)
+    export FP4MOE_CACHE="$out/cache"
+    step cuda 330 python3 benchmarks/sweep_decode.py --tokens 1 8 16 64 --modes w4a16 \
+        --variants c3 c3-cuda-d1-r1 c3-cuda-d2-r1 c3-cuda-d1-r1-cap64 c3-cuda-d2-r1-cap64 \
+        c3-cuda-d2-r1-fc1 c3-cuda-d1-r1-cap64-fc1 --iters 20 --out "$out/cuda.json"
+    step cuda_tests 120 python3 -m pytest -m gpu --device cuda -q tests/test_cuda_decode.py
     rm -rf "$out/cache"
     ;;
 s20h)

@@ -47,6 +47,10 @@ ROWS_PER_BLOCK: int | None = None
 # the kernel without programmatic dependent launch even in a PDL chain
 ONLY: str | None = None
 PDL = True
+# Experiment: a register cap for every kernel of the library (64 or 128 divided by a power
+# of two, through the launch bounds; None: the compiler's choice within 128), so that more
+# warps fit an SM; built as a library of its own
+REG_CAP: int | None = None
 
 _ERR: list[str] = []
 
@@ -59,10 +63,18 @@ def nvcc() -> str | None:
     return shutil.which("nvcc")
 
 
+def _flags() -> tuple[str, ...]:
+    """nvcc's flags: ``NVCC_FLAGS``, with the launch bounds' minimum blocks for a register
+    cap where ``REG_CAP`` is set (512 threads a block: 65536 / 512 / cap blocks)."""
+    if not REG_CAP:
+        return NVCC_FLAGS
+    return (*NVCC_FLAGS, f"-DFP4MOE_MIN_BLOCKS={max(1, 128 // int(REG_CAP))}")
+
+
 def library_path() -> Path:
     """Where the built library lives: the cache directory, named by the source's and the
     flags' hash (a changed source builds anew)."""
-    h = hashlib.sha256(SOURCE.read_bytes() + " ".join(NVCC_FLAGS).encode()).hexdigest()[:16]
+    h = hashlib.sha256(SOURCE.read_bytes() + " ".join(_flags()).encode()).hexdigest()[:16]
     root = Path(os.environ.get("FP4MOE_CACHE") or Path.home() / ".cache" / "fp4moe")
     return root / "cuda" / f"decode_gemm-{h}.so"
 
@@ -80,7 +92,7 @@ def build(path: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        res = subprocess.run([exe, *NVCC_FLAGS, "-o", tmp, str(SOURCE)], capture_output=True,
+        res = subprocess.run([exe, *_flags(), "-o", tmp, str(SOURCE)], capture_output=True,
                              text=True)  # fmt: skip
         if res.returncode:
             raise RuntimeError(f"cuda_decode: nvcc failed ({res.returncode}):\n"
@@ -92,8 +104,13 @@ def build(path: Path | None = None) -> Path:
     return path
 
 
-@functools.cache
 def _lib() -> ctypes.CDLL | None:
+    return _load(_flags())
+
+
+@functools.cache
+def _load(flags: tuple[str, ...]) -> ctypes.CDLL | None:
+    """The library built with ``flags`` (``_flags()``), loaded once a flag set."""
     try:
         lib = ctypes.CDLL(str(build()))
         lib.fp4moe_cuda_abi.restype = ctypes.c_int

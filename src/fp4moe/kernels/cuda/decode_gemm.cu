@@ -150,8 +150,12 @@ __device__ __forceinline__ uint4 ldg_x(const void* p, bool ok) {
   return v;
 }
 
+#ifndef FP4MOE_MIN_BLOCKS  // -DFP4MOE_MIN_BLOCKS=2: at most 64 registers a thread
+#define FP4MOE_MIN_BLOCKS 1
+#endif
+
 template <bool GATED, int NT, int DG>
-__global__ void __launch_bounds__(512) decode_gemm_kernel(const Params p) {
+__global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(const Params p) {
   constexpr int NV = RT * NT * 4;  // fp32 sums a thread
   extern __shared__ __align__(128) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -171,15 +175,18 @@ __global__ void __launch_bounds__(512) decode_gemm_kernel(const Params p) {
   const int w_rows = GATED ? 2 * N : N;
   const size_t crow = (size_t)K / 2, srow = (size_t)K / 16;
 
-  if (p.pdl) {
-    pdl_wait();
-    pdl_release();
-  }
+  if (p.pdl) pdl_wait();
   const int nvalid = *p.valid_blocks;
   const int total = ntiles * nvalid;
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(p.x);
+  // The next kernel may launch once every thread block has released it: each does so as it
+  // starts its last item (at once if it has none), so that the next kernel's blocks take
+  // the slots of finished ones instead of waiting beside this kernel's (a release at the
+  // start cost 6 us a call at 1 and 16 tokens: docs/perf-notes.md, session 21)
+  if (p.pdl && (int)blockIdx.x >= total) pdl_release();
 
   for (int item = blockIdx.x; item < total; item += gridDim.x) {
+    if (p.pdl && item + (int)gridDim.x >= total) pdl_release();
     const int b = item / ntiles, t = item - (item / ntiles) * ntiles;
     const int e = p.block_expert[b];
     const int start = p.block_start[b], end = p.block_end[b];
