@@ -94,12 +94,13 @@
 #   bash benchmarks/gpu_session.sh s21d       # each kernel in time: the defaults against the CUDA GEMMs
 #   bash benchmarks/gpu_session.sh s21e       # the same: each GEMM alone on CUDA, and without PDL
 #   bash benchmarks/gpu_session.sh s21f       # the CUDA GEMMs' late PDL release, a 64-register cap
+#   bash benchmarks/gpu_session.sh s21g       # the CUDA FC1 from 12 to 48 tokens, Qwen3, Mixtral
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s21f}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s21f|s21g}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -1144,6 +1145,23 @@ s21f)
         --variants c3 c3-cuda-d1-r1 c3-cuda-d2-r1 c3-cuda-d1-r1-cap64 c3-cuda-d2-r1-cap64 \
         c3-cuda-d2-r1-fc1 c3-cuda-d1-r1-cap64-fc1 --iters 20 --out "$out/cuda.json"
     step cuda_tests 120 python3 -m pytest -m gpu --device cuda -q tests/test_cuda_decode.py
+    rm -rf "$out/cache"
+    ;;
+s21g)
+    # s21f: only FC1 on the CUDA kernel gains, at 16 tokens. Where else: DeepSeek-V3 at 12
+    # to 48 tokens, Qwen3 (FC1 only: its FC2's K is 768) and Mixtral at 16 and 64; then
+    # session 20's unrun all-masked case of the 32-row whole-K kernels
+    export FP4MOE_CACHE="$out/cache"
+    step ds 150 python3 benchmarks/sweep_decode.py --tokens 12 16 24 32 48 --modes w4a16 \
+        --variants c3 c3-cuda-d2-r1-fc1 c3-cuda-d1-r1-cap64-fc1 c3-cuda-d1-r1 --iters 20 \
+        --out "$out/ds.json"
+    step qwen 90 python3 benchmarks/sweep_decode.py --preset qwen3-30b-a3b --tokens 16 64 \
+        --modes w4a16 --variants c3 c3-cuda-d2-r1-fc1 --iters 20 --out "$out/qwen.json"
+    step mixtral 100 python3 benchmarks/sweep_decode.py --preset mixtral-8x7b --tokens 16 64 \
+        --modes w4a16 --variants c3 c3-cuda-d2-r1 c3-cuda-d2-r1-fc1 --iters 20 \
+        --out "$out/mixtral.json"
+    step wide_masked 120 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_whole.py \
+        -k "whole_wide_gpu and all-masked"
     rm -rf "$out/cache"
     ;;
 s20h)
