@@ -233,6 +233,19 @@ def test_whole_wide_configs(monkeypatch):
             TritonOptions(gluon_whole_wide=bad)
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["gluon_upto", "gluon_whole_upto", "gluon_whole_over", "gluon_whole_fill",
+     "gluon_whole_wide", "gluon_pdl_upto", "valid_fraction"],
+)  # fmt: skip
+def test_number_options_refuse_nan(name):
+    """Every number option of ``TritonOptions`` refuses NaN by name (a NaN threshold would
+    compare false everywhere and quietly turn its path off or on); the optional ones
+    (``gluon_whole_over``, ``gluon_whole_wide``) used to take it (session 20's review)."""
+    with pytest.raises(ValueError, match=name):
+        TritonOptions(**{name: float("nan")})
+
+
 def test_whole_wide_kernel_compiles_for_sm90():
     """The whole-K kernel at 32-row tiles (``gluon_whole_wide``): both GEMMs, bf16 rows or
     the fused finalize, W4A4's globals; wgmma of N 32, no local memory, the segment's rows

@@ -685,13 +685,13 @@ class TritonOptions:
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
             raise ValueError(f"gluon_whole_upto: expected a number >= 0, got {g!r}")
         g = self.gluon_whole_over
-        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or g < 0):
+        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0):
             raise ValueError(f"gluon_whole_over: expected None or a number >= 0, got {g!r}")
         g = self.gluon_whole_fill
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
             raise ValueError(f"gluon_whole_fill: expected a number >= 0, got {g!r}")
         g = self.gluon_whole_wide
-        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or g < 0):
+        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0):
             raise ValueError(f"gluon_whole_wide: expected None or a number >= 0, got {g!r}")
         g = self.gluon_pdl_upto
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
