@@ -15,7 +15,7 @@ import torch
 from fp4moe.kernels import cuda_decode
 from fp4moe.kernels.launch import TritonOptions, moe_triton
 from fp4moe.reference import moe_reference
-from test_kernels import GPU_SHAPES, _gpu_routes, _x
+from test_kernels import GPU_SHAPES, _edge_routes, _gpu_routes, _x
 from testing import TOL, rel_err
 
 
@@ -136,11 +136,7 @@ def test_cuda_decode_gpu(gpu_experts, monkeypatch, t, fused):
     tt = 64 if isinstance(t, str) else t
     x = _x(tt, h, seed=23, device="cuda")
     ids, w = _gpu_routes(tt, k, e, e_total, seed=23)
-    if t == "one-expert":
-        ids = torch.where(ids >= 0, 3, -1).to(torch.int32)
-        ids[:, 0] = 3
-    elif t == "all-masked":
-        ids = torch.full_like(ids, -1)
+    ids = _edge_routes(ids, t)
     calls = []
     real = cuda_decode.decode_gemm
 

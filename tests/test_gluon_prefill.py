@@ -11,7 +11,7 @@ from fp4moe.bench import warm_up
 from fp4moe.kernels.launch import TritonOptions, moe_triton, workspace_bytes
 from fp4moe.reference import moe_reference
 from test_gluon_ws import _compile_check
-from test_kernels import GPU_SHAPES, MODES, _gpu_routes, _mode_id, _x
+from test_kernels import GPU_SHAPES, MODES, _edge_routes, _gpu_routes, _mode_id, _x
 from testing import TOL, pretend_hopper, rel_err
 
 
@@ -155,11 +155,7 @@ def test_gluon_prefill_gpu(gpu_experts, shape, t, mode, fused):
     tt = 512 if isinstance(t, str) else t
     x = _x(tt, h, seed=7, device="cuda")
     ids, w = _gpu_routes(tt, k, e, e_total, seed=7)
-    if t == "one-expert":  # many 128-row blocks of one expert, a partial last one
-        ids = torch.where(ids >= 0, 3, -1).to(torch.int32)
-        ids[:, 0] = 3
-    elif t == "all-masked":
-        ids = torch.full_like(ids, -1)
+    ids = _edge_routes(ids, t)  # one expert: many 128-row blocks of it, a partial last one
     outs = {}
     for on in (False, True):
         opt = TritonOptions(dense_above=0, gluon_prefill=on, poison=True)  # dense at any size

@@ -12,7 +12,7 @@ from fp4moe.kernels.gemm import GemmConfig
 from fp4moe.kernels.launch import TritonOptions, moe_triton, workspace_bytes
 from fp4moe.reference import moe_reference
 from test_gluon_ws import _compile_check
-from test_kernels import GPU_SHAPES, MODES, _gpu_routes, _mode_id, _x
+from test_kernels import GPU_SHAPES, MODES, _edge_routes, _gpu_routes, _mode_id, _x
 from testing import TOL, pretend_hopper, rel_err
 
 
@@ -139,11 +139,7 @@ def test_gluon_whole_gpu(gpu_experts, monkeypatch, t, mode, fused):
     tt = {"qwen3": 1024}.get(t, 256) if isinstance(t, str) else t
     x = _x(tt, h, seed=17, device="cuda")
     ids, w = _gpu_routes(tt, k, e, e_total, seed=17)
-    if t == "one-expert":
-        ids = torch.where(ids >= 0, 3, -1).to(torch.int32)
-        ids[:, 0] = 3
-    elif t == "all-masked":
-        ids = torch.full_like(ids, -1)
+    ids = _edge_routes(ids, t)
     wholes = []
     spl = gluon_ws.split_partials_tma
 
@@ -305,11 +301,7 @@ def test_gluon_whole_wide_gpu(gpu_experts, monkeypatch, t, mode, fused):
     tt = 1024 if isinstance(t, str) else t
     x = _x(tt, h, seed=19, device="cuda")
     ids, w = _gpu_routes(tt, k, e, e_total, seed=19)
-    if t == "one-expert":
-        ids = torch.where(ids >= 0, 5, -1).to(torch.int32)
-        ids[:, 0] = 5
-    elif t == "all-masked":
-        ids = torch.full_like(ids, -1)
+    ids = _edge_routes(ids, t, expert=5)
     launches = []
     spl = gluon_ws.split_partials_tma
 

@@ -212,6 +212,28 @@ def _gpu_routes(t, k, e_local, e_total, seed):
     return ids, w
 
 
+def _edge_routes(ids, case, expert=3):
+    """The GPU tests' edge cases of routes ``ids`` [T, K]: "one-expert" puts every valid
+    route and each token's first on ``expert`` (many row blocks of one expert),
+    "all-masked" masks every route; any other case returns ``ids``."""
+    if case == "one-expert":
+        ids = torch.where(ids >= 0, expert, -1).to(torch.int32)
+        ids[:, 0] = expert
+    elif case == "all-masked":
+        ids = torch.full_like(ids, -1)
+    return ids
+
+
+def test_edge_routes():
+    """The GPU tests' route edge cases (``_edge_routes``), checked here on the CPU."""
+    ids = torch.tensor([[5, -1, 2], [0, 7, -1]], dtype=torch.int32)
+    one = _edge_routes(ids, "one-expert", expert=4)
+    assert one.tolist() == [[4, -1, 4], [4, 4, -1]] and one.dtype == torch.int32
+    assert _edge_routes(ids, "all-masked").eq(-1).all()
+    assert _edge_routes(ids, 16) is ids
+    assert ids.tolist() == [[5, -1, 2], [0, 7, -1]]  # the input is not changed
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(GPU_SHAPES))
 @pytest.mark.parametrize("t", [0, 1, 3, 64, 1000, 8192])
