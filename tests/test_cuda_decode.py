@@ -93,6 +93,23 @@ def test_decode_gemm_checks_its_arguments():
     assert not TritonOptions().cuda_decode
 
 
+def test_rows_per_block_rule(monkeypatch):
+    """Thread blocks of up to 8 warps (DeepSeek-V3: FC1's 7 K segments one row group,
+    FC2's 2 segments four), halved while the items would not fill two blocks an SM; the
+    ``ROWS_PER_BLOCK`` knob overrides it within 16 warps; ``DEPTH`` 2 by default."""
+    assert cuda_decode.DEPTH == 2 and cuda_decode.ROWS_PER_BLOCK is None
+    rpb = cuda_decode._rows_per_block
+    assert rpb(7, 2048, True, 40) == 1
+    assert rpb(2, 7168, False, 40) == 4  # 56 tiles x 40 blocks
+    assert rpb(2, 7168, False, 3) == 2  # 3 blocks: 168 items at 4 rows, 336 at 2
+    assert rpb(2, 7168, False, 1) == 1  # 1 block: 224 items even at 1 row
+    assert rpb(2, 7168, False, 6) == 4
+    assert rpb(4, 14336, True, 40) == 2  # Mixtral's FC1
+    assert rpb(14, 4096, False, 40) == 1  # Mixtral's FC2
+    monkeypatch.setattr(cuda_decode, "ROWS_PER_BLOCK", 4)
+    assert rpb(7, 2048, True, 40) == 2 and rpb(2, 7168, False, 1) == 4
+
+
 @pytest.mark.kernel
 def test_cuda_decode_falls_back_without_the_kernel(interpret, device, monkeypatch):
     """Where the kernel cannot run (the interpreter here, or no Hopper GPU or nvcc) the

@@ -157,14 +157,15 @@ def applies(n: int, k: int, gated: bool, block_m: int) -> bool:
 
 def _rows_per_block(segs: int, n: int, gated: bool, blocks: int) -> int:
     """Row groups (16 outputs of FC1, 32 of FC2; one warp a K segment each) a thread
-    block: as many as 16 warps allow, fewer where the blocks' items would not fill two
-    thread blocks an SM."""
+    block: up to 8 warps (measured on the H200, session 21: DeepSeek-V3's FC1 at one row
+    group of 7 warps, its FC2 at four of 2), fewer where the blocks' items would not fill
+    two thread blocks an SM."""
     from .launch import sm_count
 
     if ROWS_PER_BLOCK is not None:
         return max(1, min(int(ROWS_PER_BLOCK), 16 // segs))
     out_w = 16 if gated else 32
-    r = max(1, 16 // segs)
+    r = max(1, 8 // segs)
     while r > 1 and -(-n // (r * out_w)) * blocks < 2 * sm_count():
         r //= 2
     return r

@@ -396,7 +396,11 @@ class TritonOptions:
         (``cuda_decode.applies``): each weight loaded from HBM into its MMA fragment's
         registers, a tile's K segments the warps of one thread block summed in shared
         memory. The same decode, K order, segment sums and epilogue operations: the same
-        bits. Experiment, off (docs/perf-notes.md, session 21).
+        bits (``mma.sync`` gives the wgmma's sums). Off: no faster on the H200 (session
+        21, ``sweep_decode.py --variants c3 c3-cuda-d2-r1 c3-cuda-d2-r1-fc1``, W4A16
+        DeepSeek-V3 EP8 1 / 8 / 16 / 64 tokens 47.1 / 92.0 / 60.5 / 211.2 -> 53.9 / 102.3
+        / 59.5 / 229.6 us, FC1 alone on it 52.4 / 96.9 / 56.7 / 230.3; it gains only
+        where the split Gluon FC1 runs a second wave).
     """
 
     pdl: bool | None = None
