@@ -110,6 +110,27 @@ def test_rows_per_block_rule(monkeypatch):
     assert rpb(7, 2048, True, 40) == 2 and rpb(2, 7168, False, 1) == 4
 
 
+def test_cuda_runs_rule(monkeypatch):
+    """``launch._cuda_runs``: the CUDA kernel takes a GEMM the Gluon kernels would run only
+    for W4A16 rows with the plain epilogue, a shape it fits, with the library available,
+    and per ``cuda_decode.ONLY``."""
+    from fp4moe.kernels.gemm import GemmConfig
+    from fp4moe.kernels.launch import _cuda_runs
+
+    c8, c32 = GemmConfig(8, 64, 128), GemmConfig(32, 64, 128)
+    assert not _cuda_runs(2048, 7168, True, c8, False) or cuda_decode.available()
+    monkeypatch.setattr(cuda_decode, "available", lambda: True)
+    assert _cuda_runs(2048, 7168, True, c8, False) and _cuda_runs(7168, 2048, False, c8, False)
+    assert not _cuda_runs(2048, 7168, True, c8, True)  # W4A4, NVFP4 out, ordered rows
+    assert not _cuda_runs(2048, 7168, True, c32, False)  # 32-row tiles
+    assert not _cuda_runs(7168, 768, False, c8, False)  # K 768
+    monkeypatch.setattr(cuda_decode, "ONLY", "fc1")
+    assert _cuda_runs(2048, 7168, True, c8, False)
+    assert not _cuda_runs(7168, 2048, False, c8, False)
+    monkeypatch.setattr(cuda_decode, "available", lambda: False)
+    assert not _cuda_runs(2048, 7168, True, c8, False)
+
+
 @pytest.mark.kernel
 def test_cuda_decode_falls_back_without_the_kernel(interpret, device, monkeypatch):
     """Where the kernel cannot run (the interpreter here, or no Hopper GPU or nvcc) the

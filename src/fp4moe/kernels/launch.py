@@ -932,6 +932,23 @@ def _gluon_gemm(
     return split and _gluon_fits(gluon, chunked, k, a_fp4, cfg)
 
 
+def _cuda_runs(n: int, k: int, gated: bool, cfg: GemmConfig, other: bool) -> bool:
+    """Whether a GEMM that would run on the Gluon kernels runs on ``cuda_decode``'s (with
+    ``TritonOptions.cuda_decode``): W4A16 rows in token or sorted order with the plain
+    epilogue (``other``: anything else, such as W4A4 or NVFP4 output), a shape the kernel
+    takes (``cuda_decode.applies``), the kernel available, and ``cuda_decode.ONLY``."""
+    if other:
+        return False
+    from . import cuda_decode
+
+    only = cuda_decode.ONLY
+    return (
+        (only is None or only == ("fc1" if gated else "fc2"))
+        and cuda_decode.applies(n, k, gated, cfg.block_m)
+        and cuda_decode.available()
+    )
+
+
 def _gemm(
     cfg: GemmConfig,
     sort: RouteSort,
@@ -1058,6 +1075,17 @@ def _gemm(
                       decode_asm=decode_asm, poison=poison, block_m=cfg.block_m,
                       stages=4)  # fmt: skip
         return
+    if gluon and cuda and _cuda_runs(n, k, gated, cfg, a_fp4 or a_tma or a_ordered or out_ordered
+                                     or out_fp4 is not None or amax_out is not None):  # fmt: skip
+        from . import cuda_decode  # TritonOptions.cuda_decode: the CUDA decode GEMMs
+
+        cuda_decode.decode_gemm(
+            a, sort.sorted_routes, w_codes, w_scales, sort.block_expert, sort.block_start,
+            sort.block_end, sort.valid_blocks, w_global, out, n=n, topk=topk, gated=gated,
+            gather=a_gather, block_m=cfg.block_m, fused=fused, topk_w=topk_w,
+            pdl=pdl and gluon_pdl, expected_blocks=cuda_blocks,
+        )  # fmt: skip
+        return
     # the split grid: blocks last or 3-D
     blocks_last = blocks_last and split and not gluon and not group_m
     if split or whole:  # one program a K segment; fp32 partials, summed by the last one of
@@ -1101,23 +1129,6 @@ def _gemm(
                           a_global=a_global if a_fp4 else None)  # fmt: skip
             if epi and out_ordered:  # FC1 for FC2 with a_tma: unit-order rows
                 kw["out_unit_order"] = True
-            if cuda and epi and not (a_fp4 or a_tma or a_ordered or out_ordered):
-                from . import cuda_decode
-
-                only = cuda_decode.ONLY
-                if (
-                    (only is None or only == ("fc1" if gated else "fc2"))
-                    and cuda_decode.applies(n, k, gated, cfg.block_m)
-                    and cuda_decode.available()
-                ):
-                    cuda_decode.decode_gemm(
-                        a, sort.sorted_routes, w_codes, w_scales, sort.block_expert,
-                        sort.block_start, sort.block_end, sort.valid_blocks, w_global, out,
-                        n=n, topk=topk, gated=gated, gather=a_gather, block_m=cfg.block_m,
-                        fused=fused, topk_w=topk_w, pdl=pdl and gluon_pdl,
-                        expected_blocks=cuda_blocks,
-                    )  # fmt: skip
-                    return
             gluon_ws.split_partials_tma(
                 a_src, sort.sorted_routes, w_codes, w_scales, sort.block_expert,
                 sort.block_start, sort.block_end, None if whole else part, n=n, topk=topk,
