@@ -95,12 +95,13 @@
 #   bash benchmarks/gpu_session.sh s21e       # the same: each GEMM alone on CUDA, and without PDL
 #   bash benchmarks/gpu_session.sh s21f       # the CUDA GEMMs' late PDL release, a 64-register cap
 #   bash benchmarks/gpu_session.sh s21g       # the CUDA FC1 from 12 to 48 tokens, Qwen3, Mixtral
+#   bash benchmarks/gpu_session.sh s22a       # the CUDA GEMMs' ring across items: bits, time
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s21f|s21g}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s21f|s21g|s22a}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -1162,6 +1163,17 @@ s21g)
         --out "$out/mixtral.json"
     step wide_masked 120 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_whole.py \
         -k "whole_wide_gpu and all-masked"
+    rm -rf "$out/cache"
+    ;;
+s22a)
+    # cuda_decode.CROSS_ITEMS (built after session 21's GPU time, not yet run): each block's
+    # ring runs on from one item to the next. Its bits (the tests' cross cases), then its
+    # time against session 21's best shapes and the defaults
+    export FP4MOE_CACHE="$out/cache"
+    step cuda_tests 180 python3 -m pytest -m gpu --device cuda -q tests/test_cuda_decode.py
+    step cuda 300 python3 benchmarks/sweep_decode.py --tokens 1 8 16 64 --modes w4a16 \
+        --variants c3 c3-cuda-d2-r1 c3-cuda-d2-r1-x c3-cuda-d2-r1-fc1 c3-cuda-d2-r1-x-fc1 \
+        c3-cuda c3-cuda-x --iters 20 --out "$out/cuda.json"
     rm -rf "$out/cache"
     ;;
 s20h)

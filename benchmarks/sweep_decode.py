@@ -53,9 +53,10 @@ Gluon kernels up to gluon_upto, no whole-K below it), c3-fill1 / c3-fill2
 (gluon_ws.SCHED_AHEAD: a valid program's block start and end read beside its expert),
 c3-rowfirst (launch.QUANTIZE_ROW_FIRST: W4A4's quantize programs load their first chunk
 before their global),
-c3-cuda[-dN][-rN][-capN][-fc1|-fc2] (TritonOptions.cuda_decode: W4A16's Gluon GEMMs at 8- or
-16-row tiles on the CUDA C++ kernel of kernels.cuda_decode, with N ring slots of four units a
-warp, N row groups a thread block, registers capped at N, or one GEMM only; the same bits),
+c3-cuda[-dN][-rN][-capN][-x][-fc1|-fc2] (TritonOptions.cuda_decode: W4A16's Gluon GEMMs at 8-
+or 16-row tiles on the CUDA C++ kernel of kernels.cuda_decode, with N ring slots of four units
+a warp, N row groups a thread block, registers capped at N, the ring across a block's items
+(cuda_decode.CROSS_ITEMS), or one GEMM only; the same bits),
 c3-nofusedchain (TritonOptions.fused_chain off: with --fused, the accumulator's zeros after
 W4A4's quantize and torch's cast, as before session 16),
 c3-prefill, c3-noprefill (TritonOptions.gluon_prefill on / off: the dense path's GEMMs on
@@ -161,11 +162,12 @@ PREFILL_FLAGS = {
 
 
 def cuda_knobs(name: str, defaults: tuple) -> None:
-    """Set ``cuda_decode``'s knobs for variant ``name`` (c3-cuda[-dN][-rN][-capN][-fc1|-fc2]:
-    N ring slots of four units a warp, N row groups a thread block, registers capped at N,
-    one GEMM only), or back to ``defaults`` (DEPTH, ROWS_PER_BLOCK, ONLY, REG_CAP) for any
-    other name."""
-    depth, rpb, only, cap = defaults
+    """Set ``cuda_decode``'s knobs for variant ``name``
+    (c3-cuda[-dN][-rN][-capN][-x][-fc1|-fc2]: N ring slots of four units a warp, N row
+    groups a thread block, registers capped at N, the ring across a block's items, one GEMM
+    only), or back to ``defaults`` (DEPTH, ROWS_PER_BLOCK, ONLY, REG_CAP, CROSS_ITEMS) for
+    any other name."""
+    depth, rpb, only, cap, cross = defaults
     if name.startswith("c3-cuda"):
         for part in name[7:].split("-")[1:]:
             if part.startswith("d") and part[1:].isdigit():
@@ -176,10 +178,12 @@ def cuda_knobs(name: str, defaults: tuple) -> None:
                 only = part
             elif part.startswith("cap") and part[3:].isdigit():
                 cap = int(part[3:])
+            elif part == "x":
+                cross = True
             else:
                 raise SystemExit(f"variant {name}: unknown part {part!r}")
     cuda_decode.DEPTH, cuda_decode.ROWS_PER_BLOCK, cuda_decode.ONLY = depth, rpb, only
-    cuda_decode.REG_CAP = cap
+    cuda_decode.REG_CAP, cuda_decode.CROSS_ITEMS = cap, cross
 
 
 def main() -> None:
@@ -224,7 +228,7 @@ def main() -> None:
     prefill0 = gluon_prefill.DEFER, gluon_prefill.BM, dict(gluon_prefill.PER_SM)
     whole_buffers0 = gluon_ws.WHOLE_BUFFERS
     cuda0 = (cuda_decode.DEPTH, cuda_decode.ROWS_PER_BLOCK, cuda_decode.ONLY,
-             cuda_decode.REG_CAP)  # fmt: skip
+             cuda_decode.REG_CAP, cuda_decode.CROSS_ITEMS)  # fmt: skip
     ceil = card_ceilings()
     tbs, tfl = ceil["copy_bytes_per_s"] / 1e12, ceil["bf16_matmul_flops"] / 1e12
     print(f"copy {tbs:.2f} TB/s, bf16 {tfl:.0f} TFLOP/s")

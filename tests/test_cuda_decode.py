@@ -38,7 +38,8 @@ def test_cuda_kernel_builds_for_sm90a(tmp_path):
     for any of the kernel's specializations, every register budget within the 512-thread
     launch bound (128 a thread); the SASS (where a cuobjdump is) holds only bf16 MMAs of
     m16n8k16 with fp32 sums, fully unrolled (128 a segment a warp at 8 rows, 256 at 16;
-    16 specializations), and the fp32 atomic add of the fused epilogue."""
+    20 specializations: 16 and the 4 of CROSS_ITEMS), and the fp32 atomic add of the fused
+    epilogue."""
     out = tmp_path / "lib.so"
     res = subprocess.run(
         [cuda_decode.nvcc(), *cuda_decode.NVCC_FLAGS, "-Xptxas", "-v", "-o", str(out),
@@ -47,7 +48,7 @@ def test_cuda_kernel_builds_for_sm90a(tmp_path):
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", res.stderr)]
-    assert len(regs) == 16 and max(regs) <= 128, regs
+    assert len(regs) == 20 and max(regs) <= 128, regs
     stacks = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", res.stderr)
     assert stacks and all(s == ("0", "0") for s in stacks), stacks
     dump = _cuobjdump()
@@ -56,11 +57,11 @@ def test_cuda_kernel_builds_for_sm90a(tmp_path):
     sass = subprocess.run([dump, "-sass", str(out)], capture_output=True, text=True).stdout
     mma = re.findall(r"\bHMMA\.[0-9A-Z.]+", sass)
     assert set(mma) == {"HMMA.16816.F32.BF16"}, set(mma)
-    assert len(mma) == 8 * 128 + 8 * 256
+    assert len(mma) == 10 * 128 + 10 * 256
     assert "REDG.E.ADD.F32" in sass
 
 
-def test_decode_gemm_checks_its_arguments():
+def test_decode_gemm_checks_its_arguments(monkeypatch):
     """Bad arguments are refused by name before anything is launched (on any machine)."""
     e, n, k = 2, 64, 2048
     dev = "cpu"
@@ -85,6 +86,12 @@ def test_decode_gemm_checks_its_arguments():
     for a, k_, name in bad:
         with pytest.raises(ValueError, match=name):
             cuda_decode.decode_gemm(*a, **k_)
+    for knob, value, name in (("DEPTH", 5, "DEPTH"), ("CROSS_ITEMS", True, "CROSS_ITEMS")):
+        with monkeypatch.context() as m:  # CROSS_ITEMS with DEPTH 3: built for 2 only
+            m.setattr(cuda_decode, knob, value)
+            m.setattr(cuda_decode, "DEPTH", 3 if knob == "CROSS_ITEMS" else value)
+            with pytest.raises(ValueError, match=name):
+                cuda_decode.decode_gemm(*args, **kw)
     assert cuda_decode.applies(2048, 7168, True, 8) and cuda_decode.applies(7168, 2048, False, 16)
     assert not cuda_decode.applies(7168, 768, False, 8)  # K not a multiple of 1024
     assert not cuda_decode.applies(2880, 2880, True, 8)
@@ -98,6 +105,7 @@ def test_rows_per_block_rule(monkeypatch):
     FC2's 2 segments four), halved while the items would not fill two blocks an SM; the
     ``ROWS_PER_BLOCK`` knob overrides it within 16 warps; ``DEPTH`` 2 by default."""
     assert cuda_decode.DEPTH == 2 and cuda_decode.ROWS_PER_BLOCK is None
+    assert not cuda_decode.CROSS_ITEMS
     rpb = cuda_decode._rows_per_block
     assert rpb(7, 2048, True, 40) == 1
     assert rpb(2, 7168, False, 40) == 4  # 56 tiles x 40 blocks
@@ -159,14 +167,17 @@ def test_cuda_decode_falls_back_without_the_kernel(interpret, device, monkeypatc
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cross", [False, True], ids=["", "cross"])
 @pytest.mark.parametrize("fused", [False, True], ids=["deterministic", "fused"])
 @pytest.mark.parametrize("t", [1, 3, 16, 64, 200, "one-expert", "all-masked"])
-def test_cuda_decode_gpu(gpu_experts, monkeypatch, t, fused):
+def test_cuda_decode_gpu(gpu_experts, monkeypatch, t, fused, cross):
     """On the H200, W4A16 with the CUDA decode GEMMs gives the default kernels' bits with
     the deterministic finalize and the reference's tolerance either way: DeepSeek-V3 EP8
     at 1 to 200 tokens (8- and 16-row tiles), every route on one expert (many blocks of
-    one expert), every route masked (zeros). Outputs poisoned first; the kernel asserted
-    to have run."""
+    one expert), every route masked (zeros); with the ring across items too
+    (``CROSS_ITEMS``; its cases not yet run on a GPU). Outputs poisoned first; the kernel
+    asserted to have run."""
+    monkeypatch.setattr(cuda_decode, "CROSS_ITEMS", cross)
     if not cuda_decode.available():
         pytest.skip(f"cuda_decode not available: {cuda_decode.build_error()}")
     e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]

@@ -31,7 +31,7 @@ import torch
 __all__ = ["applies", "available", "build_error", "decode_gemm", "library_path"]
 
 SOURCE = Path(__file__).with_name("cuda") / "decode_gemm.cu"
-ABI = 2
+ABI = 3
 NVCC_FLAGS = (
     "-O3", "--fmad=false", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
     "-shared", "-Xcompiler", "-fPIC",
@@ -47,6 +47,10 @@ ROWS_PER_BLOCK: int | None = None
 # the kernel without programmatic dependent launch even in a PDL chain
 ONLY: str | None = None
 PDL = True
+# Experiment (built after session 21's GPU time, not yet run): each thread block's ring
+# runs on from one item to the next (the next item's first groups and scales copied while
+# this one's last are read), DEPTH 2 only
+CROSS_ITEMS = False
 # Experiment: a register cap for every kernel of the library (64 or 128 divided by a power
 # of two, through the launch bounds; None: the compiler's choice within 128), so that more
 # warps fit an SM; built as a library of its own
@@ -238,6 +242,8 @@ def decode_gemm(
         raise ValueError("x, codes, scales: expected 16-byte aligned storage")
     if int(DEPTH) not in (1, 2, 3, 4):
         raise ValueError(f"cuda_decode.DEPTH: expected 1, 2, 3 or 4, got {DEPTH!r}")
+    if CROSS_ITEMS and int(DEPTH) != 2:
+        raise ValueError(f"cuda_decode.CROSS_ITEMS: needs DEPTH 2, got {DEPTH!r}")
     tensors = (x, sorted_routes, codes, scales, block_expert, block_start, block_end,
                valid_blocks, w_global, out) + ((topk_w,) if fused else ())  # fmt: skip
     if any(not t.is_contiguous() or t.device != x.device for t in tensors):
@@ -261,7 +267,7 @@ def decode_gemm(
             valid_blocks.data_ptr(), w_global.data_ptr(),
             topk_w.data_ptr() if fused else w_global.data_ptr(), out.data_ptr(),
             n, k, topk, int(gated), int(gather), int(fused), block_m, blocks, rpb,
-            int(DEPTH), 0, int(pdl and PDL), 0, stream,
+            int(DEPTH), int(bool(CROSS_ITEMS)), int(pdl and PDL), 0, stream,
         )  # fmt: skip
     if rc:
         raise RuntimeError(f"cuda_decode: launch failed: {lib.fp4moe_cuda_error(rc).decode()}")

@@ -128,13 +128,15 @@ __device__ __forceinline__ float div_full(float a, float b) {
 // A warp's shared memory: DG slots of a group of 4 units (the codes of its 32 weight rows,
 // 128 bytes a row: one line each, copied 16 bytes a lane, four rows a warp instruction),
 // the 16-byte chunks of a row at chunk ^ (row & 7) so that the fragments' 8-byte reads
-// are conflict-free; then the segment's scales of its rows (64 bytes a row, 80 apart).
-template <int DG>
+// are conflict-free; then the segment's scales of its rows (64 bytes a row, 80 apart), in
+// SB buffers (2 with CROSS: the next item's copied while this one's are read).
+template <int DG, int SB = 1>
 struct WarpSmem {
   static constexpr int GROUP = 32 * 128;
   static constexpr int SCALES = DG * GROUP;
   static constexpr int SROW = 80;
-  static constexpr int BYTES = SCALES + 32 * SROW;
+  static constexpr int SBUF = 32 * SROW;
+  static constexpr int BYTES = SCALES + SB * SBUF;
 };
 
 __device__ __forceinline__ uint32_t lds_u8(uint32_t a) {
@@ -154,8 +156,14 @@ __device__ __forceinline__ uint4 ldg_x(const void* p, bool ok) {
 #define FP4MOE_MIN_BLOCKS 1
 #endif
 
-template <bool GATED, int NT, int DG>
+// CROSS: a block's ring runs on from one item to the next: the next item's first DG groups
+// (and its scales, into the other buffer) are copied as this item's last groups are read,
+// so that no item starts with an empty ring (DG dividing 4).
+template <bool GATED, int NT, int DG, bool CROSS>
 __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(const Params p) {
+  static_assert(!CROSS || 4 % DG == 0, "CROSS: the ring's slots divide an item's 4 groups");
+  constexpr int SB = CROSS ? 2 : 1;
+  using WS = WarpSmem<DG, SB>;
   constexpr int NV = RT * NT * 4;  // fp32 sums a thread
   extern __shared__ __align__(128) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -163,7 +171,7 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
   // [warps][NV][32] fp32 partials, then each warp's WarpSmem
   float* part = reinterpret_cast<float*>(smem);
   const uint32_t wsm =
-      smem_addr(smem) + (uint32_t)(nwarps * NV * 32 * 4 + warp * WarpSmem<DG>::BYTES);
+      smem_addr(smem) + (uint32_t)(nwarps * NV * 32 * 4 + warp * WS::BYTES);
   const int S = p.segs;
   const int seg = warp % S, rg = warp / S;
   const int R = nwarps / S;
@@ -184,6 +192,8 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
   // the slots of finished ones instead of waiting beside this kernel's (a release at the
   // start cost 6 us a call at 1 and 16 tokens: docs/perf-notes.md, session 21)
   if (p.pdl && (int)blockIdx.x >= total) pdl_release();
+  int local = 0;     // CROSS: the block's items so far (the scales' buffer)
+  bool pre = false;  // CROSS: this item's first groups were issued already
 
   for (int item = blockIdx.x; item < total; item += gridDim.x) {
     if (p.pdl && item + (int)gridDim.x >= total) pdl_release();
@@ -192,6 +202,50 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
     const int start = p.block_start[b], end = p.block_end[b];
     const int n0 = t * cta_out + rg * OUT_W;
     const bool active = n0 < N;
+    uint32_t sbo = 0;  // its scales' buffer
+    if constexpr (CROSS) sbo = (uint32_t)((local & 1) * WS::SBUF);
+    // CROSS: the next item of the block, whose first groups this one issues
+    const bool has_next = CROSS && item + (int)gridDim.x < total;
+    int e2 = 0, n02 = 0;
+    bool act2 = false;
+    if (CROSS && has_next) {
+      const int it2 = item + (int)gridDim.x;
+      const int b2 = it2 / ntiles, t2 = it2 - (it2 / ntiles) * ntiles;
+      e2 = p.block_expert[b2];
+      n02 = t2 * cta_out + rg * OUT_W;
+      act2 = n02 < N;
+    }
+    auto issue_next = [&](int g2) {  // the next item's group g2 (< DG) into slot g2 % DG
+      if (act2) {
+        const int cl = lane >> 3, chunk = lane & 7;
+        auto wrow2 = [&](int r) -> size_t {
+          const int a = r >> 4, rr = r & 15;
+          return (size_t)e2 * w_rows + (GATED ? a * N + n02 + rr : n02 + 16 * a + rr);
+        };
+        const uint32_t dst = wsm + (uint32_t)((g2 % DG) * WS::GROUP);
+#pragma unroll
+        for (int a = 0; a < RT; ++a) {
+          const uint8_t* base =
+              p.codes + wrow2(16 * a + cl) * crow + (size_t)seg * 512 + chunk * 16;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int r = 16 * a + 4 * i + cl;
+            cp_async16(dst + r * 128 + ((chunk ^ (r & 7)) * 16),
+                       base + i * 4 * crow + g2 * 128, true);
+          }
+        }
+        if (g2 == 0) {  // its scales into the other buffer
+          const uint32_t so = (uint32_t)(((local + 1) & 1) * WS::SBUF);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int r = 8 * i + (lane >> 2), pc = lane & 3;
+            cp_async16(wsm + WS::SCALES + so + r * WS::SROW + pc * 16,
+                       p.scales + wrow2(r) * srow + (size_t)seg * 64 + pc * 16, true);
+          }
+        }
+      }
+      cp_commit();
+    };
     float acc[RT][NT][4];
 #pragma unroll
     for (int a = 0; a < RT; ++a)
@@ -215,7 +269,7 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
       const size_t quad = 4 * crow;
       auto issue = [&](int g) {  // group g (4 units) into slot g % DG; one commit group
         if (g < 4) {
-          const uint32_t dst = wsm + (uint32_t)((g % DG) * WarpSmem<DG>::GROUP);
+          const uint32_t dst = wsm + (uint32_t)((g % DG) * WS::GROUP);
 #pragma unroll
           for (int a = 0; a < RT; ++a)
 #pragma unroll
@@ -228,15 +282,17 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
               const int r = 8 * i + (lane >> 2), pc = lane & 3;
-              cp_async16(wsm + WarpSmem<DG>::SCALES + r * WarpSmem<DG>::SROW + pc * 16,
+              cp_async16(wsm + WS::SCALES + sbo + r * WS::SROW + pc * 16,
                          p.scales + wrow(r) * srow + (size_t)seg * 64 + pc * 16, true);
             }
           }
         }
         cp_commit();  // (empty past the segment: the waits count groups)
       };
+      if (!CROSS || !pre) {
 #pragma unroll
-      for (int g = 0; g < DG; ++g) issue(g);
+        for (int g = 0; g < DG; ++g) issue(g);
+      }
 
       const __nv_bfloat16* xp[NT];
       bool xok[NT];
@@ -269,7 +325,7 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
             xv[(u + 1) & 1][j][1] = ldg_x(xp[j] + (u + 1) * 64 + 8, xok[j]);
           }
         }
-        const uint32_t slot = wsm + (uint32_t)((g % DG) * WarpSmem<DG>::GROUP);
+        const uint32_t slot = wsm + (uint32_t)((g % DG) * WS::GROUP);
         uint2 cw[RT][2];
         uint32_t s2[RT][2];
 #pragma unroll
@@ -280,7 +336,7 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
             const int c = 2 * ug + (q >> 1);
             cw[a][h] = lds64(slot + r * 128 + ((c ^ gi) * 16) + (q & 1) * 8);
             s2[a][h] = scale_pair(
-                lds_u8(wsm + WarpSmem<DG>::SCALES + r * WarpSmem<DG>::SROW + 4 * u + q));
+                lds_u8(wsm + WS::SCALES + sbo + r * WS::SROW + 4 * u + q));
           }
         uint32_t xw[NT][8];
 #pragma unroll
@@ -315,11 +371,25 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
         }
         if (ug == 3) {
           __syncwarp();  // every lane's reads of the slot done
-          issue(g + DG);
+          if (CROSS && g + DG >= 4) {
+            if (has_next)
+              issue_next(g + DG - 4);
+            else
+              cp_commit();
+          } else {
+            issue(g + DG);
+          }
         }
       }
-      cp_wait<0>();
+      if (!CROSS || !has_next) cp_wait<0>();
       __syncwarp();  // the scales' slot is rewritten by the next item
+    } else if (CROSS && has_next) {  // no rows here: the next item's first groups now
+#pragma unroll
+      for (int g2 = 0; g2 < DG; ++g2) issue_next(g2);
+    }
+    if constexpr (CROSS) {
+      pre = has_next;
+      ++local;
     }
 
     // the segments' sums of each row group, in order, by its segment-0 warp
@@ -396,13 +466,13 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
   }
 }
 
-template <bool GATED, int NT, int DG>
+template <bool GATED, int NT, int DG, bool CROSS = false>
 cudaError_t launch_one(const Params& p, int rows_per_block, int num_blocks, int max_ctas,
                        cudaStream_t stream) {
-  auto kern = decode_gemm_kernel<GATED, NT, DG>;
+  auto kern = decode_gemm_kernel<GATED, NT, DG, CROSS>;
   constexpr size_t SMEM_MAX = 227 * 1024;
   auto smem_of = [&](int rpb) {
-    return (size_t)(p.segs * rpb) * (RT * NT * 4 * 32 * sizeof(float) + WarpSmem<DG>::BYTES);
+    return (size_t)(p.segs * rpb) * (RT * NT * 4 * 32 * sizeof(float) + WarpSmem<DG, CROSS ? 2 : 1>::BYTES);
   };
   while (rows_per_block > 1 && smem_of(rows_per_block) > SMEM_MAX) --rows_per_block;
   const size_t smem = smem_of(rows_per_block);
@@ -447,8 +517,11 @@ cudaError_t launch_one(const Params& p, int rows_per_block, int num_blocks, int 
 }
 
 template <bool GATED, int NT>
-cudaError_t launch_depth(const Params& p, int rpb, int nb, int max_ctas, int depth,
+cudaError_t launch_depth(const Params& p, int rpb, int nb, int max_ctas, int depth, int cross,
                          cudaStream_t s) {
+  if (cross)  // the ring across items: built for the default depth only
+    return depth == 2 ? launch_one<GATED, NT, 2, true>(p, rpb, nb, max_ctas, s)
+                      : cudaErrorInvalidValue;
   switch (depth) {
     case 1: return launch_one<GATED, NT, 1>(p, rpb, nb, max_ctas, s);
     case 2: return launch_one<GATED, NT, 2>(p, rpb, nb, max_ctas, s);
@@ -463,13 +536,13 @@ cudaError_t launch_depth(const Params& p, int rpb, int nb, int max_ctas, int dep
 extern "C" {
 
 // The ABI version: fp4moe/kernels/cuda_decode.py checks it.
-int fp4moe_cuda_abi() { return 2; }
+int fp4moe_cuda_abi() { return 3; }
 
 // One grouped GEMM. gated: FC1 (SwiGLU, bf16 rows out); else FC2 (bf16 rows, or with
 // fused the router-weighted atomic add into fp32 [T, N]). block_m 8 or 16 (the sort's
 // rows a block); rows_per_block: row groups (warps of K segments) a thread block;
 // depth: groups of 4 units (64 K each) in flight a warp, its ring's slots (1 to 4: 4 is the
-// whole segment at once); l2_prefetch: unused (0);
+// whole segment at once); cross_items: the ring runs on across a block's items (depth 2);
 // max_ctas > 0 caps the grid. Returns a cudaError_t (0: launched).
 int fp4moe_decode_gemm(const void* x, const int32_t* sorted_routes, const uint8_t* codes,
                        const uint8_t* scales, const int32_t* block_expert,
@@ -477,7 +550,7 @@ int fp4moe_decode_gemm(const void* x, const int32_t* sorted_routes, const uint8_
                        const int32_t* valid_blocks, const float* w_global, const float* topk_w,
                        void* out, int n, int k, int topk, int gated, int gather, int fused,
                        int block_m, int num_blocks, int rows_per_block, int depth,
-                       int l2_prefetch, int pdl, int max_ctas, void* stream) {
+                       int cross_items, int pdl, int max_ctas, void* stream) {
   Params p;
   p.x = x;
   p.sorted_routes = sorted_routes;
@@ -497,7 +570,6 @@ int fp4moe_decode_gemm(const void* x, const int32_t* sorted_routes, const uint8_
   p.fused = fused;
   p.pdl = pdl;
   p.segs = k / 1024;
-  (void)l2_prefetch;
   if (k % 1024 || p.segs * rows_per_block > 16 || rows_per_block < 1 ||
       (block_m != 8 && block_m != 16) || n % (gated ? 16 : 32))
     return (int)cudaErrorInvalidValue;
@@ -505,14 +577,14 @@ int fp4moe_decode_gemm(const void* x, const int32_t* sorted_routes, const uint8_
   cudaError_t err;
   if (gated)
     err = block_m == 8 ? launch_depth<true, 1>(p, rows_per_block, num_blocks, max_ctas, depth,
-                                               s)
+                                               cross_items, s)
                        : launch_depth<true, 2>(p, rows_per_block, num_blocks, max_ctas, depth,
-                                               s);
+                                               cross_items, s);
   else
     err = block_m == 8 ? launch_depth<false, 1>(p, rows_per_block, num_blocks, max_ctas, depth,
-                                                s)
+                                                cross_items, s)
                        : launch_depth<false, 2>(p, rows_per_block, num_blocks, max_ctas, depth,
-                                                s);
+                                                cross_items, s);
   return (int)err;
 }
 
