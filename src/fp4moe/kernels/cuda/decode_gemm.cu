@@ -152,6 +152,20 @@ __device__ __forceinline__ uint4 ldg_x(const void* p, bool ok) {
   return v;
 }
 
+// One group's codes (4 units of the warp's 32 rows) into the slot at dst: lane l copies
+// chunk l & 7 (16 bytes) of row 4 i + (l >> 3) of each tile's quads i, from cbase[a] (that
+// row's chunk at unit 0 of the segment) plus i quads (quad bytes) and g groups.
+__device__ __forceinline__ void copy_group(uint32_t dst, const uint8_t* const (&cbase)[RT],
+                                           size_t quad, int g, int cl, int chunk) {
+#pragma unroll
+  for (int a = 0; a < RT; ++a)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = 16 * a + 4 * i + cl;
+      cp_async16(dst + r * 128 + ((chunk ^ (r & 7)) * 16), cbase[a] + i * quad + g * 128, true);
+    }
+}
+
 #ifndef FP4MOE_MIN_BLOCKS  // -DFP4MOE_MIN_BLOCKS=2: at most 64 registers a thread
 #define FP4MOE_MIN_BLOCKS 1
 #endif
@@ -222,18 +236,11 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
           const int a = r >> 4, rr = r & 15;
           return (size_t)e2 * w_rows + (GATED ? a * N + n02 + rr : n02 + 16 * a + rr);
         };
-        const uint32_t dst = wsm + (uint32_t)((g2 % DG) * WS::GROUP);
+        const uint8_t* cb2[RT];
 #pragma unroll
-        for (int a = 0; a < RT; ++a) {
-          const uint8_t* base =
-              p.codes + wrow2(16 * a + cl) * crow + (size_t)seg * 512 + chunk * 16;
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int r = 16 * a + 4 * i + cl;
-            cp_async16(dst + r * 128 + ((chunk ^ (r & 7)) * 16),
-                       base + i * 4 * crow + g2 * 128, true);
-          }
-        }
+        for (int a = 0; a < RT; ++a)
+          cb2[a] = p.codes + wrow2(16 * a + cl) * crow + (size_t)seg * 512 + chunk * 16;
+        copy_group(wsm + (uint32_t)((g2 % DG) * WS::GROUP), cb2, 4 * crow, g2, cl, chunk);
         if (g2 == 0) {  // its scales into the other buffer
           const uint32_t so = (uint32_t)(((local + 1) & 1) * WS::SBUF);
 #pragma unroll
@@ -269,15 +276,7 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
       const size_t quad = 4 * crow;
       auto issue = [&](int g) {  // group g (4 units) into slot g % DG; one commit group
         if (g < 4) {
-          const uint32_t dst = wsm + (uint32_t)((g % DG) * WS::GROUP);
-#pragma unroll
-          for (int a = 0; a < RT; ++a)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const int r = 16 * a + 4 * i + cl;
-              cp_async16(dst + r * 128 + ((chunk ^ (r & 7)) * 16), cbase[a] + i * quad + g * 128,
-                         true);
-            }
+          copy_group(wsm + (uint32_t)((g % DG) * WS::GROUP), cbase, quad, g, cl, chunk);
           if (g == 0) {  // the segment's scales: 4 lanes a row, 8 rows an instruction
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
