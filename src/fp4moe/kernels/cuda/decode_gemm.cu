@@ -208,6 +208,29 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
   if (p.pdl && (int)blockIdx.x >= total) pdl_release();
   int local = 0;     // CROSS: the block's items so far (the scales' buffer)
   bool pre = false;  // CROSS: this item's first groups were issued already
+  // weight row of warp row r (0..31) of the item of expert e_ at outputs n0_: tile r / 16,
+  // row r % 16 of it
+  auto wrow = [&](int e_, int n0_, int r) -> size_t {
+    const int a = r >> 4, rr = r & 15;
+    return (size_t)e_ * w_rows + (GATED ? a * N + n0_ + rr : n0_ + 16 * a + rr);
+  };
+  // copies: lane l takes chunk l & 7 of row 4 i + (l >> 3) of each tile's quads i
+  const int cl = lane >> 3, chunk = lane & 7;
+  auto code_bases = [&](int e_, int n0_, const uint8_t* (&cb)[RT]) {
+#pragma unroll
+    for (int a = 0; a < RT; ++a)
+      cb[a] = p.codes + wrow(e_, n0_, 16 * a + cl) * crow + (size_t)seg * 512 + chunk * 16;
+  };
+  // the item's segment of scales into the buffer at offset so: 4 lanes a row, 8 rows an
+  // instruction
+  auto copy_scales = [&](int e_, int n0_, uint32_t so) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = 8 * i + (lane >> 2), pc = lane & 3;
+      cp_async16(wsm + WS::SCALES + so + r * WS::SROW + pc * 16,
+                 p.scales + wrow(e_, n0_, r) * srow + (size_t)seg * 64 + pc * 16, true);
+    }
+  };
 
   for (int item = blockIdx.x; item < total; item += gridDim.x) {
     if (p.pdl && item + (int)gridDim.x >= total) pdl_release();
@@ -231,60 +254,24 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
     }
     auto issue_next = [&](int g2) {  // the next item's group g2 (< DG) into slot g2 % DG
       if (act2) {
-        const int cl = lane >> 3, chunk = lane & 7;
-        auto wrow2 = [&](int r) -> size_t {
-          const int a = r >> 4, rr = r & 15;
-          return (size_t)e2 * w_rows + (GATED ? a * N + n02 + rr : n02 + 16 * a + rr);
-        };
         const uint8_t* cb2[RT];
-#pragma unroll
-        for (int a = 0; a < RT; ++a)
-          cb2[a] = p.codes + wrow2(16 * a + cl) * crow + (size_t)seg * 512 + chunk * 16;
+        code_bases(e2, n02, cb2);
         copy_group(wsm + (uint32_t)((g2 % DG) * WS::GROUP), cb2, 4 * crow, g2, cl, chunk);
-        if (g2 == 0) {  // its scales into the other buffer
-          const uint32_t so = (uint32_t)(((local + 1) & 1) * WS::SBUF);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int r = 8 * i + (lane >> 2), pc = lane & 3;
-            cp_async16(wsm + WS::SCALES + so + r * WS::SROW + pc * 16,
-                       p.scales + wrow2(r) * srow + (size_t)seg * 64 + pc * 16, true);
-          }
-        }
+        if (g2 == 0)  // its scales into the other buffer
+          copy_scales(e2, n02, (uint32_t)(((local + 1) & 1) * WS::SBUF));
       }
       cp_commit();
     };
-    float acc[RT][NT][4];
-#pragma unroll
-    for (int a = 0; a < RT; ++a)
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc[a][j][c] = 0.0f;
+    float acc[RT][NT][4] = {};
 
     if (active) {
-      // weight row of warp row r (0..31): tile r / 16, row r % 16 of it
-      auto wrow = [&](int r) -> size_t {
-        const int a = r >> 4, rr = r & 15;
-        return (size_t)e * w_rows + (GATED ? a * N + n0 + rr : n0 + 16 * a + rr);
-      };
-      // copies: lane l takes chunk l & 7 of row 4 i + (l >> 3) of each tile's quads i
-      const int cl = lane >> 3, chunk = lane & 7;
       const uint8_t* cbase[RT];
-#pragma unroll
-      for (int a = 0; a < RT; ++a)
-        cbase[a] = p.codes + wrow(16 * a + cl) * crow + (size_t)seg * 512 + chunk * 16;
+      code_bases(e, n0, cbase);
       const size_t quad = 4 * crow;
       auto issue = [&](int g) {  // group g (4 units) into slot g % DG; one commit group
         if (g < 4) {
           copy_group(wsm + (uint32_t)((g % DG) * WS::GROUP), cbase, quad, g, cl, chunk);
-          if (g == 0) {  // the segment's scales: 4 lanes a row, 8 rows an instruction
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const int r = 8 * i + (lane >> 2), pc = lane & 3;
-              cp_async16(wsm + WS::SCALES + sbo + r * WS::SROW + pc * 16,
-                         p.scales + wrow(r) * srow + (size_t)seg * 64 + pc * 16, true);
-            }
-          }
+          if (g == 0) copy_scales(e, n0, sbo);  // the segment's scales
         }
         cp_commit();  // (empty past the segment: the waits count groups)
       };
@@ -401,13 +388,7 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
         for (int c = 0; c < 4; ++c) mine[((a * NT + j) * 4 + c) * 32] = acc[a][j][c];
     __syncthreads();
     if (seg == 0 && active) {
-      float tot[RT][NT][4];
-#pragma unroll
-      for (int a = 0; a < RT; ++a)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) tot[a][j][c] = 0.0f;
+      float tot[RT][NT][4] = {};
       for (int sg = 0; sg < S; ++sg) {
         const float* src = part + (size_t)(rg * S + sg) * NV * 32 + lane;
 #pragma unroll
@@ -477,28 +458,35 @@ cudaError_t launch_one(const Params& p, int rows_per_block, int num_blocks, int 
   const size_t smem = smem_of(rows_per_block);
   if (smem > SMEM_MAX) return cudaErrorInvalidConfiguration;
   const int threads = 32 * p.segs * rows_per_block;
-  static bool attr_set = false;  // one specialization's shared-memory limit, once
-  if (!attr_set) {
-    cudaError_t err =
-        cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_MAX);
+  // Per device (a function's attributes are the current device's), asked once each: the
+  // specialization's shared-memory limit, its thread blocks an SM by warps a block, the SMs
+  constexpr int MAX_DEV = 64;
+  static bool attr_set[MAX_DEV] = {};
+  static int occ[MAX_DEV][17] = {};
+  static int sm_count[MAX_DEV] = {};
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev < 0 || dev >= MAX_DEV) return cudaErrorInvalidDevice;
+  if (!attr_set[dev]) {
+    err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_MAX);
     if (err != cudaSuccess) return err;
-    attr_set = true;
+    err = cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev);
+    if (err != cudaSuccess) return err;
+    attr_set[dev] = true;
   }
-  static int occ[17] = {0};  // thread blocks an SM, by warps a block: asked once each
   const int key = threads / 32;
-  if (occ[key] == 0) {
+  if (occ[dev][key] == 0) {
     int nb = 0;
-    cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, kern, threads, smem);
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, kern, threads, smem);
     if (err != cudaSuccess) return err;
-    occ[key] = nb > 0 ? nb : 1;
+    occ[dev][key] = nb > 0 ? nb : 1;
   }
-  int dev = 0, sms = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int sms = sm_count[dev];
   const int out_w = GATED ? 16 : 32;
   const int cta_out = out_w * rows_per_block;
   const long long items = (long long)((p.n + cta_out - 1) / cta_out) * num_blocks;
-  long long grid = (long long)occ[key] * sms;
+  long long grid = (long long)occ[dev][key] * sms;
   if (max_ctas > 0 && grid > max_ctas) grid = max_ctas;
   if (grid > items) grid = items;
   if (grid < 1) grid = 1;
