@@ -455,8 +455,7 @@ class TritonOptions:
         expected to have (``valid_rows`` spread evenly over the experts: the experts
         touched plus the valid rows over ``block_m``, rounded up)."""
         valid = self.valid_rows(n_routes, num_experts) * num_experts
-        touched = num_experts * (1.0 - (1.0 - 1.0 / max(num_experts, 1)) ** valid)
-        return math.ceil(touched + valid / block_m)
+        return math.ceil(_touched(valid, num_experts) + valid / block_m)
 
     def persist_programs(self, gated: bool, block_m: int, device: torch.device) -> int:
         """The Gluon kernel's persistent programs on ``device`` (``gluon_persist``; 0:
@@ -616,7 +615,7 @@ class TritonOptions:
         valid = self.valid_rows(n_routes, num_experts) * num_experts
         if valid <= 0:
             return False, False
-        touched = num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** valid)
+        touched = _touched(valid, num_experts)
         rows = valid / max(touched, 1.0)
         out = []
         for n, k, cfg, whole, gated in ((inter, hidden, cfg1, w1, True),
@@ -685,21 +684,15 @@ class TritonOptions:
         g = self.gluon_upto
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not g > 0:
             raise ValueError(f"gluon_upto: expected a number > 0, got {g!r}")
-        g = self.gluon_whole_upto
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
-            raise ValueError(f"gluon_whole_upto: expected a number >= 0, got {g!r}")
-        g = self.gluon_whole_over
-        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0):
-            raise ValueError(f"gluon_whole_over: expected None or a number >= 0, got {g!r}")
-        g = self.gluon_whole_fill
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
-            raise ValueError(f"gluon_whole_fill: expected a number >= 0, got {g!r}")
-        g = self.gluon_whole_wide
-        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0):
-            raise ValueError(f"gluon_whole_wide: expected None or a number >= 0, got {g!r}")
-        g = self.gluon_pdl_upto
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
-            raise ValueError(f"gluon_pdl_upto: expected a number >= 0, got {g!r}")
+        for name, optional in (("gluon_whole_upto", False), ("gluon_whole_over", True),
+                               ("gluon_whole_fill", False), ("gluon_whole_wide", True),
+                               ("gluon_pdl_upto", False)):  # fmt: skip
+            g = getattr(self, name)
+            if optional and g is None:
+                continue
+            if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
+                what = "None or a number" if optional else "a number"
+                raise ValueError(f"{name}: expected {what} >= 0, got {g!r}")
         u = self.amax_self_upto
         if isinstance(u, bool) or not isinstance(u, int) or u < 0:
             raise ValueError(f"amax_self_upto: expected an int >= 0, got {u!r}")
@@ -898,6 +891,12 @@ def _tile_counters(counters: torch.Tensor | None, need: int, device) -> torch.Te
 
 # prefill_above_long's shapes: both GEMMs' K at least this
 PREFILL_LONG_K = 4096
+
+
+def _touched(valid: float, num_experts: int) -> float:
+    """The experts that ``valid`` routes spread evenly at random over ``num_experts``
+    are expected to touch."""
+    return num_experts * (1.0 - (1.0 - 1.0 / max(num_experts, 1)) ** valid)
 
 
 @functools.cache
@@ -1476,6 +1475,8 @@ def expert_gemms(
     mid_unit = opt.gluon_a_tma and g1 and g2 and not w4a4 and not ordered
     atma1 = opt.gluon_a_tma and g1 and not ordered
     atma2 = opt.gluon_a_tma and g2 and (w4a4 or mid_unit)
+    cuda = opt.cuda_decode and not w4a4  # the CUDA decode GEMMs, sized by the expected blocks
+    cuda_blocks = opt.expected_blocks(n_routes, e_count, cfg1.block_m) if cuda else None
     gb1 = opt.grid_blocks(n_routes, e_count, cfg1.block_m, sort.num_blocks)
     gb2 = opt.grid_blocks(n_routes, e_count, cfg2.block_m, sort.num_blocks)
     ps1 = opt.persist_programs(True, cfg1.block_m, dev)
@@ -1505,8 +1506,7 @@ def expert_gemms(
         a_ordered=ordered, out_ordered=ordered or mid_unit, blocks_last=opt.blocks_last,
         a_decoded=a_decoded, gluon_pdl=gpdl, early_weights=fc1_early_weights, a_tma=atma1,
         grid_blocks=gb1, persist=ps1, prefill=prefill, whole_k=opt.gluon_whole_k,
-        whole=whole1, cuda=opt.cuda_decode and not w4a4,
-        cuda_blocks=opt.expected_blocks(n_routes, e_count, cfg1.block_m),
+        whole=whole1, cuda=cuda, cuda_blocks=cuda_blocks,
     )  # fmt: skip
 
     # FC2 input.
@@ -1554,8 +1554,7 @@ def expert_gemms(
         counters=counters[1] if counters else None, a_ordered=ordered or mid_unit,
         blocks_last=opt.blocks_last, a_decoded=b_dec, early_weights=True, gluon_pdl=gpdl,
         a_tma=atma2, grid_blocks=gb2, persist=ps2, w_dense=w2_dense, prefill=prefill,
-        whole_k=opt.gluon_whole_k, whole=whole2, cuda=opt.cuda_decode and not w4a4,
-        cuda_blocks=opt.expected_blocks(n_routes, e_count, cfg2.block_m),
+        whole_k=opt.gluon_whole_k, whole=whole2, cuda=cuda, cuda_blocks=cuda_blocks,
     )  # fmt: skip
     return dest
 
