@@ -96,12 +96,13 @@
 #   bash benchmarks/gpu_session.sh s21f       # the CUDA GEMMs' late PDL release, a 64-register cap
 #   bash benchmarks/gpu_session.sh s21g       # the CUDA FC1 from 12 to 48 tokens, Qwen3, Mixtral
 #   bash benchmarks/gpu_session.sh s22a       # the CUDA GEMMs' ring across items: bits, time
+#   bash benchmarks/gpu_session.sh s22b       # the CUDA GEMMs without decode / copies; ncu samples
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s21f|s21g|s22a}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s21f|s21g|s22a|s22b}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -1175,6 +1176,28 @@ s22a)
         --variants c3 c3-cuda-d2-r1 c3-cuda-d2-r1-x c3-cuda-d2-r1-fc1 c3-cuda-d2-r1-x-fc1 \
         c3-cuda c3-cuda-x --iters 20 --out "$out/cuda.json"
     rm -rf "$out/cache"
+    ;;
+s22b)
+    # Where the CUDA decode kernel's time goes (never profiled in session 21): whole calls
+    # and each kernel with the decode left out (DIAG 1), the weights' copies left out (2),
+    # both (3), against the real kernel; then ncu's warp samples of both GEMMs at 16 tokens
+    export FP4MOE_CACHE="$out/cache"
+    step diag 200 python3 benchmarks/sweep_decode.py --tokens 1 16 64 --modes w4a16 \
+        --variants c3 c3-cuda c3-cuda-diag1 c3-cuda-diag2 c3-cuda-diag3 --iters 20 \
+        --out "$out/diag.json"
+    for d in 0 1 2 3; do
+        step "kernels_$d" 60 python3 benchmarks/profile_call.py --kernels --graph --timeline \
+            --calls 5 --tokens 16 --cuda --cuda-diag "$d"
+    done
+    ncu --version > "$out/ncu-version.txt" 2>&1
+    step src16_cuda 150 ncu --clock-control none -k regex:decode_gemm -c 2 \
+        --section SourceCounters --section WarpStateStats --section LaunchStats \
+        --section Occupancy --warp-sampling-interval 0 -f -o "$out/src16_cuda" \
+        python3 benchmarks/profile_call.py --tokens 16 --mode w4a16 --cuda
+    step sass16_cuda 60 ncu -i "$out/src16_cuda.ncu-rep" --page source --csv --print-source sass
+    step report16_cuda 30 python3 benchmarks/ncu_source_report.py "$out/sass16_cuda.log"
+    step details16_cuda 60 ncu -i "$out/src16_cuda.ncu-rep" --page details --csv
+    rm -rf "$out/cache" "$out"/*.ncu-rep
     ;;
 s20h)
     # After the WS removal and the rows' staging change (_stage_x CH): the split Gluon

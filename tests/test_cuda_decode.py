@@ -86,10 +86,12 @@ def test_decode_gemm_checks_its_arguments(monkeypatch):
     for a, k_, name in bad:
         with pytest.raises(ValueError, match=name):
             cuda_decode.decode_gemm(*a, **k_)
-    for knob, value, name in (("DEPTH", 5, "DEPTH"), ("CROSS_ITEMS", True, "CROSS_ITEMS")):
+    knobs = (("DEPTH", 5, "DEPTH"), ("CROSS_ITEMS", True, "CROSS_ITEMS"), ("DIAG", 4, "DIAG"))
+    for knob, value, name in knobs:
         with monkeypatch.context() as m:  # CROSS_ITEMS with DEPTH 3: built for 2 only
             m.setattr(cuda_decode, knob, value)
-            m.setattr(cuda_decode, "DEPTH", 3 if knob == "CROSS_ITEMS" else value)
+            if knob != "DIAG":
+                m.setattr(cuda_decode, "DEPTH", 3 if knob == "CROSS_ITEMS" else value)
             with pytest.raises(ValueError, match=name):
                 cuda_decode.decode_gemm(*args, **kw)
     assert cuda_decode.applies(2048, 7168, True, 8) and cuda_decode.applies(7168, 2048, False, 16)

@@ -55,6 +55,10 @@ CROSS_ITEMS = False
 # of two, through the launch bounds; None: the compiler's choice within 128), so that more
 # warps fit an SM; built as a library of its own
 REG_CAP: int | None = None
+# Diagnostics, timing only (wrong results; a library of its own): 1 leaves the decode out
+# (the code words as the MMA's A fragments), 2 the weights' copies (codes and scales), 3
+# both
+DIAG = 0
 
 _ERR: list[str] = []
 
@@ -69,10 +73,14 @@ def nvcc() -> str | None:
 
 def _flags() -> tuple[str, ...]:
     """nvcc's flags: ``NVCC_FLAGS``, with the launch bounds' minimum blocks for a register
-    cap where ``REG_CAP`` is set (512 threads a block: 65536 / 512 / cap blocks)."""
-    if not REG_CAP:
-        return NVCC_FLAGS
-    return (*NVCC_FLAGS, f"-DFP4MOE_MIN_BLOCKS={max(1, 128 // int(REG_CAP))}")
+    cap where ``REG_CAP`` is set (512 threads a block: 65536 / 512 / cap blocks) and the
+    diagnostic ``DIAG`` where it is not 0."""
+    flags = NVCC_FLAGS
+    if REG_CAP:
+        flags = (*flags, f"-DFP4MOE_MIN_BLOCKS={max(1, 128 // int(REG_CAP))}")
+    if DIAG:
+        flags = (*flags, f"-DFP4MOE_DIAG={int(DIAG)}")
+    return flags
 
 
 def library_path() -> Path:
@@ -242,6 +250,8 @@ def decode_gemm(
         raise ValueError("x, codes, scales: expected 16-byte aligned storage")
     if int(DEPTH) not in (1, 2, 3, 4):
         raise ValueError(f"cuda_decode.DEPTH: expected 1, 2, 3 or 4, got {DEPTH!r}")
+    if DIAG not in (0, 1, 2, 3):
+        raise ValueError(f"cuda_decode.DIAG: expected 0, 1, 2 or 3, got {DIAG!r}")
     if CROSS_ITEMS and int(DEPTH) != 2:
         raise ValueError(f"cuda_decode.CROSS_ITEMS: needs DEPTH 2, got {DEPTH!r}")
     tensors = (x, sorted_routes, codes, scales, block_expert, block_start, block_end,
