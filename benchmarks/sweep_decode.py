@@ -53,10 +53,11 @@ Gluon kernels up to gluon_upto, no whole-K below it), c3-fill1 / c3-fill2
 (gluon_ws.SCHED_AHEAD: a valid program's block start and end read beside its expert),
 c3-rowfirst (launch.QUANTIZE_ROW_FIRST: W4A4's quantize programs load their first chunk
 before their global),
-c3-cuda[-dN][-rN][-capN][-x][-diagN][-fc1|-fc2] (TritonOptions.cuda_decode: W4A16's Gluon
-GEMMs at 8- or 16-row tiles on the CUDA C++ kernel of kernels.cuda_decode, with N ring slots of
-four units a warp, N row groups a thread block, registers capped at N, the ring across a
-block's items (cuda_decode.CROSS_ITEMS), or one GEMM only; the same bits; -diagN:
+c3-cuda[-dN][-rN][-capN][-x][-a][-diagN][-fc1|-fc2] (TritonOptions.cuda_decode: W4A16's
+Gluon GEMMs at 8- or 16-row tiles on the CUDA C++ kernel of kernels.cuda_decode, with N ring
+slots of four units a warp, N row groups a thread block, registers capped at N, the ring
+across a block's items (cuda_decode.CROSS_ITEMS), the items' entries ahead and no block
+barrier (cuda_decode.ASYNC), or one GEMM only; the same bits; -diagN:
 cuda_decode.DIAG N, timing only, wrong results),
 c3-nofusedchain (TritonOptions.fused_chain off: with --fused, the accumulator's zeros after
 W4A4's quantize and torch's cast, as before session 16),
@@ -164,12 +165,13 @@ PREFILL_FLAGS = {
 
 def cuda_knobs(name: str, defaults: tuple) -> None:
     """Set ``cuda_decode``'s knobs for variant ``name``
-    (c3-cuda[-dN][-rN][-capN][-x][-diagN][-fc1|-fc2]: N ring slots of four units a warp,
-    N row groups a thread block, registers capped at N, the ring across a block's items,
-    cuda_decode.DIAG N (timing only), one GEMM only), or back to ``defaults`` (DEPTH,
-    ROWS_PER_BLOCK, ONLY, REG_CAP, CROSS_ITEMS; DIAG 0) for any other name."""
+    (c3-cuda[-dN][-rN][-capN][-x][-a][-diagN][-fc1|-fc2]: N ring slots of four units a
+    warp, N row groups a thread block, registers capped at N, the ring across a block's
+    items, cuda_decode.ASYNC, cuda_decode.DIAG N (timing only), one GEMM only), or back to
+    ``defaults`` (DEPTH, ROWS_PER_BLOCK, ONLY, REG_CAP, CROSS_ITEMS; DIAG 0, ASYNC off) for
+    any other name."""
     depth, rpb, only, cap, cross = defaults
-    diag = 0
+    diag, asy = 0, False
     if name.startswith("c3-cuda"):
         for part in name[7:].split("-")[1:]:
             if part.startswith("d") and part[1:].isdigit():
@@ -182,13 +184,15 @@ def cuda_knobs(name: str, defaults: tuple) -> None:
                 cap = int(part[3:])
             elif part == "x":
                 cross = True
+            elif part == "a":
+                asy = True
             elif part.startswith("diag") and part[4:].isdigit():
                 diag = int(part[4:])
             else:
                 raise SystemExit(f"variant {name}: unknown part {part!r}")
     cuda_decode.DEPTH, cuda_decode.ROWS_PER_BLOCK, cuda_decode.ONLY = depth, rpb, only
     cuda_decode.REG_CAP, cuda_decode.CROSS_ITEMS = cap, cross
-    cuda_decode.DIAG = diag
+    cuda_decode.DIAG, cuda_decode.ASYNC = diag, asy
 
 
 def main() -> None:

@@ -55,6 +55,11 @@ CROSS_ITEMS = False
 # of two, through the launch bounds; None: the compiler's choice within 128), so that more
 # warps fit an SM; built as a library of its own
 REG_CAP: int | None = None
+# Experiment (a library of its own, not yet run): each item's schedule entries, rows and
+# first activations loaded during the block's previous item, and the K segments summed by
+# the row group's last warp to arrive (a shared-memory counter) instead of after two block
+# barriers an item; the same sums in the same order (the same bits)
+ASYNC = False
 # Diagnostics, timing only (wrong results; a library of its own): 1 leaves the decode out
 # (the code words as the MMA's A fragments), 2 the weights' copies (codes and scales), 3
 # both
@@ -73,13 +78,15 @@ def nvcc() -> str | None:
 
 def _flags() -> tuple[str, ...]:
     """nvcc's flags: ``NVCC_FLAGS``, with the launch bounds' minimum blocks for a register
-    cap where ``REG_CAP`` is set (512 threads a block: 65536 / 512 / cap blocks) and the
-    diagnostic ``DIAG`` where it is not 0."""
+    cap where ``REG_CAP`` is set (512 threads a block: 65536 / 512 / cap blocks), the
+    diagnostic ``DIAG`` where it is not 0 and ``ASYNC``."""
     flags = NVCC_FLAGS
     if REG_CAP:
         flags = (*flags, f"-DFP4MOE_MIN_BLOCKS={max(1, 128 // int(REG_CAP))}")
     if DIAG:
         flags = (*flags, f"-DFP4MOE_DIAG={int(DIAG)}")
+    if ASYNC:
+        flags = (*flags, "-DFP4MOE_ASYNC=1")
     return flags
 
 
