@@ -53,11 +53,12 @@ Gluon kernels up to gluon_upto, no whole-K below it), c3-fill1 / c3-fill2
 (gluon_ws.SCHED_AHEAD: a valid program's block start and end read beside its expert),
 c3-rowfirst (launch.QUANTIZE_ROW_FIRST: W4A4's quantize programs load their first chunk
 before their global),
-c3-cuda[-dN][-rN][-capN][-x][-a][-diagN][-fc1|-fc2] (TritonOptions.cuda_decode: W4A16's
+c3-cuda[-dN][-rN][-capN][-x][-a[N]][-chunk][-diagN][-fc1|-fc2] (TritonOptions.cuda_decode: W4A16's
 Gluon GEMMs at 8- or 16-row tiles on the CUDA C++ kernel of kernels.cuda_decode, with N ring
 slots of four units a warp, N row groups a thread block, registers capped at N, the ring
 across a block's items (cuda_decode.CROSS_ITEMS), the items' entries ahead and no block
-barrier (cuda_decode.ASYNC), or one GEMM only; the same bits; -diagN:
+barrier (cuda_decode.ASYNC N, -a: 3), contiguous runs of items a block (CHUNK), or one GEMM
+only; the same bits; -diagN:
 cuda_decode.DIAG N, timing only, wrong results),
 c3-nofusedchain (TritonOptions.fused_chain off: with --fused, the accumulator's zeros after
 W4A4's quantize and torch's cast, as before session 16),
@@ -165,13 +166,13 @@ PREFILL_FLAGS = {
 
 def cuda_knobs(name: str, defaults: tuple) -> None:
     """Set ``cuda_decode``'s knobs for variant ``name``
-    (c3-cuda[-dN][-rN][-capN][-x][-a][-diagN][-fc1|-fc2]: N ring slots of four units a
-    warp, N row groups a thread block, registers capped at N, the ring across a block's
-    items, cuda_decode.ASYNC, cuda_decode.DIAG N (timing only), one GEMM only), or back to
-    ``defaults`` (DEPTH, ROWS_PER_BLOCK, ONLY, REG_CAP, CROSS_ITEMS; DIAG 0, ASYNC off) for
-    any other name."""
+    (c3-cuda[-dN][-rN][-capN][-x][-a[N]][-chunk][-diagN][-fc1|-fc2]: N ring slots of four
+    units a warp, N row groups a thread block, registers capped at N, the ring across a
+    block's items, cuda_decode.ASYNC N (-a: 3), CHUNK, DIAG N (timing only), one GEMM
+    only), or back to ``defaults`` (DEPTH, ROWS_PER_BLOCK, ONLY, REG_CAP, CROSS_ITEMS; DIAG
+    and ASYNC 0, CHUNK off) for any other name."""
     depth, rpb, only, cap, cross = defaults
-    diag, asy = 0, False
+    diag, asy, chunk = 0, 0, False
     if name.startswith("c3-cuda"):
         for part in name[7:].split("-")[1:]:
             if part.startswith("d") and part[1:].isdigit():
@@ -184,15 +185,17 @@ def cuda_knobs(name: str, defaults: tuple) -> None:
                 cap = int(part[3:])
             elif part == "x":
                 cross = True
-            elif part == "a":
-                asy = True
+            elif part == "a" or (part[:1] == "a" and part[1:].isdigit()):
+                asy = int(part[1:] or 3)
+            elif part == "chunk":
+                chunk = True
             elif part.startswith("diag") and part[4:].isdigit():
                 diag = int(part[4:])
             else:
                 raise SystemExit(f"variant {name}: unknown part {part!r}")
     cuda_decode.DEPTH, cuda_decode.ROWS_PER_BLOCK, cuda_decode.ONLY = depth, rpb, only
     cuda_decode.REG_CAP, cuda_decode.CROSS_ITEMS = cap, cross
-    cuda_decode.DIAG, cuda_decode.ASYNC = diag, asy
+    cuda_decode.DIAG, cuda_decode.ASYNC, cuda_decode.CHUNK = diag, asy, chunk
 
 
 def main() -> None:

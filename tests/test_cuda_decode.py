@@ -168,21 +168,29 @@ def test_cuda_decode_falls_back_without_the_kernel(interpret, device, monkeypatc
         assert "no CUDA device" in cuda_decode.build_error()
 
 
+KNOBS = {  # the experiment knobs' cases: CROSS_ITEMS, ASYNC, CHUNK
+    "": (False, 0, False), "cross": (True, 0, False), "async1": (False, 1, False),
+    "async3": (False, 3, False), "cross-async3": (True, 3, False),
+    "chunk": (False, 0, True), "cross-async1-chunk": (True, 1, True),
+}  # fmt: skip
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("cross", [False, True], ids=["", "cross"])
-@pytest.mark.parametrize("asynchronous", [False, True], ids=["", "async"])
+@pytest.mark.parametrize("knobs", list(KNOBS))
 @pytest.mark.parametrize("fused", [False, True], ids=["deterministic", "fused"])
 @pytest.mark.parametrize("t", [1, 3, 16, 64, 200, "one-expert", "all-masked"])
-def test_cuda_decode_gpu(gpu_experts, monkeypatch, t, fused, asynchronous, cross):
+def test_cuda_decode_gpu(gpu_experts, monkeypatch, t, fused, knobs):
     """On the H200, W4A16 with the CUDA decode GEMMs gives the default kernels' bits with
     the deterministic finalize and the reference's tolerance either way: DeepSeek-V3 EP8
     at 1 to 200 tokens (8- and 16-row tiles), every route on one expert (many blocks of
     one expert), every route masked (zeros); with the ring across items too
-    (``CROSS_ITEMS``), and with the items' entries loaded ahead and the segments summed
-    by the last warp to arrive (``ASYNC``; its cases not yet run on a GPU). Outputs
-    poisoned first; the kernel asserted to have run."""
+    (``CROSS_ITEMS``), with the items' entries loaded ahead and the segments summed by the
+    last warp to arrive (``ASYNC``) and with contiguous runs of items a block (``CHUNK``).
+    Outputs poisoned first; the kernel asserted to have run."""
+    cross, asynchronous, chunk = KNOBS[knobs]
     monkeypatch.setattr(cuda_decode, "CROSS_ITEMS", cross)
     monkeypatch.setattr(cuda_decode, "ASYNC", asynchronous)
+    monkeypatch.setattr(cuda_decode, "CHUNK", chunk)
     if not cuda_decode.available():
         pytest.skip(f"cuda_decode not available: {cuda_decode.build_error()}")
     e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]

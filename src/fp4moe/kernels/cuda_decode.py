@@ -55,11 +55,13 @@ CROSS_ITEMS = False
 # of two, through the launch bounds; None: the compiler's choice within 128), so that more
 # warps fit an SM; built as a library of its own
 REG_CAP: int | None = None
-# Experiment (a library of its own, not yet run): each item's schedule entries, rows and
-# first activations loaded during the block's previous item, and the K segments summed by
-# the row group's last warp to arrive (a shared-memory counter) instead of after two block
-# barriers an item; the same sums in the same order (the same bits)
-ASYNC = False
+# Experiments (libraries of their own; the same sums in the same order, so the same bits).
+# ASYNC bit 0 (1): each item's schedule entries, rows and first activations loaded during
+# the block's previous item; bit 1 (2): the K segments summed by the row group's last warp
+# to arrive (a shared-memory counter) instead of after two block barriers an item. CHUNK:
+# a thread block takes a contiguous run of the items instead of every grid-th one.
+ASYNC = 0
+CHUNK = False
 # Diagnostics, timing only (wrong results; a library of its own): 1 leaves the decode out
 # (the code words as the MMA's A fragments), 2 the weights' copies (codes and scales), 3
 # both
@@ -79,14 +81,16 @@ def nvcc() -> str | None:
 def _flags() -> tuple[str, ...]:
     """nvcc's flags: ``NVCC_FLAGS``, with the launch bounds' minimum blocks for a register
     cap where ``REG_CAP`` is set (512 threads a block: 65536 / 512 / cap blocks), the
-    diagnostic ``DIAG`` where it is not 0 and ``ASYNC``."""
+    diagnostic ``DIAG`` where it is not 0, ``ASYNC`` and ``CHUNK``."""
     flags = NVCC_FLAGS
     if REG_CAP:
         flags = (*flags, f"-DFP4MOE_MIN_BLOCKS={max(1, 128 // int(REG_CAP))}")
     if DIAG:
         flags = (*flags, f"-DFP4MOE_DIAG={int(DIAG)}")
     if ASYNC:
-        flags = (*flags, "-DFP4MOE_ASYNC=1")
+        flags = (*flags, f"-DFP4MOE_ASYNC={int(ASYNC)}")
+    if CHUNK:
+        flags = (*flags, "-DFP4MOE_CHUNK=1")
     return flags
 
 
@@ -257,6 +261,8 @@ def decode_gemm(
         raise ValueError("x, codes, scales: expected 16-byte aligned storage")
     if int(DEPTH) not in (1, 2, 3, 4):
         raise ValueError(f"cuda_decode.DEPTH: expected 1, 2, 3 or 4, got {DEPTH!r}")
+    if ASYNC not in (0, 1, 2, 3):
+        raise ValueError(f"cuda_decode.ASYNC: expected 0, 1, 2 or 3, got {ASYNC!r}")
     if DIAG not in (0, 1, 2, 3):
         raise ValueError(f"cuda_decode.DIAG: expected 0, 1, 2 or 3, got {DIAG!r}")
     if CROSS_ITEMS and int(DEPTH) != 2:

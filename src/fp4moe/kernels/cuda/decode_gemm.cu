@@ -173,14 +173,19 @@ __device__ __forceinline__ void copy_group(uint32_t dst, const uint8_t* const (&
 #ifndef FP4MOE_MIN_BLOCKS  // -DFP4MOE_MIN_BLOCKS=2: at most 64 registers a thread
 #define FP4MOE_MIN_BLOCKS 1
 #endif
-// Experiment (a library of its own): -DFP4MOE_ASYNC=1 loads each item's schedule entries,
-// rows and first activations during the block's previous item, and the K segments' sums
-// are done by the row group's last warp to arrive (a shared-memory counter), so that no
-// warp waits at a block barrier; the same sums in the same order, so the same bits
+// Experiments (libraries of their own; the same sums in the same order, so the same bits):
+// -DFP4MOE_ASYNC bit 0 loads each item's schedule entries, rows and first activations
+// during the block's previous item; bit 1 has the K segments' sums done by the row group's
+// last warp to arrive (a shared-memory counter), so that no warp waits at a block barrier.
+// -DFP4MOE_CHUNK=1: a thread block takes a contiguous run of the items (the same row block
+// mostly, whose rows and entries its earlier items left in L1) instead of every grid-th
 #ifndef FP4MOE_ASYNC
 #define FP4MOE_ASYNC 0
 #endif
-constexpr int SYNC_BYTES = 256;  // ASYNC: arrivals [2][16] and reductions done [16] (int)
+#ifndef FP4MOE_CHUNK
+#define FP4MOE_CHUNK 0
+#endif
+constexpr int SYNC_BYTES = 256;  // ASYNC bit 1: arrivals [2][16], sums done [16] (int)
 __device__ __forceinline__ int ldg_s32(const int32_t* p) {
   int v;
   asm volatile("ld.global.s32 %0, [%1];" : "=r"(v) : "l"(p));
@@ -201,15 +206,16 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
   constexpr int SB = CROSS ? 2 : 1;
   using WS = WarpSmem<DG, SB>;
   constexpr int NV = RT * NT * 4;  // fp32 sums a thread
-  constexpr bool ASYNC = FP4MOE_ASYNC != 0;
-  constexpr int PB = ASYNC ? 2 : 1;  // partials' buffers
-  constexpr int SYNC = ASYNC ? SYNC_BYTES : 0;
+  constexpr bool AHEAD = (FP4MOE_ASYNC & 1) != 0;
+  constexpr bool ASUM = (FP4MOE_ASYNC & 2) != 0;
+  constexpr int PB = ASUM ? 2 : 1;  // partials' buffers
+  constexpr int SYNC = ASUM ? SYNC_BYTES : 0;
   extern __shared__ __align__(128) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nwarps = blockDim.x >> 5;
-  // (ASYNC: the counters,) [PB][warps][NV][32] fp32 partials, then each warp's WarpSmem
-  int* arrived = reinterpret_cast<int*>(smem);  // ASYNC: [2][16]
-  int* reduced = arrived + 32;                  // ASYNC: [16]
+  // (ASUM: the counters,) [PB][warps][NV][32] fp32 partials, then each warp's WarpSmem
+  int* arrived = reinterpret_cast<int*>(smem);  // ASUM: [2][16]
+  int* reduced = arrived + 32;                  // ASUM: [16]
   float* part = reinterpret_cast<float*>(smem + SYNC);
   const uint32_t wsm = smem_addr(smem) +
                        (uint32_t)(SYNC + PB * nwarps * NV * 32 * 4 + warp * WS::BYTES);
@@ -232,15 +238,24 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
   // starts its last item (at once if it has none), so that the next kernel's blocks take
   // the slots of finished ones instead of waiting beside this kernel's (a release at the
   // start cost 6 us a call at 1 and 16 tokens: docs/perf-notes.md, session 21)
-  if (p.pdl && (int)blockIdx.x >= total) pdl_release();
+  // the block's items: every grid-th from its index, or (CHUNK) a contiguous run
+  int ibeg = blockIdx.x, iend = total, istep = gridDim.x;
+  if constexpr (FP4MOE_CHUNK != 0) {
+    const int per = total / (int)gridDim.x, rem = total % (int)gridDim.x;
+    const int k_ = blockIdx.x;
+    ibeg = k_ * per + (k_ < rem ? k_ : rem);
+    iend = ibeg + per + (k_ < rem ? 1 : 0);
+    istep = 1;
+  }
+  if (p.pdl && ibeg >= iend) pdl_release();
   int local = 0;     // CROSS: the block's items so far (the scales' buffer)
   bool pre = false;  // CROSS: this item's first groups were issued already
-  // ASYNC: the item's schedule entries, rows and first activations, loaded ahead
+  // AHEAD: the item's schedule entries, rows and first activations, loaded ahead
   int ce = 0, cstart = 0, cend = 0;
   float cg0 = 0.0f, cg1 = 0.0f;
   int csrc[NT];
   uint4 xv0[NT][2];
-  int nact = 0;  // ASYNC: the row group's items with rows so far (the partials' buffer)
+  int nact = 0;  // ASUM: the row group's items with rows so far (the partials' buffer)
   auto item_meta = [&](int it, int& e_, int& s_, int& en_) {
     const int b_ = it / ntiles;
     e_ = ldg_s32(p.block_expert + b_);
@@ -266,11 +281,13 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
   auto x_ptr = [&](int src_) {
     return x + (size_t)(src_ >= 0 ? src_ : 0) * K + (size_t)seg * 1024 + q * 16;
   };
-  if constexpr (ASYNC) {
+  if constexpr (ASUM) {
     for (int i = threadIdx.x; i < 48; i += blockDim.x) arrived[i] = 0;
     __syncthreads();
-    if ((int)blockIdx.x < total) {
-      item_meta(blockIdx.x, ce, cstart, cend);
+  }
+  if constexpr (AHEAD) {
+    if (ibeg < iend) {
+      item_meta(ibeg, ce, cstart, cend);
       item_globals(ce, cg0, cg1);
       item_rows(cstart, cend, csrc);
 #pragma unroll
@@ -304,11 +321,11 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
     }
   };
 
-  for (int item = blockIdx.x; item < total; item += gridDim.x) {
-    if (p.pdl && item + (int)gridDim.x >= total) pdl_release();
+  for (int item = ibeg; item < iend; item += istep) {
+    if (p.pdl && item + istep >= iend) pdl_release();
     const int b = item / ntiles, t = item - (item / ntiles) * ntiles;
     int e, start, end;
-    if constexpr (ASYNC) {
+    if constexpr (AHEAD) {
       e = ce;
       start = cstart;
       end = cend;
@@ -319,28 +336,28 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
     }
     const int n0 = t * cta_out + rg * OUT_W;
     const bool active = n0 < N;
-    // ASYNC: the next item's schedule entries now, its rows at unit 8, its first
+    // AHEAD: the next item's schedule entries now, its rows at unit 8, its first
     // activations at the last unit (or at the end, for a row group without rows here)
-    const bool nx = ASYNC && item + (int)gridDim.x < total;
+    const bool nx = AHEAD && item + istep < iend;
     int ne = 0, nstart = 0, nend = 0;
     float ng0 = 0.0f, ng1 = 0.0f;
     int nsrc[NT];
 #pragma unroll
     for (int j = 0; j < NT; ++j) nsrc[j] = -1;
     bool nact_next = false;
-    if (ASYNC && nx) {
-      const int it2 = item + (int)gridDim.x;
+    if (AHEAD && nx) {
+      const int it2 = item + istep;
       item_meta(it2, ne, nstart, nend);
       nact_next = (it2 - (it2 / ntiles) * ntiles) * cta_out + rg * OUT_W < N;
     }
     auto next_rows = [&]() {
-      if (ASYNC && nx && nact_next) {
+      if (AHEAD && nx && nact_next) {
         item_rows(nstart, nend, nsrc);
         item_globals(ne, ng0, ng1);
       }
     };
     auto next_x = [&]() {
-      if (ASYNC && nx && nact_next) {
+      if (AHEAD && nx && nact_next) {
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
           xv0[j][0] = ldg_x(x_ptr(nsrc[j]), nsrc[j] >= 0);
@@ -351,13 +368,13 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
     uint32_t sbo = 0;  // its scales' buffer
     if constexpr (CROSS) sbo = (uint32_t)((local & 1) * WS::SBUF);
     // CROSS: the next item of the block, whose first groups this one issues
-    const bool has_next = CROSS && item + (int)gridDim.x < total;
+    const bool has_next = CROSS && item + istep < iend;
     int e2 = 0, n02 = 0;
     bool act2 = false;
     if (CROSS && has_next) {
-      const int it2 = item + (int)gridDim.x;
+      const int it2 = item + istep;
       const int b2 = it2 / ntiles, t2 = it2 - (it2 / ntiles) * ntiles;
-      e2 = ASYNC ? ne : p.block_expert[b2];
+      e2 = AHEAD ? ne : p.block_expert[b2];
       n02 = t2 * cta_out + rg * OUT_W;
       act2 = n02 < N;
     }
@@ -392,7 +409,7 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
       const __nv_bfloat16* xp[NT];
       bool xok[NT];
       uint4 xv[2][NT][2];
-      if constexpr (ASYNC) {
+      if constexpr (AHEAD) {
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
           xok[j] = csrc[j] >= 0;
@@ -430,7 +447,7 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
             xv[(u + 1) & 1][j][1] = ldg_x(xp[j] + (u + 1) * 64 + 8, xok[j]);
           }
         }
-        if constexpr (ASYNC) {
+        if constexpr (AHEAD) {
           if (u == 8) next_rows();
           if (u == UNITS - 1) next_x();
         }
@@ -498,7 +515,7 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
 #pragma unroll
       for (int g2 = 0; g2 < DG; ++g2) issue_next(g2);
     }
-    if constexpr (ASYNC) {
+    if constexpr (AHEAD) {
       if (!active) {
         next_rows();
         next_x();
@@ -510,10 +527,10 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
     }
 
     // the segments' sums of each row group, in order: by its segment-0 warp after a block
-    // barrier, or (ASYNC) by the row group's last warp to arrive
+    // barrier, or (ASUM) by the row group's last warp to arrive
     bool reduce_here;
-    int rpar = 0;  // ASYNC: the partials' buffer of this item
-    if constexpr (ASYNC) {
+    int rpar = 0;  // ASUM: the partials' buffer of this item
+    if constexpr (ASUM) {
       reduce_here = false;
       if (active) {
         rpar = nact & 1;
@@ -562,7 +579,7 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
             for (int c = 0; c < 4; ++c)
               tot[a][j][c] = __fadd_rn(tot[a][j][c], src[((a * NT + j) * 4 + c) * 32]);
       }
-      if constexpr (ASYNC) {  // the buffer is free again, its arrivals counted anew
+      if constexpr (ASUM) {  // the buffer is free again, its arrivals counted anew
         __syncwarp();
         if (lane == 0) {
           arrived[rpar * 16 + rg] = 0;
@@ -573,7 +590,7 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
       // epilogue (gluon_ws._tile_out): element c of (tile a, n8 tile j) is weight row
       // gi + 8 (c >> 1) of the tile, block row 8 j + 2 q + (c & 1)
       float g0, g1 = 0.0f;
-      if constexpr (ASYNC) {
+      if constexpr (AHEAD) {
         g0 = cg0;
         g1 = cg1;
       } else if (GATED) {
@@ -616,7 +633,7 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
           }
         }
     }
-    if constexpr (ASYNC) {  // the next item's entries become this one's
+    if constexpr (AHEAD) {  // the next item's entries become this one's
       ce = ne;
       cstart = nstart;
       cend = nend;
@@ -624,9 +641,9 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
       cg1 = ng1;
 #pragma unroll
       for (int j = 0; j < NT; ++j) csrc[j] = nsrc[j];
-    } else {
-      __syncthreads();  // the partials read before the next item's are written
     }
+    // the partials read before the next item's are written
+    if constexpr (!ASUM) __syncthreads();
   }
 }
 
@@ -636,8 +653,8 @@ cudaError_t launch_one(const Params& p, int rows_per_block, int num_blocks, int 
   auto kern = decode_gemm_kernel<GATED, NT, DG, CROSS>;
   constexpr size_t SMEM_MAX = 227 * 1024;
   auto smem_of = [&](int rpb) {
-    constexpr int PB = FP4MOE_ASYNC ? 2 : 1;
-    return (size_t)(FP4MOE_ASYNC ? SYNC_BYTES : 0) +
+    constexpr int PB = (FP4MOE_ASYNC & 2) ? 2 : 1;
+    return (size_t)((FP4MOE_ASYNC & 2) ? SYNC_BYTES : 0) +
            (size_t)(p.segs * rpb) *
                (PB * RT * NT * 4 * 32 * sizeof(float) + WarpSmem<DG, CROSS ? 2 : 1>::BYTES);
   };
