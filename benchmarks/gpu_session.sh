@@ -99,12 +99,13 @@
 #   bash benchmarks/gpu_session.sh s22b       # the CUDA GEMMs without decode / copies; ncu samples
 #   bash benchmarks/gpu_session.sh s22c       # cuda_decode.ASYNC: bits, time, kernels, ncu samples
 #   bash benchmarks/gpu_session.sh s22d       # ASYNC's halves apart, CHUNK: bits, time, kernels
+#   bash benchmarks/gpu_session.sh s22e       # cuda_decode.L2_NEXT: bits, time, kernels
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s21f|s21g|s22a|s22b|s22c|s22d}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s21f|s21g|s22a|s22b|s22c|s22d|s22e}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -1236,6 +1237,25 @@ s22d)
         step "kernels_${v// /}" 60 python3 benchmarks/profile_call.py --kernels --graph \
             --timeline --calls 5 --tokens 16 --cuda --cuda-cross $v
     done
+    rm -rf "$out/cache"
+    ;;
+s22e)
+    # cuda_decode.L2_NEXT: FC1 (at 2.2 of the 4.2 TB/s) prefetches FC2's weights of its
+    # experts into L2 where they fit, so that FC2 (s22b: 16.8 us at 16 tokens, 11.2 without
+    # its copies) finds them there
+    export FP4MOE_CACHE="$out/cache"
+    step cuda_tests 120 python3 -m pytest -m gpu --device cuda -q tests/test_cuda_decode.py \
+        -k "l2next"
+    step cuda 300 python3 benchmarks/sweep_decode.py --tokens 1 8 16 64 --modes w4a16 \
+        --variants c3 c3-cuda-x-fc1 c3-cuda-x-pf1-fc1 c3-cuda-x-pf2-fc1 c3-cuda-x \
+        c3-cuda-x-pf1 c3-cuda-x-pf2 --iters 20 --out "$out/cuda.json"
+    for v in 1 2; do
+        step "kernels_pf$v" 60 python3 benchmarks/profile_call.py --kernels --graph \
+            --timeline --calls 5 --tokens 16 --cuda --cuda-cross --cuda-only fc1 \
+            --cuda-l2next "$v"
+    done
+    step kernels_pf2_both 60 python3 benchmarks/profile_call.py --kernels --graph \
+        --timeline --calls 5 --tokens 16 --cuda --cuda-cross --cuda-l2next 2
     rm -rf "$out/cache"
     ;;
 s20h)

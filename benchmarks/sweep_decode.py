@@ -57,8 +57,8 @@ c3-cuda[-dN][-rN][-capN][-x][-a[N]][-chunk][-diagN][-fc1|-fc2] (TritonOptions.cu
 Gluon GEMMs at 8- or 16-row tiles on the CUDA C++ kernel of kernels.cuda_decode, with N ring
 slots of four units a warp, N row groups a thread block, registers capped at N, the ring
 across a block's items (cuda_decode.CROSS_ITEMS), the items' entries ahead and no block
-barrier (cuda_decode.ASYNC N, -a: 3), contiguous runs of items a block (CHUNK), or one GEMM
-only; the same bits; -diagN:
+barrier (cuda_decode.ASYNC N, -a: 3), contiguous runs of items a block (CHUNK), FC1
+prefetching FC2's weights into L2 (L2_NEXT N), or one GEMM only; the same bits; -diagN:
 cuda_decode.DIAG N, timing only, wrong results),
 c3-nofusedchain (TritonOptions.fused_chain off: with --fused, the accumulator's zeros after
 W4A4's quantize and torch's cast, as before session 16),
@@ -166,13 +166,13 @@ PREFILL_FLAGS = {
 
 def cuda_knobs(name: str, defaults: tuple) -> None:
     """Set ``cuda_decode``'s knobs for variant ``name``
-    (c3-cuda[-dN][-rN][-capN][-x][-a[N]][-chunk][-diagN][-fc1|-fc2]: N ring slots of four
-    units a warp, N row groups a thread block, registers capped at N, the ring across a
-    block's items, cuda_decode.ASYNC N (-a: 3), CHUNK, DIAG N (timing only), one GEMM
-    only), or back to ``defaults`` (DEPTH, ROWS_PER_BLOCK, ONLY, REG_CAP, CROSS_ITEMS; DIAG
-    and ASYNC 0, CHUNK off) for any other name."""
+    (c3-cuda[-dN][-rN][-capN][-x][-a[N]][-chunk][-pfN][-diagN][-fc1|-fc2]: N ring slots
+    of four units a warp, N row groups a thread block, registers capped at N, the ring
+    across a block's items, cuda_decode.ASYNC N (-a: 3), CHUNK, L2_NEXT N, DIAG N (timing
+    only), one GEMM only), or back to ``defaults`` (DEPTH, ROWS_PER_BLOCK, ONLY, REG_CAP,
+    CROSS_ITEMS; DIAG, ASYNC and L2_NEXT 0, CHUNK off) for any other name."""
     depth, rpb, only, cap, cross = defaults
-    diag, asy, chunk = 0, 0, False
+    diag, asy, chunk, pf = 0, 0, False, 0
     if name.startswith("c3-cuda"):
         for part in name[7:].split("-")[1:]:
             if part.startswith("d") and part[1:].isdigit():
@@ -189,6 +189,8 @@ def cuda_knobs(name: str, defaults: tuple) -> None:
                 asy = int(part[1:] or 3)
             elif part == "chunk":
                 chunk = True
+            elif part[:2] == "pf" and part[2:].isdigit():
+                pf = int(part[2:])
             elif part.startswith("diag") and part[4:].isdigit():
                 diag = int(part[4:])
             else:
@@ -196,6 +198,7 @@ def cuda_knobs(name: str, defaults: tuple) -> None:
     cuda_decode.DEPTH, cuda_decode.ROWS_PER_BLOCK, cuda_decode.ONLY = depth, rpb, only
     cuda_decode.REG_CAP, cuda_decode.CROSS_ITEMS = cap, cross
     cuda_decode.DIAG, cuda_decode.ASYNC, cuda_decode.CHUNK = diag, asy, chunk
+    cuda_decode.L2_NEXT = pf
 
 
 def main() -> None:

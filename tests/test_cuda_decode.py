@@ -168,10 +168,11 @@ def test_cuda_decode_falls_back_without_the_kernel(interpret, device, monkeypatc
         assert "no CUDA device" in cuda_decode.build_error()
 
 
-KNOBS = {  # the experiment knobs' cases: CROSS_ITEMS, ASYNC, CHUNK
-    "": (False, 0, False), "cross": (True, 0, False), "async1": (False, 1, False),
-    "async3": (False, 3, False), "cross-async3": (True, 3, False),
-    "chunk": (False, 0, True), "cross-async1-chunk": (True, 1, True),
+KNOBS = {  # the experiment knobs' cases: CROSS_ITEMS, ASYNC, CHUNK, L2_NEXT
+    "": (False, 0, False, 0), "cross": (True, 0, False, 0), "async1": (False, 1, False, 0),
+    "async3": (False, 3, False, 0), "cross-async3": (True, 3, False, 0),
+    "chunk": (False, 0, True, 0), "cross-async1-chunk": (True, 1, True, 0),
+    "cross-l2next1": (True, 0, False, 1), "cross-l2next2": (True, 0, False, 2),
 }  # fmt: skip
 
 
@@ -185,9 +186,11 @@ def test_cuda_decode_gpu(gpu_experts, monkeypatch, t, fused, knobs):
     at 1 to 200 tokens (8- and 16-row tiles), every route on one expert (many blocks of
     one expert), every route masked (zeros); with the ring across items too
     (``CROSS_ITEMS``), with the items' entries loaded ahead and the segments summed by the
-    last warp to arrive (``ASYNC``) and with contiguous runs of items a block (``CHUNK``).
-    Outputs poisoned first; the kernel asserted to have run."""
-    cross, asynchronous, chunk = KNOBS[knobs]
+    last warp to arrive (``ASYNC``), with contiguous runs of items a block (``CHUNK``) and
+    with FC1 prefetching FC2's weights into L2 (``L2_NEXT``). Outputs poisoned first; the
+    kernel asserted to have run."""
+    cross, asynchronous, chunk, l2next = KNOBS[knobs]
+    monkeypatch.setattr(cuda_decode, "L2_NEXT", l2next)
     monkeypatch.setattr(cuda_decode, "CROSS_ITEMS", cross)
     monkeypatch.setattr(cuda_decode, "ASYNC", asynchronous)
     monkeypatch.setattr(cuda_decode, "CHUNK", chunk)

@@ -31,7 +31,7 @@ import torch
 __all__ = ["applies", "available", "build_error", "decode_gemm", "library_path"]
 
 SOURCE = Path(__file__).with_name("cuda") / "decode_gemm.cu"
-ABI = 3
+ABI = 4
 NVCC_FLAGS = (
     "-O3", "--fmad=false", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
     "-shared", "-Xcompiler", "-fPIC",
@@ -62,6 +62,12 @@ REG_CAP: int | None = None
 # a thread block takes a contiguous run of the items instead of every grid-th one.
 ASYNC = 0
 CHUNK = False
+# Experiment (a library of its own): FC1 prefetches FC2's weights of its items' experts
+# into L2 (1; 2 with FC1's own copies marked to leave L2 first and the prefetched lines
+# last) where its valid blocks are at most L2_NEXT_BLOCKS (FC2's touched weights would
+# then fit the 50-MB L2)
+L2_NEXT = 0
+L2_NEXT_BLOCKS = 5
 # Diagnostics, timing only (wrong results; a library of its own): 1 leaves the decode out
 # (the code words as the MMA's A fragments), 2 the weights' copies (codes and scales), 3
 # both
@@ -81,7 +87,7 @@ def nvcc() -> str | None:
 def _flags() -> tuple[str, ...]:
     """nvcc's flags: ``NVCC_FLAGS``, with the launch bounds' minimum blocks for a register
     cap where ``REG_CAP`` is set (512 threads a block: 65536 / 512 / cap blocks), the
-    diagnostic ``DIAG`` where it is not 0, ``ASYNC`` and ``CHUNK``."""
+    diagnostic ``DIAG`` where it is not 0, ``ASYNC``, ``CHUNK`` and ``L2_NEXT``."""
     flags = NVCC_FLAGS
     if REG_CAP:
         flags = (*flags, f"-DFP4MOE_MIN_BLOCKS={max(1, 128 // int(REG_CAP))}")
@@ -91,6 +97,8 @@ def _flags() -> tuple[str, ...]:
         flags = (*flags, f"-DFP4MOE_ASYNC={int(ASYNC)}")
     if CHUNK:
         flags = (*flags, "-DFP4MOE_CHUNK=1")
+    if L2_NEXT:
+        flags = (*flags, f"-DFP4MOE_L2NEXT={int(L2_NEXT)}")
     return flags
 
 
@@ -140,7 +148,7 @@ def _load(flags: tuple[str, ...]) -> ctypes.CDLL | None:
         if lib.fp4moe_cuda_abi() != ABI:
             raise RuntimeError(f"cuda_decode: library ABI {lib.fp4moe_cuda_abi()}, want {ABI}")
         vp, i = ctypes.c_void_p, ctypes.c_int
-        lib.fp4moe_decode_gemm.argtypes = [vp] * 11 + [i] * 13 + [vp]
+        lib.fp4moe_decode_gemm.argtypes = [vp] * 11 + [i] * 13 + [vp, vp, i, vp]
         lib.fp4moe_decode_gemm.restype = i
         lib.fp4moe_cuda_error.argtypes = [i]
         lib.fp4moe_cuda_error.restype = ctypes.c_char_p
@@ -215,6 +223,7 @@ def decode_gemm(
     topk_w: torch.Tensor | None = None,
     pdl: bool = False,
     expected_blocks: int | None = None,
+    l2_next: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """One W4A16 grouped GEMM on the sort's schedule (``sort_routes`` at ``block_m`` rows
     a block), with the Gluon kernels' bits.
@@ -233,6 +242,8 @@ def decode_gemm(
         pdl: launched with programmatic dependent launch (waits for the kernel before it,
             then releases the next).
         expected_blocks: the valid blocks expected (sizes the thread blocks); None: all.
+        l2_next: FC1 only: FC2's codes and scales (uint8 [E, K, n/2], float8_e4m3fn
+            [E, K, n/16]), prefetched into L2 while FC1 runs where ``L2_NEXT`` is set.
     """
     k = x.shape[-1]
     e = codes.shape[0]
@@ -261,6 +272,18 @@ def decode_gemm(
         raise ValueError("x, codes, scales: expected 16-byte aligned storage")
     if int(DEPTH) not in (1, 2, 3, 4):
         raise ValueError(f"cuda_decode.DEPTH: expected 1, 2, 3 or 4, got {DEPTH!r}")
+    nx = None
+    if l2_next is not None and L2_NEXT:
+        c2, s2 = l2_next
+        if (not gated or c2.dtype != torch.uint8 or tuple(c2.shape) != (e, k, n // 2)
+                or tuple(s2.shape) != (e, k, n // 16) or s2.dtype != torch.float8_e4m3fn
+                or not (c2.is_contiguous() and s2.is_contiguous())):  # fmt: skip
+            raise ValueError(f"l2_next: expected FC1 with FC2's contiguous codes uint8 "
+                             f"[{e}, {k}, {n // 2}] and scales float8_e4m3fn "
+                             f"[{e}, {k}, {n // 16}]")  # fmt: skip
+        nx = (c2.data_ptr(), s2.data_ptr(), int(L2_NEXT_BLOCKS))
+    if L2_NEXT not in (0, 1, 2):
+        raise ValueError(f"cuda_decode.L2_NEXT: expected 0, 1 or 2, got {L2_NEXT!r}")
     if ASYNC not in (0, 1, 2, 3):
         raise ValueError(f"cuda_decode.ASYNC: expected 0, 1, 2 or 3, got {ASYNC!r}")
     if DIAG not in (0, 1, 2, 3):
@@ -290,7 +313,8 @@ def decode_gemm(
             valid_blocks.data_ptr(), w_global.data_ptr(),
             topk_w.data_ptr() if fused else w_global.data_ptr(), out.data_ptr(),
             n, k, topk, int(gated), int(gather), int(fused), block_m, blocks, rpb,
-            int(DEPTH), int(bool(CROSS_ITEMS)), int(pdl and PDL), 0, stream,
+            int(DEPTH), int(bool(CROSS_ITEMS)), int(pdl and PDL), 0,
+            *(nx if nx is not None else (None, None, 0)), stream,
         )  # fmt: skip
     if rc:
         raise RuntimeError(f"cuda_decode: launch failed: {lib.fp4moe_cuda_error(rc).decode()}")

@@ -991,6 +991,7 @@ def _gemm(
     whole: bool = False,
     cuda: bool = False,
     cuda_blocks: int | None = None,
+    cuda_next: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """One grouped GEMM. ``out_fp4`` = (scales, globals, static table): ``out`` receives
     NVFP4 codes of the FC1 activation instead of bf16 (static W4A4). ``dense``: decode
@@ -1082,7 +1083,7 @@ def _gemm(
             a, sort.sorted_routes, w_codes, w_scales, sort.block_expert, sort.block_start,
             sort.block_end, sort.valid_blocks, w_global, out, n=n, topk=topk, gated=gated,
             gather=a_gather, block_m=cfg.block_m, fused=fused, topk_w=topk_w,
-            pdl=pdl and gluon_pdl, expected_blocks=cuda_blocks,
+            pdl=pdl and gluon_pdl, expected_blocks=cuda_blocks, l2_next=cuda_next,
         )  # fmt: skip
         return
     # the split grid: blocks last or 3-D
@@ -1507,6 +1508,7 @@ def expert_gemms(
         a_decoded=a_decoded, gluon_pdl=gpdl, early_weights=fc1_early_weights, a_tma=atma1,
         grid_blocks=gb1, persist=ps1, prefill=prefill, whole_k=opt.gluon_whole_k,
         whole=whole1, cuda=cuda, cuda_blocks=cuda_blocks,
+        cuda_next=(experts.w2_codes, experts.w2_scales) if cuda else None,
     )  # fmt: skip
 
     # FC2 input.

@@ -29,6 +29,10 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#ifndef FP4MOE_L2NEXT  // experiment (a library of its own): 1 FC1 prefetches FC2's weights
+#define FP4MOE_L2NEXT 0  // into L2 (Params nx_*); 2 also with L2 eviction priorities
+#endif
+
 namespace {
 
 struct Params {
@@ -44,6 +48,13 @@ struct Params {
   const float* topk_w;         // fp32 [T * topk] (fused)
   void* out;                   // bf16 [rows, N] sorted rows, or fp32 [T, N] (fused)
   int n, k, topk, gather, fused, pdl, segs;
+#if FP4MOE_L2NEXT  // (only there: a larger Params changes the other kernels' SASS)
+  // FC1: FC2's codes [E, K, n / 2] and scales [E, K, n / 16], prefetched into L2 for the
+  // experts of this kernel's items where its valid blocks are at most nx_max
+  const uint8_t* nx_codes;
+  const uint8_t* nx_scales;
+  int nx_max;
+#endif
 };
 
 constexpr int RT = 2;          // 16-row A tiles a warp
@@ -62,6 +73,19 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // Asynchronous copies global -> shared (LDGSTS): nothing of them is held in registers while
 // in flight, and the compiler cannot move them next to their use (it does so with plain
 // loads, which kept the loads ahead at one unit).
+#if FP4MOE_L2NEXT
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes, uint64_t pol) {
+  if constexpr (FP4MOE_L2NEXT == 2)
+    asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(p),
+                 "r"(bytes), "l"(pol) : "memory");
+  else
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+#endif
+__device__ __forceinline__ void cp_async16_pol(uint32_t dst, const void* src, uint64_t pol) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst),
+               "l"(src), "l"(pol) : "memory");
+}
 #ifndef FP4MOE_DIAG  // timing only, wrong results (a library of its own): bit 0 leaves the
 #define FP4MOE_DIAG 0  // decode out (the codes as the MMA's A), bit 1 the weights' copies
 #endif
@@ -160,13 +184,19 @@ __device__ __forceinline__ uint4 ldg_x(const void* p, bool ok) {
 // chunk l & 7 (16 bytes) of row 4 i + (l >> 3) of each tile's quads i, from cbase[a] (that
 // row's chunk at unit 0 of the segment) plus i quads (quad bytes) and g groups.
 __device__ __forceinline__ void copy_group(uint32_t dst, const uint8_t* const (&cbase)[RT],
-                                           size_t quad, int g, int cl, int chunk) {
+                                           size_t quad, int g, int cl, int chunk,
+                                           uint64_t pol = 0) {
 #pragma unroll
   for (int a = 0; a < RT; ++a)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = 16 * a + 4 * i + cl;
-      cp_async16(dst + r * 128 + ((chunk ^ (r & 7)) * 16), cbase[a] + i * quad + g * 128, true);
+      if constexpr (FP4MOE_L2NEXT == 2 && (FP4MOE_DIAG & 2) == 0)
+        cp_async16_pol(dst + r * 128 + ((chunk ^ (r & 7)) * 16), cbase[a] + i * quad + g * 128,
+                       pol);
+      else
+        cp_async16(dst + r * 128 + ((chunk ^ (r & 7)) * 16), cbase[a] + i * quad + g * 128,
+                   true);
     }
 }
 
@@ -285,6 +315,15 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
     for (int i = threadIdx.x; i < 48; i += blockDim.x) arrived[i] = 0;
     __syncthreads();
   }
+  // L2NEXT 2: FC1's own code copies leave L2 first, the prefetched FC2 weights last
+  uint64_t pol_first = 0, pol_last = 0;
+  if constexpr (FP4MOE_L2NEXT == 2) {
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol_first));
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol_last));
+  }
+#if FP4MOE_L2NEXT
+  const bool l2next = GATED && p.nx_codes != nullptr && nvalid <= p.nx_max && threadIdx.x == 0;
+#endif
   if constexpr (AHEAD) {
     if (ibeg < iend) {
       item_meta(ibeg, ce, cstart, cend);
@@ -336,6 +375,21 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
     }
     const int n0 = t * cta_out + rg * OUT_W;
     const bool active = n0 < N;
+#if FP4MOE_L2NEXT
+    {
+      if (l2next) {  // this tile's share of its expert's FC2 weights (K rows of n / 2 codes)
+        const size_t cb = (size_t)K * N / 2, sb = (size_t)K * N / 16;
+        const size_t cs = (cb / ntiles + 15) / 16 * 16, ss = (sb / ntiles + 15) / 16 * 16;
+        const size_t c0 = (size_t)t * cs, s0 = (size_t)t * ss;
+        if (c0 < cb)
+          prefetch_l2(p.nx_codes + (size_t)e * cb + c0, (uint32_t)(cb - c0 < cs ? cb - c0 : cs),
+                      pol_last);
+        if (s0 < sb)
+          prefetch_l2(p.nx_scales + (size_t)e * sb + s0, (uint32_t)(sb - s0 < ss ? sb - s0 : ss),
+                      pol_last);
+      }
+    }
+#endif
     // AHEAD: the next item's schedule entries now, its rows at unit 8, its first
     // activations at the last unit (or at the end, for a row group without rows here)
     const bool nx = AHEAD && item + istep < iend;
@@ -382,7 +436,8 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
       if (act2) {
         const uint8_t* cb2[RT];
         code_bases(e2, n02, cb2);
-        copy_group(wsm + (uint32_t)((g2 % DG) * WS::GROUP), cb2, 4 * crow, g2, cl, chunk);
+        copy_group(wsm + (uint32_t)((g2 % DG) * WS::GROUP), cb2, 4 * crow, g2, cl, chunk,
+                   pol_first);
         if (g2 == 0)  // its scales into the other buffer
           copy_scales(e2, n02, (uint32_t)(((local + 1) & 1) * WS::SBUF));
       }
@@ -396,7 +451,8 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
       const size_t quad = 4 * crow;
       auto issue = [&](int g) {  // group g (4 units) into slot g % DG; one commit group
         if (g < 4) {
-          copy_group(wsm + (uint32_t)((g % DG) * WS::GROUP), cbase, quad, g, cl, chunk);
+          copy_group(wsm + (uint32_t)((g % DG) * WS::GROUP), cbase, quad, g, cl, chunk,
+                     pol_first);
           if (g == 0) copy_scales(e, n0, sbo);  // the segment's scales
         }
         cp_commit();  // (empty past the segment: the waits count groups)
@@ -727,21 +783,24 @@ cudaError_t launch_depth(const Params& p, int rpb, int nb, int max_ctas, int dep
 extern "C" {
 
 // The ABI version: fp4moe/kernels/cuda_decode.py checks it.
-int fp4moe_cuda_abi() { return 3; }
+int fp4moe_cuda_abi() { return 4; }
 
 // One grouped GEMM. gated: FC1 (SwiGLU, bf16 rows out); else FC2 (bf16 rows, or with
 // fused the router-weighted atomic add into fp32 [T, N]). block_m 8 or 16 (the sort's
 // rows a block); rows_per_block: row groups (warps of K segments) a thread block;
 // depth: groups of 4 units (64 K each) in flight a warp, its ring's slots (1 to 4: 4 is the
 // whole segment at once); cross_items: the ring runs on across a block's items (depth 2);
-// max_ctas > 0 caps the grid. Returns a cudaError_t (0: launched).
+// max_ctas > 0 caps the grid; nx_codes, nx_scales (FC1, may be null): FC2's weights,
+// prefetched into L2 where the valid blocks are at most nx_max (a library built with
+// FP4MOE_L2NEXT only). Returns a cudaError_t (0: launched).
 int fp4moe_decode_gemm(const void* x, const int32_t* sorted_routes, const uint8_t* codes,
                        const uint8_t* scales, const int32_t* block_expert,
                        const int32_t* block_start, const int32_t* block_end,
                        const int32_t* valid_blocks, const float* w_global, const float* topk_w,
                        void* out, int n, int k, int topk, int gated, int gather, int fused,
                        int block_m, int num_blocks, int rows_per_block, int depth,
-                       int cross_items, int pdl, int max_ctas, void* stream) {
+                       int cross_items, int pdl, int max_ctas, const uint8_t* nx_codes,
+                       const uint8_t* nx_scales, int nx_max, void* stream) {
   Params p;
   p.x = x;
   p.sorted_routes = sorted_routes;
@@ -761,6 +820,15 @@ int fp4moe_decode_gemm(const void* x, const int32_t* sorted_routes, const uint8_
   p.fused = fused;
   p.pdl = pdl;
   p.segs = k / 1024;
+#if FP4MOE_L2NEXT
+  p.nx_codes = nx_codes;
+  p.nx_scales = nx_scales;
+  p.nx_max = nx_max;
+#else
+  (void)nx_codes;
+  (void)nx_scales;
+  (void)nx_max;
+#endif
   if (k % 1024 || p.segs * rows_per_block > 16 || rows_per_block < 1 ||
       (block_m != 8 && block_m != 16) || n % (gated ? 16 : 32))
     return (int)cudaErrorInvalidValue;
