@@ -97,15 +97,13 @@
 #   bash benchmarks/gpu_session.sh s21g       # the CUDA FC1 from 12 to 48 tokens, Qwen3, Mixtral
 #   bash benchmarks/gpu_session.sh s22a       # the CUDA GEMMs' ring across items: bits, time
 #   bash benchmarks/gpu_session.sh s22b       # the CUDA GEMMs without decode / copies; ncu samples
-#   bash benchmarks/gpu_session.sh s22c       # cuda_decode.ASYNC: bits, time, kernels, ncu samples
-#   bash benchmarks/gpu_session.sh s22d       # ASYNC's halves apart, CHUNK: bits, time, kernels
 #   bash benchmarks/gpu_session.sh s22e       # cuda_decode.L2_NEXT: bits, time, kernels
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s21f|s21g|s22a|s22b|s22c|s22d|s22e}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s21f|s21g|s22a|s22b|s22e}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -1201,43 +1199,6 @@ s22b)
     step report16_cuda 30 python3 benchmarks/ncu_source_report.py "$out/sass16_cuda.log"
     step details16_cuda 60 ncu -i "$out/src16_cuda.ncu-rep" --page details --csv
     rm -rf "$out/cache" "$out"/*.ncu-rep
-    ;;
-s22c)
-    # cuda_decode.ASYNC (s22b: 23% of FC1's warp samples in each item's dependent loads of
-    # its schedule entries, rows and activations, 15% at the two block barriers): its bits
-    # (the tests' async cases), its time with and without CROSS_ITEMS, the kernels at 16
-    # tokens and ncu's warp samples
-    export FP4MOE_CACHE="$out/cache"
-    step cuda_tests 240 python3 -m pytest -m gpu --device cuda -q tests/test_cuda_decode.py
-    step cuda 260 python3 benchmarks/sweep_decode.py --tokens 1 8 16 64 --modes w4a16 \
-        --variants c3 c3-cuda-x c3-cuda-a c3-cuda-x-a c3-cuda-x-fc1 c3-cuda-x-a-fc1 \
-        --iters 20 --out "$out/cuda.json"
-    step kernels_xa 60 python3 benchmarks/profile_call.py --kernels --graph --timeline \
-        --calls 5 --tokens 16 --cuda --cuda-cross --cuda-async 3
-    step src16_xa 120 ncu --clock-control none -k regex:decode_gemm -c 2 \
-        --section SourceCounters --section WarpStateStats --warp-sampling-interval 0 \
-        -f -o "$out/src16_xa" python3 benchmarks/profile_call.py --tokens 16 --mode w4a16 \
-        --cuda --cuda-cross --cuda-async 3
-    step sass16_xa 60 ncu -i "$out/src16_xa.ncu-rep" --page source --csv --print-source sass
-    step report16_xa 30 python3 benchmarks/ncu_source_report.py "$out/sass16_xa.log"
-    rm -rf "$out/cache" "$out"/*.ncu-rep "$out/sass16_xa.log"
-    ;;
-s22d)
-    # s22c: ASYNC 3 slower (warps out of step: 13% of samples without an instruction).
-    # Its halves apart (1: the entries ahead; 2: no block barrier), and CHUNK (a block's
-    # items contiguous: the same row block, its rows and entries in L1 after the first)
-    export FP4MOE_CACHE="$out/cache"
-    step cuda_tests 150 python3 -m pytest -m gpu --device cuda -q tests/test_cuda_decode.py \
-        -k "async1 or chunk"
-    step cuda 300 python3 benchmarks/sweep_decode.py --tokens 1 8 16 64 --modes w4a16 \
-        --variants c3 c3-cuda-x-fc1 c3-cuda-x-a1-fc1 c3-cuda-x-a2-fc1 c3-cuda-x-chunk-fc1 \
-        c3-cuda-x-a1-chunk-fc1 c3-cuda-x c3-cuda-x-chunk c3-cuda-x-a1-chunk \
-        --iters 20 --out "$out/cuda.json"
-    for v in "--cuda-async 1 --cuda-chunk" "--cuda-chunk"; do
-        step "kernels_${v// /}" 60 python3 benchmarks/profile_call.py --kernels --graph \
-            --timeline --calls 5 --tokens 16 --cuda --cuda-cross $v
-    done
-    rm -rf "$out/cache"
     ;;
 s22e)
     # cuda_decode.L2_NEXT: FC1 (at 2.2 of the 4.2 TB/s) prefetches FC2's weights of its

@@ -53,8 +53,6 @@ p.add_argument("--cuda-rows", type=int, default=None, help="cuda_decode.ROWS_PER
 p.add_argument("--cuda-only", choices=("fc1", "fc2"), default=None, help="cuda_decode.ONLY")
 p.add_argument("--cuda-nopdl", action="store_true", help="cuda_decode.PDL False")
 p.add_argument("--cuda-diag", type=int, default=0, help="cuda_decode.DIAG (timing only)")
-p.add_argument("--cuda-async", type=int, default=0, help="cuda_decode.ASYNC (0 to 3)")
-p.add_argument("--cuda-chunk", action="store_true", help="cuda_decode.CHUNK")
 p.add_argument("--cuda-l2next", type=int, default=0, help="cuda_decode.L2_NEXT (0 to 2)")
 p.add_argument("--cuda-cross", action="store_true", help="cuda_decode.CROSS_ITEMS")
 p.add_argument("--graph", action="store_true",
@@ -95,8 +93,6 @@ if a.cuda:
     cuda_decode.ONLY = a.cuda_only
     cuda_decode.PDL = not a.cuda_nopdl
     cuda_decode.DIAG = a.cuda_diag
-    cuda_decode.ASYNC = a.cuda_async
-    cuda_decode.CHUNK = a.cuda_chunk
     cuda_decode.L2_NEXT = a.cuda_l2next
     cuda_decode.CROSS_ITEMS = a.cuda_cross
 if a.gluon_tma == 0:

@@ -53,12 +53,11 @@ Gluon kernels up to gluon_upto, no whole-K below it), c3-fill1 / c3-fill2
 (gluon_ws.SCHED_AHEAD: a valid program's block start and end read beside its expert),
 c3-rowfirst (launch.QUANTIZE_ROW_FIRST: W4A4's quantize programs load their first chunk
 before their global),
-c3-cuda[-dN][-rN][-capN][-x][-a[N]][-chunk][-diagN][-fc1|-fc2] (TritonOptions.cuda_decode: W4A16's
+c3-cuda[-dN][-rN][-capN][-x][-pfN][-diagN][-fc1|-fc2] (TritonOptions.cuda_decode: W4A16's
 Gluon GEMMs at 8- or 16-row tiles on the CUDA C++ kernel of kernels.cuda_decode, with N ring
 slots of four units a warp, N row groups a thread block, registers capped at N, the ring
-across a block's items (cuda_decode.CROSS_ITEMS), the items' entries ahead and no block
-barrier (cuda_decode.ASYNC N, -a: 3), contiguous runs of items a block (CHUNK), FC1
-prefetching FC2's weights into L2 (L2_NEXT N), or one GEMM only; the same bits; -diagN:
+across a block's items (cuda_decode.CROSS_ITEMS), FC1 prefetching FC2's weights into L2
+(cuda_decode.L2_NEXT N), or one GEMM only; the same bits; -diagN:
 cuda_decode.DIAG N, timing only, wrong results),
 c3-nofusedchain (TritonOptions.fused_chain off: with --fused, the accumulator's zeros after
 W4A4's quantize and torch's cast, as before session 16),
@@ -166,13 +165,13 @@ PREFILL_FLAGS = {
 
 def cuda_knobs(name: str, defaults: tuple) -> None:
     """Set ``cuda_decode``'s knobs for variant ``name``
-    (c3-cuda[-dN][-rN][-capN][-x][-a[N]][-chunk][-pfN][-diagN][-fc1|-fc2]: N ring slots
-    of four units a warp, N row groups a thread block, registers capped at N, the ring
-    across a block's items, cuda_decode.ASYNC N (-a: 3), CHUNK, L2_NEXT N, DIAG N (timing
-    only), one GEMM only), or back to ``defaults`` (DEPTH, ROWS_PER_BLOCK, ONLY, REG_CAP,
-    CROSS_ITEMS; DIAG, ASYNC and L2_NEXT 0, CHUNK off) for any other name."""
+    (c3-cuda[-dN][-rN][-capN][-x][-pfN][-diagN][-fc1|-fc2]: N ring slots of four units a
+    warp, N row groups a thread block, registers capped at N, the ring across a block's
+    items, cuda_decode.L2_NEXT N, DIAG N (timing only), one GEMM only), or back to
+    ``defaults`` (DEPTH, ROWS_PER_BLOCK, ONLY, REG_CAP, CROSS_ITEMS; DIAG and L2_NEXT 0)
+    for any other name."""
     depth, rpb, only, cap, cross = defaults
-    diag, asy, chunk, pf = 0, 0, False, 0
+    diag, pf = 0, 0
     if name.startswith("c3-cuda"):
         for part in name[7:].split("-")[1:]:
             if part.startswith("d") and part[1:].isdigit():
@@ -185,10 +184,6 @@ def cuda_knobs(name: str, defaults: tuple) -> None:
                 cap = int(part[3:])
             elif part == "x":
                 cross = True
-            elif part == "a" or (part[:1] == "a" and part[1:].isdigit()):
-                asy = int(part[1:] or 3)
-            elif part == "chunk":
-                chunk = True
             elif part[:2] == "pf" and part[2:].isdigit():
                 pf = int(part[2:])
             elif part.startswith("diag") and part[4:].isdigit():
@@ -197,8 +192,7 @@ def cuda_knobs(name: str, defaults: tuple) -> None:
                 raise SystemExit(f"variant {name}: unknown part {part!r}")
     cuda_decode.DEPTH, cuda_decode.ROWS_PER_BLOCK, cuda_decode.ONLY = depth, rpb, only
     cuda_decode.REG_CAP, cuda_decode.CROSS_ITEMS = cap, cross
-    cuda_decode.DIAG, cuda_decode.ASYNC, cuda_decode.CHUNK = diag, asy, chunk
-    cuda_decode.L2_NEXT = pf
+    cuda_decode.DIAG, cuda_decode.L2_NEXT = diag, pf
 
 
 def main() -> None:

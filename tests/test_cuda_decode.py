@@ -86,14 +86,26 @@ def test_decode_gemm_checks_its_arguments(monkeypatch):
     for a, k_, name in bad:
         with pytest.raises(ValueError, match=name):
             cuda_decode.decode_gemm(*a, **k_)
-    knobs = (("DEPTH", 5, "DEPTH"), ("CROSS_ITEMS", True, "CROSS_ITEMS"), ("DIAG", 4, "DIAG"))
+    knobs = (("DEPTH", 5, "DEPTH"), ("CROSS_ITEMS", True, "CROSS_ITEMS"), ("DIAG", 4, "DIAG"),
+             ("L2_NEXT", 3, "L2_NEXT"))  # fmt: skip
     for knob, value, name in knobs:
         with monkeypatch.context() as m:  # CROSS_ITEMS with DEPTH 3: built for 2 only
             m.setattr(cuda_decode, knob, value)
-            if knob != "DIAG":
+            if knob in ("DEPTH", "CROSS_ITEMS"):
                 m.setattr(cuda_decode, "DEPTH", 3 if knob == "CROSS_ITEMS" else value)
             with pytest.raises(ValueError, match=name):
                 cuda_decode.decode_gemm(*args, **kw)
+    with monkeypatch.context() as m:  # FC2's weights for the L2 prefetch: [E, K, n / 2]
+        m.setattr(cuda_decode, "L2_NEXT", 1)
+        c2 = torch.zeros(e, k, n // 2, dtype=torch.uint8)
+        s2 = torch.zeros(e, k, n // 16, dtype=torch.float8_e4m3fn)
+        with pytest.raises(ValueError, match="l2_next"):
+            cuda_decode.decode_gemm(*args, **kw, l2_next=(c2[:, :, :-1], s2))
+        with pytest.raises(ValueError, match="l2_next"):
+            cuda_decode.decode_gemm(*args, **kw, l2_next=(c2, s2.view(torch.uint8)))
+        if not cuda_decode.available():  # the right ones pass the checks
+            with pytest.raises(RuntimeError, match="not available"):
+                cuda_decode.decode_gemm(*args, **kw, l2_next=(c2, s2))
     assert cuda_decode.applies(2048, 7168, True, 8) and cuda_decode.applies(7168, 2048, False, 16)
     assert not cuda_decode.applies(7168, 768, False, 8)  # K not a multiple of 1024
     assert not cuda_decode.applies(2880, 2880, True, 8)
@@ -168,11 +180,8 @@ def test_cuda_decode_falls_back_without_the_kernel(interpret, device, monkeypatc
         assert "no CUDA device" in cuda_decode.build_error()
 
 
-KNOBS = {  # the experiment knobs' cases: CROSS_ITEMS, ASYNC, CHUNK, L2_NEXT
-    "": (False, 0, False, 0), "cross": (True, 0, False, 0), "async1": (False, 1, False, 0),
-    "async3": (False, 3, False, 0), "cross-async3": (True, 3, False, 0),
-    "chunk": (False, 0, True, 0), "cross-async1-chunk": (True, 1, True, 0),
-    "cross-l2next1": (True, 0, False, 1), "cross-l2next2": (True, 0, False, 2),
+KNOBS = {  # the experiment knobs' cases: CROSS_ITEMS, L2_NEXT
+    "": (False, 0), "cross": (True, 0), "cross-l2next1": (True, 1), "cross-l2next2": (True, 2),
 }  # fmt: skip
 
 
@@ -185,15 +194,11 @@ def test_cuda_decode_gpu(gpu_experts, monkeypatch, t, fused, knobs):
     the deterministic finalize and the reference's tolerance either way: DeepSeek-V3 EP8
     at 1 to 200 tokens (8- and 16-row tiles), every route on one expert (many blocks of
     one expert), every route masked (zeros); with the ring across items too
-    (``CROSS_ITEMS``), with the items' entries loaded ahead and the segments summed by the
-    last warp to arrive (``ASYNC``), with contiguous runs of items a block (``CHUNK``) and
-    with FC1 prefetching FC2's weights into L2 (``L2_NEXT``). Outputs poisoned first; the
-    kernel asserted to have run."""
-    cross, asynchronous, chunk, l2next = KNOBS[knobs]
+    (``CROSS_ITEMS``) and with FC1 prefetching FC2's weights into L2 (``L2_NEXT``).
+    Outputs poisoned first; the kernel asserted to have run."""
+    cross, l2next = KNOBS[knobs]
     monkeypatch.setattr(cuda_decode, "L2_NEXT", l2next)
     monkeypatch.setattr(cuda_decode, "CROSS_ITEMS", cross)
-    monkeypatch.setattr(cuda_decode, "ASYNC", asynchronous)
-    monkeypatch.setattr(cuda_decode, "CHUNK", chunk)
     if not cuda_decode.available():
         pytest.skip(f"cuda_decode not available: {cuda_decode.build_error()}")
     e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]

@@ -55,13 +55,6 @@ CROSS_ITEMS = False
 # of two, through the launch bounds; None: the compiler's choice within 128), so that more
 # warps fit an SM; built as a library of its own
 REG_CAP: int | None = None
-# Experiments (libraries of their own; the same sums in the same order, so the same bits).
-# ASYNC bit 0 (1): each item's schedule entries, rows and first activations loaded during
-# the block's previous item; bit 1 (2): the K segments summed by the row group's last warp
-# to arrive (a shared-memory counter) instead of after two block barriers an item. CHUNK:
-# a thread block takes a contiguous run of the items instead of every grid-th one.
-ASYNC = 0
-CHUNK = False
 # Experiment (a library of its own): FC1 prefetches FC2's weights of its items' experts
 # into L2 (1; 2 with FC1's own copies marked to leave L2 first and the prefetched lines
 # last) where its valid blocks are at most L2_NEXT_BLOCKS (FC2's touched weights would
@@ -87,16 +80,12 @@ def nvcc() -> str | None:
 def _flags() -> tuple[str, ...]:
     """nvcc's flags: ``NVCC_FLAGS``, with the launch bounds' minimum blocks for a register
     cap where ``REG_CAP`` is set (512 threads a block: 65536 / 512 / cap blocks), the
-    diagnostic ``DIAG`` where it is not 0, ``ASYNC``, ``CHUNK`` and ``L2_NEXT``."""
+    diagnostic ``DIAG`` where it is not 0 and ``L2_NEXT``."""
     flags = NVCC_FLAGS
     if REG_CAP:
         flags = (*flags, f"-DFP4MOE_MIN_BLOCKS={max(1, 128 // int(REG_CAP))}")
     if DIAG:
         flags = (*flags, f"-DFP4MOE_DIAG={int(DIAG)}")
-    if ASYNC:
-        flags = (*flags, f"-DFP4MOE_ASYNC={int(ASYNC)}")
-    if CHUNK:
-        flags = (*flags, "-DFP4MOE_CHUNK=1")
     if L2_NEXT:
         flags = (*flags, f"-DFP4MOE_L2NEXT={int(L2_NEXT)}")
     return flags
@@ -284,8 +273,6 @@ def decode_gemm(
         nx = (c2.data_ptr(), s2.data_ptr(), int(L2_NEXT_BLOCKS))
     if L2_NEXT not in (0, 1, 2):
         raise ValueError(f"cuda_decode.L2_NEXT: expected 0, 1 or 2, got {L2_NEXT!r}")
-    if ASYNC not in (0, 1, 2, 3):
-        raise ValueError(f"cuda_decode.ASYNC: expected 0, 1, 2 or 3, got {ASYNC!r}")
     if DIAG not in (0, 1, 2, 3):
         raise ValueError(f"cuda_decode.DIAG: expected 0, 1, 2 or 3, got {DIAG!r}")
     if CROSS_ITEMS and int(DEPTH) != 2:

@@ -203,29 +203,6 @@ __device__ __forceinline__ void copy_group(uint32_t dst, const uint8_t* const (&
 #ifndef FP4MOE_MIN_BLOCKS  // -DFP4MOE_MIN_BLOCKS=2: at most 64 registers a thread
 #define FP4MOE_MIN_BLOCKS 1
 #endif
-// Experiments (libraries of their own; the same sums in the same order, so the same bits):
-// -DFP4MOE_ASYNC bit 0 loads each item's schedule entries, rows and first activations
-// during the block's previous item; bit 1 has the K segments' sums done by the row group's
-// last warp to arrive (a shared-memory counter), so that no warp waits at a block barrier.
-// -DFP4MOE_CHUNK=1: a thread block takes a contiguous run of the items (the same row block
-// mostly, whose rows and entries its earlier items left in L1) instead of every grid-th
-#ifndef FP4MOE_ASYNC
-#define FP4MOE_ASYNC 0
-#endif
-#ifndef FP4MOE_CHUNK
-#define FP4MOE_CHUNK 0
-#endif
-constexpr int SYNC_BYTES = 256;  // ASYNC bit 1: arrivals [2][16], sums done [16] (int)
-__device__ __forceinline__ int ldg_s32(const int32_t* p) {
-  int v;
-  asm volatile("ld.global.s32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ float ldg_f32(const float* p) {
-  float v;
-  asm volatile("ld.global.f32 %0, [%1];" : "=f"(v) : "l"(p));
-  return v;
-}
 
 // CROSS: a block's ring runs on from one item to the next: the next item's first DG groups
 // (and its scales, into the other buffer) are copied as this item's last groups are read,
@@ -236,19 +213,13 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
   constexpr int SB = CROSS ? 2 : 1;
   using WS = WarpSmem<DG, SB>;
   constexpr int NV = RT * NT * 4;  // fp32 sums a thread
-  constexpr bool AHEAD = (FP4MOE_ASYNC & 1) != 0;
-  constexpr bool ASUM = (FP4MOE_ASYNC & 2) != 0;
-  constexpr int PB = ASUM ? 2 : 1;  // partials' buffers
-  constexpr int SYNC = ASUM ? SYNC_BYTES : 0;
   extern __shared__ __align__(128) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nwarps = blockDim.x >> 5;
-  // (ASUM: the counters,) [PB][warps][NV][32] fp32 partials, then each warp's WarpSmem
-  int* arrived = reinterpret_cast<int*>(smem);  // ASUM: [2][16]
-  int* reduced = arrived + 32;                  // ASUM: [16]
-  float* part = reinterpret_cast<float*>(smem + SYNC);
-  const uint32_t wsm = smem_addr(smem) +
-                       (uint32_t)(SYNC + PB * nwarps * NV * 32 * 4 + warp * WS::BYTES);
+  // [warps][NV][32] fp32 partials, then each warp's WarpSmem
+  float* part = reinterpret_cast<float*>(smem);
+  const uint32_t wsm =
+      smem_addr(smem) + (uint32_t)(nwarps * NV * 32 * 4 + warp * WS::BYTES);
   const int S = p.segs;
   const int seg = warp % S, rg = warp / S;
   const int R = nwarps / S;
@@ -268,53 +239,9 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
   // starts its last item (at once if it has none), so that the next kernel's blocks take
   // the slots of finished ones instead of waiting beside this kernel's (a release at the
   // start cost 6 us a call at 1 and 16 tokens: docs/perf-notes.md, session 21)
-  // the block's items: every grid-th from its index, or (CHUNK) a contiguous run
-  int ibeg = blockIdx.x, iend = total, istep = gridDim.x;
-  if constexpr (FP4MOE_CHUNK != 0) {
-    const int per = total / (int)gridDim.x, rem = total % (int)gridDim.x;
-    const int k_ = blockIdx.x;
-    ibeg = k_ * per + (k_ < rem ? k_ : rem);
-    iend = ibeg + per + (k_ < rem ? 1 : 0);
-    istep = 1;
-  }
-  if (p.pdl && ibeg >= iend) pdl_release();
+  if (p.pdl && (int)blockIdx.x >= total) pdl_release();
   int local = 0;     // CROSS: the block's items so far (the scales' buffer)
   bool pre = false;  // CROSS: this item's first groups were issued already
-  // AHEAD: the item's schedule entries, rows and first activations, loaded ahead
-  int ce = 0, cstart = 0, cend = 0;
-  float cg0 = 0.0f, cg1 = 0.0f;
-  int csrc[NT];
-  uint4 xv0[NT][2];
-  int nact = 0;  // ASUM: the row group's items with rows so far (the partials' buffer)
-  auto item_meta = [&](int it, int& e_, int& s_, int& en_) {
-    const int b_ = it / ntiles;
-    e_ = ldg_s32(p.block_expert + b_);
-    s_ = ldg_s32(p.block_start + b_);
-    en_ = ldg_s32(p.block_end + b_);
-  };
-  auto item_globals = [&](int e_, float& g0_, float& g1_) {
-    if (GATED) {
-      g0_ = ldg_f32(p.w_global + 2 * e_);
-      g1_ = ldg_f32(p.w_global + 2 * e_ + 1);
-    } else {
-      g0_ = ldg_f32(p.w_global + e_);
-    }
-  };
-  auto item_rows = [&](int s_, int en_, int (&src_)[NT]) {
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const int m = s_ + 8 * j + gi;
-      const bool ok = m < en_;
-      src_[j] = ok ? (p.gather ? ldg_s32(p.sorted_routes + m) / p.topk : m) : -1;
-    }
-  };
-  auto x_ptr = [&](int src_) {
-    return x + (size_t)(src_ >= 0 ? src_ : 0) * K + (size_t)seg * 1024 + q * 16;
-  };
-  if constexpr (ASUM) {
-    for (int i = threadIdx.x; i < 48; i += blockDim.x) arrived[i] = 0;
-    __syncthreads();
-  }
   // L2NEXT 2: FC1's own code copies leave L2 first, the prefetched FC2 weights last
   uint64_t pol_first = 0, pol_last = 0;
   if constexpr (FP4MOE_L2NEXT == 2) {
@@ -324,18 +251,6 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
 #if FP4MOE_L2NEXT
   const bool l2next = GATED && p.nx_codes != nullptr && nvalid <= p.nx_max && threadIdx.x == 0;
 #endif
-  if constexpr (AHEAD) {
-    if (ibeg < iend) {
-      item_meta(ibeg, ce, cstart, cend);
-      item_globals(ce, cg0, cg1);
-      item_rows(cstart, cend, csrc);
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        xv0[j][0] = ldg_x(x_ptr(csrc[j]), csrc[j] >= 0);
-        xv0[j][1] = ldg_x(x_ptr(csrc[j]) + 8, csrc[j] >= 0);
-      }
-    }
-  }
   // weight row of warp row r (0..31) of the item of expert e_ at outputs n0_: tile r / 16,
   // row r % 16 of it
   auto wrow = [&](int e_, int n0_, int r) -> size_t {
@@ -360,75 +275,36 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
     }
   };
 
-  for (int item = ibeg; item < iend; item += istep) {
-    if (p.pdl && item + istep >= iend) pdl_release();
+  for (int item = blockIdx.x; item < total; item += gridDim.x) {
+    if (p.pdl && item + (int)gridDim.x >= total) pdl_release();
     const int b = item / ntiles, t = item - (item / ntiles) * ntiles;
-    int e, start, end;
-    if constexpr (AHEAD) {
-      e = ce;
-      start = cstart;
-      end = cend;
-    } else {
-      e = p.block_expert[b];
-      start = p.block_start[b];
-      end = p.block_end[b];
-    }
+    const int e = p.block_expert[b];
+    const int start = p.block_start[b], end = p.block_end[b];
     const int n0 = t * cta_out + rg * OUT_W;
     const bool active = n0 < N;
 #if FP4MOE_L2NEXT
-    {
-      if (l2next) {  // this tile's share of its expert's FC2 weights (K rows of n / 2 codes)
-        const size_t cb = (size_t)K * N / 2, sb = (size_t)K * N / 16;
-        const size_t cs = (cb / ntiles + 15) / 16 * 16, ss = (sb / ntiles + 15) / 16 * 16;
-        const size_t c0 = (size_t)t * cs, s0 = (size_t)t * ss;
-        if (c0 < cb)
-          prefetch_l2(p.nx_codes + (size_t)e * cb + c0, (uint32_t)(cb - c0 < cs ? cb - c0 : cs),
-                      pol_last);
-        if (s0 < sb)
-          prefetch_l2(p.nx_scales + (size_t)e * sb + s0, (uint32_t)(sb - s0 < ss ? sb - s0 : ss),
-                      pol_last);
-      }
+    if (l2next) {  // this tile's share of its expert's FC2 weights (K rows of n / 2 codes)
+      const size_t cb = (size_t)K * N / 2, sb = (size_t)K * N / 16;
+      const size_t cs = (cb / ntiles + 15) / 16 * 16, ss = (sb / ntiles + 15) / 16 * 16;
+      const size_t c0 = (size_t)t * cs, s0 = (size_t)t * ss;
+      if (c0 < cb)
+        prefetch_l2(p.nx_codes + (size_t)e * cb + c0, (uint32_t)(cb - c0 < cs ? cb - c0 : cs),
+                    pol_last);
+      if (s0 < sb)
+        prefetch_l2(p.nx_scales + (size_t)e * sb + s0, (uint32_t)(sb - s0 < ss ? sb - s0 : ss),
+                    pol_last);
     }
 #endif
-    // AHEAD: the next item's schedule entries now, its rows at unit 8, its first
-    // activations at the last unit (or at the end, for a row group without rows here)
-    const bool nx = AHEAD && item + istep < iend;
-    int ne = 0, nstart = 0, nend = 0;
-    float ng0 = 0.0f, ng1 = 0.0f;
-    int nsrc[NT];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) nsrc[j] = -1;
-    bool nact_next = false;
-    if (AHEAD && nx) {
-      const int it2 = item + istep;
-      item_meta(it2, ne, nstart, nend);
-      nact_next = (it2 - (it2 / ntiles) * ntiles) * cta_out + rg * OUT_W < N;
-    }
-    auto next_rows = [&]() {
-      if (AHEAD && nx && nact_next) {
-        item_rows(nstart, nend, nsrc);
-        item_globals(ne, ng0, ng1);
-      }
-    };
-    auto next_x = [&]() {
-      if (AHEAD && nx && nact_next) {
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          xv0[j][0] = ldg_x(x_ptr(nsrc[j]), nsrc[j] >= 0);
-          xv0[j][1] = ldg_x(x_ptr(nsrc[j]) + 8, nsrc[j] >= 0);
-        }
-      }
-    };
     uint32_t sbo = 0;  // its scales' buffer
     if constexpr (CROSS) sbo = (uint32_t)((local & 1) * WS::SBUF);
     // CROSS: the next item of the block, whose first groups this one issues
-    const bool has_next = CROSS && item + istep < iend;
+    const bool has_next = CROSS && item + (int)gridDim.x < total;
     int e2 = 0, n02 = 0;
     bool act2 = false;
     if (CROSS && has_next) {
-      const int it2 = item + istep;
+      const int it2 = item + (int)gridDim.x;
       const int b2 = it2 / ntiles, t2 = it2 - (it2 / ntiles) * ntiles;
-      e2 = AHEAD ? ne : p.block_expert[b2];
+      e2 = p.block_expert[b2];
       n02 = t2 * cta_out + rg * OUT_W;
       act2 = n02 < N;
     }
@@ -464,29 +340,19 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
 
       const __nv_bfloat16* xp[NT];
       bool xok[NT];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const int m = start + 8 * j + gi;
+        xok[j] = m < end;
+        int src = m;
+        if (p.gather) src = xok[j] ? p.sorted_routes[m] / p.topk : 0;
+        xp[j] = x + (size_t)(xok[j] ? src : 0) * K + (size_t)seg * 1024 + q * 16;
+      }
       uint4 xv[2][NT][2];
-      if constexpr (AHEAD) {
 #pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          xok[j] = csrc[j] >= 0;
-          xp[j] = x_ptr(csrc[j]);
-          xv[0][j][0] = xv0[j][0];
-          xv[0][j][1] = xv0[j][1];
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          const int m = start + 8 * j + gi;
-          xok[j] = m < end;
-          int src = m;
-          if (p.gather) src = xok[j] ? p.sorted_routes[m] / p.topk : 0;
-          xp[j] = x + (size_t)(xok[j] ? src : 0) * K + (size_t)seg * 1024 + q * 16;
-        }
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          xv[0][j][0] = ldg_x(xp[j], xok[j]);
-          xv[0][j][1] = ldg_x(xp[j] + 8, xok[j]);
-        }
+      for (int j = 0; j < NT; ++j) {
+        xv[0][j][0] = ldg_x(xp[j], xok[j]);
+        xv[0][j][1] = ldg_x(xp[j] + 8, xok[j]);
       }
 
 #pragma unroll
@@ -502,10 +368,6 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
             xv[(u + 1) & 1][j][0] = ldg_x(xp[j] + (u + 1) * 64, xok[j]);
             xv[(u + 1) & 1][j][1] = ldg_x(xp[j] + (u + 1) * 64 + 8, xok[j]);
           }
-        }
-        if constexpr (AHEAD) {
-          if (u == 8) next_rows();
-          if (u == UNITS - 1) next_x();
         }
         const uint32_t slot = wsm + (uint32_t)((g % DG) * WS::GROUP);
         uint2 cw[RT][2];
@@ -571,62 +433,24 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
 #pragma unroll
       for (int g2 = 0; g2 < DG; ++g2) issue_next(g2);
     }
-    if constexpr (AHEAD) {
-      if (!active) {
-        next_rows();
-        next_x();
-      }
-    }
     if constexpr (CROSS) {
       pre = has_next;
       ++local;
     }
 
-    // the segments' sums of each row group, in order: by its segment-0 warp after a block
-    // barrier, or (ASUM) by the row group's last warp to arrive
-    bool reduce_here;
-    int rpar = 0;  // ASUM: the partials' buffer of this item
-    if constexpr (ASUM) {
-      reduce_here = false;
-      if (active) {
-        rpar = nact & 1;
-        if (nact >= 2) {  // the row group's sums two items back have read this buffer
-          if (lane == 0)
-            while (*reinterpret_cast<volatile int*>(reduced + rg) < nact - 1) {
-            }
-          __syncwarp();
-        }
-        float* mine = part + ((size_t)rpar * nwarps + warp) * NV * 32 + lane;
+    // the segments' sums of each row group, in order, by its segment-0 warp
+    float* mine = part + (size_t)warp * NV * 32 + lane;
 #pragma unroll
-        for (int a = 0; a < RT; ++a)
+    for (int a = 0; a < RT; ++a)
 #pragma unroll
-          for (int j = 0; j < NT; ++j)
+      for (int j = 0; j < NT; ++j)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) mine[((a * NT + j) * 4 + c) * 32] = acc[a][j][c];
-        __threadfence_block();
-        __syncwarp();
-        int old = 0;
-        if (lane == 0) old = atomicAdd(arrived + rpar * 16 + rg, 1);
-        old = __shfl_sync(0xffffffffu, old, 0);
-        reduce_here = old == S - 1;
-        if (reduce_here) __threadfence_block();
-        ++nact;
-      }
-    } else {
-      float* mine = part + (size_t)warp * NV * 32 + lane;
-#pragma unroll
-      for (int a = 0; a < RT; ++a)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) mine[((a * NT + j) * 4 + c) * 32] = acc[a][j][c];
-      __syncthreads();
-      reduce_here = seg == 0 && active;
-    }
-    if (reduce_here) {
+        for (int c = 0; c < 4; ++c) mine[((a * NT + j) * 4 + c) * 32] = acc[a][j][c];
+    __syncthreads();
+    if (seg == 0 && active) {
       float tot[RT][NT][4] = {};
       for (int sg = 0; sg < S; ++sg) {
-        const float* src = part + ((size_t)rpar * nwarps + rg * S + sg) * NV * 32 + lane;
+        const float* src = part + (size_t)(rg * S + sg) * NV * 32 + lane;
 #pragma unroll
         for (int a = 0; a < RT; ++a)
 #pragma unroll
@@ -635,21 +459,10 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
             for (int c = 0; c < 4; ++c)
               tot[a][j][c] = __fadd_rn(tot[a][j][c], src[((a * NT + j) * 4 + c) * 32]);
       }
-      if constexpr (ASUM) {  // the buffer is free again, its arrivals counted anew
-        __syncwarp();
-        if (lane == 0) {
-          arrived[rpar * 16 + rg] = 0;
-          __threadfence_block();
-          atomicAdd(reduced + rg, 1);
-        }
-      }
       // epilogue (gluon_ws._tile_out): element c of (tile a, n8 tile j) is weight row
       // gi + 8 (c >> 1) of the tile, block row 8 j + 2 q + (c & 1)
       float g0, g1 = 0.0f;
-      if constexpr (AHEAD) {
-        g0 = cg0;
-        g1 = cg1;
-      } else if (GATED) {
+      if (GATED) {
         g0 = p.w_global[2 * e];
         g1 = p.w_global[2 * e + 1];
       } else {
@@ -689,17 +502,7 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
           }
         }
     }
-    if constexpr (AHEAD) {  // the next item's entries become this one's
-      ce = ne;
-      cstart = nstart;
-      cend = nend;
-      cg0 = ng0;
-      cg1 = ng1;
-#pragma unroll
-      for (int j = 0; j < NT; ++j) csrc[j] = nsrc[j];
-    }
-    // the partials read before the next item's are written
-    if constexpr (!ASUM) __syncthreads();
+    __syncthreads();  // the partials read before the next item's are written
   }
 }
 
@@ -709,10 +512,7 @@ cudaError_t launch_one(const Params& p, int rows_per_block, int num_blocks, int 
   auto kern = decode_gemm_kernel<GATED, NT, DG, CROSS>;
   constexpr size_t SMEM_MAX = 227 * 1024;
   auto smem_of = [&](int rpb) {
-    constexpr int PB = (FP4MOE_ASYNC & 2) ? 2 : 1;
-    return (size_t)((FP4MOE_ASYNC & 2) ? SYNC_BYTES : 0) +
-           (size_t)(p.segs * rpb) *
-               (PB * RT * NT * 4 * 32 * sizeof(float) + WarpSmem<DG, CROSS ? 2 : 1>::BYTES);
+    return (size_t)(p.segs * rpb) * (RT * NT * 4 * 32 * sizeof(float) + WarpSmem<DG, CROSS ? 2 : 1>::BYTES);
   };
   while (rows_per_block > 1 && smem_of(rows_per_block) > SMEM_MAX) --rows_per_block;
   const size_t smem = smem_of(rows_per_block);
