@@ -16,7 +16,7 @@ from fp4moe.kernels import cuda_decode
 from fp4moe.kernels.launch import TritonOptions, moe_triton
 from fp4moe.reference import moe_reference
 from test_kernels import GPU_SHAPES, _edge_routes, _gpu_routes, _x
-from testing import TOL, rel_err
+from testing import TOL, pretend_hopper, rel_err
 
 
 def _cuobjdump() -> str | None:
@@ -151,6 +151,41 @@ def test_cuda_runs_rule(monkeypatch):
     assert not _cuda_runs(7168, 2048, False, c8, False)
     monkeypatch.setattr(cuda_decode, "available", lambda: False)
     assert not _cuda_runs(2048, 7168, True, c8, False)
+
+
+def test_workspace_bytes_with_cuda_decode(monkeypatch):
+    """With ``cuda_decode`` on, the GEMMs the CUDA kernel takes hold no split-K partials:
+    DeepSeek-V3 EP8 at 16 tokens (both GEMMs split on the Gluon kernels) counts neither
+    GEMM's partials, with ``ONLY`` "fc1" only FC1's left out, and W4A4 (never on the CUDA
+    kernel) and a machine without the kernel count them as before."""
+    from fp4moe.kernels.launch import SEGMENT, workspace_bytes
+
+    pretend_hopper(monkeypatch)
+    h, i, e, t = 7168, 2048, 32, 16
+    n = t * 8
+    base = dict(valid_fraction=0.125)
+
+    def ws(**kw):
+        return workspace_bytes(t, 8, h, i, e, options=TritonOptions(**base, **kw))
+
+    off = ws()
+    monkeypatch.setattr(cuda_decode, "available", lambda: False)
+    assert ws(cuda_decode=True) == off
+    monkeypatch.setattr(cuda_decode, "available", lambda: True)
+    both = ws(cuda_decode=True)
+    # off: the FC1 phase holds FC1's partials; both: no partials, so the FC2 phase (FC1's
+    # output and the route rows) is the largest
+    act, rows = n * i * 2, n * h * 2
+    assert off - both == (h // SEGMENT) * n * 2 * i * 4 - rows
+    monkeypatch.setattr(cuda_decode, "ONLY", "fc1")
+    fc1 = ws(cuda_decode=True)
+    assert fc1 - both == (i // SEGMENT) * n * h * 4 and fc1 < off
+    assert ws(cuda_decode=True, chunked=2) == ws(chunked=2) and act > 0
+    w4a4 = dict(mode="w4a4", act_scale="per_token")
+    opt = TritonOptions(**base, cuda_decode=True)
+    assert workspace_bytes(t, 8, h, i, e, options=opt, **w4a4) == workspace_bytes(
+        t, 8, h, i, e, options=TritonOptions(**base), **w4a4
+    )
 
 
 @pytest.mark.kernel

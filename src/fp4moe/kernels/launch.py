@@ -931,6 +931,34 @@ def _gluon_gemm(
     return split and _gluon_fits(gluon, chunked, k, a_fp4, cfg)
 
 
+def _tma_rows(
+    opt: TritonOptions, w4a4: bool, g1: bool, g2: bool, ordered: bool
+) -> tuple[bool, bool, bool]:
+    """``gluon_a_tma``'s rows of a call whose GEMMs run on the split Gluon kernels (``g1``,
+    ``g2``): (FC1 writes its rows in the unit order for FC2, FC1's rows by TMA, FC2's)."""
+    mid_unit = opt.gluon_a_tma and g1 and g2 and not w4a4 and not ordered
+    return (
+        mid_unit,
+        opt.gluon_a_tma and g1 and not ordered,
+        opt.gluon_a_tma and g2 and (w4a4 or mid_unit),
+    )
+
+
+def _cuda_gemms(
+    opt: TritonOptions, w4a4: bool, g1: bool, g2: bool, ordered: bool, h: int, inter: int,
+    cfg1: GemmConfig, cfg2: GemmConfig,
+) -> tuple[bool, bool]:  # fmt: skip
+    """Whether FC1 and FC2 run on ``cuda_decode``'s kernel (``TritonOptions.cuda_decode``),
+    as ``expert_gemms`` and ``_gemm`` decide: W4A16 GEMMs of the split Gluon kernels
+    (``g1``, ``g2``) with the plain epilogue and rows (``_cuda_runs``)."""
+    if not opt.cuda_decode or w4a4:
+        return False, False
+    mid_unit, atma1, atma2 = _tma_rows(opt, w4a4, g1, g2, ordered)
+    c1 = g1 and _cuda_runs(inter, h, True, cfg1, atma1 or ordered or mid_unit)
+    c2 = g2 and _cuda_runs(h, inter, False, cfg2, atma2 or ordered or mid_unit)
+    return c1, c2
+
+
 def _cuda_runs(n: int, k: int, gated: bool, cfg: GemmConfig, other: bool) -> bool:
     """Whether a GEMM that would run on the Gluon kernels runs on ``cuda_decode``'s (with
     ``TritonOptions.cuda_decode``): W4A16 rows in token or sorted order with the plain
@@ -1473,9 +1501,7 @@ def expert_gemms(
     g2 = opt.gluon_runs(split2, inter, w4a4, cfg2)
     whole1 = opt.fc1_whole_runs(mode, act_scale, split1, dense, h, cfg1, n_routes, e_count)
     whole2 = opt.whole_runs(split2, dense, inter, w4a4, cfg2, n_routes, e_count)
-    mid_unit = opt.gluon_a_tma and g1 and g2 and not w4a4 and not ordered
-    atma1 = opt.gluon_a_tma and g1 and not ordered
-    atma2 = opt.gluon_a_tma and g2 and (w4a4 or mid_unit)
+    mid_unit, atma1, atma2 = _tma_rows(opt, w4a4, g1, g2, ordered)
     cuda = opt.cuda_decode and not w4a4  # the CUDA decode GEMMs, sized by the expected blocks
     cuda_blocks = opt.expected_blocks(n_routes, e_count, cfg1.block_m) if cuda else None
     gb1 = opt.grid_blocks(n_routes, e_count, cfg1.block_m, sort.num_blocks)
@@ -1796,27 +1822,27 @@ def workspace_bytes(
         # Segment partials of each split GEMM (at least 32-element tiles: SEGMENT is a
         # multiple of any BK), with the configs the call would take (``gemm_configs``).
         cfgs = gemm_configs_for(n, num_experts, h, i, mode, opt, act_scale)
-        if opt.ordered_for(mode, n, num_experts, h, i, *cfgs):
+        ordered = opt.ordered_for(mode, n, num_experts, h, i, *cfgs)
+        if ordered:
             tmp1 += t * h * 2  # FC1's input rows in the unit order (bf16)
         s1, s2 = opt.gemm_splits(n, num_experts, h, i, *cfgs)
-        if s1 and h > SEGMENT:
+        # the GEMMs on the CUDA decode kernel (TritonOptions.cuda_decode) hold no partials
+        g1, g2 = opt.gluon_runs(s1, h, w4a4, cfgs[0]), opt.gluon_runs(s2, i, w4a4, cfgs[1])
+        c1, c2 = _cuda_gemms(opt, w4a4, g1, g2, ordered, h, i, *cfgs)
+        if s1 and h > SEGMENT and not c1:
             tmp1 += -(-h // SEGMENT) * n * 2 * i * 4
-        if s2 and i > SEGMENT:
+        if s2 and i > SEGMENT and not c2:
             tmp2 += -(-i // SEGMENT) * n * h * 4
         if w4a4:  # the Gluon GEMMs' decoded activation rows (bf16)
-            if opt.gluon_runs(s1, h, True, cfgs[0]) or opt.fc1_whole_runs(
-                mode, act_scale, s1, dense, h, cfgs[0], n, num_experts
-            ):
+            if g1 or opt.fc1_whole_runs(mode, act_scale, s1, dense, h, cfgs[0], n, num_experts):
                 rows1 = (n if act_scale == "static" else t) * h * 2
                 if opt.quantize_decoded:  # written by the quantize kernel, held by
                     common += rows1  # moe_triton for the whole call
                 else:  # dense_rows inside FC1's launch, freed after it
                     tmp1 += rows1
-            if opt.gluon_runs(s2, i, True, cfgs[1]) or opt.whole_runs(
-                s2, dense, i, True, cfgs[1], n, num_experts
-            ):
+            if g2 or opt.whole_runs(s2, dense, i, True, cfgs[1], n, num_experts):
                 tmp2 += n * i * 2
-        elif opt.gluon_a_tma and opt.gluon_runs(s1, h, False, cfgs[0]):
+        elif opt.gluon_a_tma and g1:
             tmp1 += n * h * 2  # FC1's input rows gathered in sorted unit order (bf16)
     fc1 = common + act + tmp1
     fc2 = common + act + b_in + rows_out + tmp2
