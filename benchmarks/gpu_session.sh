@@ -98,12 +98,13 @@
 #   bash benchmarks/gpu_session.sh s22a       # the CUDA GEMMs' ring across items: bits, time
 #   bash benchmarks/gpu_session.sh s22b       # the CUDA GEMMs without decode / copies; ncu samples
 #   bash benchmarks/gpu_session.sh s22e       # cuda_decode.L2_NEXT: bits, time, kernels
+#   bash benchmarks/gpu_session.sh s22f       # cuda_decode.WARP_ROWS 16: bits, time
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s21f|s21g|s22a|s22b|s22e}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s21f|s21g|s22a|s22b|s22e|s22f}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -1217,6 +1218,17 @@ s22e)
     done
     step kernels_pf2_both 60 python3 benchmarks/profile_call.py --kernels --graph \
         --timeline --calls 5 --tokens 16 --cuda --cuda-cross --cuda-l2next 2
+    rm -rf "$out/cache"
+    ;;
+s22f)
+    # cuda_decode.WARP_ROWS 16: one 16-row A tile a warp (FC1 at 8 rows: 92 registers, 41
+    # KB a block of 7 warps, so 3 blocks an SM instead of 2): more warps for the same work
+    export FP4MOE_CACHE="$out/cache"
+    step cuda_tests 120 python3 -m pytest -m gpu --device cuda -q tests/test_cuda_decode.py \
+        -k "rows16"
+    step cuda 240 python3 benchmarks/sweep_decode.py --tokens 1 8 16 64 --modes w4a16 \
+        --variants c3 c3-cuda-x-fc1 c3-cuda-x-w16-fc1 c3-cuda-w16-fc1 c3-cuda-x \
+        c3-cuda-x-w16 --iters 20 --out "$out/cuda.json"
     rm -rf "$out/cache"
     ;;
 s20h)

@@ -53,11 +53,12 @@ Gluon kernels up to gluon_upto, no whole-K below it), c3-fill1 / c3-fill2
 (gluon_ws.SCHED_AHEAD: a valid program's block start and end read beside its expert),
 c3-rowfirst (launch.QUANTIZE_ROW_FIRST: W4A4's quantize programs load their first chunk
 before their global),
-c3-cuda[-dN][-rN][-capN][-x][-pfN][-diagN][-fc1|-fc2] (TritonOptions.cuda_decode: W4A16's
+c3-cuda[-dN][-rN][-capN][-x][-pfN][-w16][-diagN][-fc1|-fc2] (TritonOptions.cuda_decode: W4A16's
 Gluon GEMMs at 8- or 16-row tiles on the CUDA C++ kernel of kernels.cuda_decode, with N ring
 slots of four units a warp, N row groups a thread block, registers capped at N, the ring
 across a block's items (cuda_decode.CROSS_ITEMS), FC1 prefetching FC2's weights into L2
-(cuda_decode.L2_NEXT N), or one GEMM only; the same bits; -diagN:
+(cuda_decode.L2_NEXT N), 16 weight rows a warp (WARP_ROWS), or one GEMM only; the same bits;
+-diagN:
 cuda_decode.DIAG N, timing only, wrong results),
 c3-nofusedchain (TritonOptions.fused_chain off: with --fused, the accumulator's zeros after
 W4A4's quantize and torch's cast, as before session 16),
@@ -165,13 +166,13 @@ PREFILL_FLAGS = {
 
 def cuda_knobs(name: str, defaults: tuple) -> None:
     """Set ``cuda_decode``'s knobs for variant ``name``
-    (c3-cuda[-dN][-rN][-capN][-x][-pfN][-diagN][-fc1|-fc2]: N ring slots of four units a
-    warp, N row groups a thread block, registers capped at N, the ring across a block's
-    items, cuda_decode.L2_NEXT N, DIAG N (timing only), one GEMM only), or back to
-    ``defaults`` (DEPTH, ROWS_PER_BLOCK, ONLY, REG_CAP, CROSS_ITEMS; DIAG and L2_NEXT 0)
-    for any other name."""
+    (c3-cuda[-dN][-rN][-capN][-x][-pfN][-w16][-diagN][-fc1|-fc2]: N ring slots of four
+    units a warp, N row groups a thread block, registers capped at N, the ring across a
+    block's items, cuda_decode.L2_NEXT N, WARP_ROWS 16, DIAG N (timing only), one GEMM
+    only), or back to ``defaults`` (DEPTH, ROWS_PER_BLOCK, ONLY, REG_CAP, CROSS_ITEMS;
+    DIAG and L2_NEXT 0, WARP_ROWS 32) for any other name."""
     depth, rpb, only, cap, cross = defaults
-    diag, pf = 0, 0
+    diag, pf, wrows = 0, 0, 32
     if name.startswith("c3-cuda"):
         for part in name[7:].split("-")[1:]:
             if part.startswith("d") and part[1:].isdigit():
@@ -186,13 +187,15 @@ def cuda_knobs(name: str, defaults: tuple) -> None:
                 cross = True
             elif part[:2] == "pf" and part[2:].isdigit():
                 pf = int(part[2:])
+            elif part == "w16":
+                wrows = 16
             elif part.startswith("diag") and part[4:].isdigit():
                 diag = int(part[4:])
             else:
                 raise SystemExit(f"variant {name}: unknown part {part!r}")
     cuda_decode.DEPTH, cuda_decode.ROWS_PER_BLOCK, cuda_decode.ONLY = depth, rpb, only
     cuda_decode.REG_CAP, cuda_decode.CROSS_ITEMS = cap, cross
-    cuda_decode.DIAG, cuda_decode.L2_NEXT = diag, pf
+    cuda_decode.DIAG, cuda_decode.L2_NEXT, cuda_decode.WARP_ROWS = diag, pf, wrows
 
 
 def main() -> None:

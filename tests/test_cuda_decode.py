@@ -87,7 +87,7 @@ def test_decode_gemm_checks_its_arguments(monkeypatch):
         with pytest.raises(ValueError, match=name):
             cuda_decode.decode_gemm(*a, **k_)
     knobs = (("DEPTH", 5, "DEPTH"), ("CROSS_ITEMS", True, "CROSS_ITEMS"), ("DIAG", 4, "DIAG"),
-             ("L2_NEXT", 3, "L2_NEXT"))  # fmt: skip
+             ("L2_NEXT", 3, "L2_NEXT"), ("WARP_ROWS", 8, "WARP_ROWS"))  # fmt: skip
     for knob, value, name in knobs:
         with monkeypatch.context() as m:  # CROSS_ITEMS with DEPTH 3: built for 2 only
             m.setattr(cuda_decode, knob, value)
@@ -128,6 +128,10 @@ def test_rows_per_block_rule(monkeypatch):
     assert rpb(2, 7168, False, 6) == 4
     assert rpb(4, 14336, True, 40) == 2  # Mixtral's FC1
     assert rpb(14, 4096, False, 40) == 1  # Mixtral's FC2
+    with monkeypatch.context() as m:  # 16 rows a warp: half the outputs a row group
+        m.setattr(cuda_decode, "WARP_ROWS", 16)
+        assert rpb(2, 7168, False, 3) == 4  # 3 blocks: 336 items at 4 rows
+        assert rpb(7, 2048, True, 40) == 1
     monkeypatch.setattr(cuda_decode, "ROWS_PER_BLOCK", 4)
     assert rpb(7, 2048, True, 40) == 2 and rpb(2, 7168, False, 1) == 4
 
@@ -215,8 +219,9 @@ def test_cuda_decode_falls_back_without_the_kernel(interpret, device, monkeypatc
         assert "no CUDA device" in cuda_decode.build_error()
 
 
-KNOBS = {  # the experiment knobs' cases: CROSS_ITEMS, L2_NEXT
-    "": (False, 0), "cross": (True, 0), "cross-l2next1": (True, 1), "cross-l2next2": (True, 2),
+KNOBS = {  # the experiment knobs' cases: CROSS_ITEMS, L2_NEXT, WARP_ROWS
+    "": (False, 0, 32), "cross": (True, 0, 32), "cross-l2next1": (True, 1, 32),
+    "cross-l2next2": (True, 2, 32), "rows16": (False, 0, 16), "cross-rows16": (True, 0, 16),
 }  # fmt: skip
 
 
@@ -229,9 +234,11 @@ def test_cuda_decode_gpu(gpu_experts, monkeypatch, t, fused, knobs):
     the deterministic finalize and the reference's tolerance either way: DeepSeek-V3 EP8
     at 1 to 200 tokens (8- and 16-row tiles), every route on one expert (many blocks of
     one expert), every route masked (zeros); with the ring across items too
-    (``CROSS_ITEMS``) and with FC1 prefetching FC2's weights into L2 (``L2_NEXT``).
-    Outputs poisoned first; the kernel asserted to have run."""
-    cross, l2next = KNOBS[knobs]
+    (``CROSS_ITEMS``), with FC1 prefetching FC2's weights into L2 (``L2_NEXT``) and with
+    16 weight rows a warp (``WARP_ROWS``). Outputs poisoned first; the kernel asserted to
+    have run."""
+    cross, l2next, wrows = KNOBS[knobs]
+    monkeypatch.setattr(cuda_decode, "WARP_ROWS", wrows)
     monkeypatch.setattr(cuda_decode, "L2_NEXT", l2next)
     monkeypatch.setattr(cuda_decode, "CROSS_ITEMS", cross)
     if not cuda_decode.available():

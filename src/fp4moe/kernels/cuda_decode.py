@@ -61,6 +61,9 @@ REG_CAP: int | None = None
 # then fit the 50-MB L2)
 L2_NEXT = 0
 L2_NEXT_BLOCKS = 5
+# Experiment (a library of its own): weight rows a warp, 32 (two 16-row A tiles) or 16
+# (one: FC1's 8 gate rows and their 8 up rows), fewer registers and shared memory a warp
+WARP_ROWS = 32
 # Diagnostics, timing only (wrong results; a library of its own): 1 leaves the decode out
 # (the code words as the MMA's A fragments), 2 the weights' copies (codes and scales), 3
 # both
@@ -80,7 +83,7 @@ def nvcc() -> str | None:
 def _flags() -> tuple[str, ...]:
     """nvcc's flags: ``NVCC_FLAGS``, with the launch bounds' minimum blocks for a register
     cap where ``REG_CAP`` is set (512 threads a block: 65536 / 512 / cap blocks), the
-    diagnostic ``DIAG`` where it is not 0 and ``L2_NEXT``."""
+    diagnostic ``DIAG`` where it is not 0, ``L2_NEXT`` and ``WARP_ROWS`` 16."""
     flags = NVCC_FLAGS
     if REG_CAP:
         flags = (*flags, f"-DFP4MOE_MIN_BLOCKS={max(1, 128 // int(REG_CAP))}")
@@ -88,6 +91,8 @@ def _flags() -> tuple[str, ...]:
         flags = (*flags, f"-DFP4MOE_DIAG={int(DIAG)}")
     if L2_NEXT:
         flags = (*flags, f"-DFP4MOE_L2NEXT={int(L2_NEXT)}")
+    if WARP_ROWS == 16:
+        flags = (*flags, "-DFP4MOE_RT=1")
     return flags
 
 
@@ -184,7 +189,7 @@ def _rows_per_block(segs: int, n: int, gated: bool, blocks: int) -> int:
 
     if ROWS_PER_BLOCK is not None:
         return max(1, min(int(ROWS_PER_BLOCK), 16 // segs))
-    out_w = 16 if gated else 32
+    out_w = (16 if gated else 32) * WARP_ROWS // 32
     r = max(1, 8 // segs)
     while r > 1 and -(-n // (r * out_w)) * blocks < 2 * sm_count():
         r //= 2
@@ -271,6 +276,8 @@ def decode_gemm(
                              f"[{e}, {k}, {n // 2}] and scales float8_e4m3fn "
                              f"[{e}, {k}, {n // 16}]")  # fmt: skip
         nx = (c2.data_ptr(), s2.data_ptr(), int(L2_NEXT_BLOCKS))
+    if WARP_ROWS not in (16, 32):
+        raise ValueError(f"cuda_decode.WARP_ROWS: expected 16 or 32, got {WARP_ROWS!r}")
     if L2_NEXT not in (0, 1, 2):
         raise ValueError(f"cuda_decode.L2_NEXT: expected 0, 1 or 2, got {L2_NEXT!r}")
     if DIAG not in (0, 1, 2, 3):

@@ -57,7 +57,11 @@ struct Params {
 #endif
 };
 
-constexpr int RT = 2;          // 16-row A tiles a warp
+#ifndef FP4MOE_RT  // experiment (a library of its own): 1, one 16-row A tile a warp (FC1: 8
+#define FP4MOE_RT 2  // gate rows and their 8 up rows), half the registers and shared memory
+#endif
+constexpr int RT = FP4MOE_RT;  // 16-row A tiles a warp
+static_assert(RT == 1 || RT == 2, "FP4MOE_RT: 1 or 2");
 constexpr int UNITS = 16;      // 64-element units a 1024-element segment
 
 __device__ __forceinline__ void pdl_wait() {
@@ -160,10 +164,10 @@ __device__ __forceinline__ float div_full(float a, float b) {
 // SB buffers (2 with CROSS: the next item's copied while this one's are read).
 template <int DG, int SB = 1>
 struct WarpSmem {
-  static constexpr int GROUP = 32 * 128;
+  static constexpr int GROUP = RT * 16 * 128;
   static constexpr int SCALES = DG * GROUP;
   static constexpr int SROW = 80;
-  static constexpr int SBUF = 32 * SROW;
+  static constexpr int SBUF = RT * 16 * SROW;
   static constexpr int BYTES = SCALES + SB * SBUF;
 };
 
@@ -224,7 +228,7 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
   const int seg = warp % S, rg = warp / S;
   const int R = nwarps / S;
   const int gi = lane >> 2, q = lane & 3;
-  constexpr int OUT_W = GATED ? 16 : 32;  // outputs of a warp (row group)
+  constexpr int OUT_W = GATED ? 8 * RT : 16 * RT;  // outputs of a warp (row group)
   const int cta_out = R * OUT_W;
   const int N = p.n, K = p.k;
   const int ntiles = (N + cta_out - 1) / cta_out;
@@ -254,8 +258,13 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
   // weight row of warp row r (0..31) of the item of expert e_ at outputs n0_: tile r / 16,
   // row r % 16 of it
   auto wrow = [&](int e_, int n0_, int r) -> size_t {
+#if FP4MOE_RT == 2
     const int a = r >> 4, rr = r & 15;
     return (size_t)e_ * w_rows + (GATED ? a * N + n0_ + rr : n0_ + 16 * a + rr);
+#else  // one tile: FC1's rows 0..7 gate, 8..15 up
+    const int a = r >> 3, rr = r & 7;
+    return (size_t)e_ * w_rows + (GATED ? a * N + n0_ + rr : n0_ + r);
+#endif
   };
   // copies: lane l takes chunk l & 7 of row 4 i + (l >> 3) of each tile's quads i
   const int cl = lane >> 3, chunk = lane & 7;
@@ -268,7 +277,7 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
   // instruction
   auto copy_scales = [&](int e_, int n0_, uint32_t so) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 2 * RT; ++i) {
       const int r = 8 * i + (lane >> 2), pc = lane & 3;
       cp_async16(wsm + WS::SCALES + so + r * WS::SROW + pc * 16,
                  p.scales + wrow(e_, n0_, r) * srow + (size_t)seg * 64 + pc * 16, true);
@@ -474,14 +483,16 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
         for (int c = 0; c < 4; ++c) {
           const int m = start + 8 * j + 2 * q + (c & 1);
           if (m >= end) continue;
+          if (GATED && RT == 1 && c >= 2) continue;  // one tile: c + 2 is c's up row
 #pragma unroll
           for (int a = 0; a < (GATED ? 1 : RT); ++a) {
-            const int nn = n0 + (GATED ? 0 : 16 * a) + gi + 8 * (c >> 1);
+            const int nn = n0 + (GATED ? 0 : 16 * a) + gi + (GATED && RT == 1 ? 0 : 8 * (c >> 1));
             float y;
             if (GATED) {
               const float h256 = __fmul_rn(tot[0][j][c], 256.0f);
               const float hg = __fmul_rn(h256, g0);
-              const float hu = __fmul_rn(__fmul_rn(tot[1][j][c], 256.0f), g1);
+              const float up = RT == 1 ? tot[0][j][(c & 1) + 2] : tot[RT - 1][j][c];
+              const float hu = __fmul_rn(__fmul_rn(up, 256.0f), g1);
               const float nh = __fmaf_rn(-h256, g0, 0.0f);
               const float ex = ex2_approx(__fmul_rn(nh, 1.44269502162933349609f));
               const float sg = div_full(hg, __fadd_rn(ex, 1.0f));
@@ -543,7 +554,7 @@ cudaError_t launch_one(const Params& p, int rows_per_block, int num_blocks, int 
     occ[dev][key] = nb > 0 ? nb : 1;
   }
   const int sms = sm_count[dev];
-  const int out_w = GATED ? 16 : 32;
+  const int out_w = GATED ? 8 * RT : 16 * RT;
   const int cta_out = out_w * rows_per_block;
   const long long items = (long long)((p.n + cta_out - 1) / cta_out) * num_blocks;
   long long grid = (long long)occ[dev][key] * sms;
