@@ -187,7 +187,7 @@ __device__ __forceinline__ uint4 ldg_x(const void* p, bool ok) {
 // One group's codes (4 units of the warp's 32 rows) into the slot at dst: lane l copies
 // chunk l & 7 (16 bytes) of row 4 i + (l >> 3) of each tile's quads i, from cbase[a] (that
 // row's chunk at unit 0 of the segment) plus i quads (quad bytes) and g groups.
-__device__ __forceinline__ void copy_group(uint32_t dst, const uint8_t* const (&cbase)[RT],
+__device__ __forceinline__ void copy_group(uint32_t dst, const uint8_t* const (&cbase)[2],
                                            size_t quad, int g, int cl, int chunk,
                                            uint64_t pol = 0) {
 #pragma unroll
@@ -195,12 +195,12 @@ __device__ __forceinline__ void copy_group(uint32_t dst, const uint8_t* const (&
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = 16 * a + 4 * i + cl;
+      // RT 2: a base a tile (16 rows in a row); RT 1: a base a half (FC1's gate, up rows)
+      const uint8_t* src = RT == 2 ? cbase[a] + i * quad : cbase[i >> 1] + (i & 1) * quad;
       if constexpr (FP4MOE_L2NEXT == 2 && (FP4MOE_DIAG & 2) == 0)
-        cp_async16_pol(dst + r * 128 + ((chunk ^ (r & 7)) * 16), cbase[a] + i * quad + g * 128,
-                       pol);
+        cp_async16_pol(dst + r * 128 + ((chunk ^ (r & 7)) * 16), src + g * 128, pol);
       else
-        cp_async16(dst + r * 128 + ((chunk ^ (r & 7)) * 16), cbase[a] + i * quad + g * 128,
-                   true);
+        cp_async16(dst + r * 128 + ((chunk ^ (r & 7)) * 16), src + g * 128, true);
     }
 }
 
@@ -268,10 +268,10 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
   };
   // copies: lane l takes chunk l & 7 of row 4 i + (l >> 3) of each tile's quads i
   const int cl = lane >> 3, chunk = lane & 7;
-  auto code_bases = [&](int e_, int n0_, const uint8_t* (&cb)[RT]) {
+  auto code_bases = [&](int e_, int n0_, const uint8_t* (&cb)[2]) {  // rows 16 a + cl (RT 2)
 #pragma unroll
-    for (int a = 0; a < RT; ++a)
-      cb[a] = p.codes + wrow(e_, n0_, 16 * a + cl) * crow + (size_t)seg * 512 + chunk * 16;
+    for (int a = 0; a < 2; ++a)  // or 8 a + cl (RT 1)
+      cb[a] = p.codes + wrow(e_, n0_, 8 * RT * a + cl) * crow + (size_t)seg * 512 + chunk * 16;
   };
   // the item's segment of scales into the buffer at offset so: 4 lanes a row, 8 rows an
   // instruction
@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
     }
     auto issue_next = [&](int g2) {  // the next item's group g2 (< DG) into slot g2 % DG
       if (act2) {
-        const uint8_t* cb2[RT];
+        const uint8_t* cb2[2];
         code_bases(e2, n02, cb2);
         copy_group(wsm + (uint32_t)((g2 % DG) * WS::GROUP), cb2, 4 * crow, g2, cl, chunk,
                    pol_first);
@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
     float acc[RT][NT][4] = {};
 
     if (active) {
-      const uint8_t* cbase[RT];
+      const uint8_t* cbase[2];
       code_bases(e, n0, cbase);
       const size_t quad = 4 * crow;
       auto issue = [&](int g) {  // group g (4 units) into slot g % DG; one commit group
