@@ -148,6 +148,10 @@ ncu_source_steps() {  # ncu_source_steps TOKENS DIAG: ncu's warp samples a SASS 
     step "sass$tag" 60 ncu -i "$out/src$tag.ncu-rep" --page source --csv --print-source sass
     step "report$tag" 30 python3 benchmarks/ncu_source_report.py "$out/sass$tag.log"
 }
+cuda_build_step() {  # the CUDA decode library built with this machine's nvcc, or why not
+    step build 120 python3 -c "from fp4moe.kernels import cuda_decode as c; \
+        print(c.available(), c.build_error(), c.library_path())"
+}
 presets_steps() {  # presets_steps LIMIT_QWEN3 LIMIT_MIXTRAL: the bench's short rows of both
     local short=(--num-tokens 1 16 64 256 1024 8192 --iters 10)
     step qwen3 "$1" python3 -m fp4moe bench --preset qwen3-30b-a3b "${short[@]}" \
@@ -1075,8 +1079,7 @@ s21a)
     # machine's nvcc, then W4A16 at decode sizes against the defaults (bits: `same`) with
     # the ring slots a warp (dN) and the L2 prefetch, each GEMM alone at 16 tokens, and the tests
     export FP4MOE_CACHE="$out/cache"
-    step build 120 python3 -c "from fp4moe.kernels import cuda_decode as c; \
-        print(c.available(), c.build_error(), c.library_path())"
+    cuda_build_step
     step cuda 220 python3 benchmarks/sweep_decode.py --tokens 1 8 16 32 64 128 \
         --modes w4a16 --variants c3 c3-cuda c3-cuda-d2 c3-cuda-d6 c3-cuda-d8 c3-cuda-l2 \
         c3-cuda-d8-l2 --iters 20 --out "$out/cuda.json"
@@ -1089,8 +1092,7 @@ s21b)
     # s21a (session 21 item 1): 2x slower than the Gluon kernels with 14-warp thread blocks
     # (one an SM by registers). Row groups a block (rN) and ring slots (dN) by warps an SM
     export FP4MOE_CACHE="$out/cache"
-    step build 120 python3 -c "from fp4moe.kernels import cuda_decode as c; \
-        print(c.available(), c.build_error(), c.library_path())"
+    cuda_build_step
     step cuda 300 python3 benchmarks/sweep_decode.py --tokens 1 8 16 64 \
         --modes w4a16 --variants c3 c3-cuda-r1-d2 c3-cuda-r1-d3 c3-cuda-r1-d4 c3-cuda-r2-d2 \
         c3-cuda-r2-d3 c3-cuda-r4-d2 c3-cuda-r1-d3-l2 --iters 20 --out "$out/cuda.json"
@@ -1104,8 +1106,7 @@ s21c)
     # the segment's scales once, the activations by plain loads; groups of 4 units in
     # flight (dN) and row groups a block (rN)
     export FP4MOE_CACHE="$out/cache"
-    step build 120 python3 -c "from fp4moe.kernels import cuda_decode as c; \
-        print(c.available(), c.build_error(), c.library_path())"
+    cuda_build_step
     step cuda 300 python3 benchmarks/sweep_decode.py --tokens 1 8 16 64 \
         --modes w4a16 --variants c3 c3-cuda-d1-r1 c3-cuda-d2-r1 c3-cuda-d4-r1 c3-cuda-d2 \
         c3-cuda-d4 c3-cuda-d2-r2 c3-cuda-d2-r4 --iters 20 --out "$out/cuda.json"

@@ -15,7 +15,7 @@ import torch
 from fp4moe.kernels import cuda_decode
 from fp4moe.kernels.launch import TritonOptions, moe_triton
 from fp4moe.reference import moe_reference
-from test_kernels import GPU_SHAPES, _edge_routes, _gpu_routes, _x
+from test_kernels import GPU_SHAPES, _edge_inputs, _x
 from testing import TOL, pretend_hopper, rel_err
 
 
@@ -246,9 +246,7 @@ def test_cuda_decode_gpu(gpu_experts, monkeypatch, t, fused, knobs):
     e, h, _, k, e_total = GPU_SHAPES["deepseek-v3-ep8"]
     experts = gpu_experts("deepseek-v3-ep8")
     tt = 64 if isinstance(t, str) else t
-    x = _x(tt, h, seed=23, device="cuda")
-    ids, w = _gpu_routes(tt, k, e, e_total, seed=23)
-    ids = _edge_routes(ids, t)
+    x, ids, w = _edge_inputs(tt, t, h, k, e, e_total, seed=23)
     calls = []
     real = cuda_decode.decode_gemm
 

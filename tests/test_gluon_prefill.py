@@ -11,7 +11,7 @@ from fp4moe.bench import warm_up
 from fp4moe.kernels.launch import TritonOptions, moe_triton, workspace_bytes
 from fp4moe.reference import moe_reference
 from test_gluon_ws import _compile_check
-from test_kernels import GPU_SHAPES, MODES, _edge_routes, _gpu_routes, _mode_id, _x
+from test_kernels import GPU_SHAPES, MODES, _edge_inputs, _gpu_routes, _mode_id, _x
 from testing import TOL, pretend_hopper, rel_err
 
 
@@ -153,9 +153,8 @@ def test_gluon_prefill_gpu(gpu_experts, shape, t, mode, fused):
     experts = gpu_experts(shape)
     m, sc = mode
     tt = 512 if isinstance(t, str) else t
-    x = _x(tt, h, seed=7, device="cuda")
-    ids, w = _gpu_routes(tt, k, e, e_total, seed=7)
-    ids = _edge_routes(ids, t)  # one expert: many 128-row blocks of it, a partial last one
+    # one expert: many 128-row blocks of it, a partial last one
+    x, ids, w = _edge_inputs(tt, t, h, k, e, e_total, seed=7)
     outs = {}
     for on in (False, True):
         opt = TritonOptions(dense_above=0, gluon_prefill=on, poison=True)  # dense at any size

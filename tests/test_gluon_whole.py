@@ -12,7 +12,7 @@ from fp4moe.kernels.gemm import GemmConfig
 from fp4moe.kernels.launch import TritonOptions, moe_triton, workspace_bytes
 from fp4moe.reference import moe_reference
 from test_gluon_ws import _compile_check
-from test_kernels import GPU_SHAPES, MODES, _edge_routes, _gpu_routes, _mode_id, _x
+from test_kernels import GPU_SHAPES, MODES, _edge_inputs, _edge_routes, _gpu_routes, _mode_id, _x
 from testing import TOL, pretend_hopper, rel_err
 
 
@@ -137,9 +137,7 @@ def test_gluon_whole_gpu(gpu_experts, monkeypatch, t, mode, fused):
     experts = gpu_experts(shape)
     m, sc = mode
     tt = {"qwen3": 1024}.get(t, 256) if isinstance(t, str) else t
-    x = _x(tt, h, seed=17, device="cuda")
-    ids, w = _gpu_routes(tt, k, e, e_total, seed=17)
-    ids = _edge_routes(ids, t)
+    x, ids, w = _edge_inputs(tt, t, h, k, e, e_total, seed=17)
     wholes = []
     spl = gluon_ws.split_partials_tma
 

@@ -224,6 +224,14 @@ def _edge_routes(ids, case, expert=3):
     return ids
 
 
+def _edge_inputs(t_rows, case, h, k, e, e_total, seed):
+    """The GPU tests' inputs: x bf16 [t_rows, h] and routes (``_gpu_routes``) on the GPU,
+    with ``case``'s edge routes (``_edge_routes``)."""
+    x = _x(t_rows, h, seed=seed, device="cuda")
+    ids, w = _gpu_routes(t_rows, k, e, e_total, seed=seed)
+    return x, _edge_routes(ids, case), w
+
+
 def test_edge_routes():
     """The GPU tests' route edge cases (``_edge_routes``), checked here on the CPU."""
     ids = torch.tensor([[5, -1, 2], [0, 7, -1]], dtype=torch.int32)

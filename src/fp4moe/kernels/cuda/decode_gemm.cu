@@ -189,7 +189,7 @@ __device__ __forceinline__ uint4 ldg_x(const void* p, bool ok) {
 // row's chunk at unit 0 of the segment) plus i quads (quad bytes) and g groups.
 __device__ __forceinline__ void copy_group(uint32_t dst, const uint8_t* const (&cbase)[2],
                                            size_t quad, int g, int cl, int chunk,
-                                           uint64_t pol = 0) {
+                                           uint64_t pol) {
 #pragma unroll
   for (int a = 0; a < RT; ++a)
 #pragma unroll
