@@ -99,12 +99,13 @@
 #   bash benchmarks/gpu_session.sh s22b       # the CUDA GEMMs without decode / copies; ncu samples
 #   bash benchmarks/gpu_session.sh s22e       # cuda_decode.L2_NEXT: bits, time, kernels
 #   bash benchmarks/gpu_session.sh s22f       # cuda_decode.WARP_ROWS 16: bits, time
+#   bash benchmarks/gpu_session.sh s23a       # session 23 (no GPU then): the CUDA tests with T = 0, a short bench
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s21f|s21g|s22a|s22b|s22e|s22f}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s21f|s21g|s22a|s22b|s22e|s22f|s23a}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -1230,6 +1231,17 @@ s22f)
     step cuda 240 python3 benchmarks/sweep_decode.py --tokens 1 8 16 64 --modes w4a16 \
         --variants c3 c3-cuda-x-fc1 c3-cuda-x-w16-fc1 c3-cuda-w16-fc1 c3-cuda-x \
         c3-cuda-x-w16 --iters 20 --out "$out/cuda.json"
+    rm -rf "$out/cache"
+    ;;
+s23a)
+    # Session 23 had no GPU: its one GPU change, the CUDA kernel's T = 0 case, with every
+    # knob's case of test_cuda_decode_gpu; then the defaults' short bench (issue 3's and
+    # 4's decode rows, as session 22's)
+    export FP4MOE_CACHE="$out/cache"
+    cuda_build_step
+    step cuda_tests 300 python3 -m pytest -m gpu --device cuda -q tests/test_cuda_decode.py
+    step bench 300 python3 -m fp4moe bench --num-tokens 1 8 16 32 64 --finalize both \
+        --iters 10 --out "$out/bench"
     rm -rf "$out/cache"
     ;;
 s20h)

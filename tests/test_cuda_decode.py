@@ -228,15 +228,16 @@ KNOBS = {  # the experiment knobs' cases: CROSS_ITEMS, L2_NEXT, WARP_ROWS
 @pytest.mark.gpu
 @pytest.mark.parametrize("knobs", list(KNOBS))
 @pytest.mark.parametrize("fused", [False, True], ids=["deterministic", "fused"])
-@pytest.mark.parametrize("t", [1, 3, 16, 64, 200, "one-expert", "all-masked"])
+@pytest.mark.parametrize("t", [0, 1, 3, 16, 64, 200, "one-expert", "all-masked"])
 def test_cuda_decode_gpu(gpu_experts, monkeypatch, t, fused, knobs):
     """On the H200, W4A16 with the CUDA decode GEMMs gives the default kernels' bits with
     the deterministic finalize and the reference's tolerance either way: DeepSeek-V3 EP8
-    at 1 to 200 tokens (8- and 16-row tiles), every route on one expert (many blocks of
-    one expert), every route masked (zeros); with the ring across items too
+    at 0 tokens (an empty output, the kernel not called), at 1 to 200 tokens (8- and
+    16-row tiles), every route on one expert (many blocks of one expert), every route
+    masked (zeros); with the ring across items too
     (``CROSS_ITEMS``), with FC1 prefetching FC2's weights into L2 (``L2_NEXT``) and with
     16 weight rows a warp (``WARP_ROWS``). Outputs poisoned first; the kernel asserted to
-    have run."""
+    have run (from 1 token)."""
     cross, l2next, wrows = KNOBS[knobs]
     monkeypatch.setattr(cuda_decode, "WARP_ROWS", wrows)
     monkeypatch.setattr(cuda_decode, "L2_NEXT", l2next)
@@ -260,6 +261,9 @@ def test_cuda_decode_gpu(gpu_experts, monkeypatch, t, fused, knobs):
     assert not calls
     out = moe_triton(x, ids, w, experts, mode="w4a16", fused_finalize=fused,
                      options=TritonOptions(poison=True, cuda_decode=True))  # fmt: skip
+    if t == 0:
+        assert out.shape == (0, h) and base.shape == (0, h) and not calls
+        return
     assert sorted(set(calls)) == [False, True], calls
     if t == "all-masked":
         assert not out.float().abs().any()
