@@ -99,13 +99,14 @@
 #   bash benchmarks/gpu_session.sh s22b       # the CUDA GEMMs without decode / copies; ncu samples
 #   bash benchmarks/gpu_session.sh s22e       # cuda_decode.L2_NEXT: bits, time, kernels
 #   bash benchmarks/gpu_session.sh s22f       # cuda_decode.WARP_ROWS 16: bits, time
-#   bash benchmarks/gpu_session.sh s23a       # session 23 (no GPU then): the CUDA tests with T = 0, a short bench
+#   bash benchmarks/gpu_session.sh s23a       # session 23 (no GPU then): CUDA tests with T = 0, DIAG 4
+#   bash benchmarks/gpu_session.sh s23b       # the defaults' short bench (session 22's rows)
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s21f|s21g|s22a|s22b|s22e|s22f|s23a}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s21f|s21g|s22a|s22b|s22e|s22f|s23a|s23b}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -1234,15 +1235,26 @@ s22f)
     rm -rf "$out/cache"
     ;;
 s23a)
-    # Session 23 had no GPU: its one GPU change, the CUDA kernel's T = 0 case, with every
-    # knob's case of test_cuda_decode_gpu; then the defaults' short bench (issue 3's and
-    # 4's decode rows, as session 22's)
+    # Session 23 had no GPU: the CUDA kernel's T = 0 case with every knob's case of
+    # test_cuda_decode_gpu; DIAG 4 (the decode in the 15 instructions a word of the best
+    # rotated code layout, wrong values) against DIAG 0, CROSS on, both GEMMs and FC1
+    # alone, whole calls and the 16-token kernels (about 7 minutes)
     export FP4MOE_CACHE="$out/cache"
     cuda_build_step
     step cuda_tests 300 python3 -m pytest -m gpu --device cuda -q tests/test_cuda_decode.py
+    step diag4 240 python3 benchmarks/sweep_decode.py --tokens 1 16 64 --modes w4a16 \
+        --variants c3 c3-cuda-x c3-cuda-x-diag4 c3-cuda-x-fc1 c3-cuda-x-diag4-fc1 \
+        --iters 20 --out "$out/diag4.json"
+    for d in 0 4; do
+        step "kernels_diag$d" 60 python3 benchmarks/profile_call.py --kernels --graph \
+            --timeline --calls 5 --tokens 16 --cuda --cuda-cross --cuda-diag "$d"
+    done
+    rm -rf "$out/cache"
+    ;;
+s23b)
+    # The defaults' short bench, as session 22's (issue 3's and 4's decode rows)
     step bench 300 python3 -m fp4moe bench --num-tokens 1 8 16 32 64 --finalize both \
         --iters 10 --out "$out/bench"
-    rm -rf "$out/cache"
     ;;
 s20h)
     # After the WS removal and the rows' staging change (_stage_x CH): the split Gluon

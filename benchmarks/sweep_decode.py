@@ -59,7 +59,7 @@ slots of four units a warp, N row groups a thread block, registers capped at N, 
 across a block's items (cuda_decode.CROSS_ITEMS), FC1 prefetching FC2's weights into L2
 (cuda_decode.L2_NEXT N), 16 weight rows a warp (WARP_ROWS), or one GEMM only; the same bits;
 -diagN:
-cuda_decode.DIAG N, timing only, wrong results),
+cuda_decode.DIAG N, timing only, wrong results; 4: the decode in a rotated layout's form),
 c3-nofusedchain (TritonOptions.fused_chain off: with --fused, the accumulator's zeros after
 W4A4's quantize and torch's cast, as before session 16),
 c3-prefill, c3-noprefill (TritonOptions.gluon_prefill on / off: the dense path's GEMMs on

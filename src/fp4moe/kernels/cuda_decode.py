@@ -66,7 +66,8 @@ L2_NEXT_BLOCKS = 5
 WARP_ROWS = 32
 # Diagnostics, timing only (wrong results; a library of its own): 1 leaves the decode out
 # (the code words as the MMA's A fragments), 2 the weights' copies (codes and scales), 3
-# both
+# both; 4 decodes in the 15 instructions a code word that the best rotated code layout
+# would allow (against 18; docs/perf-notes.md session 23), on today's codes
 DIAG = 0
 
 _ERR: list[str] = []
@@ -280,8 +281,8 @@ def decode_gemm(
         raise ValueError(f"cuda_decode.WARP_ROWS: expected 16 or 32, got {WARP_ROWS!r}")
     if L2_NEXT not in (0, 1, 2):
         raise ValueError(f"cuda_decode.L2_NEXT: expected 0, 1 or 2, got {L2_NEXT!r}")
-    if DIAG not in (0, 1, 2, 3):
-        raise ValueError(f"cuda_decode.DIAG: expected 0, 1, 2 or 3, got {DIAG!r}")
+    if DIAG not in (0, 1, 2, 3, 4):
+        raise ValueError(f"cuda_decode.DIAG: expected 0 to 4, got {DIAG!r}")
     if CROSS_ITEMS and int(DEPTH) != 2:
         raise ValueError(f"cuda_decode.CROSS_ITEMS: needs DEPTH 2, got {DEPTH!r}")
     tensors = (x, sorted_routes, codes, scales, block_expert, block_start, block_end,
