@@ -99,7 +99,7 @@
 #   bash benchmarks/gpu_session.sh s22b       # the CUDA GEMMs without decode / copies; ncu samples
 #   bash benchmarks/gpu_session.sh s22e       # cuda_decode.L2_NEXT: bits, time, kernels
 #   bash benchmarks/gpu_session.sh s22f       # cuda_decode.WARP_ROWS 16: bits, time
-#   bash benchmarks/gpu_session.sh s23a       # session 23 (no GPU then): CUDA tests with T = 0, DIAG 4
+#   bash benchmarks/gpu_session.sh s23a       # session 23 (no GPU then): CUDA tests (T = 0, ROT), ROT timed
 #   bash benchmarks/gpu_session.sh s23b       # the defaults' short bench (session 22's rows)
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
@@ -1235,20 +1235,20 @@ s22f)
     rm -rf "$out/cache"
     ;;
 s23a)
-    # Session 23 had no GPU: the CUDA kernel's T = 0 case with every knob's case of
-    # test_cuda_decode_gpu; DIAG 4 (the decode in the 15 instructions a word of the best
-    # rotated code layout, wrong values) against DIAG 0, CROSS on, both GEMMs and FC1
-    # alone, whole calls and the 16-token kernels (about 7 minutes)
+    # Session 23 had no GPU: the CUDA kernel's T = 0 case and the rotated code layout
+    # (ROT_LAYOUT: 15 decode instructions a code word against 18, the same bits) with every
+    # knob's case of test_cuda_decode_gpu; then ROT against today's layout, CROSS on, both
+    # GEMMs and FC1 alone, whole calls and the 16-token kernels (about 7 minutes)
     export FP4MOE_CACHE="$out/cache"
     cuda_build_step
     step cuda_tests 300 python3 -m pytest -m gpu --device cuda -q tests/test_cuda_decode.py
-    step diag4 240 python3 benchmarks/sweep_decode.py --tokens 1 16 64 --modes w4a16 \
-        --variants c3 c3-cuda-x c3-cuda-x-diag4 c3-cuda-x-fc1 c3-cuda-x-diag4-fc1 \
-        --iters 20 --out "$out/diag4.json"
-    for d in 0 4; do
-        step "kernels_diag$d" 60 python3 benchmarks/profile_call.py --kernels --graph \
-            --timeline --calls 5 --tokens 16 --cuda --cuda-cross --cuda-diag "$d"
-    done
+    step rot 240 python3 benchmarks/sweep_decode.py --tokens 1 16 64 --modes w4a16 \
+        --variants c3 c3-cuda-x c3-cuda-x-rot c3-cuda-x-fc1 c3-cuda-x-rot-fc1 \
+        --iters 20 --out "$out/rot.json"
+    step kernels 60 python3 benchmarks/profile_call.py --kernels --graph --timeline \
+        --calls 5 --tokens 16 --cuda --cuda-cross
+    step kernels_rot 60 python3 benchmarks/profile_call.py --kernels --graph --timeline \
+        --calls 5 --tokens 16 --cuda --cuda-cross --cuda-rot
     rm -rf "$out/cache"
     ;;
 s23b)

@@ -55,6 +55,7 @@ p.add_argument("--cuda-nopdl", action="store_true", help="cuda_decode.PDL False"
 p.add_argument("--cuda-diag", type=int, default=0, help="cuda_decode.DIAG (timing only)")
 p.add_argument("--cuda-l2next", type=int, default=0, help="cuda_decode.L2_NEXT (0 to 2)")
 p.add_argument("--cuda-cross", action="store_true", help="cuda_decode.CROSS_ITEMS")
+p.add_argument("--cuda-rot", action="store_true", help="cuda_decode.ROT_LAYOUT")
 p.add_argument("--graph", action="store_true",
                help="--kernels over replays of one CUDA graph of the call")  # fmt: skip
 p.add_argument("--timeline", action="store_true",
@@ -95,6 +96,7 @@ if a.cuda:
     cuda_decode.DIAG = a.cuda_diag
     cuda_decode.L2_NEXT = a.cuda_l2next
     cuda_decode.CROSS_ITEMS = a.cuda_cross
+    cuda_decode.ROT_LAYOUT = a.cuda_rot
 if a.gluon_tma == 0:
     kw["gluon_decode"] = False
 elif a.gluon_tma is not None:

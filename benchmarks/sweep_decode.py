@@ -53,13 +53,15 @@ Gluon kernels up to gluon_upto, no whole-K below it), c3-fill1 / c3-fill2
 (gluon_ws.SCHED_AHEAD: a valid program's block start and end read beside its expert),
 c3-rowfirst (launch.QUANTIZE_ROW_FIRST: W4A4's quantize programs load their first chunk
 before their global),
-c3-cuda[-dN][-rN][-capN][-x][-pfN][-w16][-diagN][-fc1|-fc2] (TritonOptions.cuda_decode: W4A16's
-Gluon GEMMs at 8- or 16-row tiles on the CUDA C++ kernel of kernels.cuda_decode, with N ring
-slots of four units a warp, N row groups a thread block, registers capped at N, the ring
-across a block's items (cuda_decode.CROSS_ITEMS), FC1 prefetching FC2's weights into L2
-(cuda_decode.L2_NEXT N), 16 weight rows a warp (WARP_ROWS), or one GEMM only; the same bits;
+c3-cuda[-dN][-rN][-capN][-x][-pfN][-w16][-rot][-diagN][-fc1|-fc2]
+(TritonOptions.cuda_decode: W4A16's Gluon GEMMs at 8- or 16-row tiles on the CUDA C++
+kernel of kernels.cuda_decode, with N ring slots of four units a warp, N row groups a
+thread block, registers capped at N, the ring across a block's items
+(cuda_decode.CROSS_ITEMS), FC1 prefetching FC2's weights into L2 (cuda_decode.L2_NEXT N),
+16 weight rows a warp (WARP_ROWS), the codes in the rotated layout (ROT_LAYOUT), or one
+GEMM only; the same bits;
 -diagN:
-cuda_decode.DIAG N, timing only, wrong results; 4: the decode in a rotated layout's form),
+cuda_decode.DIAG N, timing only, wrong results),
 c3-nofusedchain (TritonOptions.fused_chain off: with --fused, the accumulator's zeros after
 W4A4's quantize and torch's cast, as before session 16),
 c3-prefill, c3-noprefill (TritonOptions.gluon_prefill on / off: the dense path's GEMMs on
@@ -166,13 +168,13 @@ PREFILL_FLAGS = {
 
 def cuda_knobs(name: str, defaults: tuple) -> None:
     """Set ``cuda_decode``'s knobs for variant ``name``
-    (c3-cuda[-dN][-rN][-capN][-x][-pfN][-w16][-diagN][-fc1|-fc2]: N ring slots of four
-    units a warp, N row groups a thread block, registers capped at N, the ring across a
-    block's items, cuda_decode.L2_NEXT N, WARP_ROWS 16, DIAG N (timing only), one GEMM
-    only), or back to ``defaults`` (DEPTH, ROWS_PER_BLOCK, ONLY, REG_CAP, CROSS_ITEMS;
-    DIAG and L2_NEXT 0, WARP_ROWS 32) for any other name."""
+    (c3-cuda[-dN][-rN][-capN][-x][-pfN][-w16][-rot][-diagN][-fc1|-fc2]: N ring slots of
+    four units a warp, N row groups a thread block, registers capped at N, the ring across
+    a block's items, cuda_decode.L2_NEXT N, WARP_ROWS 16, ROT_LAYOUT, DIAG N (timing
+    only), one GEMM only), or back to ``defaults`` (DEPTH, ROWS_PER_BLOCK, ONLY, REG_CAP,
+    CROSS_ITEMS; DIAG and L2_NEXT 0, WARP_ROWS 32, ROT_LAYOUT off) for any other name."""
     depth, rpb, only, cap, cross = defaults
-    diag, pf, wrows = 0, 0, 32
+    diag, pf, wrows, rot = 0, 0, 32, False
     if name.startswith("c3-cuda"):
         for part in name[7:].split("-")[1:]:
             if part.startswith("d") and part[1:].isdigit():
@@ -189,6 +191,8 @@ def cuda_knobs(name: str, defaults: tuple) -> None:
                 pf = int(part[2:])
             elif part == "w16":
                 wrows = 16
+            elif part == "rot":
+                rot = True
             elif part.startswith("diag") and part[4:].isdigit():
                 diag = int(part[4:])
             else:
@@ -196,6 +200,7 @@ def cuda_knobs(name: str, defaults: tuple) -> None:
     cuda_decode.DEPTH, cuda_decode.ROWS_PER_BLOCK, cuda_decode.ONLY = depth, rpb, only
     cuda_decode.REG_CAP, cuda_decode.CROSS_ITEMS = cap, cross
     cuda_decode.DIAG, cuda_decode.L2_NEXT, cuda_decode.WARP_ROWS = diag, pf, wrows
+    cuda_decode.ROT_LAYOUT = rot
 
 
 def main() -> None:

@@ -73,27 +73,131 @@ def _unit_mean(sass: str, spec: str) -> tuple[float, int]:
     raise AssertionError(f"no specialization {spec}")
 
 
-def test_diag4_decode_is_shorter(tmp_path):
-    """``DIAG`` 4 (timing only) holds session 23's prediction in SASS: the decode that the
-    best rotated code layout would allow, 15 instructions a code word against 18, so a unit
-    of the 16-token FC1 and FC2 (8 code words a warp) has 24 fewer, with the same HMMAs."""
+def test_rot_decode_is_shorter(tmp_path):
+    """``ROT_LAYOUT``'s library holds session 23's count in SASS: ``decode_rot``'s 15
+    instructions a code word against ``decode_pair``'s 18, so a unit of the 16-token FC1
+    and FC2 (8 code words a warp) has 24 fewer, with the same HMMAs."""
     dump = _cuobjdump()
     if dump is None:
         pytest.skip("no cuobjdump")
     means = {}
-    for diag in (0, 4):
-        out = tmp_path / f"lib{diag}.so"
+    for rot in (0, 1):
+        out = tmp_path / f"lib{rot}.so"
         res = subprocess.run(
-            [cuda_decode.nvcc(), *cuda_decode.NVCC_FLAGS, f"-DFP4MOE_DIAG={diag}", "-o",
+            [cuda_decode.nvcc(), *cuda_decode.NVCC_FLAGS, f"-DFP4MOE_ROT={rot}", "-o",
              str(out), str(cuda_decode.SOURCE)],
             capture_output=True, text=True,
         )  # fmt: skip
         assert res.returncode == 0, res.stderr[-3000:]
         sass = subprocess.run([dump, "-sass", str(out)], capture_output=True, text=True).stdout
-        means[diag] = [_unit_mean(sass, spec) for spec in ("Lb1ELi1ELi2ELb0E", "Lb0ELi1ELi2ELb0E")]
-    for (base, n0), (short, n4) in zip(means[0], means[4]):
-        assert n0 == n4 == 128
+        means[rot] = [_unit_mean(sass, spec) for spec in ("Lb1ELi1ELi2ELb0E", "Lb0ELi1ELi2ELb0E")]
+    for (base, n0), (short, n1) in zip(means[0], means[1]):
+        assert n0 == n1 == 128
         assert 20 <= base - short <= 28, (base, short)
+
+
+def _ptx_of(fn: str, nth: int = 0) -> list[str]:
+    """The PTX lines of the ``nth`` inline asm of ``fn`` in decode_gemm.cu (its template's
+    string literals joined, split at the newlines)."""
+    src = cuda_decode.SOURCE.read_text()
+    body = src[src.index(f"void {fn}(") :]
+    body = body[: body.index("\n}\n")]
+    for _ in range(nth + 1):
+        body = body[body.index("asm(") + 4 :]
+    quoted = False
+    for i, ch in enumerate(body):  # the template ends at the first ':' outside a string
+        if ch == '"' and body[i - 1] != "\\":
+            quoted = not quoted
+        elif ch == ":" and not quoted:
+            body = body[:i]
+            break
+    text = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', body))
+    return [ln.strip().rstrip(";") for ln in text.split("\\n") if ln.strip()]
+
+
+def _run_ptx(lines: list[str], args: dict[str, int]) -> dict[str, int]:
+    """The integer part of the decode's PTX on one input: mov, and, mul.lo, prmt (b 0,
+    the default mode), shf.l.wrap and lop3; an fma.rn.bf16x2 stores its first source (the
+    pair before the scale) in its destination. Returns every register."""
+    regs = dict(args)
+    m32 = 0xFFFFFFFF
+
+    def val(t: str) -> int:
+        t = t.strip()
+        return regs[t] if t in regs else int(t, 0) & m32
+
+    for ln in lines:
+        if ln.startswith(("{", "}", ".reg")):
+            continue
+        op, rest = ln.split(None, 1)
+        d, *src = [t.strip() for t in rest.split(",")]
+        if op == "mov.b32":
+            regs[d] = val(src[0])
+        elif op == "and.b32":
+            regs[d] = val(src[0]) & val(src[1])
+        elif op == "mul.lo.u32":
+            regs[d] = val(src[0]) * val(src[1]) & m32
+        elif op == "shf.l.wrap.b32":
+            a, n = val(src[0]), val(src[2]) % 32
+            assert val(src[1]) == a  # a rotation
+            regs[d] = (a << n | a >> (32 - n)) & m32 if n else a
+        elif op == "lop3.b32":
+            a, b, c, lut = (val(t) for t in src)
+            regs[d] = sum(
+                (lut >> ((a >> i & 1) << 2 | (b >> i & 1) << 1 | (c >> i & 1)) & 1) << i
+                for i in range(32)
+            )  # fmt: skip
+        elif op == "prmt.b32":
+            a, b, sel = val(src[0]), val(src[1]), val(src[2])
+            assert b == 0 and not sel & 0x8888  # no sign replication in these decodes
+            pool = a | b << 32
+            regs[d] = sum((pool >> (8 * (sel >> 4 * i & 7)) & 0xFF) << 8 * i for i in range(4))
+        elif op == "fma.rn.bf16x2":
+            regs[d] = val(src[0])
+        else:
+            raise AssertionError(f"unexpected PTX: {ln}")
+    return regs
+
+
+def test_rotated_layout_gives_todays_registers():
+    """The rotated layout is lossless, and ``decode_rot`` (its PTX in decode_gemm.cu, run
+    here on the integer part) builds from a rotated word exactly the four bf16 pair
+    registers (before the scale's fma) that ``decode_pair`` builds from today's word: its
+    two steps' low and high nibbles' registers. So the same MMA operands, the same bits.
+    Checked on every one-bit word, 0, all ones and 5000 random words (the integer decode
+    is linear over bits, so the one-bit words alone decide it); the kept copy is made anew
+    when the codes change in place; bad codes are refused."""
+    pair, even, odd = _ptx_of("decode_pair"), _ptx_of("decode_rot"), _ptx_of("decode_rot", 1)
+    g = torch.Generator().manual_seed(23)
+    words = [1 << b for b in range(32)] + [0, 0xFFFFFFFF]
+    words += torch.randint(0, 1 << 32, (5000,), generator=g, dtype=torch.int64).tolist()
+    as_bytes = torch.tensor([[w >> (8 * i) & 0xFF for i in range(4)] for w in words],
+                            dtype=torch.uint8)  # fmt: skip
+    rotated = cuda_decode.rotated_codes(as_bytes)
+    assert torch.equal(cuda_decode.rotated_codes(rotated, inverse=True), as_bytes)
+    assert sorted(cuda_decode.ROT_PERM) == list(range(32))
+    for w, rb in zip(words, rotated.tolist()):
+        v = rb[0] | rb[1] << 8 | rb[2] << 16 | rb[3] << 24
+        today = []
+        for sel in (0x4140, 0x4342):  # steps 2 j and 2 j + 1 (bytes 0, 1 and 2, 3)
+            r = _run_ptx([ln.replace("%4", str(sel)) for ln in pair], {"%2": w, "%3": 0})
+            today += [r["%0"], r["%1"]]
+        got = []
+        for ptx in (even, odd):
+            r = _run_ptx(ptx, {"%2": v, "%3": 0})
+            got += [r["%0"], r["%1"]]
+        assert got == today, hex(w)
+    kept = cuda_decode._rotated(as_bytes)  # ROT_LAYOUT's copy: made once a codes tensor
+    assert cuda_decode._rotated(as_bytes) is kept and torch.equal(kept, rotated)
+    changed = as_bytes.clone()
+    changed[0, 0] ^= 1  # changed in place: a new copy
+    first = cuda_decode._rotated(changed)
+    changed[0, 0] ^= 1
+    assert torch.equal(cuda_decode._rotated(changed), rotated) and not torch.equal(first, rotated)
+    with pytest.raises(ValueError, match="codes"):
+        cuda_decode.rotated_codes(as_bytes[:, :3])
+    with pytest.raises(ValueError, match="codes"):
+        cuda_decode.rotated_codes(as_bytes.to(torch.int32))
 
 
 def test_decode_gemm_checks_its_arguments(monkeypatch):
@@ -130,6 +234,11 @@ def test_decode_gemm_checks_its_arguments(monkeypatch):
                 m.setattr(cuda_decode, "DEPTH", 3 if knob == "CROSS_ITEMS" else value)
             with pytest.raises(ValueError, match=name):
                 cuda_decode.decode_gemm(*args, **kw)
+    with monkeypatch.context() as m:  # the rotated codes are not what L2_NEXT prefetches
+        m.setattr(cuda_decode, "ROT_LAYOUT", True)
+        m.setattr(cuda_decode, "L2_NEXT", 1)
+        with pytest.raises(ValueError, match="ROT_LAYOUT"):
+            cuda_decode.decode_gemm(*args, **kw)
     with monkeypatch.context() as m:  # FC2's weights for the L2 prefetch: [E, K, n / 2]
         m.setattr(cuda_decode, "L2_NEXT", 1)
         c2 = torch.zeros(e, k, n // 2, dtype=torch.uint8)
@@ -254,9 +363,12 @@ def test_cuda_decode_falls_back_without_the_kernel(interpret, device, monkeypatc
         assert "no CUDA device" in cuda_decode.build_error()
 
 
-KNOBS = {  # the experiment knobs' cases: CROSS_ITEMS, L2_NEXT, WARP_ROWS
-    "": (False, 0, 32), "cross": (True, 0, 32), "cross-l2next1": (True, 1, 32),
-    "cross-l2next2": (True, 2, 32), "rows16": (False, 0, 16), "cross-rows16": (True, 0, 16),
+KNOBS = {  # the experiment knobs' cases: CROSS_ITEMS, L2_NEXT, WARP_ROWS, ROT_LAYOUT
+    "": (False, 0, 32, False), "cross": (True, 0, 32, False),
+    "cross-l2next1": (True, 1, 32, False), "cross-l2next2": (True, 2, 32, False),
+    "rows16": (False, 0, 16, False), "cross-rows16": (True, 0, 16, False),
+    "rot": (False, 0, 32, True), "cross-rot": (True, 0, 32, True),
+    "rows16-rot": (False, 0, 16, True),
 }  # fmt: skip
 
 
@@ -270,10 +382,12 @@ def test_cuda_decode_gpu(gpu_experts, monkeypatch, t, fused, knobs):
     at 0 tokens (an empty output, the kernel not called), at 1 to 200 tokens (8- and
     16-row tiles), every route on one expert (many blocks of one expert), every route
     masked (zeros); with the ring across items too
-    (``CROSS_ITEMS``), with FC1 prefetching FC2's weights into L2 (``L2_NEXT``) and with
-    16 weight rows a warp (``WARP_ROWS``). Outputs poisoned first; the kernel asserted to
+    (``CROSS_ITEMS``), with FC1 prefetching FC2's weights into L2 (``L2_NEXT``), with
+    16 weight rows a warp (``WARP_ROWS``) and with the codes in the rotated layout
+    (``ROT_LAYOUT``, bitwise too). Outputs poisoned first; the kernel asserted to
     have run (from 1 token)."""
-    cross, l2next, wrows = KNOBS[knobs]
+    cross, l2next, wrows, rot = KNOBS[knobs]
+    monkeypatch.setattr(cuda_decode, "ROT_LAYOUT", rot)
     monkeypatch.setattr(cuda_decode, "WARP_ROWS", wrows)
     monkeypatch.setattr(cuda_decode, "L2_NEXT", l2next)
     monkeypatch.setattr(cuda_decode, "CROSS_ITEMS", cross)

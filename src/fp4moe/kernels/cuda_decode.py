@@ -28,7 +28,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["applies", "available", "build_error", "decode_gemm", "library_path"]
+__all__ = [
+    "ROT_PERM", "applies", "available", "build_error", "decode_gemm", "library_path",
+    "rotated_codes",
+]  # fmt: skip
 
 SOURCE = Path(__file__).with_name("cuda") / "decode_gemm.cu"
 ABI = 4
@@ -66,9 +69,20 @@ L2_NEXT_BLOCKS = 5
 WARP_ROWS = 32
 # Diagnostics, timing only (wrong results; a library of its own): 1 leaves the decode out
 # (the code words as the MMA's A fragments), 2 the weights' copies (codes and scales), 3
-# both; 4 decodes in the 15 instructions a code word that the best rotated code layout
-# would allow (against 18; docs/perf-notes.md session 23), on today's codes
+# both
 DIAG = 0
+# Experiment (a library of its own; built in session 23, not yet run on a GPU): the kernel
+# reads a copy of the codes in the rotated layout (``rotated_codes``, made once a codes
+# tensor and kept) and decodes each code word in 15 instructions instead of 18, into the
+# same registers, so the same bits (docs/perf-notes.md session 23 item 1)
+ROT_LAYOUT = False
+
+# The rotated layout: bit b of each little-endian 32-bit code word is bit ROT_PERM[b] of
+# today's word (``decode_rot`` in decode_gemm.cu builds today's four bf16 pair registers
+# of the word from it: rotations 0, 1, 2, 3, 6 and 12, AND and LOP3 masks)
+ROT_PERM = (20, 21, 22, 4, 5, 6, 0, 1, 2, 23, 24, 25, 26, 19, 7, 3,
+            28, 29, 30, 12, 13, 14, 8, 9, 10, 31, 16, 17, 18, 27, 15, 11)  # fmt: skip
+_ROTATED: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 _ERR: list[str] = []
 
@@ -84,7 +98,8 @@ def nvcc() -> str | None:
 def _flags() -> tuple[str, ...]:
     """nvcc's flags: ``NVCC_FLAGS``, with the launch bounds' minimum blocks for a register
     cap where ``REG_CAP`` is set (512 threads a block: 65536 / 512 / cap blocks), the
-    diagnostic ``DIAG`` where it is not 0, ``L2_NEXT`` and ``WARP_ROWS`` 16."""
+    diagnostic ``DIAG`` where it is not 0, ``L2_NEXT``, ``WARP_ROWS`` 16 and
+    ``ROT_LAYOUT``."""
     flags = NVCC_FLAGS
     if REG_CAP:
         flags = (*flags, f"-DFP4MOE_MIN_BLOCKS={max(1, 128 // int(REG_CAP))}")
@@ -94,7 +109,42 @@ def _flags() -> tuple[str, ...]:
         flags = (*flags, f"-DFP4MOE_L2NEXT={int(L2_NEXT)}")
     if WARP_ROWS == 16:
         flags = (*flags, "-DFP4MOE_RT=1")
+    if ROT_LAYOUT:
+        flags = (*flags, "-DFP4MOE_ROT=1")
     return flags
+
+
+def rotated_codes(codes: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """``codes`` (uint8 [..., C], C a multiple of 4; any device) with each little-endian
+    32-bit word's bits permuted into the rotated layout (``ROT_PERM``), or back with
+    ``inverse``. A new tensor; lossless either way."""
+    if codes.dtype != torch.uint8 or codes.dim() < 1 or codes.shape[-1] % 4:
+        raise ValueError(f"codes: expected uint8 [..., C] with C a multiple of 4, got "
+                         f"{codes.dtype} {tuple(codes.shape)}")  # fmt: skip
+    b = codes.contiguous().to(torch.int64).reshape(*codes.shape[:-1], -1, 4)
+    w = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
+    v = torch.zeros_like(w)
+    for dst, src in enumerate(ROT_PERM):
+        if inverse:
+            dst, src = src, dst
+        v |= ((w >> src) & 1) << dst
+    out = torch.stack([(v >> (8 * i)) & 0xFF for i in range(4)], dim=-1)
+    return out.to(torch.uint8).reshape(codes.shape)
+
+
+def _rotated(codes: torch.Tensor) -> torch.Tensor:
+    """The kept rotated copy of ``codes`` (``ROT_LAYOUT``), made on first use outside a
+    CUDA graph capture (a copy made during one would live in the graph's memory). The
+    cache holds ``codes`` too, so that its storage is not reused while the copy is kept
+    (an experiment's cost: nothing is freed)."""
+    key = (codes.data_ptr(), codes.device, tuple(codes.shape), codes._version)
+    got = _ROTATED.get(key)
+    if got is None:
+        if codes.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("cuda_decode.ROT_LAYOUT: call once outside the CUDA graph "
+                               "capture first (the codes' rotated copy is made then)")  # fmt: skip
+        got = _ROTATED[key] = (codes, rotated_codes(codes))
+    return got[1]
 
 
 def library_path() -> Path:
@@ -281,8 +331,11 @@ def decode_gemm(
         raise ValueError(f"cuda_decode.WARP_ROWS: expected 16 or 32, got {WARP_ROWS!r}")
     if L2_NEXT not in (0, 1, 2):
         raise ValueError(f"cuda_decode.L2_NEXT: expected 0, 1 or 2, got {L2_NEXT!r}")
-    if DIAG not in (0, 1, 2, 3, 4):
-        raise ValueError(f"cuda_decode.DIAG: expected 0 to 4, got {DIAG!r}")
+    if DIAG not in (0, 1, 2, 3):
+        raise ValueError(f"cuda_decode.DIAG: expected 0, 1, 2 or 3, got {DIAG!r}")
+    if ROT_LAYOUT and L2_NEXT:
+        raise ValueError("cuda_decode.ROT_LAYOUT: not with L2_NEXT (which prefetches "
+                         "today's codes)")  # fmt: skip
     if CROSS_ITEMS and int(DEPTH) != 2:
         raise ValueError(f"cuda_decode.CROSS_ITEMS: needs DEPTH 2, got {DEPTH!r}")
     tensors = (x, sorted_routes, codes, scales, block_expert, block_start, block_end,
@@ -297,6 +350,8 @@ def decode_gemm(
     lib = _lib() if available() else None
     if lib is None:
         raise RuntimeError(f"cuda_decode: not available: {build_error()}")
+    if ROT_LAYOUT:
+        codes = _rotated(codes)
     blocks = block_expert.numel()
     segs = k // 1024
     rpb = _rows_per_block(segs, n, gated, blocks if expected_blocks is None else expected_blocks)

@@ -91,8 +91,11 @@ __device__ __forceinline__ void cp_async16_pol(uint32_t dst, const void* src, ui
                "l"(src), "l"(pol) : "memory");
 }
 #ifndef FP4MOE_DIAG  // timing only, wrong results (a library of its own): bit 0 leaves the
-#define FP4MOE_DIAG 0  // decode out (the codes as the MMA's A), bit 1 the weights' copies,
-#endif                 // 4 decodes in the form a rotated code layout would allow (below)
+#define FP4MOE_DIAG 0  // decode out (the codes as the MMA's A), bit 1 the weights' copies
+#endif
+#ifndef FP4MOE_ROT  // experiment (a library of its own): 1, the codes in the rotated layout
+#define FP4MOE_ROT 0  // (cuda_decode.rotated_codes), decoded by decode_rot
+#endif
 // 16 bytes, or zeros when !ok (src-size 0: nothing is read)
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
   if constexpr ((FP4MOE_DIAG & 2) != 0) return;
@@ -137,26 +140,34 @@ __device__ __forceinline__ void decode_pair(uint32_t w, uint32_t s2, uint32_t& l
       : "r"(w), "r"(s2), "n"(SEL));
 }
 
-#if (FP4MOE_DIAG & 4) != 0
-// DIAG 4 (timing only): a code word's four bf16 pair registers in the 15 instructions that
-// the best rotated code layout allows (docs/perf-notes.md session 23 item 1: rotations 0, 1,
-// 2, 3, 6 and 12; two registers of one rotation and an AND, two of two rotations and two
-// LOP3s, then the scale's fma each), applied to today's codes: wrong values, the same
-// instruction mix and dependences as that layout's decode would have.
-__device__ __forceinline__ void decode_word_rot(uint32_t w, uint32_t s2, uint32_t& r0,
-                                                uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-  asm("{\n.reg .b32 w1, w2, w3, w6, w12, t, z;\nmov.b32 z, 0x80008000;\n"
-      "shf.l.wrap.b32 w1, %4, %4, 1;\nshf.l.wrap.b32 w2, %4, %4, 2;\n"
-      "shf.l.wrap.b32 w3, %4, %4, 3;\nshf.l.wrap.b32 w6, %4, %4, 6;\n"
-      "shf.l.wrap.b32 w12, %4, %4, 12;\n"
-      "and.b32 t, %4, 0x81C081C0;\nfma.rn.bf16x2 %0, t, %5, z;\n"
-      "and.b32 t, w1, 0x80008000;\nlop3.b32 t, w3, 0x01C001C0, t, 0xEA;\n"
-      "fma.rn.bf16x2 %1, t, %5, z;\n"
-      "and.b32 t, w2, 0x80008000;\nlop3.b32 t, w12, 0x01C001C0, t, 0xEA;\n"
-      "fma.rn.bf16x2 %2, t, %5, z;\n"
-      "and.b32 t, w6, 0x81C081C0;\nfma.rn.bf16x2 %3, t, %5, z;\n}"
-      : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-      : "r"(w), "r"(s2));
+#if FP4MOE_ROT
+// ROT: the two bf16 pair registers of a step (decode_pair's, the low and the high nibbles'
+// registers of bytes 2 j and 2 j + 1 of today's layout; ODD: j = 1) from the code word in
+// the rotated layout (cuda_decode.rotated_codes: a fixed permutation of each 32-bit word's
+// bits), in the 15 instructions a word of docs/perf-notes.md session 23 item 1 (7 even, 8
+// odd), against decode_pair's 18: rotations 1, 2, 3, 6 and 12; a register of one rotation
+// and an AND, or of two rotations and two LOP3s; then the scale's fma each. The same
+// registers as decode_pair's, so the same bits.
+template <bool ODD>
+__device__ __forceinline__ void decode_rot(uint32_t w, uint32_t s2, uint32_t& lo, uint32_t& hi) {
+  if constexpr (!ODD) {
+    asm("{\n.reg .b32 w1, w3, t, z;\nmov.b32 z, 0x80008000;\n"
+        "and.b32 t, %2, 0x81C081C0;\nfma.rn.bf16x2 %0, t, %3, z;\n"
+        "shf.l.wrap.b32 w1, %2, %2, 1;\nshf.l.wrap.b32 w3, %2, %2, 3;\n"
+        "and.b32 t, w1, 0x80008000;\nlop3.b32 t, w3, 0x01C001C0, t, 0xEA;\n"
+        "fma.rn.bf16x2 %1, t, %3, z;\n}"
+        : "=r"(lo), "=r"(hi)
+        : "r"(w), "r"(s2));
+  } else {
+    asm("{\n.reg .b32 w2, w6, w12, t, z;\nmov.b32 z, 0x80008000;\n"
+        "shf.l.wrap.b32 w2, %2, %2, 2;\nshf.l.wrap.b32 w12, %2, %2, 12;\n"
+        "and.b32 t, w2, 0x80008000;\nlop3.b32 t, w12, 0x01C001C0, t, 0xEA;\n"
+        "fma.rn.bf16x2 %0, t, %3, z;\n"
+        "shf.l.wrap.b32 w6, %2, %2, 6;\n"
+        "and.b32 t, w6, 0x81C081C0;\nfma.rn.bf16x2 %1, t, %3, z;\n}"
+        : "=r"(lo), "=r"(hi)
+        : "r"(w), "r"(s2));
+  }
 }
 #endif
 
@@ -421,9 +432,6 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
           xw[j][0] = v0.x; xw[j][1] = v0.y; xw[j][2] = v0.z; xw[j][3] = v0.w;
           xw[j][4] = v1.x; xw[j][5] = v1.y; xw[j][6] = v1.z; xw[j][7] = v1.w;
         }
-#if (FP4MOE_DIAG & 4) != 0
-        uint32_t hold[RT][4];  // DIAG 4: the odd step's registers, decoded with the even's
-#endif
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
           uint32_t bf[NT][2];
@@ -439,12 +447,13 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
             const uint32_t w1 = (s < 2) ? cw[a][1].x : cw[a][1].y;
             if constexpr ((FP4MOE_DIAG & 1) != 0) {
               af[0] = w0; af[1] = w1; af[2] = w0; af[3] = w1;
-#if (FP4MOE_DIAG & 4) != 0
-            } else if (s % 2 == 0) {  // each word's four registers at once
-              decode_word_rot(w0, s2[a][0], af[0], af[2], hold[a][0], hold[a][2]);
-              decode_word_rot(w1, s2[a][1], af[1], af[3], hold[a][1], hold[a][3]);
+#if FP4MOE_ROT
+            } else if (s % 2 == 0) {  // the rotated layout's words
+              decode_rot<false>(w0, s2[a][0], af[0], af[2]);
+              decode_rot<false>(w1, s2[a][1], af[1], af[3]);
             } else if (true) {
-              af[0] = hold[a][0]; af[1] = hold[a][1]; af[2] = hold[a][2]; af[3] = hold[a][3];
+              decode_rot<true>(w0, s2[a][0], af[0], af[2]);
+              decode_rot<true>(w1, s2[a][1], af[1], af[3]);
 #endif
             } else if (s % 2 == 0) {
               decode_pair<0x4140>(w0, s2[a][0], af[0], af[2]);
