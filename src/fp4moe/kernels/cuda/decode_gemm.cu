@@ -140,7 +140,6 @@ __device__ __forceinline__ void decode_pair(uint32_t w, uint32_t s2, uint32_t& l
       : "r"(w), "r"(s2), "n"(SEL));
 }
 
-#if FP4MOE_ROT
 // ROT: the two bf16 pair registers of a step (decode_pair's, the low and the high nibbles'
 // registers of bytes 2 j and 2 j + 1 of today's layout; ODD: j = 1) from the code word in
 // the rotated layout (cuda_decode.rotated_codes: a fixed permutation of each 32-bit word's
@@ -169,7 +168,6 @@ __device__ __forceinline__ void decode_rot(uint32_t w, uint32_t s2, uint32_t& lo
         : "r"(w), "r"(s2));
   }
 }
-#endif
 
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1) {
@@ -447,14 +445,14 @@ __global__ void __launch_bounds__(512, FP4MOE_MIN_BLOCKS) decode_gemm_kernel(con
             const uint32_t w1 = (s < 2) ? cw[a][1].x : cw[a][1].y;
             if constexpr ((FP4MOE_DIAG & 1) != 0) {
               af[0] = w0; af[1] = w1; af[2] = w0; af[3] = w1;
-#if FP4MOE_ROT
-            } else if (s % 2 == 0) {  // the rotated layout's words
-              decode_rot<false>(w0, s2[a][0], af[0], af[2]);
-              decode_rot<false>(w1, s2[a][1], af[1], af[3]);
-            } else if (true) {
-              decode_rot<true>(w0, s2[a][0], af[0], af[2]);
-              decode_rot<true>(w1, s2[a][1], af[1], af[3]);
-#endif
+            } else if constexpr (FP4MOE_ROT != 0) {  // the rotated layout's words
+              if (s % 2 == 0) {
+                decode_rot<false>(w0, s2[a][0], af[0], af[2]);
+                decode_rot<false>(w1, s2[a][1], af[1], af[3]);
+              } else {
+                decode_rot<true>(w0, s2[a][0], af[0], af[2]);
+                decode_rot<true>(w1, s2[a][1], af[1], af[3]);
+              }
             } else if (s % 2 == 0) {
               decode_pair<0x4140>(w0, s2[a][0], af[0], af[2]);
               decode_pair<0x4140>(w1, s2[a][1], af[1], af[3]);
