@@ -20,8 +20,10 @@ two sign bits and two magnitude triples), each piece from one of V rotations of 
 word (the word itself and V - 1 ``shf``), merged by LOP3s (one a distinct rotation in
 the register: ``t = r1 & m1``, then ``t | (r2 & m2)``). It reports the fewest
 instructions a word (rotations + LOP3s + the 4 fmas) over every set of V rotations.
-Session 23: none for V up to 5; 15 with 6 (against 18 now), which a 32-V search would
-not lower (7 rotations and 4 one-LOP3 registers is the tiling above).
+Session 23: none for V up to 5 (16 s at V = 4, 112 s at V = 5 on one core); 15 with 6
+(against 18 now; found by a C version of this search in 12 s, where this one ran over 40
+minutes without ending), which no larger V would lower (7 rotations and 4 one-LOP3
+registers is the tiling above).
 
 ``--present``: with today's layout (the registers' contents, and so the bits, fixed),
 whether a register pair of one code half-word (its low nibbles' register A and its high
