@@ -100,7 +100,7 @@
 #   bash benchmarks/gpu_session.sh s22e       # cuda_decode.L2_NEXT: bits, time, kernels
 #   bash benchmarks/gpu_session.sh s22f       # cuda_decode.WARP_ROWS 16: bits, time
 #   bash benchmarks/gpu_session.sh s23a       # session 23 (no GPU then): CUDA tests (T = 0, ROT), ROT timed
-#   bash benchmarks/gpu_session.sh s23b       # the defaults' short bench (session 22's rows)
+#   bash benchmarks/gpu_session.sh s23b       # the Gluon ROT bits tests and W4A4 timing, the short bench
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
@@ -1237,13 +1237,14 @@ s22f)
 s23a)
     # Session 23 had no GPU: the CUDA kernel's T = 0 case and the rotated code layout
     # (ROT_LAYOUT: 15 decode instructions a code word against 18, the same bits) with every
-    # knob's case of test_cuda_decode_gpu; then ROT against today's layout, CROSS on, both
-    # GEMMs and FC1 alone, whole calls and the 16-token kernels (about 7 minutes)
+    # knob's case of test_cuda_decode_gpu; then the rotated layout on the Gluon GEMMs (the
+    # defaults, c3-grot) and on the CUDA kernel with CROSS (both GEMMs and FC1 alone)
+    # against today's, whole calls, and the 16-token kernels (about 8 minutes)
     export FP4MOE_CACHE="$out/cache"
     cuda_build_step
     step cuda_tests 300 python3 -m pytest -m gpu --device cuda -q tests/test_cuda_decode.py
     step rot 240 python3 benchmarks/sweep_decode.py --tokens 1 16 64 --modes w4a16 \
-        --variants c3 c3-cuda-x c3-cuda-x-rot c3-cuda-x-fc1 c3-cuda-x-rot-fc1 \
+        --variants c3 c3-grot c3-cuda-x c3-cuda-x-rot c3-cuda-x-fc1 c3-cuda-x-rot-fc1 \
         --iters 20 --out "$out/rot.json"
     step kernels 60 python3 benchmarks/profile_call.py --kernels --graph --timeline \
         --calls 5 --tokens 16 --cuda --cuda-cross
@@ -1252,7 +1253,13 @@ s23a)
     rm -rf "$out/cache"
     ;;
 s23b)
-    # The defaults' short bench, as session 22's (issue 3's and 4's decode rows)
+    # The rotated layout on the Gluon GEMMs: its bits tests (every mode of the decode
+    # sizes), W4A4 per-token timed with it; then the defaults' short bench, as session 22's
+    # (issue 3's and 4's decode rows)
+    step gluon_rot_tests 200 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
+        -k "rot_layout_gpu"
+    step rot_w4a4 150 python3 benchmarks/sweep_decode.py --tokens 1 16 64 \
+        --modes w4a4-token --variants c3 c3-grot --iters 20 --out "$out/rot_w4a4.json"
     step bench 300 python3 -m fp4moe bench --num-tokens 1 8 16 32 64 --finalize both \
         --iters 10 --out "$out/bench"
     ;;

@@ -52,7 +52,8 @@ Gluon kernels up to gluon_upto, no whole-K below it), c3-fill1 / c3-fill2
 (TritonOptions.gluon_whole_fill 1 / 2), c3-nolong (prefill_above_long None), c3-sched
 (gluon_ws.SCHED_AHEAD: a valid program's block start and end read beside its expert),
 c3-rowfirst (launch.QUANTIZE_ROW_FIRST: W4A4's quantize programs load their first chunk
-before their global),
+before their global), c3-grot (gluon_ws.ROT_LAYOUT: the Gluon GEMMs read the codes'
+rotated copy, 15 decode instructions a code word instead of 18; the same bits),
 c3-cuda[-dN][-rN][-capN][-x][-pfN][-w16][-rot][-diagN][-fc1|-fc2]
 (TritonOptions.cuda_decode: W4A16's Gluon GEMMs at 8- or 16-row tiles on the CUDA C++
 kernel of kernels.cuda_decode, with N ring slots of four units a warp, N row groups a
@@ -153,6 +154,7 @@ FLAG_VARIANTS = {
     "c3-tiled": (gluon_ws, "TILED"),
     "c3-sched": (gluon_ws, "SCHED_AHEAD"),
     "c3-rowfirst": (launch, "QUANTIZE_ROW_FIRST"),
+    "c3-grot": (gluon_ws, "ROT_LAYOUT"),
 }
 
 # gluon_prefill's module flags of its experiment variants: (DEFER, BM, PER_SM entries), as

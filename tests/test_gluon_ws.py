@@ -722,6 +722,80 @@ def test_gluon_l2_prefetch_gpu(monkeypatch, t, ahead, mode):
     _flags_same_as_loop3(monkeypatch, dict(L2_AHEAD=ahead), t, mode, seed=41, expert=5)
 
 
+def test_rot_asm_gives_the_same_registers():
+    """``gemm._CHUNK_DECODE_ROT_ASM`` (``gluon_ws.ROT_LAYOUT``) builds from the rotated
+    code words (``cuda_decode.rotated_codes``) exactly the eight registers that
+    ``_CHUNK_DECODE_ASM`` builds from today's (its integer part, before the scale's fma,
+    run by ``test_cuda_decode._run_ptx``): for every one-bit word in either register and
+    2000 random word pairs; so the same wgmma operands, the same bits."""
+    from fp4moe.kernels import cuda_decode, gemm
+    from test_cuda_decode import _run_ptx
+
+    def lines(asm: str) -> list[str]:
+        return [ln.strip().rstrip(";") for ln in asm.split("\n") if ln.strip()]
+
+    base, rot = lines(gemm._CHUNK_DECODE_ASM.value), lines(gemm._CHUNK_DECODE_ROT_ASM.value)
+    g = torch.Generator().manual_seed(5)
+    pairs = [(1 << b, 0) for b in range(32)] + [(0, 1 << b) for b in range(32)]
+    pairs += torch.randint(0, 1 << 32, (2000, 2), generator=g, dtype=torch.int64).tolist()
+    words = torch.tensor([[w >> (8 * i) & 0xFF for w in p for i in range(4)] for p in pairs],
+                         dtype=torch.uint8)  # fmt: skip
+    rotated = cuda_decode.rotated_codes(words).to(torch.int64)
+    rw = rotated[:, 0::4] | rotated[:, 1::4] << 8 | rotated[:, 2::4] << 16 | rotated[:, 3::4] << 24
+    scales = {f"${10 + j}": 0 for j in range(4)}
+    for (w0, w1), (v0, v1) in zip(pairs, rw.tolist()):
+        a = _run_ptx(base, {"$8": w0, "$9": w1, **scales})
+        b = _run_ptx(rot, {"$8": v0, "$9": v1, **scales})
+        assert [b[f"${j}"] for j in range(8)] == [a[f"${j}"] for j in range(8)], (w0, w1)
+
+
+def test_rot_layout_compiles_for_sm90():
+    """``ROT`` (``gluon_ws.ROT_LAYOUT``): the split kernels with the rotated layout's
+    decode (no PRMT/IMAD decode, its rotations instead), the same wgmma, no local memory,
+    registers within the 6 (FC1) / 8 (FC2) programs an SM, and 20 to 28 fewer SASS
+    instructions a unit of 8 code words (FC1: 16 such units a program, FC2 8)."""
+    pytest.importorskip("triton")
+    code = (
+        "import re, subprocess, tempfile\n"
+        "from pathlib import Path\n"
+        "import triton\n"
+        "from fp4moe.kernels.common import resource_usage\n"
+        "from fp4moe.kernels.gluon_ws import compile_sm90\n"
+        "dump = Path(triton.__file__).parent / 'backends' / 'nvidia' / 'bin' / 'cuobjdump'\n"
+        "def sass_count(c):\n"
+        "    with tempfile.NamedTemporaryFile(suffix='.cubin') as f:\n"
+        "        f.write(c.asm['cubin']); f.flush()\n"
+        "        out = subprocess.run([str(dump), '-sass', f.name], capture_output=True,\n"
+        "                             text=True).stdout\n"
+        "    return len(re.findall(r'/\\*[0-9a-f]{4,}\\*/\\s+[^;]*;', out))\n"
+        "for n, k, g, units, regs in ((2048, 7168, True, 16, 80), (7168, 2048, False, 8, 64)):\n"
+        "    kw = dict(n=n, k=k, gated=g, block_m=8, asynchronous=True, buffers=1,\n"
+        "              epilogue=True, box3=2, pdl=True)\n"
+        "    base, rot = compile_sm90(**kw), compile_sm90(**kw, rot=True)\n"
+        "    p0, p1 = base.asm['ptx'], rot.asm['ptx']\n"
+        "    assert 'mul.lo.u32 u, u, 0x1040' in p0 and 'mul.lo.u32 u, u, 0x1040' not in p1\n"
+        "    assert 'shf.l.wrap.b32 r12' in p1 and 'shf.l.wrap.b32 r12' not in p0\n"
+        "    assert p0.count('wgmma.mma_async') == p1.count('wgmma.mma_async') > 0\n"
+        "    assert '.local' not in p1\n"
+        "    assert resource_usage(rot)['REG'] <= regs, resource_usage(rot)\n"
+        "    if dump.is_file():\n"
+        "        d = sass_count(base) - sass_count(rot)\n"
+        "        assert 20 * units <= d <= 28 * units, (n, d)\n"
+        "print('ok')\n"
+    )
+    _compile_check(code)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16, 64, "one-expert", "all-masked"])
+@pytest.mark.parametrize("mode", MODES[:3], ids=_mode_id)
+def test_gluon_rot_layout_gpu(monkeypatch, t, mode):
+    """``gluon_ws.ROT_LAYOUT`` on the GPU: the codes' rotated copy decoded into the same
+    registers, so loop 3's bits for whole calls (deterministic finalize), the fused
+    finalize within the tolerance, every route on one expert, every route masked (zeros)."""
+    _flags_same_as_loop3(monkeypatch, dict(ROT_LAYOUT=True), t, mode, seed=43, expert=3)
+
+
 def test_tiled_weights_layout():
     """``gluon_ws.tiled_weights`` (the TILED experiment): the box the kernel reads for the
     64-row tile of ``row`` and 256-K stage ``st``, rows (row // 64 * K/256 + st) * 64 ..

@@ -228,6 +228,29 @@ _CHUNK_DECODE_ASM = tl.constexpr(
 )
 
 
+# The same eight registers from the codes in the rotated layout (``cuda_decode.ROT_PERM``,
+# ``rotated_codes``; the experiment ``gluon_ws.ROT_LAYOUT``): each code word's four in 15
+# instructions instead of 18 (docs/perf-notes.md session 23): step 2 i's low-nibble
+# register is the word masked, its high one two rotations (1, 3) merged; step 2 i + 1's
+# low one two rotations (2, 12) merged, its high one a rotation (6) masked.
+_CHUNK_DECODE_ROT_ASM = tl.constexpr(
+    "{\n.reg .b32 r1, r2, r3, r6, r12, t, z;\nmov.b32 z, 0x80008000;\n"
+    + "".join(
+        f"and.b32 t, ${8 + i}, 0x81C081C0;\nfma.rn.bf16x2 ${2 * i}, t, ${10 + 2 * i}, z;\n"
+        f"shf.l.wrap.b32 r1, ${8 + i}, ${8 + i}, 1;\nshf.l.wrap.b32 r3, ${8 + i}, ${8 + i}, 3;\n"
+        f"and.b32 t, r1, 0x80008000;\nlop3.b32 t, r3, 0x01C001C0, t, 0xEA;\n"
+        f"fma.rn.bf16x2 ${4 + 2 * i}, t, ${10 + 2 * i}, z;\n"
+        f"shf.l.wrap.b32 r2, ${8 + i}, ${8 + i}, 2;\nshf.l.wrap.b32 r12, ${8 + i}, ${8 + i}, 12;\n"
+        f"and.b32 t, r2, 0x80008000;\nlop3.b32 t, r12, 0x01C001C0, t, 0xEA;\n"
+        f"fma.rn.bf16x2 ${2 * i + 1}, t, ${11 + 2 * i}, z;\n"
+        f"shf.l.wrap.b32 r6, ${8 + i}, ${8 + i}, 6;\nand.b32 t, r6, 0x81C081C0;\n"
+        f"fma.rn.bf16x2 ${5 + 2 * i}, t, ${11 + 2 * i}, z;\n"
+        for i in range(2)
+    )
+    + "}"
+)
+
+
 @triton.jit
 def decode_lohi(
     codes, scales, R: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr

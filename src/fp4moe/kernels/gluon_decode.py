@@ -27,7 +27,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-from .gemm import _CHUNK_DECODE_ASM
+from .gemm import _CHUNK_DECODE_ASM, _CHUNK_DECODE_ROT_ASM
 
 UNIT = gl.constexpr(64)  # K elements a main-loop step (two chunks, four k16 wgmma steps)
 
@@ -65,10 +65,12 @@ _L3 = gl.constexpr(code_layout3(64))
 
 
 @gluon.jit
-def _decode_unit(codes, sc, A_L: gl.constexpr, DIAG: gl.constexpr = 0, TR: gl.constexpr = 64):
+def _decode_unit(codes, sc, A_L: gl.constexpr, DIAG: gl.constexpr = 0, TR: gl.constexpr = 64,
+                 ROT: gl.constexpr = False):  # fmt: skip
     """Decode one unit ([TR rows, 64 K]; TR 64, or 128 with 8 warps) of weights into the
     wgmma A fragment (``DIAG`` 1 or 3: zeros instead, for timing the kernel without its
-    decode; ``gluon_ws.DIAG``)."""
+    decode; ``gluon_ws.DIAG``). ``ROT``: the codes are in the rotated layout
+    (``gluon_ws.ROT_LAYOUT``), decoded into the same registers, so the same values."""
     if DIAG == 1 or DIAG == 3:
         return gl.zeros([TR, UNIT], gl.bfloat16, layout=A_L)
     CL: gl.constexpr = code_layout(TR)
@@ -79,8 +81,8 @@ def _decode_unit(codes, sc, A_L: gl.constexpr, DIAG: gl.constexpr = 0, TR: gl.co
     # loop 3's decode (the same operations and bits): 8 code bytes and their scales (bf16
     # times 2^118) to 8 low-nibble and 8 high-nibble values times 2^-8, bf16 pairs
     lo, hi = gl.inline_asm_elementwise(
-        _CHUNK_DECODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [codes, sb],
-        dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=8,
+        _CHUNK_DECODE_ROT_ASM if ROT else _CHUNK_DECODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
+        [codes, sb], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=8,
     )  # fmt: skip
     # byte 8 q + 2 s + a, nibble b holds element 16 q + 4 s + 2 a + b, at position
     # 16 s + 8 b + 2 q + a of the unit order

@@ -198,6 +198,12 @@ WHOLE_PER_SM = {True: 4, False: 5}
 # 160.2, 156.4 / 206.4, 206.0 -> 44.6, 45.3 / 90.6, 93.7 / 58.1, 58.1 / 159.7, 155.8 /
 # 210.1, 206.1: within run noise; a round trip is not what a program's chain waits on.
 SCHED_AHEAD = False
+# Experiment (built in session 23, not yet run on a GPU; off): the kernels read a copy of
+# the codes in the rotated layout (``cuda_decode.rotated_codes``, made once a codes tensor
+# and kept) and decode each code word in 15 instructions instead of 18
+# (``gemm._CHUNK_DECODE_ROT_ASM``), into the same registers: the same bits. The measure of
+# whether that layout is worth a new format (docs/perf-notes.md session 23).
+ROT_LAYOUT = False
 PERSIST_PER_SM = {(True, 8): 6, (False, 8): 8, (True, 16): 4, (False, 16): 5}
 # The ring buffers of PERSIST's launches (None: BUFFERS, as every launch). Session 15: with
 # two, a program's next stage flies while it decodes, across its units as well.
@@ -531,6 +537,7 @@ def tma_split_kernel(
     # writes its output (EPILOGUE): no partials, no counter (the grid's segments: 1)
     SA: gl.constexpr = False,  # the block's start and end read with its expert, not after
     # it (gluon_ws.SCHED_AHEAD; the one-block body)
+    ROT: gl.constexpr = False,  # the codes in the rotated layout (gluon_ws.ROT_LAYOUT)
 ):
     pid_n = gl.program_id(0)
     if BLOCKS_LAST:
@@ -573,7 +580,7 @@ def tma_split_kernel(
             block_start_ptr, block_end_ptr, valid_blocks_ptr, part_ptr, cnt_ptr, w_global_ptr,
             topk_w_ptr, out_ptr, a_global_ptr, ws_rows, loop_step, N, K, TOPK, GATED,
             A_GATHER, BM, SEG, ASYNC, NBUF, EPILOGUE, FUSED, OUT_SCALE, A_UNIT_ORDER, A_FP4,
-            BOX3, SK, USE_PDL, EARLY_W, A_TMA, OUT_UNIT, DIAG,
+            BOX3, SK, USE_PDL, EARLY_W, A_TMA, OUT_UNIT, DIAG, ROT=ROT,
         )  # fmt: skip
     elif LOOP:
         nvalid = gl.load(valid_blocks_ptr, cache_modifier=".cg")
@@ -591,7 +598,7 @@ def tma_split_kernel(
                 out_ptr, a_global_ptr, ws_rows, pm, pid_n, s_id, pm == pid_m, N, K, TOPK,
                 GATED, A_GATHER, BM, SEG, ASYNC, NBUF, EPILOGUE, FUSED, OUT_SCALE,
                 A_UNIT_ORDER, A_FP4, BOX3, SK, USE_PDL, EARLY_W, A_TMA, OUT_UNIT, DIAG,
-                True, cbuf, sbuf, bars, xbuf.index(_opaque_zero()), ph,
+                True, cbuf, sbuf, bars, xbuf.index(_opaque_zero()), ph, ROT=ROT,
             )  # fmt: skip
             ph = (ph + NS // NB) % 2  # each buffer's barrier completes NS / NB times a block
     else:
@@ -601,7 +608,7 @@ def tma_split_kernel(
             out_ptr, a_global_ptr, ws_rows, pid_m, pid_n, s_id, True, N, K, TOPK, GATED,
             A_GATHER, BM, SEG, ASYNC, NBUF, EPILOGUE, FUSED, OUT_SCALE, A_UNIT_ORDER, A_FP4,
             BOX3, SK, USE_PDL, EARLY_W, A_TMA, OUT_UNIT, DIAG, TRACE=TRACE, tb=tb, XRING=XRING,
-            L2=L2, c_ptr=c_ptr, s_ptr=s_ptr, TR=TR, WHOLE=WHOLE, SA=SA,
+            L2=L2, c_ptr=c_ptr, s_ptr=s_ptr, TR=TR, WHOLE=WHOLE, SA=SA, ROT=ROT,
         )  # fmt: skip
         if TRACE:
             _stamp(tb + 10, 0)  # T_END
@@ -649,7 +656,7 @@ def _persistent(
     ASYNC: gl.constexpr, NBUF: gl.constexpr, EPILOGUE: gl.constexpr, FUSED: gl.constexpr,
     OUT_SCALE: gl.constexpr, A_UNIT_ORDER: gl.constexpr, A_FP4: gl.constexpr,
     BOX3: gl.constexpr, SK: gl.constexpr, USE_PDL: gl.constexpr, EARLY_W: gl.constexpr,
-    A_TMA: gl.constexpr, OUT_UNIT: gl.constexpr, DIAG: gl.constexpr,
+    A_TMA: gl.constexpr, OUT_UNIT: gl.constexpr, DIAG: gl.constexpr, ROT: gl.constexpr = False,
 ):  # fmt: skip
     """``tma_split_kernel`` with PERSIST: program p of ``step`` takes the units u = p,
     p + step, ... below (valid blocks) x tiles x segments, u = tile + tiles * (segment +
@@ -694,7 +701,7 @@ def _persistent(
             GATED, A_GATHER, BM, SEG, ASYNC, NBUF, EPILOGUE, FUSED, OUT_SCALE,
             A_UNIT_ORDER, A_FP4, BOX3, SK, USE_PDL, EARLY_W, A_TMA, OUT_UNIT, DIAG,
             True, cbuf, sbuf, bars, xbuf.index(_opaque_zero()), ph,
-            NEXT=True, has_next=has_next, n_row=n_row, n_k0=n_k0,
+            NEXT=True, has_next=has_next, n_row=n_row, n_k0=n_k0, ROT=ROT,
         )  # fmt: skip
         ph = (ph + NS // NB) % 2
 
@@ -717,6 +724,7 @@ def _block_work(
     TR: gl.constexpr = 64,
     WHOLE: gl.constexpr = False,
     SA: gl.constexpr = False,
+    ROT: gl.constexpr = False,
 ):  # fmt: skip
     """One (weight tile ``pid_n``, K segment ``s_id``, row block ``pid_m``) unit of
     ``tma_split_kernel`` (its arguments). ``first``: the program's first block, which
@@ -889,7 +897,7 @@ def _block_work(
                     xb = xs.slice(kb * BM, BM).permute((1, 0))
                 if DIAG != 4:  # DIAG 4: no unit loads, no decode, no wgmma
                     gc, gs = _smem_unit(cbuf, sbuf, kb, 0, NB, UPS, NBS, BOX3 >= 2, TR)
-                    wg = _decode_unit(gc, gs, A_L, DIAG, TR)
+                    wg = _decode_unit(gc, gs, A_L, DIAG, TR, ROT)
                     if ASYNC:
                         if kb > 0:
                             if GATED:
@@ -903,14 +911,15 @@ def _block_work(
                         pg = wg  # noqa: F841 (read by the next unrolled unit)
                         if GATED:
                             uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS, BOX3 >= 2, TR)
-                            wu = _decode_unit(uc, us, A_L, DIAG, TR)
+                            wu = _decode_unit(uc, us, A_L, DIAG, TR, ROT)
                             acc_u = warpgroup_mma(wu, xb, acc_u, is_async=True)
                             pu = wu  # noqa: F841
                     else:
                         acc_g = warpgroup_mma(wg, xb, acc_g)
                         if GATED:
                             uc, us = _smem_unit(cbuf, sbuf, kb, 1, NB, UPS, NBS, BOX3 >= 2, TR)
-                            acc_u = warpgroup_mma(_decode_unit(uc, us, A_L, DIAG, TR), xb, acc_u)
+                            acc_u = warpgroup_mma(_decode_unit(uc, us, A_L, DIAG, TR, ROT),
+                                                  xb, acc_u)  # fmt: skip
                 # the stage's buffer is read: refill it with stage + NB (ring only)
                 if kb % UPS == UPS - 1 and kb // UPS + NB < NS and DIAG < 2:
                     if A_TMA and ASYNC:  # the stage's x rows are read by the wgmma in flight
@@ -1135,6 +1144,10 @@ def split_partials_tma(
     tr = 64 if whole else _tile_rows(n, box, stage_k, grid_blocks, persist, a_tma,
                                      out_unit_order, l2, x_ring)  # fmt: skip
     tiles = triton.cdiv(n, tr)
+    if ROT_LAYOUT:  # the experiment's rotated copy of the codes (kept, made once)
+        from .cuda_decode import _rotated
+
+        codes = _rotated(codes)
     c_desc, s_desc = descriptors(codes, scales, box, stage_k, tr)
     x_desc = c_desc
     if a_tma:
@@ -1171,7 +1184,7 @@ def split_partials_tma(
         EARLY_W=pdl and early_weights and EARLY_WEIGHTS, A_TMA=a_tma,
         OUT_UNIT=out_unit_order, DIAG=DIAG, LOOP=grid_blocks > 0, TRACE=trace is not dummy,
         PERSIST=persist > 0, XRING=x_ring, L2=l2, SKEW=SKEW_NS, TR=tr, WHOLE=whole,
-        SA=SCHED_AHEAD and not (grid_blocks or persist), num_warps=tr // 16,
+        SA=SCHED_AHEAD and not (grid_blocks or persist), ROT=ROT_LAYOUT, num_warps=tr // 16,
         launch_pdl=pdl,
         **({} if whole else _maxnreg(gated, block_m, grid_blocks, persist, a_tma, tr)),
     )  # fmt: skip
@@ -1265,6 +1278,7 @@ def compile_sm90(
     tile_rows: int = 64,
     whole: bool = False,
     sched_ahead: bool = False,
+    rot: bool = False,
 ):
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
     layout conversions are asserted trivial at compile time. ``box3``: the code copies
@@ -1299,7 +1313,7 @@ def compile_sm90(
                  EARLY_W=pdl and early_weights, A_TMA=a_tma, OUT_UNIT=out_unit_order,
                  DIAG=diag, LOOP=loop_blocks > 0, TRACE=trace, PERSIST=persist,
                  XRING=x_ring, L2=l2, SKEW=skew, TR=tile_rows, WHOLE=whole,
-                 SA=sched_ahead)  # fmt: skip
+                 SA=sched_ahead, ROT=rot)  # fmt: skip
     opts = {} if maxnreg is None else {"maxnreg": maxnreg}
     return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows", "loop_step"),
                                gluon=True, descs=descs, num_warps=tile_rows // 16,
