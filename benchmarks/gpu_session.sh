@@ -1253,13 +1253,15 @@ s23a)
     rm -rf "$out/cache"
     ;;
 s23b)
-    # The rotated layout on the Gluon GEMMs: its bits tests (every mode of the decode
-    # sizes), W4A4 per-token timed with it; then the defaults' short bench, as session 22's
-    # (issue 3's and 4's decode rows)
-    step gluon_rot_tests 200 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
+    # The rotated layout on the Gluon GEMMs: its bits tests (decode sizes and 4096 tokens),
+    # W4A4 per-token and prefill sizes timed with it; then the defaults' short bench, as
+    # session 22's (issue 3's and 4's decode rows)
+    step gluon_rot_tests 240 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
         -k "rot_layout_gpu"
     step rot_w4a4 150 python3 benchmarks/sweep_decode.py --tokens 1 16 64 \
         --modes w4a4-token --variants c3 c3-grot --iters 20 --out "$out/rot_w4a4.json"
+    step rot_prefill 150 python3 benchmarks/sweep_decode.py --tokens 4096 8192 \
+        --modes w4a16 --variants c3 c3-grot --iters 10 --out "$out/rot_prefill.json"
     step bench 300 python3 -m fp4moe bench --num-tokens 1 8 16 32 64 --finalize both \
         --iters 10 --out "$out/bench"
     ;;

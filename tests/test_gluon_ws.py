@@ -753,12 +753,14 @@ def test_rot_layout_compiles_for_sm90():
     """``ROT`` (``gluon_ws.ROT_LAYOUT``): the split kernels with the rotated layout's
     decode (no PRMT/IMAD decode, its rotations instead), the same wgmma, no local memory,
     registers within the 6 (FC1) / 8 (FC2) programs an SM, and 20 to 28 fewer SASS
-    instructions a unit of 8 code words (FC1: 16 such units a program, FC2 8)."""
+    instructions a unit of 8 code words (FC1: 16 such units a program, FC2 8); the
+    prefill kernels too (their main loop's 8 units), with no more registers."""
     pytest.importorskip("triton")
     code = (
         "import re, subprocess, tempfile\n"
         "from pathlib import Path\n"
         "import triton\n"
+        "from fp4moe.kernels import gluon_prefill\n"
         "from fp4moe.kernels.common import resource_usage\n"
         "from fp4moe.kernels.gluon_ws import compile_sm90\n"
         "dump = Path(triton.__file__).parent / 'backends' / 'nvidia' / 'bin' / 'cuobjdump'\n"
@@ -781,19 +783,40 @@ def test_rot_layout_compiles_for_sm90():
         "    if dump.is_file():\n"
         "        d = sass_count(base) - sass_count(rot)\n"
         "        assert 20 * units <= d <= 28 * units, (n, d)\n"
+        "    base = gluon_prefill.compile_sm90(n=n, k=k, gated=g)\n"
+        "    rot = gluon_prefill.compile_sm90(n=n, k=k, gated=g, rot=True)\n"
+        "    assert 'shf.l.wrap.b32 r12' in rot.asm['ptx'] and '.local' not in rot.asm['ptx']\n"
+        "    assert resource_usage(rot)['REG'] <= resource_usage(base)['REG']\n"
+        "    if dump.is_file():\n"
+        "        assert 20 * 8 <= sass_count(base) - sass_count(rot) <= 28 * 8\n"
         "print('ok')\n"
     )
     _compile_check(code)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 16, 64, "one-expert", "all-masked"])
+@pytest.mark.parametrize("t", [1, 16, 64, 4096, "one-expert", "all-masked"])
 @pytest.mark.parametrize("mode", MODES[:3], ids=_mode_id)
 def test_gluon_rot_layout_gpu(monkeypatch, t, mode):
     """``gluon_ws.ROT_LAYOUT`` on the GPU: the codes' rotated copy decoded into the same
-    registers, so loop 3's bits for whole calls (deterministic finalize), the fused
-    finalize within the tolerance, every route on one expert, every route masked (zeros)."""
-    _flags_same_as_loop3(monkeypatch, dict(ROT_LAYOUT=True), t, mode, seed=43, expert=3)
+    registers, so whole calls (deterministic finalize) give the bits they give without it,
+    on the split, whole-K and (4096 tokens) prefill kernels; the fused finalize within the
+    reference's tolerance; every route on one expert; every route masked (zeros)."""
+    from fp4moe.kernels import gluon_ws
+
+    m, sc = mode
+    experts, x, ids, w = _deepseek_case(t, seed=43, expert=3)
+    outs = []
+    for rot in (False, True):
+        monkeypatch.setattr(gluon_ws, "ROT_LAYOUT", rot)
+        outs.append(moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                               options=TritonOptions(poison=True)))  # fmt: skip
+    assert torch.equal(outs[0], outs[1]), (t, m, sc)
+    fused = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=True,
+                       options=TritonOptions(poison=True))  # fmt: skip
+    assert rel_err(fused, moe_reference(x, ids, w, experts, mode=m, act_scale=sc)) <= TOL[m]
+    if t == "all-masked":
+        assert not outs[1].float().abs().any()
 
 
 def test_tiled_weights_layout():

@@ -44,6 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from . import gluon_ws
 from .common import compile_sm90 as common_compile_sm90
 from .gluon_decode import UNIT, _decode_unit, _row_globals
 from .gluon_ws import CODE_SMEM_W, SCALE_SMEM, X_SMEM3, _smem_unit, descriptors
@@ -130,6 +131,7 @@ def prefill_kernel(
     NB: gl.constexpr = 2,  # ring stages
     BM: gl.constexpr = 128,  # token rows a tile (the schedule's block_m; the wgmma N)
     DEFER: gl.constexpr = False,  # refill a stage's buffer after the next unit's decode
+    ROT: gl.constexpr = False,  # the codes in the rotated layout (gluon_ws.ROT_LAYOUT)
 ):
     UPS: gl.constexpr = _SK // UNIT  # units a stage
     SPS: gl.constexpr = _SEG // _SK  # stages a segment
@@ -196,7 +198,7 @@ def prefill_kernel(
                 mbarrier.wait(bars.index(st % NB), (base + s * (SPS // NB) + st // NB) & 1)
                 for u in gl.static_range(UPS):
                     gc, gs = _smem_unit(cview, sview, st * UPS + u, 0, NB, UPS, NB, True, _TR)
-                    a = _decode_unit(gc, gs, A_L, 0, _TR)
+                    a = _decode_unit(gc, gs, A_L, 0, _TR, ROT)
                     if st + u > 0:
                         p, _ = warpgroup_mma_wait(num_outstanding=0, deps=(p, pa))  # noqa: F821
                     if DEFER and u == 0:
@@ -338,6 +340,11 @@ def prefill_gemm(
         raise ValueError("prefill_gemm: fused needs topk_w")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    rot = gluon_ws.ROT_LAYOUT  # the experiment's rotated copy of the codes (kept)
+    if rot:
+        from .cuda_decode import _rotated
+
+        codes = _rotated(codes)
     c_desc, s_desc = descriptors(codes, scales, 2, SK, 64)
     if block_m not in (8, 16, 32, 64, 128) or stages not in (2, 4):
         raise ValueError(f"prefill_gemm: block_m must be 8 to 128 (a power of two) and stages "
@@ -355,12 +362,13 @@ def prefill_gemm(
         topk_w if fused else dummy, a_global if a_global is not None else dummy, out,
         N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=a_gather, FUSED=fused,
         OUT_SCALE=out_scale, A_FP4=a_global is not None, NB=stages, BM=block_m, DEFER=DEFER,
-        num_warps=8, **cap,
+        ROT=rot, num_warps=8, **cap,
     )  # fmt: skip
 
 
 def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: bool = False,
-                 stages: int = STAGES, block_m: int = BM, defer: bool = False):  # fmt: skip
+                 stages: int = STAGES, block_m: int = BM, defer: bool = False,
+                 rot: bool = False):  # fmt: skip
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``)."""
     ptrs = {
         "block_expert_ptr": "*i32", "block_start_ptr": "*i32", "block_end_ptr": "*i32",
@@ -375,6 +383,6 @@ def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: boo
     }
     const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated and a_fp4, FUSED=fused,
                  OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_FP4=a_fp4, NB=stages,
-                 BM=block_m, DEFER=defer)  # fmt: skip
+                 BM=block_m, DEFER=defer, ROT=rot)  # fmt: skip
     return common_compile_sm90(prefill_kernel, ptrs, const, gluon=True, descs=descs,
                                num_warps=8)  # fmt: skip

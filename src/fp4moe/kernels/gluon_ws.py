@@ -198,11 +198,12 @@ WHOLE_PER_SM = {True: 4, False: 5}
 # 160.2, 156.4 / 206.4, 206.0 -> 44.6, 45.3 / 90.6, 93.7 / 58.1, 58.1 / 159.7, 155.8 /
 # 210.1, 206.1: within run noise; a round trip is not what a program's chain waits on.
 SCHED_AHEAD = False
-# Experiment (built in session 23, not yet run on a GPU; off): the kernels read a copy of
-# the codes in the rotated layout (``cuda_decode.rotated_codes``, made once a codes tensor
-# and kept) and decode each code word in 15 instructions instead of 18
-# (``gemm._CHUNK_DECODE_ROT_ASM``), into the same registers: the same bits. The measure of
-# whether that layout is worth a new format (docs/perf-notes.md session 23).
+# Experiment (built in session 23, not yet run on a GPU; off): these kernels and
+# gluon_prefill's read a copy of the codes in the rotated layout
+# (``cuda_decode.rotated_codes``, made once a codes tensor and kept) and decode each code
+# word in 15 instructions instead of 18 (``gemm._CHUNK_DECODE_ROT_ASM``), into the same
+# registers: the same bits. The measure of whether that layout is worth a new format
+# (docs/perf-notes.md session 23).
 ROT_LAYOUT = False
 PERSIST_PER_SM = {(True, 8): 6, (False, 8): 8, (True, 16): 4, (False, 16): 5}
 # The ring buffers of PERSIST's launches (None: BUFFERS, as every launch). Session 15: with
