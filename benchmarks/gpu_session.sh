@@ -100,13 +100,14 @@
 #   bash benchmarks/gpu_session.sh s22e       # cuda_decode.L2_NEXT: bits, time, kernels
 #   bash benchmarks/gpu_session.sh s22f       # cuda_decode.WARP_ROWS 16: bits, time
 #   bash benchmarks/gpu_session.sh s23a       # session 23 (no GPU then): CUDA tests (T = 0, ROT), ROT timed
-#   bash benchmarks/gpu_session.sh s23b       # the Gluon ROT bits tests and W4A4 timing, the short bench
+#   bash benchmarks/gpu_session.sh s23b       # the Gluon ROT bits tests, W4A4 and prefill timed with it
+#   bash benchmarks/gpu_session.sh s23c       # the defaults' short bench (session 22's rows)
 #
 # Outputs go to $OUT (or ./gpu-out) and are packed into one gpu-<part>.tar.gz there, so a
 # transfer that limits the number of files still brings everything back. Each step has a
 # time limit and its log is kept even when it fails; the script never stops at a failure.
 set -u
-part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s21f|s21g|s22a|s22b|s22e|s22f|s23a|s23b}"
+part="${1:?usage: gpu_session.sh tests|gluon_tests|memcheck|sweep|dense|prep|configs|gluon|decode|bench|ep|pair|splits|famax|persist|stalls|upto|box3|qdec|stagek|pdl|final|final2|fc1early|atma|diag|s12a|grid|grid2|s12c|s12d|s12e|s12f|timeline|s13a|s13b|s13c|s13d|s13e|s14a|s14c|s14d|s14e|s15a|s15b|s15c|s15d|s15e|s15f|s16a|s16b|s16c|s16d|s16e|s16f|s17a|s17b|s17c|s17d|s17e|s17f|s17g|s17h|s17i|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h|s18i|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s21f|s21g|s22a|s22b|s22e|s22f|s23a|s23b|s23c}"
 out="${OUT:-gpu-out}/$part"
 mkdir -p "$out"
 export PYTHONPATH=src
@@ -1254,14 +1255,16 @@ s23a)
     ;;
 s23b)
     # The rotated layout on the Gluon GEMMs: its bits tests (decode sizes and 4096 tokens),
-    # W4A4 per-token and prefill sizes timed with it; then the defaults' short bench, as
-    # session 22's (issue 3's and 4's decode rows)
+    # W4A4 per-token and prefill sizes timed with it (about 8 minutes)
     step gluon_rot_tests 240 python3 -m pytest -m gpu --device cuda -q tests/test_gluon_ws.py \
         -k "rot_layout_gpu"
     step rot_w4a4 150 python3 benchmarks/sweep_decode.py --tokens 1 16 64 \
         --modes w4a4-token --variants c3 c3-grot --iters 20 --out "$out/rot_w4a4.json"
     step rot_prefill 150 python3 benchmarks/sweep_decode.py --tokens 4096 8192 \
         --modes w4a16 --variants c3 c3-grot --iters 10 --out "$out/rot_prefill.json"
+    ;;
+s23c)
+    # The defaults' short bench, as session 22's (issue 3's and 4's decode rows)
     step bench 300 python3 -m fp4moe bench --num-tokens 1 8 16 32 64 --finalize both \
         --iters 10 --out "$out/bench"
     ;;
