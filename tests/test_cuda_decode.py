@@ -4,9 +4,11 @@ Gluon kernels' bits."""
 
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -33,28 +35,39 @@ def _cuobjdump() -> str | None:
 
 
 @pytest.mark.skipif(cuda_decode.nvcc() is None, reason="no nvcc")
-def test_cuda_kernel_builds_for_sm90a(tmp_path):
+@functools.cache
+def _built(flags: tuple[str, ...] = ()) -> tuple[str, str | None]:
+    """decode_gemm.cu built with the package's flags and ``flags`` (once a session), and
+    ptxas's report and the SASS (None without a cuobjdump)."""
+    with tempfile.TemporaryDirectory(prefix="fp4moe-cuda-") as tmp:
+        out = Path(tmp) / "lib.so"
+        res = subprocess.run(
+            [cuda_decode.nvcc(), *cuda_decode.NVCC_FLAGS, *flags, "-Xptxas", "-v", "-o",
+             str(out), str(cuda_decode.SOURCE)],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr[-3000:]
+        dump = _cuobjdump()
+        if dump is None:
+            return res.stderr, None
+        sass = subprocess.run([dump, "-sass", str(out)], capture_output=True, text=True).stdout
+        return res.stderr, sass
+
+
+def test_cuda_kernel_builds_for_sm90a():
     """The library builds with the package's flags; ptxas reports no spill and no stack
     for any of the kernel's specializations, every register budget within the 512-thread
     launch bound (128 a thread); the SASS (where a cuobjdump is) holds only bf16 MMAs of
     m16n8k16 with fp32 sums, fully unrolled (128 a segment a warp at 8 rows, 256 at 16;
     20 specializations: 16 and the 4 of CROSS_ITEMS), and the fp32 atomic add of the fused
     epilogue."""
-    out = tmp_path / "lib.so"
-    res = subprocess.run(
-        [cuda_decode.nvcc(), *cuda_decode.NVCC_FLAGS, "-Xptxas", "-v", "-o", str(out),
-         str(cuda_decode.SOURCE)],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    regs = [int(r) for r in re.findall(r"Used (\d+) registers", res.stderr)]
+    report, sass = _built()
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
     assert len(regs) == 20 and max(regs) <= 128, regs
-    stacks = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", res.stderr)
+    stacks = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", report)
     assert stacks and all(s == ("0", "0") for s in stacks), stacks
-    dump = _cuobjdump()
-    if dump is None:
+    if sass is None:
         return
-    sass = subprocess.run([dump, "-sass", str(out)], capture_output=True, text=True).stdout
     mma = re.findall(r"\bHMMA\.[0-9A-Z.]+", sass)
     assert set(mma) == {"HMMA.16816.F32.BF16"}, set(mma)
     assert len(mma) == 10 * 128 + 10 * 256
@@ -73,27 +86,20 @@ def _unit_mean(sass: str, spec: str) -> tuple[float, int]:
     raise AssertionError(f"no specialization {spec}")
 
 
-def test_rot_decode_is_shorter(tmp_path):
+def test_rot_decode_is_shorter():
     """``ROT_LAYOUT``'s library holds session 23's count in SASS: ``decode_rot``'s 15
     instructions a code word against ``decode_pair``'s 18, so a unit of the 16-token FC1
-    and FC2 (8 code words a warp) has 24 fewer, with the same HMMAs."""
-    dump = _cuobjdump()
-    if dump is None:
+    and FC2 (8 code words a warp) has 24 fewer, with the same HMMAs; no spill."""
+    report, rot = _built(("-DFP4MOE_ROT=1",))
+    stacks = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", report)
+    assert len(stacks) == 20 and all(s == ("0", "0") for s in stacks), stacks
+    base = _built()[1]
+    if base is None or rot is None:
         pytest.skip("no cuobjdump")
-    means = {}
-    for rot in (0, 1):
-        out = tmp_path / f"lib{rot}.so"
-        res = subprocess.run(
-            [cuda_decode.nvcc(), *cuda_decode.NVCC_FLAGS, f"-DFP4MOE_ROT={rot}", "-o",
-             str(out), str(cuda_decode.SOURCE)],
-            capture_output=True, text=True,
-        )  # fmt: skip
-        assert res.returncode == 0, res.stderr[-3000:]
-        sass = subprocess.run([dump, "-sass", str(out)], capture_output=True, text=True).stdout
-        means[rot] = [_unit_mean(sass, spec) for spec in ("Lb1ELi1ELi2ELb0E", "Lb0ELi1ELi2ELb0E")]
-    for (base, n0), (short, n1) in zip(means[0], means[1]):
+    for spec in ("Lb1ELi1ELi2ELb0E", "Lb0ELi1ELi2ELb0E"):
+        (b, n0), (r, n1) = _unit_mean(base, spec), _unit_mean(rot, spec)
         assert n0 == n1 == 128
-        assert 20 <= base - short <= 28, (base, short)
+        assert 20 <= b - r <= 28, (spec, b, r)
 
 
 def _ptx_of(fn: str, nth: int = 0) -> list[str]:
