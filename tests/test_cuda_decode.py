@@ -34,7 +34,6 @@ def _cuobjdump() -> str | None:
         return None
 
 
-@pytest.mark.skipif(cuda_decode.nvcc() is None, reason="no nvcc")
 @functools.cache
 def _built(flags: tuple[str, ...] = ()) -> tuple[str, str | None]:
     """decode_gemm.cu built with the package's flags and ``flags`` (once a session), and
@@ -54,6 +53,7 @@ def _built(flags: tuple[str, ...] = ()) -> tuple[str, str | None]:
         return res.stderr, sass
 
 
+@pytest.mark.skipif(cuda_decode.nvcc() is None, reason="no nvcc")
 def test_cuda_kernel_builds_for_sm90a():
     """The library builds with the package's flags; ptxas reports no spill and no stack
     for any of the kernel's specializations, every register budget within the 512-thread
@@ -86,6 +86,7 @@ def _unit_mean(sass: str, spec: str) -> tuple[float, int]:
     raise AssertionError(f"no specialization {spec}")
 
 
+@pytest.mark.skipif(cuda_decode.nvcc() is None, reason="no nvcc")
 def test_rot_decode_is_shorter():
     """``ROT_LAYOUT``'s library holds session 23's count in SASS: ``decode_rot``'s 15
     instructions a code word against ``decode_pair``'s 18, so a unit of the 16-token FC1
