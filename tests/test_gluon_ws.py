@@ -795,13 +795,14 @@ def test_rot_layout_compiles_for_sm90():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 16, 64, 4096, "one-expert", "all-masked"])
+@pytest.mark.parametrize("t", [0, 1, 16, 64, 4096, "one-expert", "all-masked"])
 @pytest.mark.parametrize("mode", MODES[:3], ids=_mode_id)
 def test_gluon_rot_layout_gpu(monkeypatch, t, mode):
     """``gluon_ws.ROT_LAYOUT`` on the GPU: the codes' rotated copy decoded into the same
     registers, so whole calls (deterministic finalize) give the bits they give without it,
-    on the split, whole-K and (4096 tokens) prefill kernels; the fused finalize within the
-    reference's tolerance; every route on one expert; every route masked (zeros)."""
+    no token included, on the split, whole-K and (4096 tokens) prefill kernels; the fused
+    finalize within the reference's tolerance; every route on one expert; every route
+    masked (zeros)."""
     from fp4moe.kernels import gluon_ws
 
     m, sc = mode
