@@ -4,10 +4,11 @@ One prepared copy of the experts serves W4A4 (per-tensor, per-token or static ac
 scales) and W4A16; see README.md and docs/.
 """
 
+from .backend import InapplicableOverride, Options, Plan, Tile, explain
 from .checkpoints import load_checkpoint_experts, save_modelopt_experts
 from .distributed import EPMoELayer
 from .experts import PreparedExperts, load_experts, prepare_experts
-from .moe import moe
+from .moe import moe, plan
 from .nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
 from .phases import MoELayer, PhaseConfig, PhasePolicy, RouterConfig, serving_phase
 from .routing import expert_range, local_expert_ids, route
@@ -16,32 +17,28 @@ from .runner import MoERunner
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):
-    """``fp4moe.TritonOptions``, imported on first use (it imports Triton)."""
-    if name == "TritonOptions":
-        from .kernels.launch import TritonOptions
-
-        return TritonOptions
-    raise AttributeError(f"module 'fp4moe' has no attribute {name!r}")
-
-
 __all__ = [
     "EPMoELayer",
+    "InapplicableOverride",
     "MoELayer",
     "MoERunner",
     "NVFP4Tensor",
+    "Options",
     "PhaseConfig",
     "PhasePolicy",
+    "Plan",
     "PreparedExperts",
     "RouterConfig",
-    "TritonOptions",
+    "Tile",
     "__version__",
     "dequantize_nvfp4",
     "expert_range",
+    "explain",
     "load_checkpoint_experts",
     "load_experts",
     "local_expert_ids",
     "moe",
+    "plan",
     "prepare_experts",
     "quantize_nvfp4",
     "route",

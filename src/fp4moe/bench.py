@@ -19,39 +19,15 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 
 import torch
+
+from .presets import MODES, PRESETS, Preset
 
 __all__ = ["PRESETS", "Preset", "add_arguments", "main", "run"]
 
 
-@dataclass(frozen=True)
-class Preset:
-    hidden: int
-    inter: int
-    experts: int  # in the whole model
-    local_experts: int  # held by the benchmarked rank (expert parallelism)
-    top_k: int
-    method: str = "softmax"
-    n_group: int = 1
-    topk_group: int = 1
-    scaling: float = 1.0
-
-
-PRESETS = {
-    "deepseek-v3-ep8": Preset(7168, 2048, 256, 32, 8, "sigmoid_grouped", 8, 4, 2.5),
-    "qwen3-30b-a3b": Preset(2048, 768, 128, 128, 8, "softmax"),
-    "mixtral-8x7b": Preset(4096, 14336, 8, 8, 2, "topk_softmax"),
-    "kimi-k2-ep8": Preset(7168, 2048, 384, 48, 8, "sigmoid_grouped", 1, 1, 2.827),
-    "gpt-oss-120b-shape": Preset(2880, 2880, 128, 128, 4, "topk_softmax"),
-}
-MODES = {
-    "w4a16": ("w4a16", "per_token"),
-    "w4a4-token": ("w4a4", "per_token"),
-    "w4a4-tensor": ("w4a4", "per_tensor"),
-    "w4a4-static": ("w4a4", "static"),
-}
 DEFAULT_TOKENS = [2**i for i in range(15)]  # 1 .. 16384
 
 
@@ -71,11 +47,6 @@ def _positive(text: str) -> int:
     return v
 
 
-def _dense_above(text: str) -> int | str:
-    """argparse type of ``--dense-above``: an int >= 0, or 'off'."""
-    return text if text == "off" else _count(text)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="deepseek-v3-ep8", choices=sorted(PRESETS))
     for name in ("hidden", "inter", "experts", "local-experts", "top-k"):
@@ -93,15 +64,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-cuda-graph", action="store_true", help="time eager calls")
     p.add_argument("--no-pdl", action="store_true", help="programmatic dependent launch off")
-    p.add_argument(
-        "--dense-above",
-        type=_dense_above,
-        default=None,
-        metavar="R",
-        help="TritonOptions.dense_above: above R valid routes an expert, the "
-        "GEMMs load weights decoded once a call instead of decoding them (same bits); "
-        "'off' turns it off; default: the library's default",
-    )
     p.add_argument(
         "--cold-l2",
         action="store_true",
@@ -394,7 +356,8 @@ def run(args: argparse.Namespace) -> dict:
 
         return run_ep(args)
     import fp4moe
-    from fp4moe.kernels.launch import TritonOptions, moe_triton
+    from fp4moe.backend import Options, plan_call, target_for
+    from fp4moe.backend.launch import moe_triton
     from fp4moe.reference import moe_reference
 
     p = resolve_preset(args)
@@ -417,9 +380,8 @@ def run(args: argparse.Namespace) -> dict:
         base = (w13d.transpose(1, 2), w2d.transpose(1, 2))
     # The preset's share of valid routes (ranks hold local_experts of experts), as a
     # caller that masks routes to other ranks passes it (fp4moe.moe(options=...)).
-    opt = TritonOptions(pdl=not args.no_pdl, valid_fraction=p.local_experts / p.experts)
-    if args.dense_above is not None:  # None: the library's default
-        opt = replace(opt, dense_above=None if args.dense_above == "off" else args.dense_above)
+    opt = Options(pdl=not args.no_pdl, valid_fraction=p.local_experts / p.experts)
+    target = target_for("cuda")
     graph = not args.no_cuda_graph
     rows = []
     doc = {  # rows fill in as they are timed; written after each token count
@@ -438,7 +400,6 @@ def run(args: argparse.Namespace) -> dict:
         "cold_l2": args.cold_l2,
         "iters": args.iters,
         "rounds": args.rounds,
-        "dense_above": opt.dense_above,
         "valid_fraction": opt.valid_fraction,
         "rows": rows,
     }
@@ -452,6 +413,8 @@ def run(args: argparse.Namespace) -> dict:
         touched = int(torch.unique(ids[valid]).numel()) if routes else 0
         floor_us = touched * per_expert / ceil["copy_bytes_per_s"] * 1e6
         flops = 2 * routes * 3 * p.hidden * p.inter
+        # the roofline: the larger of the bytes' time and the bf16 tensor cores' time
+        roof_us = max(floor_us, flops / ceil["bf16_matmul_flops"] * 1e6)
         # Check each configuration against the reference, then time them all interleaved
         # in rounds (--rounds), with the baselines: one capture each, the same samples
         calls = {}
@@ -506,6 +469,9 @@ def run(args: argparse.Namespace) -> dict:
         for mode in args.modes:
             for fused in finals:
                 us = timed[mode, fused]
+                m, sc = MODES[mode]
+                plan = plan_call(t, p.top_k, e, p.hidden, p.inter, mode=m, act_scale=sc,
+                                 fused_finalize=fused, options=opt, target=target)  # fmt: skip
                 rows.append(
                     {
                         "tokens": t,
@@ -517,6 +483,7 @@ def run(args: argparse.Namespace) -> dict:
                         "tflops": flops / (us * 1e-6) / 1e12,
                         "weight_GBps": touched * per_expert / (us * 1e-6) / 1e9,
                         "floor_fraction": floor_us / us if touched else None,
+                        "roofline_fraction": roof_us / us if touched else None,
                         "vs_bf16": bf16_us / us if bf16_us else None,
                         "vs_naive_nvfp4": naive_us / us if naive_us else None,
                         "unfused_over_fused": us / fused_us[mode]
@@ -525,6 +492,7 @@ def run(args: argparse.Namespace) -> dict:
                         "bf16_us": bf16_us,
                         "naive_nvfp4_us": naive_us,
                         "rel_err": errs[mode, fused],
+                        "plan": plan.summary(),
                     }
                 )
         write_outputs(doc, args.out, plot=False)  # a run cut short keeps its rows
@@ -557,7 +525,7 @@ def format_table(doc: dict) -> str:
         "us",
         "tflops",
         "weight_GBps",
-        "floor_fraction",
+        "roofline_fraction",
         "vs_bf16",
         "vs_naive_nvfp4",
         "unfused_over_fused",
@@ -589,9 +557,10 @@ def write_json_csv(doc: dict, out: str, stem: str) -> None:
         json.dump(doc, f, indent=1)
     if doc["rows"]:
         with open(os.path.join(out, f"{stem}.csv"), "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=list(doc["rows"][0]))
+            flat = [{k: v for k, v in r.items() if not isinstance(v, dict)} for r in doc["rows"]]
+            wr = csv.DictWriter(f, fieldnames=list(flat[0]))
             wr.writeheader()
-            wr.writerows(doc["rows"])
+            wr.writerows(flat)
 
 
 def write_outputs(doc: dict, out: str, plot: bool = True) -> None:

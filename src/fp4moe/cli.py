@@ -1,4 +1,4 @@
-"""The ``fp4moe`` command line: demo, prepare, inspect, bench.
+"""The ``fp4moe`` command line: demo, prepare, inspect, plan, bench.
 
 Exit codes: 0 success, 1 cannot run here (no GPU, not implemented yet), 2 bad usage or input.
 """
@@ -252,6 +252,49 @@ def _cmd_inspect(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- plan
+
+
+def _cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
+    from .backend import H200, Options, explain, plan_call, target_for
+    from .presets import MODES, PRESETS
+
+    p = PRESETS[args.preset]
+    if any(t < 0 for t in args.num_tokens):
+        return _fail("plan", "--num-tokens: counts must be >= 0")
+    if args.target == "current":
+        if not torch.cuda.is_available():
+            return _fail("plan", "--target current: no CUDA device here (use --target h200)")
+        target = target_for("cuda")
+    else:
+        target = H200
+    opt = Options(valid_fraction=p.local_experts / p.experts)
+    rows = []
+    for mode in args.modes:
+        m, sc = MODES[mode]
+        for fused in {"both": (False, True), "fused": (True,), "unfused": (False,)}[args.finalize]:
+            for t in args.num_tokens:
+                plan = plan_call(t, p.top_k, p.local_experts, p.hidden, p.inter, mode=m,
+                                 act_scale=sc, fused_finalize=fused, options=opt,
+                                 target=target)  # fmt: skip
+                if args.explain:
+                    print(explain(plan) + "\n")
+                rows.append({"tokens": t, "mode": mode, **plan.summary()})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"preset": args.preset, "target": target.name, "rows": rows}, f, indent=1)
+    if not args.explain:
+        print(f"# {args.preset} (H {p.hidden}, I {p.inter}, {p.local_experts} local experts, "
+              f"top-{p.top_k}, valid fraction {opt.valid_fraction:.3g}) on "
+              f"{target.name}")  # fmt: skip
+        cols = ["tokens", "mode", "finalize", "valid_rows", "fc1_input", "fc1", "fc2_input", "fc2"]
+        widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
+        print("  ".join(f"{c:<{widths[c]}}" for c in cols))
+        for r in rows:
+            print("  ".join(f"{r[c]!s:<{widths[c]}}" for c in cols))
+    return 0
+
+
 # ----------------------------------------------------------------------------- bench
 
 
@@ -396,6 +439,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("path", help="prepared file (written by `fp4moe prepare` or experts.save)")
     p.set_defaults(func=_cmd_inspect)
+
+    from .presets import MODES as _BENCH_MODES
+    from .presets import PRESETS as _PRESETS
+
+    p = sub.add_parser(
+        "plan",
+        help="print which kernels serve each GEMM of a call (no GPU needed)",
+        description=(
+            "The planner's choice per token count: for FC1 and FC2 the kernel family, tile "
+            "rows and K split, and the quantize and finalize steps, for a preset's shape "
+            "on an H200 (or on this machine's GPU: --target current)."
+        ),
+    )
+    p.add_argument("--preset", default="deepseek-v3-ep8", choices=sorted(_PRESETS))
+    p.add_argument("--num-tokens", type=int, nargs="+", default=[1, 16, 256, 1024, 8192])
+    p.add_argument("--modes", nargs="+", default=["w4a16"], choices=sorted(_BENCH_MODES))
+    p.add_argument("--finalize", choices=["unfused", "fused", "both"], default="unfused",
+                   help="deterministic (unfused, default), fused, or both")  # fmt: skip
+    p.add_argument("--target", choices=["h200", "current"], default="h200",
+                   help="plan for an H200 (default) or this machine's CUDA device")  # fmt: skip
+    p.add_argument("--explain", action="store_true", help="a paragraph a call, not a table")
+    p.add_argument("--json", metavar="PATH", help="also write the plans as JSON")
+    p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser(
         "bench",

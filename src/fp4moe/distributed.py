@@ -183,18 +183,13 @@ def _route_rows_reference(rows, row_expert, experts, mode, act_scale, amax_reduc
 
 
 def _route_rows_triton(rows, row_expert, experts, mode, act_scale, amax_reduce):
-    """The Triton backend's expert work (``kernels.launch.expert_gemms``) with top-k 1.
+    """The Triton backend's expert work (``backend.launch.expert_gemms``) with top-k 1, on
+    the plan of dispatched rows (``plan_call(dispatched=True)``).
 
     Every received row is a one-route token; FC1 gathers it (bf16, or pre-quantized NVFP4
     codes, scales and per-row global). Rows come back in the order they came in."""
-    from .kernels.launch import (
-        TritonOptions,
-        amax_slots,
-        expert_gemms,
-        gemm_configs,
-        split_counters,
-        use_pdl,
-    )
+    from .backend import Options
+    from .backend.launch import expert_gemms, plan_for, zero_buffer
     from .kernels.sort import sort_routes
 
     w4a4 = mode == "w4a4"
@@ -205,21 +200,19 @@ def _route_rows_triton(rows, row_expert, experts, mode, act_scale, amax_reduce):
         if w4a4 and act_scale == "per_tensor" and amax_reduce is not None:
             amax_reduce(torch.zeros((), dtype=torch.float32, device=dev))
         return torch.empty(0, experts.hidden_size, dtype=torch.bfloat16, device=dev)
-    opt = TritonOptions(valid_fraction=1.0)  # every received row is a valid route
-    cfg1, cfg2 = gemm_configs(n, experts, mode, opt, act_scale)
-    slot_fc2, _ = amax_slots(opt, mode, act_scale, n, experts.hidden_size, n,
-                             experts.intermediate_size, amax_reduce)  # fmt: skip
-    zero, counters, amax_zero = split_counters(n, experts, cfg1, cfg2, opt, dev, amax=slot_fc2)
+    plan = plan_for(a_src, 1, experts, mode=mode, act_scale=act_scale, fused_finalize=False,
+                    options=Options(valid_fraction=1.0), dispatched=True,
+                    amax_all_reduce=amax_reduce is not None)  # fmt: skip
+    zero, slots = zero_buffer(plan, dev)
     sort = sort_routes(row_expert.to(torch.int32).reshape(n, 1).contiguous(),
-                       experts.num_experts, cfg1.block_m, zero=zero)  # fmt: skip
+                       experts.num_experts, plan.block_m, use_kernel=plan.sort == "triton",
+                       zero=zero)  # fmt: skip
     y = expert_gemms(
-        sort, a_src.contiguous(),
+        plan, sort, a_src.contiguous(),
         rows.scales.contiguous() if w4a4 else None,
         rows.global_scale.contiguous() if w4a4 else None,
-        experts, cfg1=cfg1, cfg2=cfg2, mode=mode, act_scale=act_scale, topk=1, a_gather=True,
-        route_weights=torch.ones(n, dtype=torch.float32, device=dev),
-        amax_reduce=amax_reduce, options=opt, pdl=use_pdl(opt, dev), counters=counters,
-        amax_zero=amax_zero,
+        experts, a_gather=True, route_weights=torch.ones(n, dtype=torch.float32, device=dev),
+        slots=slots, amax_reduce=amax_reduce,
     )  # fmt: skip
     return y[sort.route_pos.long()]
 
@@ -749,8 +742,7 @@ class EPMoELayer(nn.Module):
             )
             g = global_from_amax(self._all_reduce_max(amax))
         if backend == "triton":
-            from .kernels.launch import quantize_rows
-            from .kernels.quantize import MODE_PER_ROW, MODE_SCALAR, MODE_STATIC
+            from .kernels.quantize import MODE_PER_ROW, MODE_SCALAR, MODE_STATIC, quantize_rows
 
             if act == "per_token":
                 c, s, gl = quantize_rows(x2d.contiguous(), t, mode=MODE_PER_ROW, pdl=False)
@@ -797,7 +789,7 @@ class EPMoELayer(nn.Module):
         t, k = ids.shape
         h = self.experts.hidden_size
         if backend == "triton" and t:
-            from .kernels.launch import finalize_rows
+            from .kernels.finalize import finalize_rows
 
             if y_rows.shape[0] == 0:
                 y_rows = torch.zeros(1, h, dtype=torch.bfloat16, device=y_rows.device)

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
+from .backend.options import Options
+from .backend.plan import Plan
 from .experts import PreparedExperts
 
-if TYPE_CHECKING:
-    from .kernels.launch import TritonOptions
-
-__all__ = ["ACT_SCALES", "BACKENDS", "MODES", "moe", "validate_moe_inputs"]
+__all__ = ["ACT_SCALES", "BACKENDS", "MODES", "moe", "plan", "validate_moe_inputs"]
 
 MODES = ("w4a16", "w4a4")
 ACT_SCALES = ("per_token", "static", "per_tensor")
@@ -93,7 +92,7 @@ def moe(
     fused_finalize: bool = False,
     backend: Backend = "auto",
     validate_ids: bool = False,
-    options: TritonOptions | None = None,
+    options: Options | None = None,
 ) -> torch.Tensor:
     """One MoE layer over prepared NVFP4 experts (SPEC sections 4 to 7).
 
@@ -112,22 +111,17 @@ def moe(
             (triton on a CUDA device, the reference elsewhere).
         validate_ids: also check ids < E where that costs a host sync (CUDA tensors). On
             CPU the ids are always checked.
-        options: ``fp4moe.TritonOptions`` for the triton backend (tile
-            configs, PDL, the dense prefill path; under expert parallelism by masking,
-            ``valid_fraction`` = 1 / ranks). Every option gives the same bits except the
-            main loop (``chunked``). Ignored by the reference.
+        options: ``fp4moe.Options`` for the triton backend (PDL, pinned tiles, under
+            expert parallelism by masking ``valid_fraction`` = 1 / ranks, NaN poisoning for
+            tests). Every option gives the same bits. Ignored by the reference. Which
+            kernels a call runs: ``fp4moe.plan`` / ``fp4moe.explain``.
 
     Returns:
         bf16 [T, H].
     """
     _choice(backend, BACKENDS, "backend")
-    if options is not None:
-        from .kernels.launch import TritonOptions
-
-        if not isinstance(options, TritonOptions):
-            raise TypeError(
-                f"options: expected fp4moe.TritonOptions or None, got {type(options).__name__}"
-            )
+    if options is not None and not isinstance(options, Options):
+        raise TypeError(f"options: expected fp4moe.Options or None, got {type(options).__name__}")
     on_cuda = isinstance(x, torch.Tensor) and x.is_cuda
     validate_moe_inputs(
         x,
@@ -146,7 +140,7 @@ def moe(
         from .reference import moe_reference
 
         return moe_reference(x, topk_ids, topk_weights, experts, mode=mode, act_scale=act_scale)
-    from .kernels.launch import moe_triton
+    from .backend.launch import moe_triton
 
     return moe_triton(
         x,
@@ -158,3 +152,40 @@ def moe(
         fused_finalize=fused_finalize,
         options=options,
     )
+
+
+def plan(
+    experts: PreparedExperts,
+    num_tokens: int,
+    top_k: int,
+    *,
+    mode: Mode = "w4a16",
+    act_scale: ActScale = "per_token",
+    fused_finalize: bool = False,
+    options: Options | None = None,
+) -> Plan:
+    """Which kernels ``moe(..., backend="triton")`` runs for ``num_tokens`` tokens of
+    ``top_k`` routes over ``experts`` (the plan of the experts' CUDA device; an H200's
+    where the experts are on the CPU). ``fp4moe.explain(plan)`` says it in words.
+
+    Returns:
+        the frozen ``fp4moe.Plan`` (per GEMM: kernel family, tile, K split; the sort,
+        quantize and finalize choices).
+    """
+    from .backend import H200, plan_call, target_for
+
+    if not isinstance(experts, PreparedExperts):
+        raise TypeError(f"experts: expected PreparedExperts, got {type(experts).__name__}")
+    for name, v, low in (("num_tokens", num_tokens, 0), ("top_k", top_k, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{name}: expected an int >= {low}, got {v!r}")
+    _choice(mode, MODES, "mode")
+    _choice(act_scale, ACT_SCALES, "act_scale")
+    if options is not None and not isinstance(options, Options):
+        raise TypeError(f"options: expected fp4moe.Options or None, got {type(options).__name__}")
+    target = target_for(experts.device) if experts.device.type == "cuda" else H200
+    return plan_call(
+        num_tokens, top_k, experts.num_experts, experts.hidden_size,
+        experts.intermediate_size, mode=mode, act_scale=act_scale,
+        fused_finalize=fused_finalize, options=options or Options(), target=target,
+    )  # fmt: skip

@@ -11,17 +11,14 @@ import contextvars
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from .backend.options import Options
 from .experts import PreparedExperts
 from .moe import ACT_SCALES, BACKENDS, MODES, moe
 from .routing import ROUTING_METHODS, local_expert_ids, route
-
-if TYPE_CHECKING:
-    from .kernels.launch import TritonOptions
 
 __all__ = ["PHASES", "MoELayer", "PhaseConfig", "PhasePolicy", "RouterConfig", "serving_phase"]
 
@@ -339,33 +336,33 @@ class MoELayer(nn.Module):
         return out.reshape(shape)
 
     @functools.cached_property
-    def triton_options(self) -> TritonOptions:
-        """The Triton backend's options for this layer's calls (``TritonOptions``, built on
+    def triton_options(self) -> Options:
+        """The Triton backend's options for this layer's calls (``fp4moe.Options``, built on
         first use): the share of valid routes is the share of experts it holds,
         ``expert_range`` over all experts (routes to other ranks' experts are masked),
-        which puts the tile configs, the K splits and the dense prefill path's switch
-        (``dense_above``) on valid rows an expert."""
-        from .kernels.launch import TritonOptions
-
+        which puts the planner's regimes on valid rows an expert."""
         start, stop = self.expert_range
-        return TritonOptions(valid_fraction=(stop - start) / self.num_experts_total)
+        return Options(valid_fraction=(stop - start) / self.num_experts_total)
 
     def memory_report(self, num_tokens: int | None = None) -> dict[str, int]:
         """Bytes of the expert weights (one prepared copy, shared by every phase), of the
         router, what a bf16 copy of the experts would cost, and the transient workspace of
         one call (Triton backend) for the decode phase at ``decode_max_tokens`` tokens and
-        for the prefill phase at ``num_tokens`` (default 4096) tokens."""
-        from .kernels.launch import workspace_bytes
+        for the prefill phase at ``num_tokens`` (default 4096) tokens (the plans of the
+        experts' CUDA device; an H200's where they are elsewhere)."""
+        from .backend import H200, plan_call, target_for, workspace_bytes
 
         ex = self.experts
         e, h, i = ex.num_experts, ex.hidden_size, ex.intermediate_size
         router = sum(b.numel() * b.element_size() for b in self.buffers())
+        target = target_for(ex.device) if ex.device.type == "cuda" else H200
 
         def ws(t: int, cfg: PhaseConfig) -> int:
-            return workspace_bytes(
-                t, self.router.top_k, h, i, e, mode=cfg.mode, act_scale=cfg.act_scale,
-                fused_finalize=cfg.fused_finalize, options=self.triton_options,
+            plan = plan_call(
+                t, self.router.top_k, e, h, i, mode=cfg.mode, act_scale=cfg.act_scale,
+                fused_finalize=cfg.fused_finalize, options=self.triton_options, target=target,
             )  # fmt: skip
+            return workspace_bytes(plan)
 
         prefill_t = 4096 if num_tokens is None else num_tokens
         decode_t = max(self.policy.decode_max_tokens, 1)

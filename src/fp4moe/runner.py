@@ -69,7 +69,7 @@ class MoERunner:
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     def _run(self, b: int) -> torch.Tensor:
-        from .kernels.launch import moe_triton
+        from .backend.launch import moe_triton
 
         return moe_triton(
             self._x[:b], self._ids[:b], self._w[:b], self.experts, mode=self.mode,

@@ -1,12 +1,50 @@
-"""Small Triton helpers shared by the kernel families, and ``compile_sm90`` (compile a
-kernel for the H200 on a machine without a GPU)."""
+"""Helpers shared by the kernel families: small Triton functions, the launch and
+workspace helpers of every launcher, and ``compile_sm90`` (compile a kernel for the H200 on
+a machine without a GPU)."""
 
 from __future__ import annotations
 
+import os
+
+import torch
 import triton
 import triton.language as tl
 
-__all__ = ["compile_sm90", "fma_f32", "nibble_to_f16", "order_rows", "resource_usage", "to_bf16"]
+__all__ = [
+    "compile_sm90",
+    "empty",
+    "fma_f32",
+    "interpreting",
+    "launch",
+    "nibble_to_f16",
+    "order_rows",
+    "resource_usage",
+    "to_bf16",
+    "to_e4m3",
+]
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype, device, poison: bool) -> torch.Tensor:
+    """``torch.empty``, or with ``poison`` filled with NaN (0xFF bytes for integer and
+    one-byte types), so that an element no kernel writes shows up in tests."""
+    if not poison:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if dtype.is_floating_point and dtype.itemsize > 1:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.full(shape, 0xFF, dtype=torch.uint8, device=device).view(dtype)
+
+
+def launch(kernel, grid, pdl: bool, *args, **kwargs) -> None:
+    """Launch a Triton kernel whose ``USE_PDL`` constexpr says whether it takes part in
+    programmatic dependent launch (then launched with ``launch_pdl``)."""
+    if pdl:
+        kwargs["launch_pdl"] = True
+    kernel[grid](*args, USE_PDL=pdl, **kwargs)
 
 
 def compile_sm90(fn, ptrs: dict, constexprs: dict, *, ints=(), gluon=False, descs=None,

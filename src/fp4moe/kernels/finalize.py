@@ -3,7 +3,9 @@ fma(w[t, k], y[t, k], acc)), reading route rows stored in expert-sorted order.
 
 One program covers one token and BLOCK_H columns. Routing metadata (ids, weights, the
 rows' positions) are loaded before the wait on the FC2 kernel (programmatic dependent
-launch), so they overlap FC2's tail; a masked route's row is never loaded.
+launch), so they overlap FC2's tail; a masked route's row is never loaded. (Several
+tokens a program measured no faster at prefill sizes: the finalize runs at 1.6 TB/s
+there, not held by its programs' count.)
 
 ``cast_kernel``: the fused finalize's last step, its fp32 [T, H] sums to bf16, as a launch
 in the call's programmatic-dependent-launch chain (torch's cast is not).
@@ -11,28 +13,13 @@ in the call's programmatic-dependent-launch chain (torch's cast is not).
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from .common import fma_f32, to_bf16
+from .common import empty, fma_f32, interpreting, launch, to_bf16
 
-__all__ = ["cast_kernel", "finalize_block_h", "finalize_kernel", "finalize_tokens_per_program"]
-
-
-# Tokens a program of ``finalize_kernel`` from TOKENS_FROM tokens on (1 below): fewer,
-# longer programs at prefill, each with the loads of several tokens in flight. The bits
-# do not depend on it (each element's fma chain is the same). Measured (session 17,
-# ``benchmarks/finalize_tpp.py``, DeepSeek-V3 EP8 routes): 1 / 2 / 4 / 8 tokens a program
-# 147.5 / 148.6 / 150.1 / 166.7 us at 8192 tokens, 288.5 / 289.9 / 290.4 / 318.8 at
-# 16384: the programs' count is not what holds the finalize (1.6 TB/s), so 1.
-TOKENS_PER_PROGRAM = 1
-TOKENS_FROM = 2048
-
-
-def finalize_tokens_per_program(num_tokens: int) -> int:
-    """Tokens a program of ``finalize_kernel`` (``TOKENS_PER_PROGRAM`` from
-    ``TOKENS_FROM`` tokens on, else 1)."""
-    return TOKENS_PER_PROGRAM if num_tokens >= TOKENS_FROM else 1
+__all__ = ["cast_kernel", "cast_rows", "finalize_block_h", "finalize_kernel", "finalize_rows"]
 
 
 def finalize_block_h(num_tokens: int, hidden: int) -> tuple[int, int]:
@@ -63,38 +50,28 @@ def finalize_kernel(
     BLOCK_H: tl.constexpr,
     USE_PDL: tl.constexpr,
     INTERPRET: tl.constexpr,
-    TPP: tl.constexpr = 1,  # tokens a program (``finalize_tokens_per_program``)
 ):
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cmask = cols < H
     ks = tl.arange(0, KP)
     kmask = ks < TOPK
-    # the first token's metadata before the wait (under PDL it overlaps FC2's tail)
-    t0 = tl.program_id(0).to(tl.int64) * TPP
-    m0 = kmask & (t0 < T)
-    ids0 = tl.load(ids_ptr + t0 * TOPK + ks, mask=m0, other=-1)
-    ws0 = tl.load(w_ptr + t0 * TOPK + ks, mask=m0, other=0.0)
-    pos0 = tl.load(route_pos_ptr + t0 * TOPK + ks, mask=m0, other=0).to(tl.int64)
+    # the token's metadata before the wait (under PDL it overlaps FC2's tail)
+    t = tl.program_id(0).to(tl.int64)
+    tok = t < T
+    ids = tl.load(ids_ptr + t * TOPK + ks, mask=kmask & tok, other=-1)
+    ws = tl.load(w_ptr + t * TOPK + ks, mask=kmask & tok, other=0.0)
+    pos = tl.load(route_pos_ptr + t * TOPK + ks, mask=kmask & tok, other=0).to(tl.int64)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    for i in tl.static_range(TPP):
-        t = t0 + i
-        tok = t < T
-        if i == 0:
-            ids, ws, pos = ids0, ws0, pos0
-        else:
-            ids = tl.load(ids_ptr + t * TOPK + ks, mask=kmask & tok, other=-1)
-            ws = tl.load(w_ptr + t * TOPK + ks, mask=kmask & tok, other=0.0)
-            pos = tl.load(route_pos_ptr + t * TOPK + ks, mask=kmask & tok, other=0).to(tl.int64)
-        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        for k in tl.static_range(TOPK):
-            sel = ks == k
-            valid = tl.sum(tl.where(sel, ids, 0), axis=0) >= 0
-            wk = tl.sum(tl.where(sel, ws, 0.0), axis=0)
-            pk = tl.sum(tl.where(sel, pos, 0), axis=0)
-            y = tl.load(y_ptr + pk * H + cols, mask=cmask & valid, other=0.0).to(tl.float32)
-            acc = tl.where(valid, fma_f32(tl.zeros_like(acc) + wk, y, acc, INTERPRET), acc)
-        tl.store(out_ptr + t * H + cols, to_bf16(acc, INTERPRET), mask=cmask & tok)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in tl.static_range(TOPK):
+        sel = ks == k
+        valid = tl.sum(tl.where(sel, ids, 0), axis=0) >= 0
+        wk = tl.sum(tl.where(sel, ws, 0.0), axis=0)
+        pk = tl.sum(tl.where(sel, pos, 0), axis=0)
+        y = tl.load(y_ptr + pk * H + cols, mask=cmask & valid, other=0.0).to(tl.float32)
+        acc = tl.where(valid, fma_f32(tl.zeros_like(acc) + wk, y, acc, INTERPRET), acc)
+    tl.store(out_ptr + t * H + cols, to_bf16(acc, INTERPRET), mask=cmask & tok)
 
 
 @triton.jit
@@ -114,3 +91,63 @@ def cast_kernel(
         tl.extra.cuda.gdc_wait()
     v = tl.load(src_ptr + offs, mask=m, other=0.0)
     tl.store(out_ptr + offs, to_bf16(v, INTERPRET), mask=m)
+
+
+def cast_rows(src: torch.Tensor, *, pdl: bool = False, poison: bool = False) -> torch.Tensor:
+    """bf16(src), round to nearest even (``torch.Tensor.to``'s bits), by one launch that
+    under ``pdl`` waits for the kernel before it: the fused finalize's last step.
+
+    Args:
+        src: fp32 [T, H], contiguous.
+
+    Returns:
+        bf16 [T, H].
+    """
+    if src.dtype != torch.float32 or not src.is_contiguous():
+        layout = "" if src.is_contiguous() else ", not contiguous"
+        raise ValueError(f"src: expected a contiguous torch.float32 tensor, got {src.dtype}"
+                         f"{layout}")  # fmt: skip
+    out = empty(tuple(src.shape), torch.bfloat16, src.device, poison)
+    n = src.numel()
+    if n == 0:
+        return out
+    block = 64 if interpreting() else 2048
+    launch(cast_kernel, (triton.cdiv(n, block),), pdl, src, out, n, BLOCK=block,
+           INTERPRET=interpreting(), num_warps=4)  # fmt: skip
+    return out
+
+
+def finalize_rows(
+    y_rows: torch.Tensor,
+    route_pos: torch.Tensor,
+    topk_ids: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    pdl: bool = False,
+    poison: bool = False,
+) -> torch.Tensor:
+    """Deterministic finalize on the device (docs/numerics.md): out[t] = sum over k
+    ascending of weights[t, k] * y_rows[route_pos[t * K + k]], fp32 fma, one bf16 rounding;
+    masked routes (id < 0) skipped, all-masked tokens 0.
+
+    Args:
+        y_rows: bf16 [R, H] route rows (R >= 1).
+        route_pos: int32 [T * K] row of each route in ``y_rows``.
+        topk_ids: int32 [T, K]; weights: fp32 [T * K] (or [T, K]).
+
+    Returns:
+        bf16 [T, H].
+    """
+    t, k = topk_ids.shape
+    h = y_rows.shape[1]
+    out = empty((t, h), torch.bfloat16, y_rows.device, poison)
+    if t == 0:
+        return out
+    block_h, warps = finalize_block_h(t, h)
+    launch(
+        finalize_kernel, (t, triton.cdiv(h, block_h)), pdl,
+        y_rows, route_pos, topk_ids, weights.reshape(-1), out, h, t,
+        TOPK=k, KP=triton.next_power_of_2(k), BLOCK_H=block_h,
+        INTERPRET=interpreting(), num_warps=warps,
+    )  # fmt: skip
+    return out

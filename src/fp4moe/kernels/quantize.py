@@ -9,10 +9,11 @@ Divisions are ``div_rn`` so that the float operations are those of the reference
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from .common import nibble_to_f16, to_e4m3
+from .common import empty, interpreting, launch, nibble_to_f16, to_e4m3
 
 __all__ = [
     "MODE_AMAX_SELF",
@@ -20,11 +21,25 @@ __all__ = [
     "MODE_PER_ROW",
     "MODE_SCALAR",
     "MODE_STATIC",
+    "amax_rows",
     "amax_rows_kernel",
+    "decoded_rows_dtype",
     "encode_e2m1",
     "encode_e2m1_fast",
+    "quantize_rows",
     "quantize_rows_kernel",
 ]
+
+# Launch shapes (the same bits at any of them). Up to QUANTIZE_SPLIT_ROWS rows, one
+# QUANTIZE_SPLIT_C-element chunk of a row a program instead of one row a program, and the
+# amax passes read a row in one load of up to AMAX_WIDE_C elements instead of a chain of
+# 1024-element loads (max is exact in any order). On the H200 (DeepSeek-V3 EP8) this took
+# W4A4 per-token from 82.2 to 77.3 us at 1 token and per-tensor from 120.8 to 111.4 us at
+# 16 tokens. Above it each chunk's program would re-read the row for its amax.
+QUANTIZE_SPLIT_ROWS = 512
+QUANTIZE_SPLIT_C = 256
+AMAX_WIDE_C = 8192
+AMAX_ROWS = 16  # amax_rows above QUANTIZE_SPLIT_ROWS rows: rows a program (one atomic each)
 
 MODE_PER_ROW = 0  # global = amax(row) / 2688 (1 where the row is 0)
 MODE_STATIC = 1  # global = table[row_expert[i]]
@@ -91,8 +106,8 @@ def _row_amax(row, C: tl.constexpr, BLOCK_C: tl.constexpr):
 def _rows_amax(src_ptr, nr, C: tl.constexpr, BLOCK_C: tl.constexpr):
     """max |x| over rows 0 .. nr - 1 (nr >= 1) of bf16 [., C] in fp32: RB rows at once
     (a [RB, BLOCK_C] tile of at most 8192 elements), so that few short rows cost one
-    load's latency, not one a row (session 15: Qwen3's FC2 input at 1 token, 8 rows of
-    768, took 3 us a launch row by row)."""
+    load's latency, not one a row (Qwen3's FC2 input at 1 token, 8 rows of 768, took 3 us
+    a launch row by row on the H200)."""
     RB: tl.constexpr = max(1, min(16, 8192 // BLOCK_C))
     cols = tl.arange(0, BLOCK_C)
     rr = tl.arange(0, RB)
@@ -124,7 +139,7 @@ def amax_rows_kernel(
     """Per-tensor amax (SPEC 2.1) of the first rows of ``src`` on the device: ROWS rows a
     program, then one atomic max (exact and order-free, so deterministic) into
     ``amax_ptr``. (One row a program made one atomic on the same address a row: 8192 of
-    them for an 8192-token x, session 14.)"""
+    them for an 8192-token x.)"""
     p = tl.program_id(0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -169,14 +184,12 @@ def quantize_rows_kernel(
     dec_ptr=None,  # DEC: [rows, C] DEC_DTYPE, the decoded values in the unit order
     DEC: tl.constexpr = False,
     DEC_DTYPE: tl.constexpr = tl.bfloat16,
-    ROW_FIRST: tl.constexpr = False,  # the program's first chunk loaded before the global
-    # (``launch.QUANTIZE_ROW_FIRST``): its latency under the amax's, the same values
 ):
     """One row a program (SPLIT_C: one BLOCK_C chunk of a row a program, grid axis 1, for
     few rows); the per-row amax reads AMAX_C elements at a time. The same bits either way.
-    DEC (BLOCK_C a multiple of 64): also the row decoded as ``dequant.dense_rows(order=64)``
+    DEC (BLOCK_C a multiple of 64): also the row decoded as ``operands.dense_rows(order=64)``
     decodes it (e2m1 value times the e4m3 scale times 2^-8, exact; each 64 elements in the
-    unit order), the operand of the Gluon GEMMs (``gluon_ws``) with no decode launch."""
+    unit order), the operand of the Gluon GEMMs with no decode launch."""
     FAST_DIV_MODES: tl.constexpr = MODE == 0 or MODE == 3 or MODE == 4
     i = tl.program_id(0)
     if USE_PDL:
@@ -189,10 +202,6 @@ def quantize_rows_kernel(
     else:
         src = i.to(tl.int64)
     row = src_ptr + src * C
-    if ROW_FIRST:  # the first chunk's load issued before the global's loads
-        x0 = _load_chunk(row, tl.program_id(1) * BLOCK_C if SPLIT_C else 0, C, BLOCK_C)
-    else:
-        x0 = None
 
     if MODE == 1:
         g = tl.load(table_ptr + tl.load(row_expert_ptr + i))
@@ -224,31 +233,27 @@ def quantize_rows_kernel(
     if FAST_DIV_MODES and not INTERPRET:
         if (g >= 6.462348535570529e-27) & (g <= 1.5474250491067253e26):  # 2^-87 .. 2^87
             _quantize_span(row, c_off, i64, g, codes_ptr, scales_ptr, C, BLOCK_C, c_span,
-                           INTERPRET, dec_ptr, DEC, DEC_DTYPE, True, x0, ROW_FIRST)  # fmt: skip
+                           INTERPRET, dec_ptr, DEC, DEC_DTYPE, True)  # fmt: skip
         else:
             _quantize_span(row, c_off, i64, g, codes_ptr, scales_ptr, C, BLOCK_C, c_span,
-                           INTERPRET, dec_ptr, DEC, DEC_DTYPE, False, x0, ROW_FIRST)  # fmt: skip
+                           INTERPRET, dec_ptr, DEC, DEC_DTYPE, False)  # fmt: skip
     else:
         _quantize_span(row, c_off, i64, g, codes_ptr, scales_ptr, C, BLOCK_C, c_span,
-                       INTERPRET, dec_ptr, DEC, DEC_DTYPE, False, x0, ROW_FIRST)  # fmt: skip
+                       INTERPRET, dec_ptr, DEC, DEC_DTYPE, False)  # fmt: skip
 
 
 @triton.jit
 def _quantize_span(row, c_off, i64, g, codes_ptr, scales_ptr, C: tl.constexpr,
                    BLOCK_C: tl.constexpr, SPAN: tl.constexpr, INTERPRET: tl.constexpr,
                    dec_ptr, DEC: tl.constexpr, DEC_DTYPE: tl.constexpr,
-                   FAST: tl.constexpr, x0=None, HAVE_X0: tl.constexpr = False):  # fmt: skip
+                   FAST: tl.constexpr):  # fmt: skip
     """Elements c_off .. c_off + SPAN of a row, BLOCK_C at a time (``_quantize_chunk``).
     Unrolled, each chunk loaded before the one before it is stored: the compiler cannot
     move a load above a store that may alias it, so otherwise every chunk's load waits
-    for the last chunk's stores (one load in flight a thread). ``HAVE_X0``: the first
-    chunk is ``x0``, loaded by the caller (``ROW_FIRST``)."""
+    for the last chunk's stores (one load in flight a thread)."""
     six_g = 6.0 * g
     y6 = _fast_rcp(six_g, FAST)
-    if HAVE_X0:
-        xb = x0
-    else:
-        xb = _load_chunk(row, c_off, C, BLOCK_C)
+    xb = _load_chunk(row, c_off, C, BLOCK_C)
     for cb in tl.static_range(0, SPAN, BLOCK_C):
         x_now = xb
         if cb + BLOCK_C < SPAN:
@@ -298,8 +303,8 @@ def _quantize_chunk(xb, c0, i64, g, six_g, y6, codes_ptr, scales_ptr, C: tl.cons
     """Elements c0 .. c0 + BLOCK_C of one row (``xb``, ``_load_chunk``'s [blocks, 16]) to
     codes, scales (and DEC: decoded values) of row ``i64``. A 16-element block's amax,
     scale and codes stay in the threads that hold it: no layout conversion through shared
-    memory (the 1-D form of session 13 and before needed two barriers a chunk, about 42
-    SASS instructions an element)."""
+    memory (a 1-D form needed two barriers a chunk, about 42 SASS instructions an
+    element)."""
     NBK: tl.constexpr = BLOCK_C // 16
     amax_b = tl.max(tl.abs(xb), axis=1)
     s = tl.minimum(_div(amax_b, tl.zeros_like(amax_b) + six_g, y6, FAST), 448.0)
@@ -355,3 +360,106 @@ def _quantize_chunk(xb, c0, i64, g, six_g, y6, codes_ptr, scales_ptr, C: tl.cons
         e = k % 64
         pos = k - e + 16 * ((e // 4) % 4) + 8 * (e % 2) + 2 * (e // 16) + (e // 2) % 2
         tl.store(dec_ptr + i64 * C + c0 + pos, d.to(DEC_DTYPE), mask=c0 + k < C)
+
+
+def _row_block(c: int, wide: bool = False) -> int:
+    """Elements of a C-wide row a quantize or amax program loads at once: 1024 (64 in the
+    interpreter), or with ``wide`` (few rows) a whole row up to AMAX_WIDE_C."""
+    cap = AMAX_WIDE_C if wide else (64 if interpreting() else 1024)
+    return min(triton.next_power_of_2(c), cap)
+
+
+def decoded_rows_dtype() -> torch.dtype:
+    """dtype of decoded operand rows (``operands.dense_rows``, ``quantize_rows(decoded=)``):
+    bf16, fp32 in the interpreter (whose bf16 dot is unreliable)."""
+    return torch.float32 if interpreting() else torch.bfloat16
+
+
+def quantize_rows(
+    src: torch.Tensor,
+    rows: int,
+    *,
+    mode: int,
+    pdl: bool = False,
+    index: torch.Tensor | None = None,
+    div: int = 1,
+    count: torch.Tensor | None = None,
+    table: torch.Tensor | None = None,
+    row_expert: torch.Tensor | None = None,
+    poison: bool = False,
+    decoded: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 codes uint8 [rows, C/2], e4m3 scales [rows, C/16] and fp32 globals [rows] of
+    rows of ``src`` (bf16 [., C]); ``mode`` (``MODE_*``) picks the global: per row, the
+    one scalar in ``table`` (or an amax there, ``MODE_FROM_AMAX``; or taken over the
+    counted rows by every program, ``MODE_AMAX_SELF``), or (static) ``table[row_expert[r]]``.
+    ``index`` / ``div`` gather source row ``index[r] // div``; ``count`` (a device scalar)
+    limits the rows. ``decoded`` ([rows, C] of ``decoded_rows_dtype()``, C a multiple of
+    64): also receives the rows decoded as ``operands.dense_rows(order=64)`` gives them
+    (the Gluon GEMMs' W4A4 operand)."""
+    c = src.shape[1]
+    dec = {}
+    if decoded is not None:
+        if c % 64 or decoded.shape != (rows, c) or decoded.dtype != decoded_rows_dtype():
+            raise ValueError(
+                f"decoded: expected [{rows}, {c}] {decoded_rows_dtype()} with {c} a multiple "
+                f"of 64, got {list(decoded.shape)} {decoded.dtype}"
+            )
+        dec_dtype = tl.float32 if decoded.dtype == torch.float32 else tl.bfloat16
+        dec = dict(dec_ptr=decoded, DEC=True, DEC_DTYPE=dec_dtype)
+    dev = src.device
+    codes = empty((rows, c // 2), torch.uint8, dev, poison)
+    scales = empty((rows, c // 16), torch.float8_e4m3fn, dev, poison)
+    glob = empty((rows,), torch.float32, dev, poison)
+    if rows == 0:
+        return codes, scales, glob
+    dummy = glob
+    block_c = _row_block(c)
+    few = rows <= QUANTIZE_SPLIT_ROWS
+    grid, split = (rows,), {}
+    chunk = QUANTIZE_SPLIT_C if not interpreting() else (64 if dec else 32)
+    if few and c > chunk:  # few rows: one chunk of a row a program
+        grid, split = (rows, triton.cdiv(c, chunk)), dict(SPLIT_C=True)
+        block_c = chunk
+    launch(
+        quantize_rows_kernel, grid, pdl,
+        src, index if index is not None else dummy, count if count is not None else dummy,
+        rows, codes, scales, glob,
+        table if table is not None else dummy, row_expert if row_expert is not None else dummy,
+        c, MODE=mode, GATHER=index is not None, DIV=div, COUNT_FROM_PTR=count is not None,
+        BLOCK_C=block_c, AMAX_C=_row_block(c, few), INTERPRET=interpreting(), num_warps=4,
+        **split, **dec,
+    )  # fmt: skip
+    return codes, scales, glob
+
+
+def amax_rows(
+    src: torch.Tensor,
+    rows: int,
+    *,
+    count: torch.Tensor | None = None,
+    pdl: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp32 [1]: max |x| over the first ``rows`` rows of bf16 ``src`` [., C] (``count``, a
+    device scalar, limits them further), on the device; 0 for no rows. ``out``: an fp32
+    [1] zero on ``src``'s device to fold the amax into (e.g. a slot the sort kernel
+    cleared before this launch); None: a zeroed tensor of its own."""
+    if out is None:
+        out = torch.zeros(1, dtype=torch.float32, device=src.device)
+    elif out.dtype != torch.float32 or out.numel() != 1 or out.device != src.device:
+        raise ValueError(f"amax_rows: out must be one fp32 zero on {src.device}, got "
+                         f"{out.dtype} [{out.numel()}] on {out.device}")  # fmt: skip
+    if rows == 0:
+        return out
+    c = src.shape[1]
+    # few rows: a row a program (the launch's latency is what counts); many: AMAX_ROWS rows
+    # a program and one atomic each
+    per = 1 if rows <= QUANTIZE_SPLIT_ROWS else AMAX_ROWS
+    launch(
+        amax_rows_kernel, (triton.cdiv(rows, per),), pdl,
+        src, count if count is not None else out, rows, out, c,
+        COUNT_FROM_PTR=count is not None, BLOCK_C=_row_block(c, rows <= QUANTIZE_SPLIT_ROWS),
+        ROWS=per, num_warps=4,
+    )  # fmt: skip
+    return out

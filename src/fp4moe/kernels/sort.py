@@ -11,19 +11,17 @@ Given top-k ids [T, K] (negative = masked), produce:
   block b covers sorted rows [start, end) of one expert; unused blocks have expert -1 and
   their programs exit at once. ``max_blocks = cdiv(T*K, block_m) + min(E, T*K)`` bounds
   sum_e cdiv(count_e, block_m), so the grid size is known on the host without a sync.
-  The valid blocks come first; ``valid_blocks`` int32 [1] counts them
-  (``benchmarks/grid_experiment.py`` cuts the schedule to them).
+  The valid blocks come first; ``valid_blocks`` int32 [1] counts them (the prefill
+  kernel's persistent programs stop there).
 
 Two implementations with the same outputs, both without a host sync (capturable in a
 CUDA graph); an expert with no rows gets no block:
 
-- ``sort_routes_kernel``, one Triton launch for up to ``SMALL_ROUTES`` routes (decode),
+- ``sort_routes_kernel``, one Triton launch (the planner takes it up to 4096 routes),
   instead of the ~35 small torch kernels below, which cost about 70 us in a CUDA graph at
-  1 token and about 90 us at 2048 routes (docs/perf-notes.md, sessions 2 and 18). Each
-  program places 16 routes (8 above 1024 routes, 4 above 2048) and writes as many
-  tile-schedule entries; it histograms all the routes itself, so the programs never wait
-  on each other. (One program walking the routes 16 at a time took 13.8 us at 128 routes
-  and 42.5 us at 512 on the H200.)
+  1 token and about 90 us at 2048 routes on the H200. Each program places 16 routes (8
+  above 1024 routes, 4 above 2048) and writes as many tile-schedule entries; it
+  histograms all the routes itself, so the programs never wait on each other.
 - torch ops (stable sort, scatter-add, cumsum, searchsorted; no ``nonzero``, ``bincount``
   or ``.item()``) for larger batches, where their cost is small against the GEMMs.
 """
@@ -36,11 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import order_rows
-
-__all__ = ["SMALL_ROUTES", "RouteSort", "max_blocks", "sort_routes", "sort_routes_reference"]
-
-SMALL_ROUTES = 4096  # up to this many routes (T*K) one Triton launch sorts them
+__all__ = ["RouteSort", "max_blocks", "sort_routes", "sort_routes_reference"]
 
 
 def _chunk(n: int) -> int:
@@ -62,7 +56,6 @@ class RouteSort:
     sorted_expert: torch.Tensor  # int32 [T*K]: expert of each sorted row (0 past n_valid)
     valid_blocks: torch.Tensor  # int32 [1]: blocks with rows (they come first)
     block_m: int
-    x_ordered: torch.Tensor | None = None  # bf16 [T, H]: sort_routes(x=...) in the unit order
 
     @property
     def num_blocks(self) -> int:
@@ -78,28 +71,20 @@ def sort_routes(
     num_experts: int,
     block_m: int,
     *,
-    use_kernel: bool | None = None,
+    use_kernel: bool,
     zero: torch.Tensor | None = None,
-    x: torch.Tensor | None = None,
 ) -> RouteSort:
     """Sort routes by expert and build the tile schedule (see module docstring).
 
     Args:
         topk_ids: int32 [T, K], ids in [-inf, E); ids >= E are the caller's to reject.
         num_experts: E. block_m: rows per GEMM tile.
-        use_kernel: force the Triton kernel (True) or torch ops (False); None picks the
-            kernel for at most ``SMALL_ROUTES`` routes on CUDA or in the interpreter.
-        zero: int32 [.] set to 0 on the way (the split GEMMs' tile counters): the sort
-            kernel zeroes it, so a CUDA graph of the call has no memset node between
-            kernels (which would stand between programmatic dependent launches).
-        x: bf16 [T, H] (64 | H) or None: the sort kernel also writes ``x_ordered``, the
-            rows of x with each 64 elements in the GEMMs' unit order (``gemm.order_rows``;
-            ``TritonOptions.ordered_x``), so that costs no launch of its own. Only the
-            Triton sort does (up to ``SMALL_ROUTES`` routes); the torch path leaves
-            ``x_ordered`` None.
+        use_kernel: the Triton kernel (on CUDA or in the interpreter; needs at least one
+            route) or torch ops (any device); the planner chooses (``Plan.sort``).
+        zero: int32 [.] set to 0 on the way (the split GEMMs' tile counters, amax slots):
+            the sort kernel zeroes it, so a CUDA graph of the call has no memset node
+            between kernels (which would stand between programmatic dependent launches).
     """
-    import os
-
     if zero is not None and (
         zero.dtype != torch.int32 or zero.device != topk_ids.device or not zero.is_contiguous()
     ):
@@ -107,23 +92,8 @@ def sort_routes(
             f"zero: expected a contiguous torch.int32 tensor on {topk_ids.device}, got "
             f"{zero.dtype} on {zero.device}"
         )
-    n = topk_ids.numel()
-    if x is not None and (
-        x.dtype != torch.bfloat16
-        or x.dim() != 2
-        or x.shape[0] != topk_ids.shape[0]
-        or x.shape[1] % 64
-        or x.device != topk_ids.device
-    ):
-        raise ValueError(
-            f"x: expected bf16 [{topk_ids.shape[0]}, H] with 64 | H on {topk_ids.device}, got "
-            f"{x.dtype} {list(x.shape)} on {x.device}"
-        )
-    if use_kernel is None:
-        kernel_ok = topk_ids.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
-        use_kernel = kernel_ok and 0 < n <= SMALL_ROUTES
-    if use_kernel:
-        return _sort_routes_triton(topk_ids, num_experts, block_m, zero, x)
+    if use_kernel and topk_ids.numel():
+        return _sort_routes_triton(topk_ids, num_experts, block_m, zero)
     if zero is not None:
         zero.zero_()
     return _sort_routes_torch(topk_ids, num_experts, block_m)
@@ -189,9 +159,6 @@ def sort_routes_kernel(
     block_end_ptr,  # int32 [NB]
     valid_blocks_ptr,  # int32 [1]
     zero_ptr,  # int32 [NZ]: set to 0
-    x_ptr,  # bf16 [T, H] (H > 0)
-    xo_ptr,  # bf16 [T, H]: x in the unit order (H > 0)
-    T,
     N,
     NB,
     NZ,
@@ -202,8 +169,6 @@ def sort_routes_kernel(
     BM: tl.constexpr,
     CHUNK: tl.constexpr,
     ZB: tl.constexpr,  # power of two >= ZPER
-    H: tl.constexpr = 0,  # x's width (0: no x to reorder)
-    XB: tl.constexpr = 64,  # x elements a step, a power of two >= 64
 ):
     """Program p places routes [p*CHUNK, (p+1)*CHUNK) and writes blocks [p*CHUNK, ...).
 
@@ -213,17 +178,6 @@ def sort_routes_kernel(
     zr = tl.arange(0, ZB)  # this program's share of zero_ptr
     zmask = (zr < ZPER) & (pid * ZPER + zr < NZ)
     tl.store(zero_ptr + pid * ZPER + zr, tl.zeros_like(zr), mask=zmask)
-    if H > 0:  # rows pid, pid + programs, ... of x in the unit order (a copy, no arithmetic)
-        xc = tl.arange(0, XB)
-        r = pid
-        while r < T:  # (a `for` over a runtime bound is fussy in the interpreter)
-            base = r.to(tl.int64) * H
-            for c0 in range(0, H, XB):
-                xm = c0 + xc < H  # whole 64-element groups (64 | H)
-                v = tl.load(x_ptr + base + c0 + xc, mask=xm, other=0.0)
-                v = tl.reshape(order_rows(tl.reshape(v, (1, XB)), 1, XB, 64), (XB,))
-                tl.store(xo_ptr + base + c0 + xc, v, mask=xm)
-            r += tl.num_programs(0)
     r = tl.arange(0, NP)
     ids = tl.load(ids_ptr + r, mask=r < N, other=-1)
     key = tl.where(ids < 0, E, ids)
@@ -266,7 +220,6 @@ def _sort_routes_triton(
     num_experts: int,
     block_m: int,
     zero: torch.Tensor | None = None,
-    x: torch.Tensor | None = None,
 ) -> RouteSort:
     dev = topk_ids.device
     n = topk_ids.numel()
@@ -285,22 +238,16 @@ def _sort_routes_triton(
     grid = triton.cdiv(max(n, nb), chunk)
     nz = 0 if zero is None else zero.numel()
     zper = triton.cdiv(nz, grid)
-    h = 0 if x is None else x.shape[1]
-    x = None if x is None else x.contiguous()
-    xo = None if x is None else torch.empty_like(x)
     sort_routes_kernel[(grid,)](
         topk_ids.contiguous(), out["sorted_routes"], out["route_pos"], out["sorted_expert"],
         out["expert_counts"], out["expert_offsets"],
         out["block_expert"], out["block_start"], out["block_end"], out["valid_blocks"],
-        zero if zero is not None else out["block_end"],
-        x if x is not None else out["block_end"], xo if xo is not None else out["block_end"],
-        topk_ids.shape[0], n, nb, nz, zper,
+        zero if zero is not None else out["block_end"], n, nb, nz, zper,
         E=num_experts, EP=triton.next_power_of_2(num_experts + 1),
         NP=triton.next_power_of_2(n), BM=block_m, CHUNK=chunk,
-        ZB=triton.next_power_of_2(max(zper, 1)), H=h,
-        XB=min(1024, triton.next_power_of_2(max(h, 64))), num_warps=4,
+        ZB=triton.next_power_of_2(max(zper, 1)), num_warps=4,
     )  # fmt: skip
-    return RouteSort(block_m=block_m, x_ordered=xo, **out)
+    return RouteSort(block_m=block_m, **out)
 
 
 def sort_routes_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> dict:

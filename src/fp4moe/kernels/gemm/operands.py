@@ -1,13 +1,14 @@
-"""Operands decoded once a call for the dense prefill path (``TritonOptions.
-dense_above``): NVFP4 rows to the very operand values the chunk-ordered GEMM loops decode
-in registers, stored in the same K order, so that the GEMM can load them instead of
-decoding them (``moe_gemm_kernel`` with ``W_DENSE``) and give the same bits.
+"""GEMM operands prepared once a call: NVFP4 rows decoded to the very operand values the
+GEMM main loops decode in registers, or bf16 rows put in the loop's K order, so that a
+kernel can load them instead of decoding or permuting them and give the same bits.
 
-Values: e2m1 code times its e4m3 block scale times 2^-8 (``gemm.decode_lohi``), exact in
-bf16 (at most 6 significant bits, 2^-18 to 10.5). Order (``order``, as the GEMM's
-``ORDER``): 32, for each chunk of 32 elements of K its 16 even elements, then its 16 odd
-ones; 64, the unit order of loop 3 (``gemm.decode_permuted``).
-``dense_weights_reference`` is the reference twin in plain PyTorch.
+Used by the decoded-weights path (``portable_gemm(dense=True)``: the weights and the
+activation rows), by the Gluon kernels' W4A4 rows (decoded once, not per program) and by
+the prefill kernel's rows (gathered into sorted order).
+
+Values: e2m1 code times its e4m3 block scale times 2^-8 (``decode.decode_lohi``), exact in
+bf16. Order (``order``, as the GEMM's ``ORDER``): 64, the unit order, or 32, the chunk
+order (``decode``). ``dense_weights_reference`` is the reference twin in plain PyTorch.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..nvfp4 import dequantize_blocks
-from .common import order_rows
-from .gemm import decode_permuted
+from ...nvfp4 import dequantize_blocks
+from ..common import empty, interpreting, order_rows
+from .decode import decode_permuted
 
 __all__ = [
     "chunk_order",
@@ -47,7 +48,6 @@ def dense_weights(
     codes: torch.Tensor,
     scales: torch.Tensor,
     *,
-    decode_asm: bool = True,
     order: int = 32,
     out: torch.Tensor | None = None,
 ):
@@ -57,7 +57,6 @@ def dense_weights(
     Args:
         codes: uint8 [..., K/2], two e2m1 codes a byte (the low nibble the even element).
         scales: float8_e4m3fn [..., K/16]. K a multiple of 32.
-        decode_asm: the inline-PTX decode (GPU), as the GEMM it feeds uses.
         order: the K order, 32 or 64 (K a multiple of it), as the GEMM's ``ORDER``.
         out: [..., K] of the returned dtype to write into (contiguous), or None.
 
@@ -79,8 +78,8 @@ def dense_weights(
             raise ValueError(f"out: expected a contiguous {[*codes.shape[:-1], k]}, got "
                              f"{list(out.shape)}")  # fmt: skip
         out = out.view(-1, k)
-    rows = dense_rows(codes.reshape(-1, k // 2), scales.reshape(-1, k // 16),
-                      decode_asm=decode_asm, order=order, out=out)  # fmt: skip
+    rows = dense_rows(codes.reshape(-1, k // 2), scales.reshape(-1, k // 16), order=order,
+                      out=out)  # fmt: skip
     return rows.reshape(*codes.shape[:-1], k)
 
 
@@ -157,7 +156,6 @@ def dense_rows(
     scales: torch.Tensor | None = None,
     *,
     count: torch.Tensor | None = None,
-    decode_asm: bool = True,
     poison: bool = False,
     order: int = 32,
     index: torch.Tensor | None = None,
@@ -185,8 +183,6 @@ def dense_rows(
     Returns:
         [R, K] (R' with ``index``) bf16 on a GPU, fp32 in the interpreter.
     """
-    from .launch import _empty, interpreting  # (launch imports this module)
-
     fp4 = scales is not None
     if fp4 and src.dtype != torch.uint8:
         raise TypeError(f"src: expected torch.uint8 codes with scales, got {src.dtype}")
@@ -221,7 +217,7 @@ def dense_rows(
     interp = interpreting()
     odt = torch.float32 if interp else torch.bfloat16
     if out is None:
-        out = _empty((r_out, k), odt, src.device, poison)
+        out = empty((r_out, k), odt, src.device, poison)
     elif (tuple(out.shape) != (r_out, k) or out.dtype != odt or out.device != src.device
           or not out.is_contiguous()):  # fmt: skip
         raise ValueError(f"out: expected a contiguous {odt} [{r_out}, {k}] on {src.device}, "
@@ -232,7 +228,7 @@ def dense_rows(
         dense_rows_kernel[(triton.cdiv(r_out, br), k // bk)](
             src, scales.contiguous() if fp4 else src, count if count is not None else src, out,
             index if index is not None else src, r_out, K=k, BR=br, BK=bk, FP4=fp4,
-            HAS_COUNT=count is not None, DECODE_ASM=decode_asm and fp4 and not interp,
+            HAS_COUNT=count is not None, DECODE_ASM=fp4 and not interp,
             DOT_DTYPE=tl.float32 if interp else tl.bfloat16, ORDER=order,
             GATHER=index is not None, DIV=div, num_warps=warps,
         )  # fmt: skip

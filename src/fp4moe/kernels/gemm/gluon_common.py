@@ -1,35 +1,59 @@
-"""The pieces of the Gluon decode GEMMs (``gluon_ws``, ``TritonOptions.gluon_decode``):
-the codes' register layouts, the decode into the wgmma register fragment, the staging
-of a segment's activations and the partial stores, in loop 3's unit order, so that the
-Gluon kernels give loop 3's bits.
+"""The pieces the Gluon GEMMs (``gluon_decode``, ``gluon_prefill``) share: the codes'
+register layouts, the decode into the wgmma register fragment, the weights' TMA
+descriptors and shared-memory reads, the staging of a segment's activation rows, and the
+partial stores, all in the portable loop's unit order, so that the Gluon kernels give
+its bits.
 
-The codes are held in the wgmma register fragment's own layout (``_CL``); every layout
-conversion is asserted trivial when compiling:
+The codes are held in the wgmma register fragment's own layout (``code_layout``); every
+layout conversion is asserted trivial when compiling:
 
 - the weights are the wgmma A operand (64 rows a warpgroup, from registers); lane
   ``4 i + q`` of warp ``w`` holds rows ``16 w + i`` and ``16 w + i + 8``;
-- loop 3's unit order (``launch.k_order``): thread ``q`` holds the 8 code bytes
-  ``8 q .. 8 q + 7`` of a row's 32-byte unit (elements ``16 q .. 16 q + 15``, one scale
-  block); the decode asm's 8 output registers are its fragment registers of the unit's
-  four k16 steps;
-- the activations (wgmma B) go through shared memory in the same order, staged by each
-  program (``_stage_x``).
+- the unit order (``decode``): thread ``q`` holds the 8 code bytes ``8 q .. 8 q + 7`` of a
+  row's 32-byte unit (elements ``16 q .. 16 q + 15``, one scale block); the decode asm's 8
+  output registers are its fragment registers of the unit's four k16 steps;
+- the activations (wgmma B) go through shared memory in the same order.
 
-History (docs/perf-notes.md): sessions 6 and 7 had a kernel here that loaded the codes
-from global memory two units ahead (the "pointer" kernel); it stayed slower than loop 3
-and was removed in session 9, when ``gluon_ws`` (TMA, the epilogue in the kernel) beat
-loop 3 by 10% to 16% at decode sizes.
+A ring stage is 256 K: a [rows, 128-byte] box of codes a weight with a 128-byte swizzle
+(the TMA requests read 128 contiguous bytes a row, the unit reads stay free of bank
+conflicts) and a [rows, 16-byte] box of scales.
 """
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-from .gemm import _CHUNK_DECODE_ASM, _CHUNK_DECODE_ROT_ASM
+from .decode import CHUNK_DECODE_ASM
+
+__all__ = [
+    "CODE_SMEM",
+    "SCALE_SMEM",
+    "STAGE_K",
+    "UNIT",
+    "X_SMEM3",
+    "code_layout",
+    "code_layout3",
+    "decode_unit",
+    "row_globals",
+    "smem_unit",
+    "stage_x",
+    "store_partials",
+    "tile_index",
+    "weight_descriptors",
+]
 
 UNIT = gl.constexpr(64)  # K elements a main-loop step (two chunks, four k16 wgmma steps)
+STAGE_K = gl.constexpr(256)  # K elements a ring stage (four units; one 16-byte scale box)
+# TMA destinations: a stage's codes of one weight [rows, 128 bytes], 128-byte swizzle;
+# its scales [rows, 16 bytes] unswizzled
+CODE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+SCALE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+# activation rows already in sorted and unit order, by TMA as [4 units, BM rows, 64]
+# boxes of the view [K/64, rows, 64], with the 128-byte swizzle of the wgmma B tiles
+X_SMEM3 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
 
 
 @gluon.constexpr_function
@@ -60,28 +84,47 @@ def code_layout3(rows):
     )
 
 
-_CL = gl.constexpr(code_layout(64))  # the 64-row tiles' (4 warps)
-_L3 = gl.constexpr(code_layout3(64))
+def weight_descriptors(codes: torch.Tensor, scales: torch.Tensor, rows: int = 64):
+    """TMA descriptors of one GEMM's weights: codes uint8 [E, W_ROWS, K/2] as [E * W_ROWS,
+    K/2] with [rows, 128-byte] boxes (one 256-K stage, ``CODE_SMEM``), scales e4m3
+    [E, W_ROWS, K/16] as bytes with [rows, 16] boxes."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    c2 = codes.reshape(-1, codes.shape[-1])
+    s2 = scales.view(torch.uint8).reshape(-1, scales.shape[-1])
+    return (TensorDescriptor.from_tensor(c2, [rows, STAGE_K.value // 2], CODE_SMEM),
+            TensorDescriptor.from_tensor(s2, [rows, 16], SCALE_SMEM))  # fmt: skip
 
 
 @gluon.jit
-def _decode_unit(codes, sc, A_L: gl.constexpr, DIAG: gl.constexpr = 0, TR: gl.constexpr = 64,
-                 ROT: gl.constexpr = False):  # fmt: skip
+def smem_unit(cbuf, sbuf, kb: gl.constexpr, w: gl.constexpr, NB: gl.constexpr,
+              UPS: gl.constexpr, TR: gl.constexpr):  # fmt: skip
+    """Unit ``kb`` of weight ``w`` from shared memory (its stage's ring buffer of
+    [TR, UPS * 32] swizzled bytes, its scale buffer [TR, 16]): codes [TR, 4, 8] in
+    ``code_layout3(TR)`` and e4m3 scales [TR, 4] in its slice, as ``decode_unit`` takes."""
+    CL: gl.constexpr = code_layout(TR)
+    L3: gl.constexpr = code_layout3(TR)
+    b: gl.constexpr = (kb // UPS) % NB
+    codes = cbuf.index(w * NB + b).slice(32 * (kb % UPS), 32, dim=1).load(CL)
+    codes = gl.convert_layout(gl.reshape(codes, [TR, 4, 8]), L3, assert_trivial=True)
+    SL: gl.constexpr = gl.SliceLayout(2, L3)
+    sc = sbuf.index(w * NB + (kb // 4) % NB).slice(4 * (kb % 4), 4, dim=1).load(SL)
+    return codes, sc.to(gl.float8e4nv, bitcast=True)
+
+
+@gluon.jit
+def decode_unit(codes, sc, A_L: gl.constexpr, TR: gl.constexpr = 64):
     """Decode one unit ([TR rows, 64 K]; TR 64, or 128 with 8 warps) of weights into the
-    wgmma A fragment (``DIAG`` 1 or 3: zeros instead, for timing the kernel without its
-    decode; ``gluon_ws.DIAG``). ``ROT``: the codes are in the rotated layout
-    (``gluon_ws.ROT_LAYOUT``), decoded into the same registers, so the same values."""
-    if DIAG == 1 or DIAG == 3:
-        return gl.zeros([TR, UNIT], gl.bfloat16, layout=A_L)
+    wgmma A fragment ``A_L``: the portable loop's decode (the same operations and bits)."""
     CL: gl.constexpr = code_layout(TR)
     sb = (sc.to(gl.float32) * 3.32306998946229e35).to(gl.bfloat16)
     sb, codes = gl.broadcast(gl.expand_dims(sb, 2), codes)
     codes = gl.convert_layout(gl.reshape(codes, [TR, 32]), CL, assert_trivial=True)
     sb = gl.convert_layout(gl.reshape(sb, [TR, 32]), CL, assert_trivial=True)
-    # loop 3's decode (the same operations and bits): 8 code bytes and their scales (bf16
-    # times 2^118) to 8 low-nibble and 8 high-nibble values times 2^-8, bf16 pairs
+    # 8 code bytes and their scales (bf16 times 2^118) to 8 low-nibble and 8 high-nibble
+    # values times 2^-8, bf16 pairs
     lo, hi = gl.inline_asm_elementwise(
-        _CHUNK_DECODE_ROT_ASM if ROT else _CHUNK_DECODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
+        CHUNK_DECODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
         [codes, sb], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=8,
     )  # fmt: skip
     # byte 8 q + 2 s + a, nibble b holds element 16 q + 4 s + 2 a + b, at position
@@ -94,10 +137,10 @@ def _decode_unit(codes, sc, A_L: gl.constexpr, DIAG: gl.constexpr = 0, TR: gl.co
 
 
 @gluon.jit
-def _stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K: gl.constexpr, TOPK: gl.constexpr,
-             A_GATHER: gl.constexpr, BM: gl.constexpr, SEG: gl.constexpr,
-             A_UNIT_ORDER: gl.constexpr = False, HAS_DST: gl.constexpr = False,
-             dst=0, NWARPS: gl.constexpr = 4, CH: gl.constexpr = 0):  # fmt: skip
+def stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K: gl.constexpr, TOPK: gl.constexpr,
+            A_GATHER: gl.constexpr, BM: gl.constexpr, SEG: gl.constexpr,
+            A_UNIT_ORDER: gl.constexpr = False, HAS_DST: gl.constexpr = False,
+            dst=0, NWARPS: gl.constexpr = 4, CH: gl.constexpr = 0):  # fmt: skip
     """The row block's activations of one K segment in the unit order, in shared memory
     [SEG / 64 * BM, 64] (unit-major), fenced and synchronized for the wgmma: rows
     ``start`` .. ``end`` (A_GATHER: tokens route // TOPK of the sorted routes), zeros past
@@ -147,9 +190,8 @@ def _x_stage(x_ptr, src, m_ok, kbase, K: gl.constexpr, BM: gl.constexpr,
              SK: gl.constexpr, A_UNIT_ORDER: gl.constexpr = False,
              NWARPS: gl.constexpr = 4):  # fmt: skip
     """Registers of x's rows ``src`` (zeros where not ``m_ok``) at K ``kbase`` .. + SK in
-    the unit order, [SK / 64 * BM, 64] (unit-major): a segment for ``_stage_x`` (SK = SEG)
-    or a ring stage (``gluon_ws.X_RING``); A_UNIT_ORDER: the rows are in the unit order
-    already. NWARPS: the program's warps (4 or 8, the layout's second dimension)."""
+    the unit order, [SK / 64 * BM, 64] (unit-major); A_UNIT_ORDER: the rows are in the
+    unit order already. NWARPS: the program's warps (the layout's second dimension)."""
     XM: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, NWARPS // 4], [1, 0])
     NU: gl.constexpr = SK // UNIT
     kk = gl.arange(0, SK, layout=gl.SliceLayout(0, XM))
@@ -163,8 +205,8 @@ def _x_stage(x_ptr, src, m_ok, kbase, K: gl.constexpr, BM: gl.constexpr,
 
 
 @gluon.jit
-def _tile_index(pid_n, start, end, N: gl.constexpr, BM: gl.constexpr, MMA: gl.constexpr,
-                TR: gl.constexpr = 64):  # fmt: skip
+def tile_index(pid_n, start, end, N: gl.constexpr, BM: gl.constexpr, MMA: gl.constexpr,
+               TR: gl.constexpr = 64):  # fmt: skip
     """A [TR weight rows, BM token rows] tile's indices in the ``MMA`` layout: its output
     columns ``on`` (weight tile ``pid_n``), its sorted rows ``om`` (from ``start``), which
     rows are valid (``m_ok``: below ``end``) and the [TR, BM] mask of valid elements."""
@@ -176,17 +218,17 @@ def _tile_index(pid_n, start, end, N: gl.constexpr, BM: gl.constexpr, MMA: gl.co
 
 
 @gluon.jit
-def _store_partials(acc_g, acc_u, part_ptr, pid_n, start, end, s_id, ws_rows,
-                    N: gl.constexpr, GATED: gl.constexpr, BM: gl.constexpr,
-                    MMA: gl.constexpr, TR: gl.constexpr = 64):  # fmt: skip
-    """Write a unit's fp32 partials [TR, BM] (and up's, GATED) as loop 3's split programs
-    do: segment ``s_id`` of ``part`` [segments, ws_rows, (2 if GATED) * N], valid rows
-    only. Returns the segment stride (elements)."""
+def store_partials(acc_g, acc_u, part_ptr, pid_n, start, end, s_id, ws_rows,
+                   N: gl.constexpr, GATED: gl.constexpr, BM: gl.constexpr,
+                   MMA: gl.constexpr, TR: gl.constexpr = 64):  # fmt: skip
+    """Write a unit's fp32 partials [TR, BM] (and up's, GATED) as the portable loop's split
+    programs do: segment ``s_id`` of ``part`` [segments, ws_rows, (2 if GATED) * N], valid
+    rows only. Returns the segment stride (elements)."""
     if GATED:
         gn: gl.constexpr = 2 * N
     else:
         gn: gl.constexpr = N
-    on, om, _, pmask = _tile_index(pid_n, start, end, N, BM, MMA, TR)
+    on, om, _, pmask = tile_index(pid_n, start, end, N, BM, MMA, TR)
     stride = ws_rows.to(gl.int64) * gn
     prow = part_ptr + s_id * stride + om.to(gl.int64)[None, :] * gn + on[:, None]
     gl.store(prow, acc_g, mask=pmask)
@@ -196,8 +238,8 @@ def _store_partials(acc_g, acc_u, part_ptr, pid_n, start, end, s_id, ws_rows,
 
 
 @gluon.jit
-def _row_globals(a_global_ptr, sorted_routes_ptr, om, m_ok, TOPK: gl.constexpr,
-                 A_GATHER: gl.constexpr):  # fmt: skip
+def row_globals(a_global_ptr, sorted_routes_ptr, om, m_ok, TOPK: gl.constexpr,
+                A_GATHER: gl.constexpr):  # fmt: skip
     """W4A4's activation global of each output row ``om`` (``m_ok`` the valid ones, 1.0
     elsewhere): by token (the sorted route // TOPK) when A_GATHER, else by sorted row."""
     if A_GATHER:

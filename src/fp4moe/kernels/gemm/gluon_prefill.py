@@ -1,34 +1,27 @@
-"""The prefill grouped GEMMs in Gluon: the weights decoded in registers straight into the
-wgmma A fragment, 128 token rows a tile, the whole K in one program, with loop 3's
-operands, order and sums (``TritonOptions.gluon_prefill``, on the dense path's calls).
+"""The prefill grouped GEMMs in Gluon (Hopper): the weights decoded in registers straight
+into the wgmma A fragment, 128 token rows a tile, the whole K in one program, with the
+portable loop's operands, order and sums (``gluon-prefill``).
 
-Why (docs/perf-notes.md, session 17): the dense path (``dense_above``) decodes every
-expert's weights to bf16 in HBM once a call and runs a bf16 GEMM on them. On DeepSeek-V3
-EP8 at 8192 tokens that decode is 1.07 ms of a 3.6 ms call (0.79 GB read, 2.8 GB written,
-2.8 GB read again by the GEMM), and its fixed cost is why the call is 0.79x the bf16 MoE
-there. Here each program decodes its weight tile once for 128 rows, in registers, as the
-decode-size kernels (``gluon_ws``) do for 8: no decoded weight touches HBM.
+Decoding every expert's weights to bf16 in HBM once a call and running a bf16 GEMM on
+them (the portable decoded-weights path) costs DeepSeek-V3 EP8 at 8192 tokens 1.07 ms of
+a 3.6 ms call on the H200 (0.79 GB read, 2.8 GB written, 2.8 GB read again). Here each
+program decodes its weight tile once for 128 rows, in registers: no decoded weight
+touches HBM (the call takes 2.3 ms).
 
 A program (8 warps, two warpgroups) owns a weight tile of 128 rows and one 128-row block
 of the tile schedule (``sort_routes`` with ``block_m`` 128), persistent over the tiles of
 the valid blocks in a grouped raster (``GROUP`` blocks sweep the weight tiles together, so
 their activation rows stay in L2). FC1's 128 rows are 64 gate rows and the 64 up rows of
-the same outputs (warpgroup 0 and 1), FC2's 128 consecutive rows. A ring of ``NB`` stages
-of 256 K in shared memory holds, per stage, the activation rows (one TMA box [4 units,
-128 rows, 64] of rows already in sorted and unit order, ``dense_rows(order=64)``), the
-codes (two [64, 128-byte] boxes, 128-byte swizzle) and the scales (two [64, 16] boxes).
-Each 64-K unit is decoded (``gluon_decode._decode_unit``) while the last unit's wgmma
-runs; a 1024-K segment's sum starts from zero and is added to the tile's running sums in
-segment order, ((0 + P_0) + P_1) + ..., as loop 3 sums: the same bits as loop 3 and the
-dense path. The epilogue (``gemm._epilogue``'s operations) goes through shared memory,
-where gate and up of one output meet. With ``DEFER`` a stage's buffer is refilled after
-the next stage's first unit is decoded.
-
-Measured on the H200 (perf-notes, session 17): DeepSeek-V3 EP8 W4A16 at 8192 tokens 3.61
--> 2.32 ms a call, the two GEMMs at about 400 TFLOP/s; 64-row blocks (each weight decoded
-twice as often) were 1.6x slower, so the decode's issue bounds the kernel. The kernel
-takes any ``block_m`` (8 to 128) and 2 or 4 stages; ``TritonOptions.gluon_whole_k`` ran
-the decode-size GEMMs on it with 8-row blocks, which measured slower than ``gluon_ws``.
+the same outputs (warpgroup 0 and 1), FC2's 128 consecutive rows. A ring of ``STAGES``
+stages of 256 K in shared memory holds, per stage, the activation rows (one TMA box [4
+units, 128 rows, 64] of rows already in sorted and unit order, ``dense_rows(order=64)``),
+the codes (two [64, 128-byte] boxes, 128-byte swizzle) and the scales (two [64, 16]
+boxes). Each 64-K unit is decoded (``gluon_common.decode_unit``) while the last unit's
+wgmma runs; a stage's buffer is refilled once the next stage's first unit is decoded (that
+decode overlapping the stage's last wgmma). A 1024-K segment's sum starts from zero and
+is added to the tile's running sums in segment order, ((0 + P_0) + P_1) + ...: the same
+bits as the portable loop. The epilogue (the portable epilogue's operations) goes through
+shared memory, where gate and up of one output meet.
 """
 
 from __future__ import annotations
@@ -44,49 +37,34 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import gluon_ws
-from .common import compile_sm90 as common_compile_sm90
-from .gluon_decode import UNIT, _decode_unit, _row_globals
-from .gluon_ws import CODE_SMEM_W, SCALE_SMEM, X_SMEM3, _smem_unit, descriptors
+from ..common import compile_sm90 as common_compile_sm90
+from .gluon_common import (
+    CODE_SMEM,
+    SCALE_SMEM,
+    UNIT,
+    X_SMEM3,
+    decode_unit,
+    row_globals,
+    smem_unit,
+    weight_descriptors,
+)
+from .shapes import PREFILL_ROWS, SEGMENT, prefill_fits
 
-__all__ = ["BM", "GROUP", "STAGES", "applies", "applies_to_call", "compile_sm90", "prefill_gemm"]
+__all__ = ["BM", "GROUP", "STAGES", "compile_sm90", "prefill_gemm"]
 
-# Token rows a tile (the wgmma N): the schedule's block_m on this path. 64 (session 17,
-# an experiment: less padding in an expert's last block, each weight decoded twice as
-# often) was refuted: DeepSeek-V3 EP8 W4A16 8192 tokens 2395.7 -> 3784.9 us (3757.0 with
-# two programs an SM), so the decode's issue, not the padded MMA, holds the time.
-BM = 128
+# Token rows a tile (the wgmma N): the schedule's block_m on this path. 64-row tiles (less
+# padding, each weight decoded twice as often) were 1.6x slower: the decode's issue, not
+# the padded MMA, holds the time.
+BM = PREFILL_ROWS
 SK = 256  # K elements a ring stage (four units; one scale box of 16 bytes a row)
-SEG = 1024  # K elements a segment, as loop 3's (launch.SEGMENT)
+SEG = SEGMENT  # K elements a segment
 STAGES = 2  # ring stages in shared memory: 2 x 82 KB (rows 64 KB, codes 16, scales 2)
-GROUP = 8  # row blocks a raster group (as the dense path's GROUP_M)
-# A stage's buffer is refilled after the first unit of the next stage is decoded (that
-# decode overlapping the stage's last wgmma) instead of right after the stage's last
-# wgmma is waited for. The same bits. On since session 17 (``sweep_decode.py --variants
-# c3 c3-pdefer``, DeepSeek-V3 EP8 W4A16 4096 / 8192 / 16384 tokens 1398.5 / 2395.7 /
-# 4242.3 -> 1363.4 / 2336.9 / 4133.5 us; per-token W4A4 2.1% to 2.6% too).
-DEFER = True
-# Programs an SM by the schedule's rows a block (the launch caps registers at 128 for two
-# programs of 8 warps; 8 rows need no cap). Experiment (session 17): {64: 2} with BM 64,
-# refuted with it (above).
-PER_SM = {8: 2}
+GROUP = 8  # row blocks a raster group (as the decoded-weights path's GROUP_M)
 TR = 128  # weight rows a tile (two warpgroups of 64)
 _SK, _SEG, _GROUP, _TR = (gl.constexpr(v) for v in (SK, SEG, GROUP, TR))
 # the epilogue's fp32 tile in shared memory (the rows' ring, reused): rows of BM
 # values, vec-2 groups swizzled by the row so that the wgmma fragment's stores spread
 EPI_SMEM = gl.SwizzledSharedLayout(2, 1, 16, order=[1, 0])
-
-
-def applies(n: int, k: int, gated: bool) -> bool:
-    """Whether a GEMM of ``n`` outputs and K = ``k`` fits this kernel: whole 1024-K
-    segments, and whole 64-row (gated) or 128-row weight tiles."""
-    return k % SEG == 0 and n % (64 if gated else TR) == 0
-
-
-def applies_to_call(hidden: int, inter: int) -> bool:
-    """Whether both GEMMs of a call of this shape fit (``applies``): FC1 (gated, ``inter``
-    outputs, K ``hidden``) and FC2 (``hidden`` outputs, K ``inter``)."""
-    return applies(inter, hidden, True) and applies(hidden, inter, False)
 
 
 @gluon.jit
@@ -128,10 +106,8 @@ def prefill_kernel(
     FUSED: gl.constexpr,
     OUT_SCALE: gl.constexpr,  # undoes the decodes' powers of two (2^8, 2^16 with A_FP4)
     A_FP4: gl.constexpr,
-    NB: gl.constexpr = 2,  # ring stages
-    BM: gl.constexpr = 128,  # token rows a tile (the schedule's block_m; the wgmma N)
-    DEFER: gl.constexpr = False,  # refill a stage's buffer after the next unit's decode
-    ROT: gl.constexpr = False,  # the codes in the rotated layout (gluon_ws.ROT_LAYOUT)
+    NB: gl.constexpr,  # ring stages
+    BM: gl.constexpr,  # token rows a tile (the schedule's block_m; the wgmma N)
 ):
     UPS: gl.constexpr = _SK // UNIT  # units a stage
     SPS: gl.constexpr = _SEG // _SK  # stages a segment
@@ -149,9 +125,9 @@ def prefill_kernel(
     XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
     xr = gl.allocate_shared_memory(gl.bfloat16, [NB * UPS * BM, UNIT], XS)
     xdst = xr._reinterpret(gl.bfloat16, [NB, UPS, BM, UNIT], X_SMEM3)
-    cbuf = gl.allocate_shared_memory(gl.uint8, [2 * NB, 64, _SK // 2], CODE_SMEM_W)
+    cbuf = gl.allocate_shared_memory(gl.uint8, [2 * NB, 64, _SK // 2], CODE_SMEM)
     sbuf = gl.allocate_shared_memory(gl.uint8, [2 * NB, 64, 16], SCALE_SMEM)
-    cview = cbuf._reinterpret(gl.uint8, [NB, _TR, _SK // 2], CODE_SMEM_W)
+    cview = cbuf._reinterpret(gl.uint8, [NB, _TR, _SK // 2], CODE_SMEM)
     sview = sbuf._reinterpret(gl.uint8, [NB, _TR, 16], SCALE_SMEM)
     ep = xr._reinterpret(gl.float32, [_TR, BM], EPI_SMEM)
     bars = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
@@ -197,11 +173,11 @@ def prefill_kernel(
                 t = s * SPS + st
                 mbarrier.wait(bars.index(st % NB), (base + s * (SPS // NB) + st // NB) & 1)
                 for u in gl.static_range(UPS):
-                    gc, gs = _smem_unit(cview, sview, st * UPS + u, 0, NB, UPS, NB, True, _TR)
-                    a = _decode_unit(gc, gs, A_L, 0, _TR, ROT)
+                    gc, gs = smem_unit(cview, sview, st * UPS + u, 0, NB, UPS, _TR)
+                    a = decode_unit(gc, gs, A_L, _TR)
                     if st + u > 0:
                         p, _ = warpgroup_mma_wait(num_outstanding=0, deps=(p, pa))  # noqa: F821
-                    if DEFER and u == 0:
+                    if u == 0:
                         # the last stage's wgmmas are done (waited above, or at the end
                         # of the last segment): refill its buffer with stage t - 1 + NB,
                         # this unit's decode having overlapped its last wgmma
@@ -221,28 +197,19 @@ def prefill_kernel(
                     xb = xr.slice((st % NB * UPS + u) * BM, BM).permute((1, 0))
                     p = warpgroup_mma(a, xb, p, is_async=True)
                     pa = a  # read by the next unit's wait
-                if not DEFER:
-                    # the stage is read once its wgmmas are done: refill it with t + NB
-                    p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
-                    gl.thread_barrier()
-                    if t + NB < NT:
-                        fence_async_shared()
-                        _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bars.index(st % NB),
-                               t + NB, st % NB, row0, row1, start, BM)  # fmt: skip
-            if DEFER:  # the segment's sum is complete
-                p, _ = warpgroup_mma_wait(num_outstanding=0, deps=(p, pa))
+            # the segment's sum is complete
+            p, _ = warpgroup_mma_wait(num_outstanding=0, deps=(p, pa))
             acc = acc + p
-        if DEFER:  # every wgmma reading the ring is done before the epilogue reuses it
-            gl.thread_barrier()
+        gl.thread_barrier()  # every wgmma reading the ring is done before the epilogue
 
-        # ---- epilogue (gemm._epilogue's operations): the tile through shared memory
+        # ---- epilogue (the portable epilogue's operations): the tile through shared memory
         ep.store(acc)
         gl.thread_barrier()
         om = start + gl.arange(0, BM, layout=gl.SliceLayout(0, EL))
         m_ok = om < end
         e64 = e.to(gl.int64)
         if A_FP4:  # the activation row's global (W4A4)
-            gx = _row_globals(a_global_ptr, sorted_routes_ptr, om, m_ok, TOPK, A_GATHER)
+            gx = row_globals(a_global_ptr, sorted_routes_ptr, om, m_ok, TOPK, A_GATHER)
         if GATED:
             on = pid_n * TN + gl.arange(0, TN, layout=gl.SliceLayout(1, EL))
             h = ep.slice(0, TN, dim=0).load(EL) * OUT_SCALE
@@ -275,16 +242,6 @@ def prefill_kernel(
         mbarrier.invalidate(bars.index(i))
 
 
-_SMS: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SMS:
-        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SMS[i]
-
-
 def prefill_gemm(
     xs: torch.Tensor,
     codes: torch.Tensor,
@@ -300,20 +257,19 @@ def prefill_gemm(
     topk: int,
     gated: bool,
     out_scale: float,
+    sm_count: int,
     sorted_routes: torch.Tensor | None = None,
     topk_w: torch.Tensor | None = None,
     fused: bool = False,
     a_global: torch.Tensor | None = None,
     a_gather: bool = False,
-    block_m: int = BM,
-    stages: int = STAGES,
 ) -> None:
     """One grouped GEMM on ``prefill_kernel``.
 
     Args:
         xs: bf16 [R, K], the activation rows in sorted order with each 64 elements in
-            loop 3's unit order (``dense_rows(..., order=64)``; W4A4: decoded rows, their
-            2^-8 included). Rows past a block's valid ones are read and not used.
+            the unit order (``dense_rows(..., order=64)``; W4A4: decoded rows, their 2^-8
+            included). Rows past a block's valid ones are read and not used.
         codes, scales: one GEMM's weights, uint8 [E, W_ROWS, K/2] and float8_e4m3fn
             [E, W_ROWS, K/16] (W_ROWS = 2 * n gated, else n).
         w_global: fp32 [E, 2] (gated) or [E]. block_*: ``sort_routes``' schedule with
@@ -322,14 +278,12 @@ def prefill_gemm(
             router weight times y of each valid route is added into (``topk_w`` fp32
             [T * topk], ``sorted_routes`` int32 [T * topk]).
         out_scale: the decodes' powers of two to undo (2^8; 2^16 for W4A4).
+        sm_count: the device's SMs (one persistent program each).
         a_global: fp32 per row of the activation (W4A4), by token when ``a_gather`` (the
             sorted routes' token rows: ``sorted_routes`` needed).
-        block_m: the schedule's rows a block (the tile's token rows: 8, 16, ..., 128);
-            stages: the ring's stages (2 or 4). Below 128 rows (``launch``'s whole-K
-            experiment at decode sizes) two programs an SM.
     """
     k = xs.shape[1]
-    if not applies(n, k, gated):
+    if not prefill_fits(n, k, gated):
         raise ValueError(f"prefill_gemm: needs K % {SEG} == 0 and n % {64 if gated else TR} "
                          f"== 0, got K {k}, n {n}")  # fmt: skip
     if xs.dtype != torch.bfloat16 or not xs.is_contiguous():
@@ -340,35 +294,22 @@ def prefill_gemm(
         raise ValueError("prefill_gemm: fused needs topk_w")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    rot = gluon_ws.ROT_LAYOUT  # the experiment's rotated copy of the codes (kept)
-    if rot:
-        from .cuda_decode import _rotated
-
-        codes = _rotated(codes)
-    c_desc, s_desc = descriptors(codes, scales, 2, SK, 64)
-    if block_m not in (8, 16, 32, 64, 128) or stages not in (2, 4):
-        raise ValueError(f"prefill_gemm: block_m must be 8 to 128 (a power of two) and stages "
-                         f"2 or 4, got {block_m}, {stages}")  # fmt: skip
+    c_desc, s_desc = weight_descriptors(codes, scales)
     x_desc = TensorDescriptor(xs, [k // 64, xs.shape[0], 64], [64, k, 1],
-                              [SK // 64, block_m, 64], X_SMEM3)  # fmt: skip
+                              [SK // 64, BM, 64], X_SMEM3)  # fmt: skip
     tiles = n // (64 if gated else TR)
-    per_sm = PER_SM.get(block_m, 1)  # registers and shared memory (8 rows: 127, 88 KB)
-    cap = {"maxnreg": 128} if per_sm > 1 and block_m > 8 else {}
-    grid = (max(1, min(per_sm * _sm_count(xs.device), tiles * block_expert.numel())),)
+    grid = (max(1, min(sm_count, tiles * block_expert.numel())),)
     dummy = w_global
     prefill_kernel[grid](
         x_desc, c_desc, s_desc, block_expert, block_start, block_end, valid_blocks,
         sorted_routes if sorted_routes is not None else block_end, w_global,
         topk_w if fused else dummy, a_global if a_global is not None else dummy, out,
         N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=a_gather, FUSED=fused,
-        OUT_SCALE=out_scale, A_FP4=a_global is not None, NB=stages, BM=block_m, DEFER=DEFER,
-        ROT=rot, num_warps=8, **cap,
+        OUT_SCALE=out_scale, A_FP4=a_global is not None, NB=STAGES, BM=BM, num_warps=8,
     )  # fmt: skip
 
 
-def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: bool = False,
-                 stages: int = STAGES, block_m: int = BM, defer: bool = False,
-                 rot: bool = False):  # fmt: skip
+def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: bool = False):
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``)."""
     ptrs = {
         "block_expert_ptr": "*i32", "block_start_ptr": "*i32", "block_end_ptr": "*i32",
@@ -377,12 +318,21 @@ def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: boo
         "out_ptr": "*fp32" if fused else "*bf16",
     }  # fmt: skip
     descs = {
-        "x_desc": f"tensordesc<bf16[{SK // 64}, {block_m}, 64],{X_SMEM3!r}>",
-        "c_desc": f"tensordesc<u8[64, {SK // 2}],{CODE_SMEM_W!r}>",
+        "x_desc": f"tensordesc<bf16[{SK // 64}, {BM}, 64],{X_SMEM3!r}>",
+        "c_desc": f"tensordesc<u8[64, {SK // 2}],{CODE_SMEM!r}>",
         "s_desc": f"tensordesc<u8[64, 16],{SCALE_SMEM!r}>",
     }
-    const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated and a_fp4, FUSED=fused,
-                 OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_FP4=a_fp4, NB=stages,
-                 BM=block_m, DEFER=defer, ROT=rot)  # fmt: skip
+    const = dict(
+        N=n,
+        K=k,
+        TOPK=8,
+        GATED=gated,
+        A_GATHER=gated and a_fp4,
+        FUSED=fused,
+        OUT_SCALE=2.0**16 if a_fp4 else 2.0**8,
+        A_FP4=a_fp4,
+        NB=STAGES,
+        BM=BM,
+    )
     return common_compile_sm90(prefill_kernel, ptrs, const, gluon=True, descs=descs,
                                num_warps=8)  # fmt: skip

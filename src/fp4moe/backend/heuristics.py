@@ -1,0 +1,143 @@
+"""The planner's named thresholds and tile rules, each with why (measured on one H200;
+docs/performance.md has the tables). The same bits on either side of every threshold:
+they move time only.
+
+Rows are *expected valid rows an expert*: a call's routes times the expected valid
+fraction (``Options.valid_fraction``) over the local experts, spread evenly.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .options import Tile
+
+__all__ = [
+    "DENSE_ABOVE_ROWS",
+    "GLUON_PDL_MAX_ROUTES",
+    "GLUON_SPLIT_MAX_ROWS",
+    "PREFILL_ABOVE_ROWS",
+    "PREFILL_ABOVE_ROWS_LONG_K",
+    "PREFILL_LONG_K",
+    "QUANTIZE_AMAX_SELF_MAX_ELEMENTS",
+    "SORT_KERNEL_MAX_ROUTES",
+    "SPLIT_BELOW_PROGRAMS",
+    "SPLIT_MAX_ROUTES_PER_EXPERT",
+    "UNKNOWN_VALID_FRACTION",
+    "WHOLE_K_FROM_ROWS",
+    "WHOLE_K_MAX_ROWS",
+    "WHOLE_K_WIDE_ROWS",
+    "portable_tile",
+    "touched_experts",
+]
+
+# Options.valid_fraction when not given: a call masking 7 of 8 routes (expert parallelism
+# over 8 ranks) must not switch to a regime where it would lose.
+UNKNOWN_VALID_FRACTION = 1 / 6
+
+# The route sort runs as one Triton launch up to this many routes (T * top-k): about 70 us
+# less than the ~35 torch launches at 1 token in a CUDA graph; above it the torch sort's
+# cost is small against the GEMMs and the kernel's rank matrix grows with the routes.
+SORT_KERNEL_MAX_ROUTES = 4096
+
+# Split K of both GEMMs while the call's routes (all of them, masked or not) an expert are
+# at most this: at 4 rows an expert splitting took DeepSeek-V3 EP8 at 16 tokens from 94 to
+# 77 us; at 16 rows (64 tokens) not splitting won (285 against 293 us).
+SPLIT_MAX_ROUTES_PER_EXPERT = 8
+# Above that, split K of a GEMM of more than one segment whose expected programs (weight
+# tiles x experts touched x row blocks an expert) are fewer than this: Mixtral-8x7B's FC2
+# at 256 tokens (256 programs of K 14336 on 132 SMs) 1158 -> 1020 us split, while
+# DeepSeek-V3 EP8 (512 to 1557 programs) and Qwen3-30B-A3B (1536) lose 3% to 7% to it.
+SPLIT_BELOW_PROGRAMS = 384
+
+# Split-K GEMMs run as the Gluon split kernel with 8-row tiles up to this many rows: it
+# wins at 1 to 4 rows (DeepSeek-V3 EP8 64 tokens 275 -> 222 us, Mixtral-8x7B 16 tokens
+# 351 -> 283) and loses from 5.3 (Kimi-K2 EP8 256 tokens 547 -> 624).
+GLUON_SPLIT_MAX_ROWS = 4.0
+# Above this, a call whose two GEMMs can both run whole-K takes the whole-K Gluon kernels
+# at 16-row tiles instead of the split ones at 8: whole-K's cost is flat in the rows up to
+# its 16, the split kernels' grows, and they cross near 3.3 rows (DeepSeek-V3 EP8 at 128
+# tokens 323 -> 301 us, Kimi-K2 EP8 at 192 tokens 396 -> 370).
+WHOLE_K_FROM_ROWS = 3.5
+# GEMMs the portable loop would run unsplit take the whole-K Gluon kernel up to this many
+# rows (DeepSeek-V3 EP8 256 / 512 / 768 tokens 475 / 794 / 844 -> 435 / 581 / 806 us;
+# Mixtral-8x7B 64 tokens 545 -> 492); at 32 rows many experts hold two 32-row blocks and
+# it loses.
+WHOLE_K_MAX_ROWS = 28.0
+# Above this, the whole-K tiles are 32 rows instead of 16 (each weight decoded once for up
+# to 32 rows): DeepSeek-V3 EP8 896 tokens 847 -> 766 us, Mixtral-8x7B 112 tokens 724 ->
+# 577; at 19 to 21 rows Kimi-K2 EP8 loses (up to 6%), at 22 every preset measured gains.
+WHOLE_K_WIDE_ROWS = 21.5
+
+# The Gluon prefill kernel (where both GEMMs fit it) from above this many rows: DeepSeek-V3
+# EP8 at 48 / 64 / 96 rows 1105 / 1147 / 1450 -> 952 / 971 / 1083 us, Mixtral-8x7B alike;
+# at 32 rows the shapes part (DeepSeek-V3 loses, 869 -> 938).
+PREFILL_ABOVE_ROWS = 32
+# ... or this many where both GEMMs' K is at least PREFILL_LONG_K, whose tiles spread the
+# kernel's fixed cost over more K (Mixtral-8x7B at 32 rows 887 -> 721 us).
+PREFILL_ABOVE_ROWS_LONG_K = 28
+PREFILL_LONG_K = 4096
+# Elsewhere (a shape the prefill kernel does not take, or no Hopper GPU) the weights are
+# decoded to bf16 once a call above this many rows: decoding every expert (1.0 ms for
+# 1.4e9 weights) pays from about 256 rows (Qwen3-30B-A3B at 8192 tokens 3.14 -> 2.14 ms,
+# Mixtral-8x7B 26.0 -> 12.2 ms) and loses at 128 (DeepSeek-V3 EP8 4096 tokens 2.28 ->
+# 2.98 ms).
+DENSE_ABOVE_ROWS = 192
+
+# The Gluon kernels join the call's PDL chain (FC2 issuing its first weight copies before
+# its wait) up to this many expected valid routes a call: DeepSeek-V3 EP8 1 / 8 / 16
+# tokens 47.4 / 100.2 / 62.9 -> 46.4 / 95.6 / 59.7 us, but 64 / 128 tokens 218 / 345 ->
+# 225 / 358.
+GLUON_PDL_MAX_ROUTES = 32
+
+# Per-tensor W4A4: where the rows to quantize hold at most this many elements, each
+# quantize program takes the amax itself instead of an amax kernel before it (one launch
+# less; DeepSeek-V3 EP8 at 1 token 56.0 -> 52.2 us).
+QUANTIZE_AMAX_SELF_MAX_ELEMENTS = 16384
+
+
+def touched_experts(valid_routes: float, num_experts: int) -> float:
+    """The experts that ``valid_routes`` routes spread evenly at random over
+    ``num_experts`` are expected to touch."""
+    return num_experts * (1.0 - (1.0 - 1.0 / max(num_experts, 1)) ** valid_routes)
+
+
+def _pow2_dividing(k: int, cap: int) -> int:
+    b = cap
+    while k % b:
+        b //= 2
+    return b
+
+
+def portable_tile(
+    routes_per_expert: float, n: int, k: int, *, gated: bool, a_fp4: bool,
+    valid_rows: float, interpret: bool,
+) -> Tile:  # fmt: skip
+    """The portable GEMM's tile from the routes an expert receives (no autotuning).
+
+    Few rows: 16 token rows and 64-row weight tiles, so weight rows spread over many
+    programs (DeepSeek-V3 EP8 W4A16 at 1 / 16 / 64 tokens); FC2 takes 128-row weight tiles
+    above 8 routes an expert (64 tokens 285 -> 268 us). From 64 valid rows, 64-row tiles
+    (each weight decoded once for 64 rows: Mixtral-8x7B at 256 tokens 1430 -> 1020 us);
+    W4A4 above 1024 routes an expert 128 x 64 (1960 against 2119 us at 4096 tokens). The
+    interpreter takes small tiles (its time grows with the tile)."""
+    if interpret:
+        return Tile(16, 32, _pow2_dividing(k, 64), 4, 1)
+    if routes_per_expert <= 64 and valid_rows < 64:
+        bn = 128 if routes_per_expert > 8 and not gated else 64
+        return Tile(16, bn, _pow2_dividing(k, 128), 4, 3)
+    if routes_per_expert > 1024 and a_fp4:
+        return Tile(128, 64, _pow2_dividing(k, 64), 4, 3)
+    return Tile(64, 128, _pow2_dividing(k, 64), 4, 3)
+
+
+# The decoded-weights path's tile: the fastest at 8192 tokens on Mixtral-8x7B (13.5 ms
+# against 15.1 to 18.4 for the others) and within 1.5% of the fastest on DeepSeek-V3 EP8.
+DENSE_TILE = Tile(128, 128, 64, 8, 3)
+
+
+def split_programs(n: int, block_n: int, touched: float, rows: float, block_m: int) -> float:
+    """The expected programs of a GEMM with ``n`` outputs: weight tiles x experts touched x
+    row blocks an expert (``rows`` an expert; 16.000001 rows: one 16-row block)."""
+    blocks = math.ceil(rows / block_m - 1e-6)
+    return -(-n // block_n) * touched * blocks

@@ -1,0 +1,476 @@
+"""The planner: one frozen ``Plan`` a call, from the shapes, the mode, the token count, the
+options and the device, read by everything that needs the choice (the launcher, the
+workspace accounting, expert parallelism, the bench, ``fp4moe plan``).
+
+Regimes, by the expected valid rows an expert (``Plan.valid_rows``; heuristics.py has the
+thresholds and their measurements): decode (a few rows: K split over many programs, the
+split Gluon kernel with 8-row tiles on Hopper), middle (the whole-K Gluon kernel with 16-
+or 32-row tiles, else the portable loop), prefill (the Gluon prefill kernel with 128-row
+tiles, else the weights decoded to bf16 once a call). Every kernel family computes the
+same sums in the same order, so the bits do not depend on the plan.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+from ..kernels.gemm.shapes import SEGMENT, gluon_decode_fits, prefill_fits
+from . import heuristics as hx
+from .device import Target
+from .options import InapplicableOverride, Options, Tile
+
+__all__ = ["GemmPlan", "Plan", "explain", "plan_call", "workspace_bytes"]
+
+MODES = ("w4a16", "w4a4")
+ACT_SCALES = ("per_token", "static", "per_tensor")
+_GLUON_TILE_N = 64  # weight rows a Gluon decode-kernel tile (its counters' tiles)
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """How one grouped GEMM runs.
+
+    kernel: one of ``options.KERNELS``. tile: the portable kernel's tile (block_m: the
+    schedule's token rows a tile, which every family uses). segments: K's 1024-element
+    segments (split kernels: one program a segment and tile). epilogue: "bf16" route rows,
+    "atomic" (the fused finalize), or "nvfp4" (static W4A4's FC1; a split Gluon kernel's
+    partials are then summed by the portable kernel). operand: how the activation rows
+    reach the kernel: "x" (bf16 tokens, gathered), "rows" (bf16 rows in sorted order),
+    "nvfp4" (decoded in the main loop), "decoded" (W4A4 rows decoded by the quantize
+    kernel), "decode" (W4A4 rows decoded by a launch of their own), "gather" (rows
+    gathered into sorted unit order by a launch: the prefill kernel), "dense" (decoded or
+    reordered once with the weights: triton-dense). split: one program a K segment and
+    tile (gluon-split, triton-split, and triton-dense of too few programs). pdl: the
+    kernel joins the call's PDL chain. early_weights: its first weight copies are issued
+    before its PDL wait. counters: int32 tile counters it needs zeroed (split kernels)."""
+
+    kernel: str
+    tile: Tile
+    segments: int
+    split: bool
+    epilogue: str
+    operand: str
+    pdl: bool
+    early_weights: bool = False
+    counters: int = 0
+
+    def describe(self) -> str:
+        """One line: kernel, tile rows, K split, epilogue."""
+        t = self.tile
+        if self.kernel.startswith("gluon-"):
+            shape = f"{t.block_m} rows"
+        else:
+            shape = f"{t.block_m}x{t.block_n}x{t.block_k}"
+        split = f", K split {self.segments}" if self.split else ""
+        epi = "" if self.epilogue == "bf16" else f", {self.epilogue} out"
+        return f"{self.kernel} ({shape}{split}{epi})"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The choices of one call (``plan_call``). fc1_input / fc2_input: how each GEMM's
+    activation is made ("bf16"; W4A4: "per-row", "per-tensor" (amax in the quantize
+    kernel), "per-tensor+amax" (an amax kernel first), "static", "fc1-epilogue" (FC1
+    writes NVFP4 itself), "dispatched" (quantized by the sending rank)). sort: "triton"
+    (one launch) or "torch". finalize: "deterministic" or "atomic". zero_words: int32
+    words the sort kernel zeroes (the tile counters, then the per-tensor amax slots)."""
+
+    num_tokens: int
+    top_k: int
+    num_experts: int
+    hidden: int
+    inter: int
+    mode: str
+    act_scale: str
+    fused_finalize: bool
+    dispatched: bool
+    valid_rows: float
+    block_m: int
+    sort: str
+    fc1_input: str
+    fc2_input: str
+    fc1: GemmPlan
+    fc2: GemmPlan
+    finalize: str
+    pdl: bool
+    fc2_amax_slot: bool
+    fc1_amax_slot: bool
+    target: Target
+
+    @property
+    def routes(self) -> int:
+        return self.num_tokens * self.top_k
+
+    @property
+    def zero_words(self) -> int:
+        return self.fc1.counters + self.fc2.counters + self.fc2_amax_slot + self.fc1_amax_slot
+
+    def summary(self) -> dict:
+        """The plan as plain data (the bench's JSON rows)."""
+        return {
+            "valid_rows": round(self.valid_rows, 3),
+            "block_m": self.block_m,
+            "sort": self.sort,
+            "fc1_input": self.fc1_input,
+            "fc1": self.fc1.describe(),
+            "fc2_input": self.fc2_input,
+            "fc2": self.fc2.describe(),
+            "finalize": self.finalize,
+            "pdl": self.pdl,
+        }
+
+
+class _Rules:
+    """The planner's decisions for one call shape (the expected valid rows, the device)."""
+
+    def __init__(self, routes: int, e: int, h: int, i: int, frac: float, tgt: Target):
+        self.routes, self.e, self.h, self.i, self.tgt = routes, e, h, i, tgt
+        self.valid = routes * frac / e if e > 0 else 0.0
+
+    def split_all(self) -> bool:
+        return self.routes / self.e <= hx.SPLIT_MAX_ROUTES_PER_EXPERT
+
+    def dense(self) -> bool:
+        """Prefill sizes: the prefill kernel (Hopper, both GEMMs fit) or decoded weights."""
+        if self.routes == 0:
+            return False
+        if self.valid > hx.DENSE_ABOVE_ROWS:
+            return True
+        long_k = min(self.h, self.i) >= hx.PREFILL_LONG_K
+        above = hx.PREFILL_ABOVE_ROWS_LONG_K if long_k else hx.PREFILL_ABOVE_ROWS
+        return self.valid > above and self.prefill_both()
+
+    def prefill_both(self) -> bool:
+        return (self.tgt.gluon and prefill_fits(self.i, self.h, True)
+                and prefill_fits(self.h, self.i, False))  # fmt: skip
+
+    def gluon_fits(self, k: int, t: Tile, whole: bool = False) -> bool:
+        return self.tgt.gluon and gluon_decode_fits(k, t.block_m, t.block_k, whole)
+
+    def whole(self, split: bool, dense: bool, k: int, t: Tile) -> bool:
+        """The GEMM (not split, not dense) runs as the whole-K Gluon kernel."""
+        if split or dense or self.e <= 0 or self.valid > hx.WHOLE_K_MAX_ROWS:
+            return False
+        return self.gluon_fits(k, t, whole=True)
+
+    def splits(self, t1: Tile, t2: Tile) -> tuple[bool, bool]:
+        """Whether each GEMM splits K: both at decode sizes, both on the Gluon split
+        kernel's 8-row tiles, else a GEMM of too few expected programs."""
+        if self.split_all():
+            return True, True
+        if t1.block_m == 8 and t2.block_m == 8 and self.gluon_split(None):
+            return True, True
+        dense = self.dense()
+        valid = self.valid * self.e
+        if valid <= 0:
+            return False, False
+        touched = hx.touched_experts(valid, self.e)
+        rows = valid / max(touched, 1.0)
+        out = []
+        for n, k, t in ((self.i, self.h, t1), (self.h, self.i, t2)):
+            if self.whole(False, dense, k, t):
+                out.append(False)
+            else:
+                programs = hx.split_programs(n, t.block_n, touched, rows, t.block_m)
+                out.append(k > SEGMENT and programs < hx.SPLIT_BELOW_PROGRAMS)
+        return out[0], out[1]
+
+    def whole_both(self) -> bool:
+        """Both GEMMs would run whole-K at 16-row tiles."""
+        if self.split_all() or self.dense():
+            return False
+        t = Tile(16, 64, 128)
+        if any(self.splits(t, t)):
+            return False
+        return all(self.whole(False, False, k, t) for k in (self.h, self.i))
+
+    def gluon_split(self, fc1_whole_can: bool | None) -> bool:
+        """The split GEMMs may run as the Gluon split kernel (8-row tiles): up to
+        GLUON_SPLIT_MAX_ROWS, and not above WHOLE_K_FROM_ROWS where both GEMMs can run
+        whole-K instead (``fc1_whole_can``: FC1's epilogue can; None: not asked)."""
+        if self.e <= 0 or self.valid > hx.GLUON_SPLIT_MAX_ROWS:
+            return False
+        if fc1_whole_can and self.valid > hx.WHOLE_K_FROM_ROWS:
+            return not self.whole_both()
+        return True
+
+    def portable_tiles(self, a_fp4: bool) -> tuple[Tile, Tile]:
+        per = self.routes / self.e
+        kw = dict(a_fp4=a_fp4, valid_rows=self.valid, interpret=self.tgt.interpret)
+        return (hx.portable_tile(per, self.i, self.h, gated=True, **kw),
+                hx.portable_tile(per, self.h, self.i, gated=False, **kw))  # fmt: skip
+
+    def tiles(self, a_fp4: bool, fc1_whole_can: bool, pins) -> tuple[Tile, Tile]:
+        interp = self.tgt.interpret
+        if pins is None and self.dense() and not interp and self.h % 64 == 0 and self.i % 64 == 0:
+            return hx.DENSE_TILE, hx.DENSE_TILE
+        if pins is not None:
+            return pins
+        t1, t2 = self.portable_tiles(a_fp4)
+        if (self.gluon_split(fc1_whole_can) and self.gluon_fits(self.h, t1)
+                and self.gluon_fits(self.i, t2)):  # fmt: skip
+            # the split Gluon kernel's 8-row tiles: half the activation staging of 16
+            return replace(t1, block_m=8), replace(t2, block_m=8)
+        if any(self.whole(False, False, k, replace(t, block_m=16))
+               for k, t in ((self.h, t1), (self.i, t2))):  # fmt: skip
+            bm = 32 if self.valid > hx.WHOLE_K_WIDE_ROWS else 16
+            return replace(t1, block_m=bm), replace(t2, block_m=bm)
+        return t1, t2
+
+
+def _amax_self(elements: int, reduced: bool) -> bool:
+    return not reduced and elements <= hx.QUANTIZE_AMAX_SELF_MAX_ELEMENTS
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_call(
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    hidden: int,
+    inter: int,
+    *,
+    mode: str = "w4a16",
+    act_scale: str = "per_token",
+    fused_finalize: bool = False,
+    options: Options | None = None,
+    target: Target,
+    dispatched: bool = False,
+    amax_all_reduce: bool = False,
+) -> Plan:
+    """The plan of one call of ``num_tokens`` tokens with ``top_k`` routes each over
+    ``num_experts`` local experts of hidden size ``hidden`` and intermediate size
+    ``inter``, on ``target`` (``device.target_for``, or ``device.H200``).
+
+    ``dispatched``: expert parallelism's expert side: every row is one valid route
+    (top_k 1) and W4A4 rows arrive quantized with per-row globals (no fused finalize);
+    ``amax_all_reduce``: the per-tensor amax of FC2's input is all-reduced over the ranks
+    (an amax kernel, never the quantize kernel's own). Raises ``InapplicableOverride``
+    when a kernel pinned in ``options.gemm`` cannot serve a GEMM of this call."""
+    opt = options or Options()
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    if act_scale not in ACT_SCALES:
+        raise ValueError(f"act_scale: expected one of {ACT_SCALES}, got {act_scale!r}")
+    w4a4 = mode == "w4a4"
+    static = w4a4 and act_scale == "static"
+    per_tensor = w4a4 and act_scale == "per_tensor"
+    t, k, e, h, i = num_tokens, top_k, num_experts, hidden, inter
+    routes = t * k
+    frac = hx.UNKNOWN_VALID_FRACTION if opt.valid_fraction is None else opt.valid_fraction
+    r = _Rules(routes, e, h, i, frac, target)
+    pdl = not target.interpret and (target.pdl if opt.pdl is None else opt.pdl)
+    pins = (opt.fc1_tile, opt.fc2_tile) if opt.fc1_tile is not None else None
+
+    # FC1 writes bf16 where it may run whole-K (static W4A4's FC1 writes NVFP4)
+    fc1_whole_can = not static
+    t1, t2 = r.tiles(w4a4, fc1_whole_can, pins)
+    split1, split2 = r.splits(t1, t2)
+    dense = r.dense()
+    gpdl = pdl and r.valid * e <= hx.GLUON_PDL_MAX_ROUTES
+    fc1_prefill = dense and target.gluon and prefill_fits(i, h, True) and t1.block_m == 128
+    fc2_prefill = dense and target.gluon and prefill_fits(h, i, False) and t2.block_m == 128
+    fc1_fp4 = static and not fc1_prefill
+
+    def family(kk, t, split, prefill, whole_can, out_fp4) -> tuple[str, bool]:
+        """The kernel family of a GEMM of inner size ``kk`` and whether it splits K."""
+        split = split and kk > SEGMENT  # one segment: nothing to split
+        if dense and prefill:
+            return "gluon-prefill", False
+        if dense:
+            return "triton-dense", split
+        if split and r.gluon_fits(kk, t):
+            return "gluon-split", True
+        if whole_can and not out_fp4 and r.whole(split, False, kk, t):
+            return "gluon-whole", False
+        return ("triton-split", True) if split else ("triton", False)
+
+    (k1, s1), (k2, s2) = (family(h, t1, split1, fc1_prefill, fc1_whole_can, fc1_fp4),
+                          family(i, t2, split2, fc2_prefill, True, False))  # fmt: skip
+    if opt.gemm is not None:
+        base = pins if pins is not None else r.portable_tiles(w4a4)
+        k1, t1, t2 = _pin(opt.gemm, r, *base, static)
+        k2, s1, s2 = k1, k1.endswith("-split"), k1.endswith("-split")
+        fc1_fp4 = static and k1 != "gluon-prefill"
+    block_m = t1.block_m
+
+    def gemm(kernel, split, n, kk, t, epilogue, operand, early):
+        counters = 0
+        nb = _max_blocks(routes, e, block_m)
+        if kernel == "gluon-split" and epilogue != "nvfp4":
+            counters = -(-n // _GLUON_TILE_N) * nb
+        elif split and kernel != "gluon-split":
+            counters = -(-n // t.block_n) * nb
+        decode_family = kernel in ("gluon-split", "gluon-whole")
+        return GemmPlan(kernel, t, -(-kk // SEGMENT), split, epilogue, operand,
+                        pdl=gpdl if decode_family else pdl and kernel != "gluon-prefill",
+                        early_weights=decode_family and gpdl and early,
+                        counters=counters)  # fmt: skip
+
+    # FC1's input and operand
+    gluon1 = k1 in ("gluon-split", "gluon-whole")
+    if dispatched:
+        fc1_input = "dispatched" if w4a4 else "bf16"
+    elif not w4a4:
+        fc1_input = "bf16"
+    elif per_tensor:
+        fc1_input = "per-tensor" if _amax_self(t * h, False) else "per-tensor+amax"
+    else:
+        fc1_input = {"per_token": "per-row", "static": "static"}[act_scale]
+    if k1 == "gluon-prefill":
+        op1 = "gather"
+    elif k1 == "triton-dense":
+        op1 = "dense"
+    elif w4a4 and gluon1:
+        op1 = "decode" if dispatched else "decoded"
+    elif w4a4:
+        op1 = "nvfp4"
+    else:
+        op1 = "rows" if static else "x"
+    fc1 = gemm(k1, s1, i, h, t1, "nvfp4" if fc1_fp4 else "bf16", op1,
+               early=w4a4 and not dispatched)  # fmt: skip
+
+    # FC2's input and operand
+    if not w4a4:
+        fc2_input = "bf16"
+    elif fc1_fp4:
+        fc2_input = "fc1-epilogue"
+    elif per_tensor:
+        fc2_input = "per-tensor" if _amax_self(routes * i, amax_all_reduce) else "per-tensor+amax"
+    else:
+        fc2_input = {"per_token": "per-row", "static": "static"}[act_scale]
+    gluon2 = k2 in ("gluon-split", "gluon-whole")
+    if k2 == "gluon-prefill":
+        op2 = "gather"
+    elif k2 == "triton-dense":
+        op2 = "dense"
+    elif w4a4 and gluon2:
+        op2 = "decode" if fc1_fp4 else "decoded"
+    elif w4a4:
+        op2 = "nvfp4"
+    else:
+        op2 = "rows"
+    fused = fused_finalize and not dispatched
+    fc2 = gemm(k2, s2, h, i, t2, "atomic" if fused else "bf16", op2, early=True)
+
+    return Plan(
+        num_tokens=t, top_k=k, num_experts=e, hidden=h, inter=i, mode=mode,
+        act_scale=act_scale, fused_finalize=fused, dispatched=dispatched, valid_rows=r.valid,
+        block_m=block_m,
+        sort="triton" if target.sort_kernel and 0 < routes <= hx.SORT_KERNEL_MAX_ROUTES
+        else "torch",
+        fc1_input=fc1_input, fc2_input=fc2_input, fc1=fc1, fc2=fc2,
+        finalize="atomic" if fused else "deterministic", pdl=pdl,
+        fc2_amax_slot=fc2_input == "per-tensor+amax",
+        fc1_amax_slot=fc1_input == "per-tensor+amax", target=target,
+    )  # fmt: skip
+
+
+def _max_blocks(routes: int, e: int, block_m: int) -> int:
+    """The tile schedule's row blocks (``sort.max_blocks``)."""
+    return -(-routes // block_m) + min(e, routes)
+
+
+def _pin(kernel: str, r: _Rules, t1: Tile, t2: Tile, static: bool) -> tuple[str, Tile, Tile]:
+    """Both GEMMs on ``kernel`` (``Options.gemm``) with the tiles it takes (from the
+    portable tiles ``t1``, ``t2``); raises ``InapplicableOverride`` where it cannot run."""
+    tgt = r.tgt
+
+    def refuse(why: str):
+        raise InapplicableOverride(f"gemm={kernel!r} cannot serve this call: {why}")
+
+    if kernel.startswith("gluon-") and not tgt.gluon:
+        refuse(f"the Gluon kernels do not run on {tgt.name}")
+    if kernel == "gluon-prefill":
+        if not (prefill_fits(r.i, r.h, True) and prefill_fits(r.h, r.i, False)):
+            refuse("K must be a multiple of 1024 and the outputs of 64 (FC1) and 128 (FC2)")
+        return kernel, hx.DENSE_TILE, hx.DENSE_TILE
+    if kernel == "triton-dense" and not tgt.interpret:
+        if r.h % 64 or r.i % 64:
+            refuse("the decoded-weights tiles need H and I multiples of 64")
+        return kernel, hx.DENSE_TILE, hx.DENSE_TILE
+    if kernel in ("gluon-split", "gluon-whole"):
+        whole = kernel == "gluon-whole"
+        bm = 16 if whole else 8
+        for kk in (r.h, r.i):
+            if not gluon_decode_fits(kk, bm, 128, whole):
+                refuse(f"K = {kk} must be a multiple of 1024 above 1024")
+        if whole and static:
+            refuse("static W4A4's FC1 writes NVFP4, which the whole-K kernel does not")
+        return kernel, replace(t1, block_m=bm, block_k=128), replace(t2, block_m=bm, block_k=128)
+    if kernel == "triton-split":
+        for kk in (r.h, r.i):
+            if kk <= SEGMENT:
+                refuse(f"K = {kk} is one 1024-element segment: nothing to split")
+    return kernel, t1, t2
+
+
+def explain(plan: Plan) -> str:
+    """A few lines saying which kernels a call runs and why (the regime's rows)."""
+    p = plan
+    lines = [
+        f"{p.num_tokens} tokens x top-{p.top_k} over {p.num_experts} experts (H {p.hidden}, "
+        f"I {p.inter}), {p.mode}"
+        + (f" {p.act_scale}" if p.mode == "w4a4" else "")
+        + f", {p.finalize} finalize, on {p.target.name}",
+        f"  expected valid rows an expert {p.valid_rows:.2f}; tiles of {p.block_m} rows; "
+        f"sort: {p.sort}; PDL {'on' if p.pdl else 'off'}",
+        f"  FC1: {p.fc1_input} input -> {p.fc1.describe()}",
+        f"  FC2: {p.fc2_input} input -> {p.fc2.describe()}",
+    ]
+    return "\n".join(lines)
+
+
+def workspace_bytes(plan: Plan) -> int:
+    """Peak bytes a call of ``plan`` holds on the device beyond its inputs and output
+    (freed after the call, or held by a CUDA graph's pool), as the largest of its three
+    phases: FC1 (the sort's outputs, W4A4's quantized input, the fused finalize's fp32
+    accumulator, FC1's output, and FC1's temporaries: split-K partials, decoded weights and
+    rows), FC2 (the same less FC1's temporaries, plus FC2's input, the route rows and its
+    own temporaries) and the finalize (the route rows or accumulator and the bf16 output).
+    Tile counters and amax slots (a few KB) are left out."""
+    p = plan
+    t, h, i, e = p.num_tokens, p.hidden, p.inter, p.num_experts
+    n = t * p.top_k
+    nb = _max_blocks(n, e, p.block_m)
+    common = 4 * (3 * n + 2 * e + 1 + 3 * nb)  # the sort's outputs (int32)
+    w4a4 = p.mode == "w4a4"
+    nvfp4_row = lambda c: c // 2 + c // 16 + 4  # codes, scales, global
+    fc1_fp4 = p.fc1.epilogue == "nvfp4"
+    act = n * nvfp4_row(i) if fc1_fp4 else n * i * 2  # FC1's output
+    b_in = 0
+    if w4a4:
+        rows = n if p.fc1_input in ("static", "dispatched") else t
+        common += rows * nvfp4_row(h)
+        if not fc1_fp4:
+            b_in = n * nvfp4_row(i)
+    if p.fused_finalize:
+        common += t * h * 4
+        rows_out = 0
+    else:
+        rows_out = n * h * 2
+
+    def temps(g: GemmPlan, n_out: int, kk: int, rows: int) -> tuple[int, int]:
+        """(held for the call, held during the GEMM) by ``g``'s own workspace."""
+        call = tmp = 0
+        if g.kernel == "triton-dense":
+            tmp = e * (2 * n_out if g is p.fc1 else n_out) * kk * 2 + rows * kk * 2
+        elif g.kernel == "gluon-prefill":
+            tmp = n * kk * 2  # the rows gathered into sorted unit order
+        if g.split:
+            tmp += g.segments * n * (2 * n_out if g is p.fc1 else n_out) * 4  # partials
+        if g.operand == "decoded":
+            call = rows * kk * 2
+        elif g.operand == "decode":
+            tmp += rows * kk * 2
+        return call, tmp
+
+    x_rows = n if p.fc1_input in ("static", "dispatched") else t
+    c1, tmp1 = temps(p.fc1, i, h, x_rows)
+    c2, tmp2 = temps(p.fc2, h, i, n)
+    common += c1
+    fc1 = common + act + tmp1
+    fc2 = common + c2 + act + b_in + rows_out + tmp2
+    fin = common + rows_out + t * h * 2  # the bf16 output
+    return max(fc1, fc2, fin)

@@ -1,0 +1,468 @@
+"""The decode-size and middle-size grouped GEMMs in Gluon (Hopper), fed by TMA: the
+portable loop's units (64 weight rows, one 1024-element K segment, 8 or 16 token rows)
+with the same operands, order and sums, so the same bits.
+
+One elected thread of a program issues TMA copies of its segment's weights (a 256-K ring
+stage a copy: codes as [64 rows, 128 bytes] with a 128-byte swizzle, scales as [64, 16])
+into a ring of ``RING_STAGES`` stages, each with its own mbarrier; the activation tile is
+staged while they fly; the codes go from shared memory straight into the wgmma register
+fragment's layout (``gluon_common.code_layout``) and are decoded there, each unit's decode
+overlapping the last unit's asynchronous wgmma.
+
+Two forms (``split_partials_tma``):
+
+- split K (``gluon-split``): one program a (weight tile, K segment, row block) unit writes
+  its fp32 partial; with ``EPILOGUE`` the last unit of a tile (a counter) sums the
+  partials in segment order and writes the output itself (bf16 rows, or the fused
+  atomic add); without it (static W4A4's NVFP4 output) the portable kernel reduces them;
+- whole K (``gluon-whole``): a program takes every K segment of its tile in turn, its
+  ring running on from one segment to the next, and adds the segment sums in registers
+  in the same order: no partials, no counters. Tiles of 16 or 32 token rows.
+
+Under programmatic dependent launch FC2's programs (whose schedule the sort wrote two
+kernels back) issue their first weight copies before they wait for FC1 (``EARLY_W``).
+W4A4 reads its activation rows already decoded (``A_UNIT_ORDER``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ..common import compile_sm90 as common_compile_sm90
+from .gluon_common import (
+    CODE_SMEM,
+    SCALE_SMEM,
+    STAGE_K,
+    UNIT,
+    decode_unit,
+    row_globals,
+    smem_unit,
+    stage_x,
+    store_partials,
+    tile_index,
+    weight_descriptors,
+)
+
+__all__ = ["RING_STAGES", "WHOLE_PER_SM", "compile_sm90", "split_partials_tma"]
+
+# Ring stages of 256 K in shared memory (1: 18 KB a program for FC1's 8-row tiles, so more
+# programs an SM): the fastest of 1, 2 and 4 on the H200 for both forms.
+RING_STAGES = 1
+# The whole-K programs an SM holds, by gated (FC1: 16-row tiles 121 registers and 51 KB,
+# four; FC2: 96 and 42 KB, five; compiled for sm_90): the planner's occupancy estimate.
+WHOLE_PER_SM = {True: 4, False: 5}
+_TR = gl.constexpr(64)  # weight rows a tile (one warpgroup)
+
+
+@gluon.jit
+def _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row, k0, st: gl.constexpr, w: gl.constexpr,
+                 NB: gl.constexpr):  # fmt: skip
+    """TMA copies of ring stage ``st`` (K from ``k0 + st * 256``) of weight ``w`` (0 gate,
+    1 up) into ring buffer ``st % NB``, completing on ``bar``: the stage's codes [64, 128
+    bytes] and its scales [64, 16]."""
+    b: gl.constexpr = st % NB
+    tma.async_copy_global_to_shared(c_desc, [row, (k0 + st * STAGE_K) // 2], bar,
+                                    cbuf.index(w * NB + b))  # fmt: skip
+    tma.async_copy_global_to_shared(s_desc, [row, (k0 + st * STAGE_K) // 16], bar,
+                                    sbuf.index(w * NB + b))  # fmt: skip
+
+
+@gluon.jit
+def _stage_buffers(GATED: gl.constexpr, NB: gl.constexpr):
+    """A program's shared buffers for the weights of ``NB`` ring stages (codes [NW * NB,
+    64, 128] swizzled, scales [NW * NB, 64, 16]; NW 2 when GATED) and the stages' ``NB``
+    mbarriers, initialized."""
+    if GATED:
+        NW: gl.constexpr = 2
+    else:
+        NW: gl.constexpr = 1
+    cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB, _TR, STAGE_K // 2], CODE_SMEM)
+    sbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB, _TR, 16], SCALE_SMEM)
+    bars = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(NB):
+        mbarrier.init(bars.index(b), count=1)
+    return cbuf, sbuf, bars
+
+
+@gluon.jit
+def _mma_drain(acc_g, acc_u, GATED: gl.constexpr):
+    """Wait for every asynchronous wgmma in flight into ``acc_g`` (and ``acc_u`` when
+    GATED); the accumulators to read afterwards."""
+    if GATED:
+        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+    else:
+        acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
+    return acc_g, acc_u
+
+
+@gluon.jit
+def _gdc_wait_release():
+    """Programmatic dependent launch: wait for the preceding kernel's writes, then let the
+    next kernel's programs start (both are no-ops when the kernel was launched without
+    PDL)."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _opaque_zero():
+    """An int32 zero the compiler cannot see through, indexing the whole-K program's rows
+    buffer: through a constant index the wgmma descriptors of its 16 unit slices are
+    computed once before the loop and held in registers (211 registers instead of 66)."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                     is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _last_unit_epilogue(
+    pid_m, pid_n, e, start, end, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr,
+    sorted_routes_ptr, out_ptr, a_global_ptr, stride, N: gl.constexpr, K: gl.constexpr,
+    TOPK: gl.constexpr, GATED: gl.constexpr, BM: gl.constexpr, SEG: gl.constexpr,
+    FUSED: gl.constexpr, OUT_SCALE: gl.constexpr, MMA: gl.constexpr,
+    A_GATHER: gl.constexpr, A_FP4: gl.constexpr,
+):  # fmt: skip
+    """After a unit wrote its partial: the tile's last unit to finish sums the partials
+    in segment order from zero, ((0 + P_0) + P_1) + ..., and writes the output (``_tile_out``)."""
+    NSEG: gl.constexpr = K // SEG
+    if GATED:
+        gn: gl.constexpr = 2 * N
+    else:
+        gn: gl.constexpr = N
+    tile = pid_m * gl.cdiv(N, _TR) + pid_n
+    gl.thread_barrier()  # every thread's partial stores before the release below
+    done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+    if done == NSEG - 1:
+        gl.store(cnt_ptr + tile, 0)  # ready for the next call (and graph replay)
+        on, om, _, mask = tile_index(pid_n, start, end, N, BM, MMA, _TR)
+        prow = part_ptr + om.to(gl.int64)[None, :] * gn + on[:, None]
+        acc_g = gl.zeros([_TR, BM], gl.float32, layout=MMA)
+        acc_u = gl.zeros([_TR, BM], gl.float32, layout=MMA)
+        for sg in gl.static_range(NSEG):  # .cg: other SMs wrote them; read from L2
+            acc_g = acc_g + gl.load(prow + sg * stride, mask=mask, other=0.0,
+                                    cache_modifier=".cg")  # fmt: skip
+            if GATED:
+                acc_u = acc_u + gl.load(prow + sg * stride + N, mask=mask, other=0.0,
+                                        cache_modifier=".cg")  # fmt: skip
+        _tile_out(acc_g, acc_u, pid_n, e, start, end, w_global_ptr, topk_w_ptr,
+                  sorted_routes_ptr, out_ptr, a_global_ptr, N, TOPK, GATED, BM, FUSED,
+                  OUT_SCALE, MMA, A_GATHER, A_FP4)  # fmt: skip
+
+
+@gluon.jit
+def _tile_out(
+    acc_g, acc_u, pid_n, e, start, end, w_global_ptr, topk_w_ptr, sorted_routes_ptr,
+    out_ptr, a_global_ptr, N: gl.constexpr, TOPK: gl.constexpr, GATED: gl.constexpr,
+    BM: gl.constexpr, FUSED: gl.constexpr, OUT_SCALE: gl.constexpr, MMA: gl.constexpr,
+    A_GATHER: gl.constexpr, A_FP4: gl.constexpr,
+):  # fmt: skip
+    """A tile's output from its sums over K (``acc_g``, and ``acc_u`` when GATED; [64, BM]
+    fp32 in the ``MMA`` layout) with the portable epilogue's operations: global scales,
+    SwiGLU when GATED, one bf16 rounding; bf16 rows, or the router-weighted atomic add
+    when FUSED."""
+    on, om, m_ok, mask = tile_index(pid_n, start, end, N, BM, MMA, _TR)
+    e64 = e.to(gl.int64)
+    h = acc_g * OUT_SCALE
+    if A_FP4:  # the activation row's global (W4A4)
+        gx = row_globals(a_global_ptr, sorted_routes_ptr, om, m_ok, TOPK, A_GATHER)
+        h = h * gx[None, :]
+    if GATED:
+        h = h * gl.load(w_global_ptr + e64 * 2)
+        hu = acc_u * OUT_SCALE
+        if A_FP4:
+            hu = hu * gx[None, :]
+        hu = hu * gl.load(w_global_ptr + e64 * 2 + 1)
+        res = (h / (1.0 + gl.exp(-h))) * hu
+    else:
+        res = h * gl.load(w_global_ptr + e64)
+    y = res.to(gl.bfloat16)
+    if FUSED:
+        route = gl.load(sorted_routes_ptr + om, mask=m_ok, other=0)
+        tok = (route // TOPK).to(gl.int64)
+        wt = gl.load(topk_w_ptr + route, mask=m_ok, other=0.0)
+        contrib = y.to(gl.float32) * wt[None, :]
+        gl.atomic_add(out_ptr + tok[None, :] * N + on[:, None], contrib, mask=mask,
+                      sem="relaxed")  # fmt: skip
+    else:
+        gl.store(out_ptr + om.to(gl.int64)[None, :] * N + on[:, None], y, mask=mask)
+
+
+@gluon.jit
+def tma_split_kernel(
+    x_ptr,  # bf16 [rows, K]: FC1 the tokens (gathered by route // TOPK), FC2 sorted rows
+    sorted_routes_ptr,  # int32 [T*TOPK]
+    c_desc,  # TMA descriptor of the uint8 [E * W_ROWS, K/2] codes, [64, 128] boxes
+    s_desc,  # TMA descriptor: uint8 [E * W_ROWS, K/16] e4m3 scale bits, [64, 16] boxes
+    block_expert_ptr,
+    block_start_ptr,
+    block_end_ptr,
+    part_ptr,  # fp32 [segments, ws_rows, (2 if GATED) * N] (split K)
+    cnt_ptr,  # int32 [tiles * blocks] zeros: units done a tile (EPILOGUE; left at zero)
+    w_global_ptr,  # fp32 [E] or [E, 2] (GATED): the weights' global scales (EPILOGUE)
+    topk_w_ptr,  # fp32 [T*TOPK] router weights (FUSED)
+    out_ptr,  # EPILOGUE: bf16 [ws_rows, N] rows in sorted order, or fp32 [T, N] (FUSED)
+    a_global_ptr,  # fp32 [rows of x]: W4A4's activation global scales (A_FP4, EPILOGUE)
+    ws_rows,
+    N: gl.constexpr,
+    K: gl.constexpr,
+    TOPK: gl.constexpr,
+    GATED: gl.constexpr,
+    A_GATHER: gl.constexpr,
+    BM: gl.constexpr,  # rows (tokens) a tile: the wgmma N (8 or 16; 32 with WHOLE)
+    SEG: gl.constexpr,  # K elements a segment (1024)
+    NBUF: gl.constexpr,  # ring stages in shared memory
+    EPILOGUE: gl.constexpr,  # the tile's last unit (or WHOLE's program) writes the output
+    FUSED: gl.constexpr,  # EPILOGUE: router weight times y added into out (atomic)
+    OUT_SCALE: gl.constexpr,  # EPILOGUE: undoes the decodes' powers of two
+    A_UNIT_ORDER: gl.constexpr,  # x's rows already in the unit order (W4A4's decoded rows)
+    A_FP4: gl.constexpr,  # EPILOGUE: times the activation global (W4A4)
+    USE_PDL: gl.constexpr,  # programmatic dependent launch (launch_pdl=True)
+    EARLY_W: gl.constexpr,  # USE_PDL: the first stages' copies before the wait
+    WHOLE: gl.constexpr,  # a program takes every K segment of its tile in turn and
+    # writes its output (EPILOGUE): no partials, no counter (the grid's segments: 1)
+):
+    pid_n = gl.program_id(0)
+    s_id = gl.program_id(1)
+    pid_m = gl.program_id(2)
+    gl.static_assert(not WHOLE or EPILOGUE, "WHOLE writes its own output")
+    gl.static_assert(BM != 32 or WHOLE, "32-row tiles: WHOLE only")
+    if USE_PDL and not EARLY_W:
+        _gdc_wait_release()
+    # EARLY_W: the schedule was written two kernels back (the kernel before this one waited
+    # for it before it released this one), so it is read before the wait, from L2
+    e = gl.load(block_expert_ptr + pid_m, cache_modifier=".cg")
+    if e >= 0:
+        start = gl.load(block_start_ptr + pid_m, cache_modifier=".cg")
+        end = gl.load(block_end_ptr + pid_m, cache_modifier=".cg")
+        NU: gl.constexpr = SEG // UNIT
+        UPS: gl.constexpr = STAGE_K // UNIT  # units a stage
+        NS: gl.constexpr = SEG // STAGE_K  # stages a segment
+        NB: gl.constexpr = min(NBUF, NS)  # ring buffers (NS: the whole segment up front)
+        if GATED:
+            NW: gl.constexpr = 2
+            w_rows = 2 * N
+        else:
+            NW: gl.constexpr = 1
+            w_rows = N
+        k0 = s_id * SEG
+
+        # ---- the ring's first stages, first (one elected thread issues the copies)
+        cbuf, sbuf, bars = _stage_buffers(GATED, NB)
+        row = e * w_rows + pid_n * _TR
+        STAGE_BYTES: gl.constexpr = NW * UPS * _TR * 32 + NW * _TR * 16
+        for st in gl.static_range(NB):
+            bar = bars.index(st)
+            mbarrier.expect(bar, STAGE_BYTES)
+            _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row, k0, st, 0, NB)
+            if GATED:
+                _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row + N, k0, st, 1, NB)
+        if USE_PDL and EARLY_W:  # the weights' first stages fly while the last kernel ends
+            _gdc_wait_release()
+
+        # ---- decode and multiply, stage by stage as the copies land: one K segment, or
+        # with WHOLE each of K's segments in turn, the ring running on from one to the next
+        # and the segment sums added in order from zero, ((0 + P_0) + P_1) + ..., in
+        # registers (the sums _last_unit_epilogue makes from the partials: the same bits)
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[_TR // 16, 1], instr_shape=[16, BM, 16]
+        )
+        A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        if WHOLE:
+            NJ: gl.constexpr = K // SEG
+            XW: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
+            xw = gl.allocate_shared_memory(gl.bfloat16, [1, NU * BM, UNIT], XW)
+        else:
+            NJ: gl.constexpr = 1
+        tot_g = gl.zeros([_TR, BM], gl.float32, layout=MMA)
+        tot_u = gl.zeros([_TR, BM], gl.float32, layout=MMA)
+        for j in range(NJ):
+            if WHOLE:
+                kj = k0 + j * SEG
+                phj = (j * (NS // NB)) % 2
+                hn = j + 1 < NJ  # the last stages refilled with the next segment's first
+                nk = kj + SEG
+                if j > 0:
+                    gl.thread_barrier()  # every warp's reads of the last segment's rows done
+                # through an opaque zero: else the wgmma descriptors of its 16 unit slices
+                # are computed before the loop and held in registers
+                xd = xw.index(_opaque_zero())
+            else:
+                kj = k0
+                phj = 0
+                hn = False
+                nk = kj
+                xd = 0
+            # (32-row tiles: a stage's K at a time)
+            xs = stage_x(x_ptr, sorted_routes_ptr, start, end, kj, K, TOPK, A_GATHER, BM, SEG,
+                         A_UNIT_ORDER, WHOLE, xd, _TR // 16,
+                         STAGE_K if BM == 32 else 0)  # fmt: skip
+
+            acc_g = gl.zeros([_TR, BM], gl.float32, layout=MMA)
+            acc_u = gl.zeros([_TR, BM], gl.float32, layout=MMA)
+            for kb in gl.static_range(NU):
+                if kb % UPS == 0:
+                    mbarrier.wait(bars.index((kb // UPS) % NB), (kb // UPS // NB + phj) % 2)
+                xb = xs.slice(kb * BM, BM).permute((1, 0))
+                gc, gs = smem_unit(cbuf, sbuf, kb, 0, NB, UPS, _TR)
+                wg = decode_unit(gc, gs, A_L, _TR)
+                if kb > 0:  # the last unit's wgmma done: its operand registers are free
+                    if GATED:
+                        acc_g, acc_u, _, _ = warpgroup_mma_wait(
+                            num_outstanding=0,
+                            deps=(acc_g, acc_u, pg, pu),  # noqa: F821 (last unit's)
+                        )
+                    else:
+                        acc_g, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, pg))  # noqa: F821
+                acc_g = warpgroup_mma(wg, xb, acc_g, is_async=True)
+                pg = wg  # noqa: F841 (read by the next unrolled unit)
+                if GATED:
+                    uc, us = smem_unit(cbuf, sbuf, kb, 1, NB, UPS, _TR)
+                    wu = decode_unit(uc, us, A_L, _TR)
+                    acc_u = warpgroup_mma(wu, xb, acc_u, is_async=True)
+                    pu = wu  # noqa: F841
+                # the stage's buffer is read: refill it with stage + NB (ring only)
+                if kb % UPS == UPS - 1 and kb // UPS + NB < NS:
+                    gl.thread_barrier()  # every warp's shared loads of the buffer done
+                    fence_async_shared()  # ordered before the TMA writes (async proxy)
+                    rb = bars.index((kb // UPS) % NB)
+                    mbarrier.expect(rb, STAGE_BYTES)
+                    _issue_stage(c_desc, s_desc, cbuf, sbuf, rb, row, kj, kb // UPS + NB, 0,
+                                 NB)  # fmt: skip
+                    if GATED:
+                        _issue_stage(c_desc, s_desc, cbuf, sbuf, rb, row + N, kj,
+                                     kb // UPS + NB, 1, NB)  # fmt: skip
+                elif WHOLE and kb % UPS == UPS - 1:  # noqa: SIM102 (compile time)
+                    # the last stages: refill with the next segment's first (stage
+                    # kb // UPS + NB - NS of it, which maps to this very buffer)
+                    if hn:
+                        gl.thread_barrier()
+                        fence_async_shared()
+                        rb = bars.index((kb // UPS) % NB)
+                        st2: gl.constexpr = kb // UPS + NB - NS
+                        mbarrier.expect(rb, STAGE_BYTES)
+                        _issue_stage(c_desc, s_desc, cbuf, sbuf, rb, row, nk, st2, 0, NB)
+                        if GATED:
+                            _issue_stage(c_desc, s_desc, cbuf, sbuf, rb, row + N, nk, st2, 1,
+                                         NB)  # fmt: skip
+            acc_g, acc_u = _mma_drain(acc_g, acc_u, GATED)
+            if WHOLE:
+                tot_g = tot_g + acc_g
+                tot_u = tot_u + acc_u
+            else:
+                tot_g = acc_g
+                tot_u = acc_u
+        for b in gl.static_range(NB):
+            mbarrier.invalidate(bars.index(b))
+
+        if WHOLE:  # the tile's sums over K: its output (no partials, no counter)
+            _tile_out(tot_g, tot_u, pid_n, e, start, end, w_global_ptr, topk_w_ptr,
+                      sorted_routes_ptr, out_ptr, a_global_ptr, N, TOPK, GATED, BM, FUSED,
+                      OUT_SCALE, MMA, A_GATHER, A_FP4)  # fmt: skip
+        else:
+            # ---- partials, as the portable loop's split programs write them
+            stride = store_partials(tot_g, tot_u, part_ptr, pid_n, start, end, s_id,
+                                    ws_rows, N, GATED, BM, MMA, _TR)  # fmt: skip
+            if EPILOGUE:  # the portable split epilogue's operations: the same bits
+                _last_unit_epilogue(
+                    pid_m, pid_n, e, start, end, part_ptr, cnt_ptr, w_global_ptr,
+                    topk_w_ptr, sorted_routes_ptr, out_ptr, a_global_ptr, stride, N, K,
+                    TOPK, GATED, BM, SEG, FUSED, OUT_SCALE, MMA, A_GATHER, A_FP4,
+                )  # fmt: skip
+
+
+def split_partials_tma(
+    x, sorted_routes, codes, scales, block_expert, block_start, block_end, part, *,
+    n: int, topk: int, gated: bool, gather: bool, block_m: int, ws_rows: int,
+    seg: int = 1024, out: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None, w_global: torch.Tensor | None = None,
+    topk_w: torch.Tensor | None = None, fused: bool = False, out_scale: float = 1.0,
+    a_unit_order: bool = False, a_global: torch.Tensor | None = None, pdl: bool = False,
+    early_weights: bool = False, whole: bool = False,
+) -> None:  # fmt: skip
+    """Launch ``tma_split_kernel``.
+
+    Args:
+        x: bf16 [., K], the tokens (``gather``: row route // topk) or rows in sorted order;
+            with ``a_unit_order`` already in the unit order (W4A4's decoded rows).
+        codes, scales: one GEMM's weights, uint8 [E, W_ROWS, K/2] and e4m3 [E, W_ROWS,
+            K/16] (W_ROWS = 2 n gated, else n).
+        block_expert, block_start, block_end: the tile schedule of ``sort_routes`` with
+            ``block_m`` rows a tile (8 or 16; 32 with ``whole``).
+        part: fp32 [K / seg, ws_rows, (2 if gated) * n], every valid row's segment
+            partials (split K); None with ``whole``.
+        out: the output, written by the kernel (the last unit of each tile, or each whole-K
+            program): bf16 rows [ws_rows, n] in sorted order, or with ``fused`` fp32
+            [T, n] that router weight (``topk_w`` fp32 [T * topk]) times y is added into.
+            None: the partials only (the portable kernel reduces them).
+        counters: int32 zeros, cdiv(n, 64) * blocks (left at zero); split K with ``out``.
+        w_global: fp32 [E] or [E, 2] (gated). out_scale: the decodes' powers of two.
+        a_global: fp32 per row of ``x``, W4A4's activation globals.
+        pdl: launched with programmatic dependent launch; ``early_weights``: the schedule
+            was complete before the preceding kernel started (as for FC2), so each program
+            issues its first weight copies before it waits.
+        whole: each program takes every K segment of its tile in turn (``gluon-whole``).
+    """
+    k = x.shape[1]
+    if k % seg or seg % STAGE_K.value or block_m not in ((8, 16, 32) if whole else (8, 16)):
+        raise ValueError(f"split_partials_tma: needs K % {seg} == 0, seg % 256 == 0 and "
+                         "block_m 8 or 16 (or 32 with whole)")  # fmt: skip
+    tiles, blocks, segs = triton.cdiv(n, _TR.value), block_expert.numel(), k // seg
+    epilogue = out is not None
+    short = not whole and (counters is None or counters.numel() < tiles * blocks)
+    if epilogue and (short or w_global is None or (fused and topk_w is None)):
+        raise ValueError("split_partials_tma: out needs counters (cdiv(n, 64) * blocks "
+                         "int32 zeros), w_global, and topk_w when fused")  # fmt: skip
+    if whole and out is None:
+        raise ValueError("split_partials_tma: whole needs out")
+    if whole:  # no partials and no counters: any fp32 tensor fills their (unread) slots
+        segs = 1
+        part = w_global
+        counters = counters if counters is not None else w_global
+    elif part is None:
+        raise ValueError("split_partials_tma: part (the fp32 partials) is needed unless whole")
+    c_desc, s_desc = weight_descriptors(codes, scales)
+    dummy = part
+    tma_split_kernel[(tiles, segs, blocks)](
+        x, sorted_routes, c_desc, s_desc, block_expert, block_start, block_end, part,
+        counters if epilogue else dummy, w_global if epilogue else dummy,
+        topk_w if fused else dummy, out if epilogue else dummy,
+        a_global if a_global is not None else dummy, ws_rows,
+        N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=gather, BM=block_m, SEG=seg,
+        NBUF=RING_STAGES, EPILOGUE=epilogue, FUSED=fused and epilogue, OUT_SCALE=out_scale,
+        A_UNIT_ORDER=a_unit_order, A_FP4=a_global is not None and epilogue, USE_PDL=pdl,
+        EARLY_W=pdl and early_weights, WHOLE=whole, num_warps=4, launch_pdl=pdl,
+    )  # fmt: skip
+
+
+def compile_sm90(*, n: int, k: int, gated: bool, block_m: int, epilogue: bool = True,
+                 fused: bool = False, a_fp4: bool = False, pdl: bool = True,
+                 early_weights: bool = False, whole: bool = False):  # fmt: skip
+    """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
+    layout conversions are asserted trivial at compile time. Returns the compiled kernel."""
+    ptrs = {
+        "x_ptr": "*bf16", "sorted_routes_ptr": "*i32", "block_expert_ptr": "*i32",
+        "block_start_ptr": "*i32", "block_end_ptr": "*i32", "part_ptr": "*fp32",
+        "cnt_ptr": "*i32", "w_global_ptr": "*fp32", "topk_w_ptr": "*fp32",
+        "out_ptr": "*fp32" if fused else "*bf16", "a_global_ptr": "*fp32",
+    }  # fmt: skip
+    descs = {
+        "c_desc": f"tensordesc<u8[{_TR.value}, {STAGE_K.value // 2}],{CODE_SMEM!r}>",
+        "s_desc": f"tensordesc<u8[{_TR.value}, 16],{SCALE_SMEM!r}>",
+    }
+    const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated, BM=block_m, SEG=1024,
+                 NBUF=RING_STAGES, EPILOGUE=epilogue or whole, FUSED=fused,
+                 OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_UNIT_ORDER=a_fp4, A_FP4=a_fp4,
+                 USE_PDL=pdl, EARLY_W=pdl and early_weights, WHOLE=whole)  # fmt: skip
+    return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows",), gluon=True,
+                               descs=descs, num_warps=4, launch_pdl=pdl)  # fmt: skip

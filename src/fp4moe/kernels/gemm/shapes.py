@@ -1,0 +1,34 @@
+"""Which GEMM shapes each kernel family takes (plain Python, no Triton import), shared by
+the launchers' input checks and the planner."""
+
+from __future__ import annotations
+
+__all__ = ["SEGMENT", "gluon_decode_fits", "k_order", "prefill_fits"]
+
+SEGMENT = 1024  # K elements a segment of the main loop, the same for every kernel family
+PREFILL_ROWS = 128  # token rows a tile of the prefill kernel (its schedule's block_m)
+
+
+def k_order(k: int, block_k: int) -> int:
+    """The K order a GEMM of inner size ``k`` multiplies in with K tiles of ``block_k``
+    (``decode``): the unit order (64) whenever both are multiples of 64, else the chunk
+    order (32). It depends on the shape only, not on the token count (batch invariance)."""
+    return 64 if k % 64 == 0 and block_k % 64 == 0 else 32
+
+
+def gluon_decode_fits(k: int, block_m: int, block_k: int, whole: bool = False) -> bool:
+    """Whether the Gluon decode kernel (``gluon_decode``) takes a GEMM of inner size ``k``
+    on tiles of ``block_m`` token rows: more than one whole 1024-K segment in the unit
+    order, and 8 or 16 rows a tile (or 32 whole-K)."""
+    return (
+        k > SEGMENT
+        and k % SEGMENT == 0
+        and k_order(k, block_k) == 64
+        and block_m in ((8, 16, 32) if whole else (8, 16))
+    )
+
+
+def prefill_fits(n: int, k: int, gated: bool) -> bool:
+    """Whether the Gluon prefill kernel takes a GEMM of ``n`` outputs and K = ``k``: whole
+    1024-K segments, and whole 64-row (gated) or 128-row weight tiles."""
+    return k % SEGMENT == 0 and n % (64 if gated else 128) == 0
