@@ -25,7 +25,7 @@ import torch
 
 from .presets import MODES, PRESETS, Preset
 
-__all__ = ["PRESETS", "Preset", "add_arguments", "main", "run"]
+__all__ = ["PRESETS", "Preset", "add_arguments", "run"]
 
 
 DEFAULT_TOKENS = [2**i for i in range(15)]  # 1 .. 16384
@@ -254,7 +254,7 @@ def naive_nvfp4_moe(x, ids, w, experts, n_valid: int):
 # ----------------------------------------------------------------------------- run
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
     """HEAD of the checkout the code runs from, with "+dirty" when tracked files differ
     from it (a copied working tree can carry a stale .git: then the suffix says so).
     ``FP4MOE_COMMIT`` in the environment overrides both."""
@@ -349,12 +349,8 @@ def make_routes(p: Preset, t: int, seed: int, device: str):
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Run the benchmark (needs CUDA); returns the JSON document it writes. With
-    ``args.ep`` set, the expert-parallel benchmark (``fp4moe.bench_ep.run_ep``)."""
-    if getattr(args, "ep", None) is not None:
-        from .bench_ep import run_ep
-
-        return run_ep(args)
+    """Run the benchmark (needs CUDA); returns the JSON document it writes (``fp4moe
+    bench``; the expert-parallel one, ``--ep``, is ``fp4moe.bench_ep``)."""
     import fp4moe
     from fp4moe.backend import Options, plan_call, target_for
     from fp4moe.backend.launch import moe_triton
@@ -387,9 +383,9 @@ def run(args: argparse.Namespace) -> dict:
     doc = {  # rows fill in as they are timed; written after each token count
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "triton": _triton_version(),
+        "triton": triton_version(),
         "fp4moe": fp4moe.__version__,
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "source_sha": _source_digest(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "preset": args.preset,
@@ -501,7 +497,7 @@ def run(args: argparse.Namespace) -> dict:
     return doc
 
 
-def _triton_version() -> str | None:
+def triton_version() -> str | None:
     try:
         import triton
 
@@ -599,28 +595,3 @@ def write_outputs(doc: dict, out: str, plot: bool = True) -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "bench.png"), dpi=120)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="fp4moe bench",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(p)
-    args = p.parse_args(argv)
-    if args.ep is not None:
-        from .bench_ep import main_args
-
-        return main_args(args)
-    if not torch.cuda.is_available():
-        print("fp4moe bench needs a CUDA GPU; none is available here", file=sys.stderr)
-        return 1
-    doc = run(args)
-    print(format_table(doc))
-    print(f"(JSON, CSV and PNG in {args.out}/)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

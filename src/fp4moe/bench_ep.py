@@ -544,7 +544,7 @@ def _worker(rank: int, settings: dict, args: argparse.Namespace, init: str, out_
 def _document(settings, args, names, rows, per_rank, experts) -> dict:
     import fp4moe
 
-    from .bench import _git_commit, _triton_version
+    from .bench import git_commit, triton_version
 
     p = settings["preset"]
     nccl = None
@@ -562,10 +562,10 @@ def _document(settings, args, names, rows, per_rank, experts) -> dict:
         "backend": settings["comm"],
         "kernels": settings["kernels"],
         "torch": torch.__version__,
-        "triton": _triton_version(),
+        "triton": triton_version(),
         "nccl": nccl,
         "fp4moe": fp4moe.__version__,
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "preset": args.preset,
         "shape": shape,

@@ -45,6 +45,11 @@ def serving_phase(phase: str | None) -> Iterator[None]:
         _current_phase.reset(token)
 
 
+def current_phase() -> str | None:
+    """The phase ``serving_phase`` set for the calls of this context (None: infer it)."""
+    return _current_phase.get()
+
+
 @dataclass(frozen=True)
 class PhaseConfig:
     """How one phase runs: mode, W4A4 activation scale, finalize.
@@ -197,7 +202,9 @@ def layer_settings(
 
 
 @dataclass
-class _Stats:
+class PhaseStats:
+    """Calls and tokens a layer ran per phase."""
+
     calls: dict[str, int] = field(default_factory=lambda: {p: 0 for p in PHASES})
     tokens: dict[str, int] = field(default_factory=lambda: {p: 0 for p in PHASES})
 
@@ -271,7 +278,7 @@ class MoELayer(nn.Module):
                     "these experts were prepared without a13_scale/a2_scale"
                 )
         self.num_experts_total = n_total
-        self.stats = _Stats()
+        self.stats = PhaseStats()
 
     def route(self, x2d: torch.Tensor, router_logits: torch.Tensor | None = None):
         """(topk_ids int32 [T, K] local ids, topk_weights fp32 [T, K]) for x2d [T, H]."""

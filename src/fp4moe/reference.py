@@ -13,15 +13,23 @@ import torch.nn.functional as F
 from .experts import PreparedExperts
 from .nvfp4 import dequantize_blocks, global_from_amax, quantize_nvfp4
 
-__all__ = ["finalize_reference", "fma_f32", "moe_reference", "route_rows_reference"]
+__all__ = [
+    "accumulate",
+    "apply_global",
+    "finalize_reference",
+    "fma_f32",
+    "moe_reference",
+    "quantized_input",
+    "route_rows_reference",
+]
 
 
-def _acc(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def accumulate(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """acc(a * w) over the reduction axis: a [n, K] and w [N, K] (fp32, exact decoded values)."""
     return (a.double() @ w.double().t()).float()
 
 
-def _quantized_input(
+def quantized_input(
     v: torch.Tensor, mode: str, act_scale: str, static: torch.Tensor | None, tensor_global
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The FC input as exact fp32 values and its global scale (None for W4A16).
@@ -39,7 +47,7 @@ def _quantized_input(
     return dequantize_blocks(q.codes, q.scales), q.global_scale
 
 
-def _apply_global(h: torch.Tensor, gx: torch.Tensor | None) -> torch.Tensor:
+def apply_global(h: torch.Tensor, gx: torch.Tensor | None) -> torch.Tensor:
     if gx is None:
         return h
     return h * (gx.unsqueeze(-1) if gx.dim() > 0 else gx)
@@ -75,10 +83,10 @@ def route_rows_reference(
         if tok.numel() == 0:
             continue
         a13 = experts.a13_scale[e] if experts.a13_scale is not None else None
-        xin, gx = _quantized_input(x[tok], mode, act_scale, a13, x_global)
+        xin, gx = quantized_input(x[tok], mode, act_scale, a13, x_global)
         gate, up = experts.w13_nvfp4(e)
-        h_gate = _apply_global(_acc(xin, dequantize_blocks(gate.codes, gate.scales)), gx)
-        h_up = _apply_global(_acc(xin, dequantize_blocks(up.codes, up.scales)), gx)
+        h_gate = apply_global(accumulate(xin, dequantize_blocks(gate.codes, gate.scales)), gx)
+        h_up = apply_global(accumulate(xin, dequantize_blocks(up.codes, up.scales)), gx)
         h_gate = h_gate * gate.global_scale
         h_up = h_up * up.global_scale
         act_rows[tok, slot] = (F.silu(h_gate) * h_up).to(torch.bfloat16)
@@ -92,9 +100,9 @@ def route_rows_reference(
         if tok.numel() == 0:
             continue
         a2 = experts.a2_scale[e] if experts.a2_scale is not None else None
-        ain, ga = _quantized_input(act_rows[tok, slot], mode, act_scale, a2, a_global)
+        ain, ga = quantized_input(act_rows[tok, slot], mode, act_scale, a2, a_global)
         w2 = experts.w2_nvfp4(e)
-        acc = _apply_global(_acc(ain, dequantize_blocks(w2.codes, w2.scales)), ga)
+        acc = apply_global(accumulate(ain, dequantize_blocks(w2.codes, w2.scales)), ga)
         y[tok, slot] = (acc * w2.global_scale).to(torch.bfloat16)
     return y
 

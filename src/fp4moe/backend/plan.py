@@ -291,7 +291,14 @@ def plan_call(
     if opt.gemm is not None:
         base = pins if pins is not None else r.portable_tiles(w4a4)
         k1, t1, t2 = _pin(opt.gemm, r, *base, static)
-        k2, s1, s2 = k1, k1.endswith("-split"), k1.endswith("-split")
+        # a triton-split pin splits each GEMM of more than one segment
+        k2, s1, s2 = (
+            k1,
+            k1.endswith("-split") and h > SEGMENT,
+            k1.endswith("-split") and i > SEGMENT,
+        )
+        if k1 == "triton-split":
+            k1, k2 = ("triton-split" if s1 else "triton"), ("triton-split" if s2 else "triton")
         fc1_fp4 = static and k1 != "gluon-prefill"
     block_m = t1.block_m
 
@@ -399,10 +406,8 @@ def _pin(kernel: str, r: _Rules, t1: Tile, t2: Tile, static: bool) -> tuple[str,
         if whole and static:
             refuse("static W4A4's FC1 writes NVFP4, which the whole-K kernel does not")
         return kernel, replace(t1, block_m=bm, block_k=128), replace(t2, block_m=bm, block_k=128)
-    if kernel == "triton-split":
-        for kk in (r.h, r.i):
-            if kk <= SEGMENT:
-                refuse(f"K = {kk} is one 1024-element segment: nothing to split")
+    if kernel == "triton-split" and max(r.h, r.i) <= SEGMENT:
+        refuse(f"K = {r.h} and {r.i} are one 1024-element segment each: nothing to split")
     return kernel, t1, t2
 
 

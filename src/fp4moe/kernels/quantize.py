@@ -388,6 +388,7 @@ def quantize_rows(
     row_expert: torch.Tensor | None = None,
     poison: bool = False,
     decoded: torch.Tensor | None = None,
+    split_rows: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4 codes uint8 [rows, C/2], e4m3 scales [rows, C/16] and fp32 globals [rows] of
     rows of ``src`` (bf16 [., C]); ``mode`` (``MODE_*``) picks the global: per row, the
@@ -396,7 +397,8 @@ def quantize_rows(
     ``index`` / ``div`` gather source row ``index[r] // div``; ``count`` (a device scalar)
     limits the rows. ``decoded`` ([rows, C] of ``decoded_rows_dtype()``, C a multiple of
     64): also receives the rows decoded as ``operands.dense_rows(order=64)`` gives them
-    (the Gluon GEMMs' W4A4 operand)."""
+    (the Gluon GEMMs' W4A4 operand). ``split_rows``: one chunk of a row a program and
+    wide amax loads (None: up to ``QUANTIZE_SPLIT_ROWS`` rows); the same bits either way."""
     c = src.shape[1]
     dec = {}
     if decoded is not None:
@@ -415,9 +417,11 @@ def quantize_rows(
         return codes, scales, glob
     dummy = glob
     block_c = _row_block(c)
-    few = rows <= QUANTIZE_SPLIT_ROWS
+    few = rows <= QUANTIZE_SPLIT_ROWS if split_rows is None else split_rows
     grid, split = (rows,), {}
-    chunk = QUANTIZE_SPLIT_C if not interpreting() else (64 if dec else 32)
+    chunk = QUANTIZE_SPLIT_C
+    if interpreting() and c <= 256:  # small test rows still split into several chunks
+        chunk = 64 if dec else 32
     if few and c > chunk:  # few rows: one chunk of a row a program
         grid, split = (rows, triton.cdiv(c, chunk)), dict(SPLIT_C=True)
         block_c = chunk
@@ -440,11 +444,13 @@ def amax_rows(
     count: torch.Tensor | None = None,
     pdl: bool = False,
     out: torch.Tensor | None = None,
+    rows_per_program: int | None = None,
 ) -> torch.Tensor:
     """fp32 [1]: max |x| over the first ``rows`` rows of bf16 ``src`` [., C] (``count``, a
     device scalar, limits them further), on the device; 0 for no rows. ``out``: an fp32
     [1] zero on ``src``'s device to fold the amax into (e.g. a slot the sort kernel
-    cleared before this launch); None: a zeroed tensor of its own."""
+    cleared before this launch); None: a zeroed tensor of its own. ``rows_per_program``:
+    None: one up to ``QUANTIZE_SPLIT_ROWS`` rows (wide loads), else ``AMAX_ROWS``."""
     if out is None:
         out = torch.zeros(1, dtype=torch.float32, device=src.device)
     elif out.dtype != torch.float32 or out.numel() != 1 or out.device != src.device:
@@ -455,11 +461,12 @@ def amax_rows(
     c = src.shape[1]
     # few rows: a row a program (the launch's latency is what counts); many: AMAX_ROWS rows
     # a program and one atomic each
-    per = 1 if rows <= QUANTIZE_SPLIT_ROWS else AMAX_ROWS
+    few = rows <= QUANTIZE_SPLIT_ROWS
+    per = rows_per_program or (1 if few else AMAX_ROWS)
     launch(
         amax_rows_kernel, (triton.cdiv(rows, per),), pdl,
         src, count if count is not None else out, rows, out, c,
-        COUNT_FROM_PTR=count is not None, BLOCK_C=_row_block(c, rows <= QUANTIZE_SPLIT_ROWS),
+        COUNT_FROM_PTR=count is not None, BLOCK_C=_row_block(c, few and per == 1),
         ROWS=per, num_warps=4,
     )  # fmt: skip
     return out

@@ -466,3 +466,35 @@ def portable_gemm(
     if pdl:
         kw["launch_pdl"] = True
     moe_gemm_kernel[grid](*args, USE_PDL=pdl, **kw)
+
+
+def compile_sm90(
+    *, n: int, k: int, gated: bool, tile: tuple[int, int, int, int, int], a_fp4: bool = False,
+    a_gather: bool = True, fused: bool = False, split: bool = False, dense: bool = False,
+    reduce_only: bool = False, out_fp4: bool = False, pdl: bool = True,
+):  # fmt: skip
+    """Compile the ``moe_gemm_kernel`` specialization ``portable_gemm`` launches for these
+    arguments, for sm_90 without a GPU (``common.compile_sm90``)."""
+    from ..common import compile_sm90 as common_compile_sm90
+
+    bm, bn, bk, warps, stages = tile
+    ptrs = {
+        "a_ptr": "*u8" if a_fp4 and not dense else "*bf16", "a_scales_ptr": "*fp8e4nv",
+        "a_global_ptr": "*fp32", "sorted_routes_ptr": "*i32", "topk_w_ptr": "*fp32",
+        "w_codes_ptr": "*bf16" if dense else "*u8", "w_scales_ptr": "*fp8e4nv",
+        "w_global_ptr": "*fp32",
+        "out_ptr": "*fp32" if fused else "*u8" if out_fp4 else "*bf16",
+        "out_scales_ptr": "*fp8e4nv", "out_global_ptr": "*fp32", "out_table_ptr": "*fp32",
+        "block_expert_ptr": "*i32", "block_start_ptr": "*i32", "block_end_ptr": "*i32",
+        "part_ptr": "*fp32", "cnt_ptr": "*i32",
+    }  # fmt: skip
+    const = dict(
+        N=n, K=k, TOPK=8, GATED=gated, A_FP4=a_fp4, A_GATHER=a_gather, FUSED=fused,
+        OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, BM=bm, BN=bn, BK=bk, DOT_DTYPE=tl.bfloat16,
+        USE_PDL=pdl, INTERPRET=False, DECODE_ASM=True, OUT_FP4=out_fp4,
+        SEG_TILES=SEGMENT // bk, SPLIT=split, W_DENSE=dense, GROUP_M=8 if dense else 0,
+        REDUCE_ONLY=reduce_only, ORDER=k_order(k, bk),
+        BLOCKS_LAST=split and not reduce_only and not dense,
+    )  # fmt: skip
+    return common_compile_sm90(moe_gemm_kernel, ptrs, const, ints=("ws_rows",),
+                               num_warps=warps, num_stages=stages)  # fmt: skip
