@@ -71,18 +71,10 @@ def test_bench_without_gpu_fails_clearly(capsys):
 
     if torch.cuda.is_available():
         pytest.skip("has a GPU")
-    assert bench.main(["--num-tokens", "1"]) == 1
+    from fp4moe.cli import main
+
+    assert main(["bench", "--num-tokens", "1"]) == 1
     assert "needs a CUDA GPU" in capsys.readouterr().err
-
-
-def test_dense_above_flag():
-    p = argparse.ArgumentParser()
-    bench.add_arguments(p)
-    assert p.parse_args([]).dense_above is None  # TritonOptions' own default
-    assert p.parse_args(["--dense-above", "512"]).dense_above == 512
-    assert p.parse_args(["--dense-above", "off"]).dense_above == "off"
-    with pytest.raises(SystemExit):  # argparse names the argument
-        p.parse_args(["--dense-above", "-1"])
 
 
 def test_random_experts_seeded_and_static_scales():

@@ -672,8 +672,9 @@ def test_phase_switching_keeps_gpu_memory_flat():
 
 
 def test_memory_report_workspaces():
-    """Workspace bytes are reported per phase and grow with the tokens of a call."""
-    from fp4moe.kernels.launch import workspace_bytes
+    """Workspace bytes are reported per phase, from the planner's plans, and grow with the
+    tokens of a call."""
+    from fp4moe.backend import H200, plan_call, workspace_bytes
 
     g = torch.Generator().manual_seed(0)
     ex = fp4moe.prepare_experts(
@@ -684,25 +685,29 @@ def test_memory_report_workspaces():
     assert rep["prefill_workspace_tokens"] == 512
     assert rep["decode_workspace_tokens"] == layer.policy.decode_max_tokens
     # the layer holds every expert: every route valid, so 512 tokens (256 rows an expert)
-    # take the dense prefill path, whose decoded weights the report counts
+    # take the decoded-weights path, whose bf16 weights the report counts
     opt = layer.triton_options
-    assert opt.valid_fraction == 1.0 and opt.dense_for(512 * 2, 4)
-    prefill = workspace_bytes(512, 2, 64, 32, 4, mode="w4a4", options=opt)
-    assert (
-        rep["prefill_workspace_bytes"] == prefill > workspace_bytes(512, 2, 64, 32, 4, mode="w4a4")
-    )
-    assert rep["decode_workspace_bytes"] == workspace_bytes(64, 2, 64, 32, 4, mode="w4a16")
+    assert opt.valid_fraction == 1.0
+
+    def ws(t, mode, **kw):
+        return workspace_bytes(plan_call(t, 2, 4, 64, 32, mode=mode, target=H200, **kw))
+
+    prefill = ws(512, "w4a4", options=opt)
+    assert plan_call(512, 2, 4, 64, 32, options=opt, target=H200).fc1.kernel == "triton-dense"
+    assert rep["prefill_workspace_bytes"] == prefill > ws(512, "w4a4")
+    assert rep["decode_workspace_bytes"] == ws(64, "w4a16", options=opt)
     # holding 4 of 32 experts (expert parallelism by masking): 1/8 of the routes valid
     ep = fp4moe.MoELayer(ex, fp4moe.RouterConfig("softmax", 2), gate_weight=torch.randn(32, 64),
                          expert_range=(8, 12))  # fmt: skip
     assert ep.triton_options.valid_fraction == 4 / 32
-    assert workspace_bytes(1024, 2, 64, 32, 4) > workspace_bytes(512, 2, 64, 32, 4)
+    assert ws(1024, "w4a16") > ws(512, "w4a16")
 
 
 @pytest.mark.gpu
 def test_workspace_estimate_matches_cuda_allocations():
     """The estimate is within 25 % of the peak extra memory of one Triton call."""
-    from fp4moe.kernels.launch import moe_triton, workspace_bytes
+    from fp4moe.backend import workspace_bytes
+    from fp4moe.backend.launch import moe_triton
 
     e, h, i, t, k = 8, 2048, 512, 1024, 4
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -721,5 +726,5 @@ def test_workspace_estimate_matches_cuda_allocations():
         moe_triton(x, ids, w, ex, mode=mode)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
-        est = workspace_bytes(t, k, h, i, e, mode=mode)
+        est = workspace_bytes(fp4moe.plan(ex, t, k, mode=mode))
         assert 0.75 * peak <= est <= 1.25 * peak, (mode, est, peak)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fp4moe
-from fp4moe.kernels.launch import moe_triton
+from fp4moe.backend.launch import moe_triton
 from test_kernels import MODES, _experts, _gpu_routes, _mode_id, _routes, _x
 
 

@@ -176,13 +176,3 @@ def random_routes(
         ids = torch.where(mask, torch.full_like(ids, -1), ids)
     weights = torch.softmax(torch.randn((T, K), generator=g), dim=-1)
     return ids.to(torch.int32).contiguous(), weights.to(torch.float32).contiguous()
-
-
-def pretend_hopper(monkeypatch) -> None:
-    """Make ``kernels.launch`` decide as on the H200 (not interpreting, a Hopper GPU, the
-    Gluon kernels available), for tests of its choices on a machine without one."""
-    from fp4moe.kernels import launch
-
-    monkeypatch.setattr(launch, "interpreting", lambda: False)
-    monkeypatch.setattr(launch, "hopper_device", lambda: True)
-    monkeypatch.setattr(launch, "gluon_available", lambda: True)
