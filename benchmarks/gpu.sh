@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The runs that need the GPU machine, in parts that each fit one call of about ten minutes:
+#
+#   bash benchmarks/gpu.sh tests [PYTEST ARGS]   the GPU test suite, 8 processes (pytest-xdist)
+#   bash benchmarks/gpu.sh memcheck              compute-sanitizer memcheck: one call of every
+#                                                kernel family (every kernel of the library)
+#   bash benchmarks/gpu.sh bench [BENCH ARGS]    fp4moe bench (default: the README's table)
+#   bash benchmarks/gpu.sh compare BASE [ARGS]   this tree against BASE (a git revision, or a
+#                                                folder holding fp4moe_base): bits and speed
+#   bash benchmarks/gpu.sh ep                    the expert-parallel tests and bench (2 GPUs)
+#
+# Logs and results go to $OUT (the device tool's folder) or ./gpu-out.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu-out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+part="${1:-}"
+shift || true
+
+case "$part" in
+tests)
+    python3 -m pytest -m gpu --device cuda -q -n 8 -p no:cacheprovider "$@" 2>&1 |
+        tee "$OUT/tests.log" | tail -40
+    ;;
+memcheck)
+    rc=0
+    # family, mode, fused: together every kernel (sort, quantize, amax, the GEMM families
+    # and their reduce and decode launches, finalize, cast)
+    for run in "gluon-split w4a4-static" "gluon-whole w4a4-token --fused" \
+        "gluon-prefill w4a4-tensor" "triton w4a16 --fused" "triton-split w4a4-static" \
+        "triton-dense w4a4-token"; do
+        set -- $run
+        echo "== memcheck $run" | tee -a "$OUT/memcheck.log"
+        compute-sanitizer --tool memcheck --error-exitcode 9 \
+            python3 benchmarks/profile_call.py --preset deepseek-v3-ep8 --tokens 40 \
+            --local-experts 4 --gemm "$1" --mode "$2" ${3:-} --check \
+            >>"$OUT/memcheck.log" 2>&1
+        r=$?
+        echo "   exit $r" | tee -a "$OUT/memcheck.log"
+        [ $r -ne 0 ] && rc=1
+    done
+    grep -E "ERROR SUMMARY|rel err" "$OUT/memcheck.log"
+    exit $rc
+    ;;
+bench)
+    if [ $# -eq 0 ]; then
+        set -- --preset deepseek-v3-ep8 --num-tokens 1 16 64 256 1024 2048 8192 16384 \
+            --iters 10
+    fi
+    python3 -m fp4moe bench --out "$OUT/bench" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
+    ;;
+compare)
+    base="${1:?compare needs BASE: a git revision or a folder holding fp4moe_base}"
+    shift
+    if [ -d "$base" ]; then src=(--base-src "$base"); else src=(--base "$base"); fi
+    python3 benchmarks/compare_versions.py "${src[@]}" --out "$OUT/compare" "$@" 2>&1 |
+        tee "$OUT/compare.log" | tail -80
+    ;;
+ep)
+    python3 -m pytest -m gpu --device cuda -q -p no:cacheprovider tests/test_distributed.py \
+        tests/test_bench_ep.py 2>&1 | tee "$OUT/ep-tests.log" | tail -20
+    python3 -m fp4moe bench --ep 2 --preset deepseek-v3-ep8 --num-tokens 1 16 256 1024 \
+        --out "$OUT/bench-ep" 2>&1 | tee "$OUT/ep-bench.log" | tail -30
+    ;;
+*)
+    sed -n '2,12p' "$0"
+    exit 2
+    ;;
+esac

@@ -1,0 +1,84 @@
+"""Every kernel family that can serve a preset's GEMMs, timed against the planner's choice
+at each token count: the measurement a threshold of ``backend/heuristics.py`` rests on.
+
+    python3 benchmarks/sweep.py --preset deepseek-v3-ep8 --num-tokens 256 512 768 1024 \\
+        --modes w4a16 --out sweep-out
+
+Each configuration (the planner's, then each ``Options.gemm`` pin that applies) is
+checked against the planner's output bit for bit, then all are timed interleaved in
+rounds as ``fp4moe bench`` times them (CUDA-graph replays). Output: a table (us, and each
+pin's time over the planner's) and ``sweep.json`` in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from fp4moe import InapplicableOverride, Options
+from fp4moe.backend import KERNELS
+from fp4moe.backend.launch import moe_triton
+from fp4moe.bench import make_routes, random_experts, time_interleaved
+from fp4moe.presets import MODES, PRESETS
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--preset", default="deepseek-v3-ep8", choices=sorted(PRESETS))
+    ap.add_argument("--num-tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
+    ap.add_argument("--modes", nargs="+", default=["w4a16"], choices=sorted(MODES))
+    ap.add_argument("--gemm", nargs="+", default=list(KERNELS), choices=KERNELS)
+    ap.add_argument("--fused", action="store_true", help="the fused finalize")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default="sweep-out")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("sweep.py needs a CUDA GPU", file=sys.stderr)
+        return 1
+    p = PRESETS[a.preset]
+    torch.manual_seed(0)
+    experts = random_experts(p)
+    frac = p.local_experts / p.experts
+    rows = []
+    for t in a.num_tokens:
+        x = torch.randn(t, p.hidden, device="cuda").to(torch.bfloat16)
+        ids, w = make_routes(p, t, t, "cuda")
+        calls = {}
+        for mode in a.modes:
+            m, sc = MODES[mode]
+            kw = dict(mode=m, act_scale=sc, fused_finalize=a.fused)
+            base = moe_triton(x, ids, w, experts, options=Options(valid_fraction=frac), **kw)
+            for g in (None, *a.gemm):
+                opt = Options(valid_fraction=frac, gemm=g)
+                try:
+                    out = moe_triton(x, ids, w, experts, options=opt, **kw)
+                except InapplicableOverride:
+                    continue
+                if not a.fused and not torch.equal(out, base):
+                    raise RuntimeError(f"T={t} {mode} gemm={g}: not the planner's bits")
+
+                def call(opt=opt, kw=kw):
+                    return moe_triton(x, ids, w, experts, options=opt, **kw)
+
+                calls[mode, g or "planner"] = call
+        us = time_interleaved(calls, graph=True, warmup=3, iters=a.iters, rounds=a.rounds)
+        for (mode, g), v in us.items():
+            rows.append(dict(tokens=t, mode=mode, gemm=g, us=v,
+                             over_planner=v / us[mode, "planner"]))  # fmt: skip
+        for r in rows[-len(us) :]:
+            print(f"{r['tokens']:6d} {r['mode']:12s} {r['gemm']:14s} {r['us']:10.1f} "
+                  f"{r['over_planner']:6.3f}", flush=True)  # fmt: skip
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "sweep.json"), "w") as f:
+        json.dump({"preset": a.preset, "fused": a.fused, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
