@@ -97,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     for mode in a.modes:
         m, sc = MODES[mode]
         for t in a.num_tokens:
+            opt = Options(valid_fraction=p.local_experts / p.experts)
             plan = plan_call(t, p.top_k, p.local_experts, p.hidden, p.inter, mode=m,
-                             act_scale=sc, target=H200,
-                             options=Options(valid_fraction=p.local_experts / p.experts))  # fmt: skip
+                             act_scale=sc, target=H200, options=opt)  # fmt: skip
             for which in ("fc1", "fc2"):
                 compiled = compile_gemm(plan, which)
                 r = report(compiled)

@@ -478,7 +478,7 @@ def test_families_same_bits_gpu(gpu_experts, shape, t, mode, case):
     """Every kernel family that can serve the shape (pinned with ``Options.gemm``) gives
     the bits of the portable kernel, deterministic finalize, at decode (1), middle (40)
     and prefill-like (300) sizes and the edge routes; fused finalize within tolerance."""
-    e, h, i, k, e_total = GPU_SHAPES[shape]
+    e, h, _i, k, e_total = GPU_SHAPES[shape]
     experts = gpu_experts(shape)
     x = _x(t, h, seed=t + 7, device="cuda")
     ids, w = _gpu_routes(t, k, e, e_total, seed=t + 7)
@@ -499,7 +499,7 @@ def test_families_same_bits_gpu(gpu_experts, shape, t, mode, case):
         fused = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=True,
                            options=opt)  # fmt: skip
         _check(fused, ids, x, w, experts, mode)
-    assert "gluon-split" in ran and "gluon-prefill" in ran or shape == "qwen3-30b-a3b"
+    assert ("gluon-split" in ran and "gluon-prefill" in ran) or shape == "qwen3-30b-a3b"
 
 
 @pytest.mark.gpu

@@ -170,8 +170,8 @@ def test_options_validated(kw, match):
 
 
 @pytest.mark.parametrize(
-    "kw", [dict(block_m=12), dict(block_n=8), dict(block_k=512), dict(num_warps=3),
-           dict(num_stages=0)]  # fmt: skip
+    "kw",
+    [dict(block_m=12), dict(block_n=8), dict(block_k=512), dict(num_warps=3), dict(num_stages=0)],
 )
 def test_tile_validated(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
@@ -193,7 +193,7 @@ def test_workspace_bytes():
     sizes = [workspace_bytes(_plan("deepseek-v3-ep8", t)) for t in (1, 16, 256, 1024, 8192)]
     assert sizes == sorted(sizes) and sizes[0] > 0
     one = _plan("deepseek-v3-ep8", 1)
-    n, h, i = 8, p.hidden, p.inter
+    n, _h, i = 8, p.hidden, p.inter
     partials = one.fc1.segments * n * 2 * i * 4
     assert workspace_bytes(one) >= partials + n * i * 2  # FC1's partials and output
     t = 8192

@@ -86,6 +86,7 @@ def _quantize_split_cases(device, rows, c, seed):
 def _same_quantized(a, b, n):
     return all(torch.equal(p[:n].view(torch.uint8), q[:n].view(torch.uint8)) for p, q in zip(a, b))
 
+
 @pytest.mark.kernel
 def test_encode_e2m1_fast_same_codes(interpret, device):
     """``encode_e2m1_fast`` (the quantize kernel's encoding) gives
@@ -209,6 +210,7 @@ def test_quantize_split_rows_same_bits(interpret, device):
         split = quantize_rows(x, 5, split_rows=True, **kw)
         assert _same_quantized(one, split, n)
 
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,c", [(1, 7168), (8, 7168), (8, 2048), (64, 768)])
 def test_quantize_split_rows_gpu(device, rows, c):
@@ -219,6 +221,7 @@ def test_quantize_split_rows_gpu(device, rows, c):
         one = quantize_rows(x, rows, split_rows=False, **kw)
         split = quantize_rows(x, rows, split_rows=True, **kw)
         assert _same_quantized(one, split, n)
+
 
 @pytest.mark.kernel
 @pytest.mark.parametrize("rows,c", [(5, 128), (17, 192), (3, 64)])

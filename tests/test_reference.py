@@ -9,7 +9,6 @@ products accumulated in float64 and rounded where the SPEC says.
 
 from __future__ import annotations
 
-import importlib.util
 from fractions import Fraction
 
 import numpy as np
