@@ -144,11 +144,11 @@ def test_ep_table_and_csv(cli_run):
     assert bench_ep.format_table(doc).splitlines()[2].split()[0] == "tokens"
 
 
-def test_ep_python_api_through_bench_run(tmp_path):
-    """bench.run dispatches to bench_ep.run_ep; T = 0 on every rank; static scales."""
+def test_ep_python_api_run_ep(tmp_path):
+    """bench_ep.run_ep from Python; T = 0 on every rank; static scales."""
     args = _args([*GLOO, "--num-tokens", "0", "3", "--modes", "w4a4-static", "--iters", "1",
                   "--ep-path", "variable", "--out", str(tmp_path)])  # fmt: skip
-    doc = bench.run(args)
+    doc = bench_ep.run_ep(args)
     assert (tmp_path / "bench-ep.json").exists()
     empty, three = doc["rows"]
     assert empty["tokens"] == 0 and empty["recv_rows_max"] == 0
@@ -164,7 +164,7 @@ def test_ep_fixed_path_alone(tmp_path):
     anyway); the CSV carries the path."""
     args = _args([*GLOO, "--num-tokens", "0", "4", "--modes", "w4a16", "w4a4-static",
                   "--ep-path", "fixed", "--no-cuda-graph", "--out", str(tmp_path)])  # fmt: skip
-    doc = bench.run(args)
+    doc = bench_ep.run_ep(args)
     assert doc["paths"] == ["fixed"] and doc["cuda_graph"] is False
     assert [(r["tokens"], r["mode"]) for r in doc["rows"]] == [
         (t, m) for t in (0, 4) for m in ("w4a16", "w4a4-static")
