@@ -51,7 +51,8 @@ def test_outputs_table_json_csv(tmp_path):
     row = {
         "tokens": 16, "local_routes": 11, "experts_touched": 11, "mode": "w4a16",
         "finalize": "unfused", "us": 300.0, "tflops": 3.0, "weight_GBps": 900.0,
-        "floor_fraction": 0.2, "roofline_fraction": 0.2, "vs_bf16": 1.5, "vs_naive_nvfp4": 3.0, "unfused_over_fused": None,
+        "floor_fraction": 0.2, "roofline_fraction": 0.2, "vs_bf16": 1.5, "vs_naive_nvfp4": 3.0,
+        "unfused_over_fused": None,
         "bf16_us": 450.0, "naive_nvfp4_us": 900.0, "rel_err": 1e-4,
     }  # fmt: skip
     doc = {

@@ -22,7 +22,7 @@ from fp4moe import bench, bench_ep
 from fp4moe.cli import main
 from fp4moe.distributed import wire_row_bytes
 
-H, I, E, K = 64, 32, 8, 2  # noqa: E741 (the SPEC's name)
+H, I, E, K = 64, 32, 8, 2  # noqa: E741 (the contract's name)
 TINY = [
     "--hidden", str(H), "--inter", str(I), "--experts", str(E), "--top-k", str(K),
     "--warmup", "1", "--iters", "2", "--ep-timeout", "30",

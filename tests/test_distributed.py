@@ -26,7 +26,7 @@ from fp4moe.distributed import EPMoELayer, compute_route_rows, wire_row_bytes
 from fp4moe.phases import MoELayer, PhasePolicy, RouterConfig
 from testing import random_moe_weights, random_x, rel_err
 
-H, I, E_TOTAL, K = 64, 32, 8, 2  # noqa: E741 (the SPEC's name)
+H, I, E_TOTAL, K = 64, 32, 8, 2  # noqa: E741 (the contract's name)
 MODES = ("w4a16", "w4a4-token", "w4a4-static", "w4a4-tensor")
 TOKENS = {2: [13, 5], 4: [9, 0, 17, 4]}  # uneven loads; T = 0 on one rank at world 4
 JOIN_TIMEOUT_S = 150

@@ -1,4 +1,4 @@
-"""The NVFP4 codec (SPEC sections 1 and 2): bitwise against hand-built golden values.
+"""The NVFP4 codec (numerics sections 1 and 2): bitwise against hand-built golden values.
 
 Most golden cases pin the block scale to an exact value (a block whose amax is 6 * s * g
 with a static global g) so that x / (s * g) is exact and the e2m1 rounding itself is what
@@ -434,7 +434,7 @@ def test_property_error_at_most_half_step(case):
     glob = glob[:, None] if glob.dim() else glob.expand(rows, 1)
     s_blk = q.scales.double()  # [R, C/16]
 
-    # block scale: amax_block / (6 g) in fp32 (the SPEC's order of operations), rounded to
+    # block scale: amax_block / (6 g) in fp32 (the contract's order of operations), rounded to
     # the nearest e4m3 with ties to the even pattern, saturating at 448
     g32 = q.global_scale.reshape(-1, 1) if q.per_row else q.global_scale
     amax32 = x.float().unflatten(-1, (-1, 16)).abs().amax(-1)

@@ -1,10 +1,10 @@
-"""The reference MoE against SPEC sections 4 to 9, evaluated independently in float64.
+"""The reference MoE against numerics sections 4 to 9, evaluated independently in float64.
 
 The done-criterion test: ``moe_reference`` (and ``moe(..., backend="reference")``) agrees
-with a direct evaluation of SPEC sections 5 and 6 written here from the text: every weight
+with a direct evaluation of numerics sections 5 and 6 written here from the text: every weight
 decoded with this file's own e2m1 and e4m3 tables, activations quantized by
 ``quantize_nvfp4`` (the specification of quantizing, tested bitwise in test_nvfp4.py),
-products accumulated in float64 and rounded where the SPEC says.
+products accumulated in float64 and rounded where the numerics contract says.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from testing import (
 
 BF16, F32 = torch.bfloat16, torch.float32
 
-# --------------------------------------------------------------------------- SPEC in float64
+# --------------------------------------------------------------------- the contract in float64
 
 _E2M1 = torch.tensor(
     [0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64
@@ -50,7 +50,7 @@ def _e4m3_to_f64(s: torch.Tensor) -> torch.Tensor:
 
 
 def _decode64(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """deq() of SPEC section 5 in float64: e2m1(code) * scale, no global scale."""
+    """deq() of numerics section 5 in float64: e2m1(code) * scale, no global scale."""
     nib = torch.stack((codes & 0xF, codes >> 4), dim=-1).flatten(-2)  # 2j low, 2j+1 high
     return _E2M1[nib.long()] * _e4m3_to_f64(scales).repeat_interleave(16, dim=-1)
 
@@ -60,7 +60,7 @@ def _f32(v: torch.Tensor) -> torch.Tensor:
 
 
 def _fc_inputs(rows: torch.Tensor, mode: str, act_scale: str, static: list):
-    """The FC inputs of SPEC section 5 as (float64 values [n, C], fp32 globals [n] or None).
+    """The FC inputs of numerics section 5 as (float64 values [n, C], fp32 globals [n] or None).
 
     rows: bf16 [n, C]; static: each row's calibrated global (W4A4 static only).
     """
@@ -76,7 +76,7 @@ def _fc_inputs(rows: torch.Tensor, mode: str, act_scale: str, static: list):
 
 
 def spec_moe(x, ids, weights, ex: PreparedExperts, mode: str, act_scale: str):
-    """SPEC sections 5 and 6, route by route.
+    """numerics sections 5 and 6, route by route.
 
     Returns (out bf16 [T, H], y bf16 [T, K, H] with masked rows 0, a bf16 [routes, I]).
     Dynamic per-tensor W4A4 takes its FC1 global over all of x and its FC2 global over
@@ -144,7 +144,7 @@ def spec_moe(x, ids, weights, ex: PreparedExperts, mode: str, act_scale: str):
 
 MODES = [("w4a16", "per_token"), ("w4a4", "per_token"), ("w4a4", "static"), ("w4a4", "per_tensor")]
 MODE_IDS = ["w4a16", "w4a4-per_token", "w4a4-static", "w4a4-per_tensor"]
-INVARIANT_MODES = MODES[:3]  # SPEC section 7: activation scales independent of other tokens
+INVARIANT_MODES = MODES[:3]  # numerics section 7: activation scales independent of other tokens
 
 
 def _with_static(ex: PreparedExperts, seed: int) -> PreparedExperts:
@@ -233,7 +233,7 @@ def test_reference_matches_spec(mode, act_scale, T, K, E, H, I, masked):  # noqa
     assert rel_err(y[valid], want_y[valid]) <= TOL[mode] / 4
     assert rel_err(out, want_out) <= TOL[mode] / 4
     same = (y[valid] == want_y[valid]).double().mean().item()
-    assert same >= 0.99, f"only {same:.2%} of route-row elements bit-identical to the SPEC"
+    assert same >= 0.99, f"only {same:.2%} of route-row elements bit-identical to the contract"
     # Given identical route rows, the finalize is exact.
     assert torch.equal(finalize_reference(want_y, ids, w), want_out)
 

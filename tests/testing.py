@@ -1,4 +1,4 @@
-"""Shared test helpers: THE tolerances of SPEC section 8 and realistic random inputs.
+"""Shared test helpers: THE tolerances of numerics section 8 and realistic random inputs.
 
 Import from test files as ``from testing import ...`` (pytest's default "prepend" import
 mode puts ``tests/`` on ``sys.path``). Every numeric tolerance a test compares a fast path
@@ -22,7 +22,7 @@ __all__ = [
     "rel_err",
 ]
 
-# SPEC section 8: ||out - ref|| / ||ref|| for route rows and outputs, kernel against reference.
+# numerics section 8: ||out - ref|| / ||ref|| for route rows and outputs, kernel against reference.
 TOL: dict[str, float] = {"w4a16": 2e-3, "w4a4": 1e-2}
 
 
@@ -38,7 +38,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def assert_close_moe(out: torch.Tensor, ref: torch.Tensor, mode: str, *, what: str = "out") -> None:
-    """Assert ``out`` matches ``ref`` within the SPEC section 8 tolerance of ``mode``.
+    """Assert ``out`` matches ``ref`` within numerics section 8 tolerance of ``mode``.
 
     Fails on a shape or dtype mismatch, on any NaN in ``out`` (an element never written into
     a NaN-poisoned buffer shows up this way), on Inf, and on a relative Frobenius error above
@@ -109,7 +109,7 @@ def _realistic(shape: tuple[int, ...], g: torch.Generator, outliers: bool) -> to
 def random_moe_weights(
     E: int,
     H: int,
-    I: int,  # noqa: E741 (the SPEC's name)
+    I: int,  # noqa: E741 (the contract's name)
     *,
     seed: int,
     dtype: torch.dtype = torch.float32,
@@ -149,7 +149,7 @@ def random_routes(
     masked_frac: float = 0.0,
     all_on_one: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random routes (SPEC section 4).
+    """Random routes (numerics section 4).
 
     Args:
         T, K, E: tokens, routes per token, experts (K <= E).

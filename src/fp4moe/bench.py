@@ -434,7 +434,7 @@ def run(args: argparse.Namespace) -> dict:
                     if not math.isfinite(err) or err > tol:
                         raise RuntimeError(
                             f"T={t} {mode} fused={fused}: rel. error {err:.2e} "
-                            f"above the SPEC tolerance {tol}"
+                            f"above the contract's tolerance {tol}"
                         )
                 errs[mode, fused] = err
                 it = iter(range(1 << 30))

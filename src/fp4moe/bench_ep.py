@@ -422,7 +422,7 @@ def _check_row(row: dict, rank: int) -> None:
     if err is not None and not (err <= tol):
         raise RuntimeError(
             f"T={row['tokens']} {row['mode']}: expert compute rel. error {err:.2e} against "
-            f"the reference backend on the same rows, above the SPEC tolerance {tol}"
+            f"the reference backend on the same rows, above the contract's tolerance {tol}"
         )
     if row["fixed_matches_variable"] is False:
         raise RuntimeError(

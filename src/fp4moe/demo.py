@@ -379,7 +379,7 @@ def render_demo(res: DemoResult) -> str:
         f"NVFP4 experts: {_mib(res.prepared_bytes)}, "
         f"{res.prepared_bytes / res.bf16_bytes:.3f} of the bf16 weights ({_mib(res.bf16_bytes)}).",
         "w4a4 per_tensor takes one activation scale over the whole batch: a token's output "
-        "depends on the other tokens (SPEC section 7).",
+        "depends on the other tokens (numerics section 7).",
     ]
     lines += [f"note: {n}" for n in res.notes]
     lines.append(f"done in {res.seconds:.1f} s")

@@ -7,9 +7,9 @@ Each rank of a process group holds a contiguous slice of the experts
 2. (W4A4) quantize the activations on this (home) rank exactly as the single-process
    layer would, so that only NVFP4 bytes travel;
 3. dispatch: exchange per-expert counts, then the rows (``all_to_all_single``);
-4. expert ranks compute the route rows y (SPEC section 5) of the rows they received;
+4. expert ranks compute the route rows y (numerics section 5) of the rows they received;
 5. combine: send y back (``all_to_all_single``); the home rank runs the deterministic
-   finalize of SPEC section 6 (ascending k, fp32 fma, one bf16 rounding).
+   finalize of numerics section 6 (ascending k, fp32 fma, one bf16 rounding).
 
 With the deterministic finalize and a batch-invariant mode (W4A16, W4A4 per-token, W4A4
 static), each token's output is bitwise identical to the single-process ``MoELayer``

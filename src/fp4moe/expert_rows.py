@@ -41,7 +41,7 @@ def compute_route_rows(
     backend: str = "reference",
     amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Route rows y (SPEC section 5) for rows already gathered (and, for W4A4, quantized).
+    """Route rows y (numerics section 5) for rows already gathered (and, for W4A4, quantized).
 
     Each row is one route: its FC1 input and the local expert ``row_expert[n]`` it goes to.
     The result equals, row for row and bit for bit, what ``route_rows_reference`` (or the
@@ -51,7 +51,7 @@ def compute_route_rows(
     Args:
         rows: W4A16: bf16 [N, H]. W4A4: an NVFP4Tensor with codes uint8 [N, H/2], block
             scales e4m3 [N, H/16] and a per-row fp32 global [N] (the FC1 input quantized as
-            SPEC section 2 says: per-token, the expert's static a13 scale, or the batch's
+            numerics section 2 says: per-token, the expert's static a13 scale, or the batch's
             per-tensor global).
         row_expert: int [N] local expert ids; a negative id marks a padding row (its output
             row is unspecified and must not be read).

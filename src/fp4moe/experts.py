@@ -1,7 +1,7 @@
 """PreparedExperts: the one copy of NVFP4 expert weights that every execution mode reads.
 
 Physical layout, version 1 ("linear-v1"; docs/layout.md): the tensors are stored in the
-logical form of SPEC section 3, row-major and contiguous:
+logical form of numerics section 3, row-major and contiguous:
 
     w13_codes   uint8          [E, 2I, H/2]   rows 0..I-1 gate, I..2I-1 up
     w13_scales  float8_e4m3fn  [E, 2I, H/16]
@@ -40,7 +40,7 @@ _OPTIONAL_NAMES = ("a13_scale", "a2_scale")
 
 @dataclass(eq=False)
 class PreparedExperts:
-    """E experts of a SwiGLU MoE in NVFP4 (SPEC section 3), in physical layout version 1.
+    """E experts of a SwiGLU MoE in NVFP4 (numerics section 3), in physical layout version 1.
 
     Build with :func:`prepare_experts`, :func:`load_experts`,
     :func:`fp4moe.load_checkpoint_experts` or :meth:`from_linear`. No call of the library
@@ -108,7 +108,7 @@ class PreparedExperts:
 
     # ------------------------------------------------------------------ layout conversion
     def to_linear(self) -> dict[str, torch.Tensor]:
-        """The logical (linear) form of SPEC section 3 as new tensors, keyed by field name.
+        """The logical (linear) form of numerics section 3 as new tensors, keyed by field name.
 
         Lossless: ``PreparedExperts.from_linear(e.to_linear())`` is bit-identical to ``e``.
         In layout version 1 the physical layout is the linear one, so this is a copy.

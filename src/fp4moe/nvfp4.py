@@ -1,4 +1,4 @@
-"""The NVFP4 format in plain PyTorch: quantize, dequantize, pack (SPEC sections 1 and 2).
+"""The NVFP4 format in plain PyTorch: quantize, dequantize, pack (numerics sections 1 and 2).
 
 This module is the specification in code for the format. It runs on any device and is
 written to be read; the Triton kernels are tested bit for bit against it.
@@ -146,7 +146,7 @@ def _check_matrix(x: torch.Tensor, name: str) -> None:
 
 
 def global_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """SPEC 2.1: global = amax / 2688 in fp32; amax = 0 gives 1."""
+    """numerics 2.1: global = amax / 2688 in fp32; amax = 0 gives 1."""
     amax = amax.to(torch.float32)
     # A tensor divisor: PyTorch's CUDA kernels turn division by a Python scalar into a
     # multiplication by its reciprocal, which is not the correctly rounded quotient.
@@ -157,7 +157,7 @@ def global_from_amax(amax: torch.Tensor) -> torch.Tensor:
 def quantize_blocks(
     x: torch.Tensor, global_scale: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SPEC 2.2 and 2.3 for a given global scale.
+    """numerics 2.2 and 2.3 for a given global scale.
 
     Args:
         x: [..., R, C] float tensor (any float dtype; converted to fp32 exactly).
@@ -187,7 +187,7 @@ def quantize_nvfp4(
     global_scale: torch.Tensor | float | None = None,
     per_row: bool = False,
 ) -> NVFP4Tensor:
-    """Quantize ``x`` to NVFP4 along its last axis (SPEC section 2).
+    """Quantize ``x`` to NVFP4 along its last axis (numerics section 2).
 
     Args:
         x: bf16, fp16 or fp32 [..., R, C] with C a multiple of 32.
@@ -219,7 +219,7 @@ def quantize_nvfp4(
 
 
 def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """deq() of SPEC section 5: codes times block scales, no global, in fp32 (exact in bf16)."""
+    """deq() of numerics section 5: codes times block scales, no global, in fp32 (exact in bf16)."""
     vals = decode_e2m1(unpack_codes(codes))  # [..., R, C]
     s = scales.to(torch.float32).repeat_interleave(BLOCK, dim=-1)
     return vals * s

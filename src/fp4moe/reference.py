@@ -1,4 +1,5 @@
-"""The whole MoE forward of SPEC sections 5 and 6 in plain PyTorch: the specification in code.
+"""The whole MoE forward of docs/numerics.md (sections 5 and 6) in plain PyTorch: the contract
+in code.
 
 Short, obvious and slow, on any device. Every fast path is tested against these functions.
 Products of decoded values are exact; the reference accumulates them in float64 and
@@ -61,7 +62,7 @@ def route_rows_reference(
     mode: str = "w4a16",
     act_scale: str = "per_token",
 ) -> torch.Tensor:
-    """Every valid route's expert output y (SPEC section 5).
+    """Every valid route's expert output y (numerics section 5).
 
     Args:
         x: bf16 [T, H]. topk_ids: int32 [T, K], negative = masked.
@@ -131,7 +132,7 @@ def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 def finalize_reference(
     y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
 ) -> torch.Tensor:
-    """Deterministic finalize (SPEC section 6).
+    """Deterministic finalize (numerics section 6).
 
     Args:
         y: bf16 [T, K, H] route rows in expanded order. topk_ids int32 [T, K] (negative = masked).
@@ -160,7 +161,7 @@ def moe_reference(
     mode: str = "w4a16",
     act_scale: str = "per_token",
 ) -> torch.Tensor:
-    """The MoE layer of SPEC sections 5 and 6 (deterministic finalize), bf16 [T, H].
+    """The MoE layer of numerics sections 5 and 6 (deterministic finalize), bf16 [T, H].
 
     Inputs are assumed valid (``fp4moe.moe`` validates them).
     """

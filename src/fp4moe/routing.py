@@ -1,4 +1,4 @@
-"""Routing: router logits to routes (SPEC section 4), and the expert-parallel id mapping.
+"""Routing: router logits to routes (numerics section 4), and the expert-parallel id mapping.
 
 A route is a pair of tensors of the same shape [T, K]: ``topk_ids`` (int32, global expert
 ids before :func:`local_expert_ids`, local ids or -1 for masked after) and
@@ -134,7 +134,7 @@ def local_expert_ids(topk_ids: torch.Tensor, expert_start: int, expert_stop: int
 
     Returns:
         int32 [T, K] on the device of ``topk_ids``: ``id - expert_start`` for ids in the
-        range, -1 (a masked route, SPEC section 4) for every other id. The weights are not
+        range, -1 (a masked route, numerics section 4) for every other id. The weights are not
         touched: a masked route contributes nothing downstream.
     """
     if not isinstance(topk_ids, torch.Tensor):

@@ -1,4 +1,4 @@
-"""Deterministic finalize (SPEC section 6): out[t] = bf16(sum over valid k ascending of
+"""Deterministic finalize (numerics section 6): out[t] = bf16(sum over valid k ascending of
 fma(w[t, k], y[t, k], acc)), reading route rows stored in expert-sorted order.
 
 One program covers one token and BLOCK_H columns. Routing metadata (ids, weights, the

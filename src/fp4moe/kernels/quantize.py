@@ -1,4 +1,4 @@
-"""Activation quantization to NVFP4 for W4A4 (SPEC section 2), bit-identical to
+"""Activation quantization to NVFP4 for W4A4 (numerics section 2), bit-identical to
 ``fp4moe.nvfp4.quantize_nvfp4``: per-row dynamic, static (a calibrated global per expert)
 or one per-tensor global, optionally gathering the rows it reads.
 
@@ -72,7 +72,7 @@ def encode_e2m1_fast(v, neg):
     the same code: ``v < 0``): the same index for every finite or infinite fp32 (checked
     exhaustively over [0, 16) and for large values). |v| is rounded to nearest even on the
     e2m1 grid by adding and subtracting a power of two whose ulp is the grid's step there
-    (0.5 below 2, 1 below 4, 2 above), so ties fall where SPEC 2.3 puts them; the index of
+    (0.5 below 2, 1 below 4, 2 above), so ties fall where numerics 2.3 puts them; the index of
     r is r + min(r, 2), at most 7. (NaN is outside the contract: a NaN block's scale
     already differs from the reference, whose amax propagates it.)"""
     m = tl.abs(v)
@@ -136,7 +136,7 @@ def amax_rows_kernel(
     USE_PDL: tl.constexpr,
     ROWS: tl.constexpr = 1,  # rows a program
 ):
-    """Per-tensor amax (SPEC 2.1) of the first rows of ``src`` on the device: ROWS rows a
+    """Per-tensor amax (numerics 2.1) of the first rows of ``src`` on the device: ROWS rows a
     program, then one atomic max (exact and order-free, so deterministic) into
     ``amax_ptr``. (One row a program made one atomic on the same address a row: 8192 of
     them for an 8192-token x.)"""
@@ -226,7 +226,7 @@ def quantize_rows_kernel(
         c_span: tl.constexpr = C
 
     i64 = i.to(tl.int64)
-    # A global from an amax bounds every quotient (SPEC 2: a block's values over its scale
+    # A global from an amax bounds every quotient (numerics 2: a block's values over its scale
     # times the global stay below 6 * 2^9 * 2688), so there the divisions take the fast
     # path of div_rn (its reciprocal once a block, not once an element) when the global
     # keeps every operand in the range where that path is exact; else div_rn itself.
