@@ -466,8 +466,8 @@ def run(args: argparse.Namespace) -> dict:
             for fused in finals:
                 us = timed[mode, fused]
                 m, sc = MODES[mode]
-                plan = plan_call(t, p.top_k, e, p.hidden, p.inter, mode=m, act_scale=sc,
-                                 fused_finalize=fused, options=opt, target=target)  # fmt: skip
+                kernels = plan_call(t, p.top_k, e, p.hidden, p.inter, mode=m, act_scale=sc,
+                                    fused_finalize=fused, options=opt, target=target)  # fmt: skip
                 rows.append(
                     {
                         "tokens": t,
@@ -488,7 +488,7 @@ def run(args: argparse.Namespace) -> dict:
                         "bf16_us": bf16_us,
                         "naive_nvfp4_us": naive_us,
                         "rel_err": errs[mode, fused],
-                        "plan": plan.summary(),
+                        "plan": kernels.summary(),
                     }
                 )
         write_outputs(doc, args.out, plot=False)  # a run cut short keeps its rows
