@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-bits", action="store_true", help="timing only")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--jobs", type=int, default=12, help="bit-check processes at once")
+    ap.add_argument("--jobs", type=int, default=6, help="bit-check processes at once")
     ap.add_argument("--max-slower", type=float, default=0.03,
                     help="the largest slowdown of a median that passes (default 3%%)")  # fmt: skip
     ap.add_argument("--out", default="compare-out")
@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     toks = ["tokens", *map(str, a.num_tokens)]
     doc = {"base": a.base or a.base_src, "bits": [], "time": []}
     if not a.no_bits:
-        jobs = [["bits", p, base_src, m, *toks] for p in a.presets for m in a.modes]
+        # presets interleaved, so that the large ones' experts are not all in memory at once
+        jobs = [["bits", p, base_src, m, *toks] for m in a.modes for p in a.presets]
         with ThreadPoolExecutor(a.jobs) as pool:
             for rows in pool.map(_run_worker, jobs):
                 doc["bits"] += rows

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The runs that need the GPU machine, in parts that each fit one call of about ten minutes:
 #
-#   bash benchmarks/gpu.sh tests [PYTEST ARGS]   the GPU test suite, 8 processes (pytest-xdist)
+#   bash benchmarks/gpu.sh tests [PYTEST ARGS]   the GPU test suite, 4 processes (pytest-xdist)
 #   bash benchmarks/gpu.sh memcheck              compute-sanitizer memcheck: one call of every
 #                                                kernel family (every kernel of the library)
 #   bash benchmarks/gpu.sh bench [BENCH ARGS]    fp4moe bench (default: the README's table)
@@ -21,7 +21,8 @@ shift || true
 
 case "$part" in
 tests)
-    python3 -m pytest -m gpu --device cuda -q -n 8 -p no:cacheprovider "$@" 2>&1 |
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        python3 -m pytest -m gpu --device cuda -q -n 4 -p no:cacheprovider "$@" 2>&1 |
         tee "$OUT/tests.log" | tail -40
     ;;
 memcheck)
