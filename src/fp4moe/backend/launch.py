@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from ..experts import PreparedExperts
-from ..kernels.common import empty
+from ..kernels.common import empty, interpreting
 from ..kernels.finalize import cast_rows, finalize_rows
 from ..kernels.gemm.operands import dense_rows, dense_weights
 from ..kernels.gemm.portable import portable_gemm
@@ -81,8 +81,6 @@ def _gemm(
     with ``a_scales`` and ``a_global`` (``a_decoded``: the same rows decoded by the
     quantize kernel); ``out``: bf16 route rows, fp32 [T, n] (atomic), or with ``out_fp4``
     = (scales, globals, static table) NVFP4 codes."""
-    from ..kernels.common import interpreting
-
     topk = plan.top_k
     a_fp4 = a_scales is not None
     fused = g.epilogue == "atomic"

@@ -77,7 +77,8 @@ class Options:
         fc1_tile, fc2_tile: pin the portable GEMM's tile (``Tile``); both or neither, with
             one block_m. The planner then keeps the portable kernels' choices off the
             Gluon tile shapes.
-        gemm: pin the kernel family of both GEMMs (one of ``KERNELS``), for tests and
+        gemm: pin the kernel family of both GEMMs (one of ``KERNELS``; "triton-split"
+            splits each GEMM of more than one 1024-element K segment), for tests and
             benchmarks; a call it cannot serve raises ``InapplicableOverride``.
         poison: fill every workspace and the output with NaN (0xFF bytes for codes and
             scales) before the kernels run, so tests see any element no kernel wrote.
