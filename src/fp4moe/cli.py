@@ -242,7 +242,7 @@ def _cmd_inspect(args: argparse.Namespace, extra: list[str]) -> int:
             str(list(t.shape)),
             str(t.numel() * t.element_size()),
         ]
-        for name, t in experts._tensors().items()
+        for name, t in experts.tensors().items()
     ]
     print(format_table(["tensor", "dtype", "shape", "bytes"], rows, "lllr"))
     e, h, i = experts.num_experts, experts.hidden_size, experts.intermediate_size

@@ -233,7 +233,7 @@ def _rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _tensor_ids(experts: PreparedExperts) -> dict[str, tuple[int, int]]:
-    return {k: (id(v), v.data_ptr()) for k, v in experts._tensors().items()}
+    return {k: (id(v), v.data_ptr()) for k, v in experts.tensors().items()}
 
 
 def _kernels_missing(exc: BaseException) -> bool:
@@ -319,7 +319,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         if _tensor_ids(experts) != before:
             raise AssertionError(f"{mode} {act}: the prepared tensors were replaced")
 
-    after = experts._tensors()
+    after = experts.tensors()
     if sorted(after) != sorted(snapshot) or not all(
         torch.equal(after[k], snapshot[k]) for k in snapshot
     ):

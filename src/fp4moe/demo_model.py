@@ -360,7 +360,7 @@ def _storage(layers: dict[str, MoELayer]) -> dict[str, tuple]:
     return {
         name: (
             id(layer.experts),
-            {k: (v.data_ptr(), tuple(v.shape)) for k, v in layer.experts._tensors().items()},
+            {k: (v.data_ptr(), tuple(v.shape)) for k, v in layer.experts.tensors().items()},
         )
         for name, layer in layers.items()
     }
@@ -511,7 +511,7 @@ def run_model_demo(cfg: ModelDemoConfig) -> ModelDemoResult:
         ran = {p: layer.stats.calls[p] - stats0[name][0][p] for p in PHASES}
         if not all(ran.values()):
             raise AssertionError(f"{name}: generate ran {ran} MoE calls, expected both phases")
-        now = layer.experts._tensors()
+        now = layer.experts.tensors()
         if not all(torch.equal(now[k], v) for k, v in snapshot[name].items()):
             raise AssertionError(f"{name}: the prepared experts were modified while generating")
     del snapshot
