@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from fp4moe.checkpoints import (
+    CheckpointSource,
     load_checkpoint_experts,
+    modelopt_expert_tensors,
     save_compressed_tensors_experts,
     save_modelopt_experts,
 )
@@ -126,6 +128,39 @@ def test_modelopt_sharded_directory_opens_each_shard_once(tmp_path, experts, mon
 def test_single_model_safetensors_directory(tmp_path, experts):
     save_modelopt_experts(experts, tmp_path / "model.safetensors", prefix=PREFIX)
     assert_identical(experts, load_checkpoint_experts(tmp_path, prefix=PREFIX, num_experts=E))
+
+
+@pytest.mark.parametrize("names", [("gate_proj", "up_proj", "down_proj"), MIXTRAL], ids=str)
+def test_modelopt_tensors_are_views_of_the_experts(experts, names):
+    """What a state dict holds: the writer's keys and bits, as views (no copy)."""
+    views = modelopt_expert_tensors(experts, prefix=PREFIX, names=names)
+    written = save_modelopt_experts(experts, prefix=PREFIX, names=names)
+    assert sorted(views) == sorted(written)
+    storages = {t.untyped_storage().data_ptr() for t in experts.tensors().values()}
+    for k, v in views.items():
+        assert v.untyped_storage().data_ptr() in storages, k
+        assert v.dtype == written[k].dtype and v.shape == written[k].shape, k
+        assert torch.equal(bits(v.contiguous()), bits(written[k])), k
+    assert_identical(load_checkpoint_experts(views, prefix=PREFIX, num_experts=E), experts)
+
+
+def test_checkpoint_source_reads_headers_and_closes(tmp_path, experts):
+    save_modelopt_experts(experts, tmp_path / "model.safetensors", prefix=PREFIX)
+    key = f"{PREFIX}.1.down_proj.weight_scale"
+    with CheckpointSource(tmp_path) as src:
+        assert src.folder == str(tmp_path) and src.has(key)
+        assert src.info(key) == (torch.float8_e4m3fn, (H, I // 16))
+        assert src.nbytes() == sum(
+            t.numel() * t.element_size()
+            for t in save_modelopt_experts(experts, prefix=PREFIX).values()
+        )
+        # an open source is read by the loader and left open
+        assert_identical(load_checkpoint_experts(src, prefix=PREFIX, num_experts=E), experts)
+        assert torch.equal(
+            src.read([key])[key].view(torch.uint8), experts.w2_scales[1].view(torch.uint8)
+        )
+    with CheckpointSource({key: experts.w2_scales[1]}) as sd:
+        assert sd.info(key) == (torch.float8_e4m3fn, (H, I // 16)) and sd.folder is None
 
 
 def test_state_dict_and_mixtral_names(experts):

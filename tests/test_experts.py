@@ -294,6 +294,30 @@ def test_load_refuses_shape_mismatch(tmp_path, saved, experts):
         load_experts(bad)
 
 
+@pytest.mark.parametrize(
+    "field,byte,pattern",
+    [("w13_scales", 0x7F, "NaN"), ("w2_scales", 0xFF, "NaN"), ("w2_scales", 0x81, "negative")],
+    ids=["nan", "negative-nan", "negative"],
+)
+def test_load_refuses_bad_block_scales(tmp_path, saved, experts, field, byte, pattern):
+    """The same check as the checkpoint loaders (check_block_scales)."""
+    bits = getattr(experts, field).view(torch.uint8).clone()
+    bits[1, 2, 0] = byte
+    bad = _rewrite(saved, tmp_path / "bad.safetensors",
+                   replace={field: bits.view(torch.float8_e4m3fn)})  # fmt: skip
+    with pytest.raises(ValueError, match=rf"path.*{field}.*{pattern}"):
+        load_experts(bad)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 0.0, -1.0])
+def test_load_refuses_bad_global_scales(tmp_path, saved, experts, value):
+    g = experts.w13_global.clone()
+    g[0, 1] = value
+    bad = _rewrite(saved, tmp_path / "bad.safetensors", replace={"w13_global": g})
+    with pytest.raises(ValueError, match=r"path.*w13_global.*finite and positive"):
+        load_experts(bad)
+
+
 def test_load_refuses_dtype_mismatch(tmp_path, saved, experts):
     wrong = experts.w2_global.double()
     bad = _rewrite(saved, tmp_path / "bad.safetensors", replace={"w2_global": wrong})

@@ -35,11 +35,13 @@ from typing import Any
 
 import torch
 
-from .experts import PreparedExperts
+from .experts import PreparedExperts, validate_block_scales
 
 __all__ = [
     "CHECKPOINT_FORMATS",
+    "CheckpointSource",
     "load_checkpoint_experts",
+    "modelopt_expert_tensors",
     "save_compressed_tensors_experts",
     "save_modelopt_experts",
 ]
@@ -62,19 +64,36 @@ _LEAVES = {
 
 _SCALAR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # widen to fp32 exactly
 
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
 
 # ----------------------------------------------------------------------------- sources
 
 
-class _Source:
-    """Keys of a checkpoint, and reading a chosen few of them, each shard opened once."""
+class CheckpointSource:
+    """The keys of a checkpoint, and reading a chosen few of them, each shard opened once.
 
-    def __init__(self, source: Any, stack: ExitStack) -> None:
-        self._stack = stack
+    Args:
+        source: a safetensors file; a directory with ``model.safetensors.index.json`` (HF
+            sharded layout) or a single ``model.safetensors``; or a state dict
+            ``dict[str, Tensor]``.
+
+    Use as a context manager (``with CheckpointSource(path) as src:``) or call
+    :meth:`close`; files are memory-mapped by safetensors and read tensor by tensor.
+    """
+
+    def __init__(self, source: Any) -> None:
+        self._stack = ExitStack()
         self._dict: Mapping[str, torch.Tensor] | None = None
         self._key_to_file: dict[str, str] = {}
         self._handles: dict[str, Any] = {}  # file -> open safetensors handle
         self._file_keys: dict[str, set[str]] = {}  # file -> the keys it holds
+        self.folder: str | None = None  # the checkpoint directory, when given one
         if isinstance(source, Mapping):
             for k, v in source.items():
                 if not isinstance(k, str):
@@ -97,6 +116,7 @@ class _Source:
         if os.path.isfile(path):
             self._map_whole_file(path)
         elif os.path.isdir(path):
+            self.folder = path
             index = os.path.join(path, "model.safetensors.index.json")
             single = os.path.join(path, "model.safetensors")
             if os.path.isfile(index):
@@ -112,10 +132,23 @@ class _Source:
         else:
             raise ValueError(f"source: no such file or directory {path!r}")
 
+    def __enter__(self) -> CheckpointSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every open shard."""
+        self._handles.clear()
+        self._stack.close()
+
     def _open(self, file: str) -> Any:
         from safetensors import safe_open
 
         if file not in self._handles:
+            if not os.path.isfile(file):
+                raise ValueError(f"source: {file!r} (named by the index) does not exist")
             try:
                 self._handles[file] = self._stack.enter_context(
                     safe_open(file, framework="pt", device="cpu")
@@ -141,10 +174,37 @@ class _Source:
         self._key_to_file = {k: os.path.join(folder, v) for k, v in weight_map.items()}
 
     def has(self, key: str) -> bool:
+        """Whether the checkpoint holds ``key``."""
         return key in (self._dict if self._dict is not None else self._key_to_file)
 
     def all_keys(self) -> Iterable[str]:
+        """Every key of the checkpoint."""
         return self._dict.keys() if self._dict is not None else self._key_to_file.keys()
+
+    def info(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """(dtype, shape) of ``key`` (from the file header: nothing is read)."""
+        if self._dict is not None:
+            t = self._dict[key]
+            return t.dtype, tuple(t.shape)
+        file = self._key_to_file[key]
+        if not os.path.isfile(file):
+            raise ValueError(f"source: the index maps {key!r} to {file!r}, which does not exist")
+        sl = self._open(file).get_slice(key)
+        dtype = _SAFETENSORS_DTYPES.get(sl.get_dtype())
+        if dtype is None:
+            raise ValueError(f"{key}: unsupported safetensors dtype {sl.get_dtype()}")
+        return dtype, tuple(sl.get_shape())
+
+    def nbytes(self) -> int:
+        """Bytes of all the checkpoint's tensors (from the headers)."""
+        total = 0
+        for k in self.all_keys():
+            dtype, shape = self.info(k)
+            n = dtype.itemsize
+            for d in shape:
+                n *= d
+            total += n
+        return total
 
     def read(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
         """The tensors of ``keys`` (all present: check with :meth:`has` first)."""
@@ -204,7 +264,9 @@ def _check_args(prefix: Any, num_experts: Any, fmt: Any, expert_range: Any) -> t
     return prefix.rstrip("."), start, stop
 
 
-def _detect(src: _Source, prefix: str, e0: int, fmt: str) -> tuple[str, tuple[str, str, str]]:
+def _detect(
+    src: CheckpointSource, prefix: str, e0: int, fmt: str
+) -> tuple[str, tuple[str, str, str]]:
     """(format, projection names) from the keys of expert ``e0``'s gate projection."""
     # compressed-tensors: weight_packed; ModelOpt: weight beside weight_scale (an unquantized
     # checkpoint has a weight but no weight_scale).
@@ -241,7 +303,7 @@ def _detect(src: _Source, prefix: str, e0: int, fmt: str) -> tuple[str, tuple[st
     return found[0]
 
 
-def _hint(src: _Source, prefix: str) -> str:
+def _hint(src: CheckpointSource, prefix: str) -> str:
     under = [k for k in src.all_keys() if k.startswith(prefix + ".")]
     if not under:
         return f"; no key starts with {prefix + '.'!r}"
@@ -249,7 +311,7 @@ def _hint(src: _Source, prefix: str) -> str:
 
 
 def _check_expert_count(
-    src: _Source, prefix: str, num_experts: int, names: Sequence[str], codes_leaf: str
+    src: CheckpointSource, prefix: str, num_experts: int, names: Sequence[str], codes_leaf: str
 ) -> None:
     last = f"{prefix}.{num_experts - 1}.{names[0]}.{codes_leaf}"
     if not src.has(last):
@@ -276,11 +338,7 @@ def _as_block_scales(t: torch.Tensor, key: str, shape: tuple[int, int]) -> torch
             f"{key}: expected torch.float8_e4m3fn (or uint8 bits) {list(shape)} "
             f"(linear block scales), got {t.dtype} {list(t.shape)}"
         )
-    bits = t.view(torch.uint8)
-    if bool(((bits & 0x7F) == 0x7F).any()):
-        raise ValueError(f"{key}: block scales hold NaN")
-    if bool(((bits & 0x80) != 0).logical_and((bits & 0x7F) != 0).any()):
-        raise ValueError(f"{key}: block scales must be non-negative, found negative values")
+    validate_block_scales(t, key)
     return t.view(torch.float8_e4m3fn)
 
 
@@ -310,7 +368,7 @@ def _decode_global(t: torch.Tensor, key: str, fmt: str) -> torch.Tensor:
 
 
 def load_checkpoint_experts(
-    source: str | os.PathLike | Mapping[str, torch.Tensor],
+    source: str | os.PathLike | Mapping[str, torch.Tensor] | CheckpointSource,
     *,
     prefix: str,
     num_experts: int,
@@ -325,7 +383,8 @@ def load_checkpoint_experts(
     Args:
         source: a safetensors file; a directory with ``model.safetensors.index.json`` (HF
             sharded layout, its ``weight_map`` says which shard holds each key) or with a
-            single ``model.safetensors``; or a state dict ``dict[str, Tensor]``.
+            single ``model.safetensors``; a state dict ``dict[str, Tensor]``; or an open
+            :class:`CheckpointSource` (left open).
         prefix: module path of the experts, e.g. ``"model.layers.3.mlp.experts"``; expert
             e's tensors are ``{prefix}.{e}.{proj}.{leaf}``.
         num_experts: experts the block has in the checkpoint (checked against the keys).
@@ -349,7 +408,10 @@ def load_checkpoint_experts(
     prefix, start, stop = _check_args(prefix, num_experts, format, expert_range)
     target = torch.device(device) if device is not None else torch.device("cpu")
     with ExitStack() as stack, torch.no_grad():
-        src = _Source(source, stack)
+        if isinstance(source, CheckpointSource):
+            src = source  # the caller's, left open
+        else:
+            src = stack.enter_context(CheckpointSource(source))
         fmt, names = _detect(src, prefix, start, format)
         codes_leaf, scale_leaf, global_leaf, input_leaf = _LEAVES[fmt]
         _check_expert_count(src, prefix, num_experts, names, codes_leaf)
@@ -509,6 +571,43 @@ def _save(
     raise TypeError(
         f"path_or_dict: expected a path, a dict or None, got {type(path_or_dict).__name__}"
     )
+
+
+def modelopt_expert_tensors(
+    experts: PreparedExperts,
+    *,
+    prefix: str,
+    names: Sequence[str] = ("gate_proj", "up_proj", "down_proj"),
+) -> dict[str, torch.Tensor]:
+    """The experts in the ModelOpt NVFP4 layout of :func:`save_modelopt_experts`, as views
+    of the experts' own tensors (no copy, on their device): what a state dict holds.
+
+    Keys ``{prefix}.{e}.{p}.weight`` uint8 [N, K/2], ``.weight_scale`` e4m3 [N, K/16],
+    ``.weight_scale_2`` fp32 [] and, with static activation scales, ``.input_scale`` fp32 []
+    (views of ``a13_scale`` for gate and up, of ``a2_scale`` for down). The views of one
+    expert tensor share its storage: writers that refuse shared storage (safetensors)
+    need copies, as :func:`save_modelopt_experts` makes.
+    """
+    if not isinstance(experts, PreparedExperts):
+        raise TypeError(f"experts: expected a PreparedExperts, got {type(experts).__name__}")
+    prefix = prefix.rstrip(".")
+    i = experts.intermediate_size
+    out: dict[str, torch.Tensor] = {}
+    for e in range(experts.num_experts):
+        parts = (
+            (experts.w13_codes[e, :i], experts.w13_scales[e, :i], experts.w13_global[e, 0]),
+            (experts.w13_codes[e, i:], experts.w13_scales[e, i:], experts.w13_global[e, 1]),
+            (experts.w2_codes[e], experts.w2_scales[e], experts.w2_global[e]),
+        )
+        statics = (experts.a13_scale, experts.a13_scale, experts.a2_scale)
+        for name, (codes, scales, g), a in zip(names, parts, statics):
+            base = f"{prefix}.{e}.{name}"
+            out[f"{base}.weight"] = codes
+            out[f"{base}.weight_scale"] = scales
+            out[f"{base}.weight_scale_2"] = g
+            if a is not None:
+                out[f"{base}.input_scale"] = a[e]
+    return out
 
 
 def save_modelopt_experts(
