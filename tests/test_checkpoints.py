@@ -104,25 +104,37 @@ def test_modelopt_file_round_trip(tmp_path, static):
     assert back.device == torch.device("cpu")
 
 
-def test_modelopt_sharded_directory_opens_each_shard_once(tmp_path, experts, monkeypatch):
+def test_modelopt_sharded_directory_reads_each_header_once(tmp_path, experts, monkeypatch):
     sd = save_modelopt_experts(experts, prefix=PREFIX)
     sd["model.layers.2.mlp.experts.0.gate_proj.weight"] = torch.zeros(4, dtype=torch.uint8)
     sd["lm_head.weight"] = torch.zeros(2, 2)
     write_shards(sd, tmp_path)
 
-    import safetensors
+    import fp4moe.checkpoints as module
 
     opened: list[str] = []
-    real = safetensors.safe_open
+    real = module.read_safetensors_header
 
-    def counting_open(path, *args, **kwargs):
+    def counting(path):
         opened.append(os.path.basename(path))
-        return real(path, *args, **kwargs)
+        return real(path)
 
-    monkeypatch.setattr(safetensors, "safe_open", counting_open)
+    monkeypatch.setattr(module, "read_safetensors_header", counting)
     back = load_checkpoint_experts(str(tmp_path), prefix=PREFIX, num_experts=E)
     assert_identical(experts, back)
     assert sorted(opened) == sorted(set(opened)) and len(opened) == 2
+
+
+def test_truncated_shard_and_bad_headers(tmp_path, experts):
+    path = tmp_path / "model.safetensors"
+    save_modelopt_experts(experts, path, prefix=PREFIX)
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-10])  # the last tensor ends past the file
+    with pytest.raises(ValueError, match="truncated or not a safetensors file"):
+        load_checkpoint_experts(path, prefix=PREFIX, num_experts=E)
+    path.write_bytes(b"\xff" * 8 + whole[8:])
+    with pytest.raises(ValueError, match=r"truncated or not a safetensors file \(header size"):
+        load_checkpoint_experts(path, prefix=PREFIX, num_experts=E)
 
 
 def test_single_model_safetensors_directory(tmp_path, experts):

@@ -28,6 +28,7 @@ the last bit for about one fp32 value in seven).
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from contextlib import ExitStack
@@ -42,6 +43,7 @@ __all__ = [
     "CheckpointSource",
     "load_checkpoint_experts",
     "modelopt_expert_tensors",
+    "read_safetensors_header",
     "save_compressed_tensors_experts",
     "save_modelopt_experts",
 ]
@@ -75,24 +77,65 @@ _SAFETENSORS_DTYPES = {
 # ----------------------------------------------------------------------------- sources
 
 
+def read_safetensors_header(
+    file: str,
+) -> tuple[dict[str, tuple[torch.dtype, tuple, int, int]], int]:
+    """The tensors of a safetensors file from its header: ``{key: (dtype, shape, begin,
+    end)}`` (byte offsets into the data) and where the data starts. Nothing else is read.
+
+    Raises:
+        ValueError: a file too short for its header, a header that is not the format's
+            JSON, an unsupported dtype, or offsets that do not fit the shape or the file.
+    """
+    size = os.path.getsize(file)
+    bad = f"source: {file!r} is truncated or not a safetensors file"
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 2 <= n <= size - 8:
+            raise ValueError(f"{bad} (header size {n}, file size {size})")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as exc:
+            raise ValueError(f"{bad} ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{bad} (the header is not a JSON object)")
+    start, data = 8 + n, size - 8 - n
+    out: dict[str, tuple[torch.dtype, tuple, int, int]] = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{bad} (entry {key!r}: {exc!r})") from None
+        nbytes = dtype.itemsize * math.prod(shape)
+        if not 0 <= begin <= end <= data or end - begin != nbytes:
+            raise ValueError(f"{bad} (entry {key!r}: offsets {begin}..{end} of {data} bytes)")
+        out[key] = (dtype, shape, begin, end)
+    return out, start
+
+
 class CheckpointSource:
-    """The keys of a checkpoint, and reading a chosen few of them, each shard opened once.
+    """The keys of a checkpoint, and reading a chosen few of them.
 
     Args:
         source: a safetensors file; a directory with ``model.safetensors.index.json`` (HF
             sharded layout) or a single ``model.safetensors``; or a state dict
             ``dict[str, Tensor]``.
 
-    Use as a context manager (``with CheckpointSource(path) as src:``) or call
-    :meth:`close`; files are memory-mapped by safetensors and read tensor by tensor.
+    Each shard's header is read once; a tensor is read with one ``readinto`` into its own
+    new CPU tensor (files are not memory-mapped, so the process holds only the tensors it
+    read: host memory measures what a loader keeps). Use as a context manager (``with
+    CheckpointSource(path) as src:``); :meth:`close` forgets the headers.
     """
 
     def __init__(self, source: Any) -> None:
-        self._stack = ExitStack()
         self._dict: Mapping[str, torch.Tensor] | None = None
         self._key_to_file: dict[str, str] = {}
-        self._handles: dict[str, Any] = {}  # file -> open safetensors handle
-        self._file_keys: dict[str, set[str]] = {}  # file -> the keys it holds
+        self._headers: dict[str, tuple[dict, int]] = {}  # file -> (entries, data start)
         self.folder: str | None = None  # the checkpoint directory, when given one
         if isinstance(source, Mapping):
             for k, v in source.items():
@@ -139,29 +182,20 @@ class CheckpointSource:
         self.close()
 
     def close(self) -> None:
-        """Close every open shard."""
-        self._handles.clear()
-        self._stack.close()
+        """Forget the headers read (no file stays open between reads)."""
+        self._headers.clear()
 
-    def _open(self, file: str) -> Any:
-        from safetensors import safe_open
-
-        if file not in self._handles:
+    def _header(self, file: str, key: str | None = None) -> tuple[dict, int]:
+        if file not in self._headers:
             if not os.path.isfile(file):
-                raise ValueError(f"source: {file!r} (named by the index) does not exist")
-            try:
-                self._handles[file] = self._stack.enter_context(
-                    safe_open(file, framework="pt", device="cpu")
-                )
-            except Exception as exc:  # safetensors raises its own error types
-                raise ValueError(
-                    f"source: {file!r} is truncated or not a safetensors file ({exc})"
-                ) from exc
-        return self._handles[file]
+                what = f"the index maps {key!r} to {file!r}" if key else repr(file)
+                raise ValueError(f"source: {what}, which does not exist")
+            self._headers[file] = read_safetensors_header(file)
+        return self._headers[file]
 
     def _map_whole_file(self, file: str) -> None:
-        handle = self._open(file)
-        self._key_to_file = dict.fromkeys(handle.keys(), file)
+        entries, _ = self._header(file)
+        self._key_to_file = dict.fromkeys(entries, file)
 
     def _map_index(self, index: str, folder: str) -> None:
         try:
@@ -181,54 +215,41 @@ class CheckpointSource:
         """Every key of the checkpoint."""
         return self._dict.keys() if self._dict is not None else self._key_to_file.keys()
 
+    def _entry(self, key: str) -> tuple[torch.dtype, tuple, int, int, int, str]:
+        file = self._key_to_file[key]
+        entries, start = self._header(file, key)
+        if key not in entries:
+            raise ValueError(f"source: the index maps {key!r} to {file!r}, which does not hold it")
+        return (*entries[key], start, file)
+
     def info(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
         """(dtype, shape) of ``key`` (from the file header: nothing is read)."""
         if self._dict is not None:
             t = self._dict[key]
             return t.dtype, tuple(t.shape)
-        file = self._key_to_file[key]
-        if not os.path.isfile(file):
-            raise ValueError(f"source: the index maps {key!r} to {file!r}, which does not exist")
-        sl = self._open(file).get_slice(key)
-        dtype = _SAFETENSORS_DTYPES.get(sl.get_dtype())
-        if dtype is None:
-            raise ValueError(f"{key}: unsupported safetensors dtype {sl.get_dtype()}")
-        return dtype, tuple(sl.get_shape())
+        dtype, shape, *_ = self._entry(key)
+        return dtype, shape
 
     def nbytes(self) -> int:
         """Bytes of all the checkpoint's tensors (from the headers)."""
-        total = 0
-        for k in self.all_keys():
-            dtype, shape = self.info(k)
-            n = dtype.itemsize
-            for d in shape:
-                n *= d
-            total += n
-        return total
+        return sum(d.itemsize * math.prod(s) for d, s in map(self.info, self.all_keys()))
 
     def read(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
-        """The tensors of ``keys`` (all present: check with :meth:`has` first)."""
+        """The tensors of ``keys`` (all present: check with :meth:`has` first), new CPU
+        tensors (the state dict's own, for a state dict)."""
         if self._dict is not None:
             return {k: self._dict[k] for k in keys}
-        by_file: dict[str, list[str]] = {}
-        for k in keys:
-            by_file.setdefault(self._key_to_file[k], []).append(k)
         out: dict[str, torch.Tensor] = {}
-        for file, file_keys in by_file.items():
-            if not os.path.isfile(file):
-                raise ValueError(
-                    f"source: the index maps {file_keys[0]!r} to {file!r}, which does not exist"
-                )
-            handle = self._open(file)
-            if file not in self._file_keys:
-                self._file_keys[file] = set(handle.keys())
-            for k in file_keys:
-                if k not in self._file_keys[file]:
-                    raise ValueError(
-                        f"source: the index maps {k!r} to {file!r}, which does not hold it"
-                    )
-                out[k] = handle.get_tensor(k)
-        return out
+        for k in sorted(keys, key=lambda k: self._key_to_file[k]):
+            dtype, shape, begin, end, start, file = self._entry(k)
+            raw = torch.empty(end - begin, dtype=torch.uint8)
+            with open(file, "rb", buffering=0) as f:
+                f.seek(start + begin)
+                got = f.readinto(memoryview(raw.numpy())) if end > begin else 0
+            if got != end - begin:
+                raise ValueError(f"source: {file!r} is truncated ({k!r} ends past the file)")
+            out[k] = raw.view(dtype).reshape(shape)
+        return {k: out[k] for k in keys}
 
 
 # ----------------------------------------------------------------------------- checks
