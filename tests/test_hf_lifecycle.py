@@ -253,6 +253,10 @@ def test_state_dict_holds_views_and_refuses_bad_experts(folders):
     del bad[f"{name}.experts.3.up_proj.weight_scale"]
     with pytest.raises(ValueError, match=r"missing tensor .*experts\.3\.up_proj\.weight_scale"):
         model.load_state_dict(bad)
+    # missing experts are reported under the state dict's names, not the layer's buffers'
+    dense = {k: v for k, v in sd.items() if ".experts." not in k}
+    missing = model.load_state_dict(dense, strict=False).missing_keys
+    assert sorted(missing) == sorted(f"{n}.experts.*" for n in hf.moe_layers(model))
 
 
 # ------------------------------------------------------------------------------ move

@@ -150,6 +150,7 @@ class FP4MoEBlock(nn.Module):
         self.expert_names = tuple(expert_names)
         self.register_state_dict_post_hook(_modelopt_state_dict)
         self.register_load_state_dict_pre_hook(_load_modelopt_state_dict)
+        self.register_load_state_dict_post_hook(_name_missing_experts)
 
     @property
     def experts(self) -> PreparedExperts:
@@ -218,6 +219,7 @@ def _load_modelopt_state_dict(
     """Load-state-dict pre-hook: experts in the ModelOpt (or compressed-tensors) layout
     become the layer's buffer entries; a state dict with the buffer names loads as it is."""
     base = f"{prefix}experts"
+    block._load_prefix = prefix  # for _name_missing_experts
     keys = [k for k in state_dict if k.startswith(base + ".")]
     if not keys:
         return
@@ -227,6 +229,18 @@ def _load_modelopt_state_dict(
         t = getattr(loaded, f)
         if t is not None:
             state_dict[f"{prefix}moe.{f}"] = t
+
+
+def _name_missing_experts(block: FP4MoEBlock, incompatible: Any) -> None:
+    """Load-state-dict post-hook: missing experts are reported under the state dict's
+    names (``{block}.experts.*``), not the layer's buffer names."""
+    prefix = block.__dict__.pop("_load_prefix", None)
+    if prefix is None:
+        return
+    inner = {f"{prefix}moe.{f}" for f in EXPERT_FIELDS}
+    missing = incompatible.missing_keys
+    if any(k in inner for k in missing):
+        missing[:] = [k for k in missing if k not in inner] + [f"{prefix}experts.*"]
 
 
 # ------------------------------------------------------------------------------ convert
