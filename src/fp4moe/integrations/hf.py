@@ -62,6 +62,7 @@ __all__ = [
     "load_model_config",
     "moe_layers",
     "remove_phase_hooks",
+    "set_policy",
 ]
 
 # ------------------------------------------------------------------------------ convert
@@ -182,3 +183,24 @@ def moe_layers(model: nn.Module) -> dict[str, MoELayer]:
     """The MoELayer of every converted block, keyed by the block's module path (for the
     ``stats`` counters, ``memory_report()``, or changing ``policy``)."""
     return {n: m.moe for n, m in model.named_modules() if isinstance(m, FP4MoEBlock)}
+
+
+def set_policy(model: nn.Module, policy: PhasePolicy | PhaseConfig | str) -> nn.Module:
+    """Give every converted MoE layer of ``model`` this phase policy (a ``PhasePolicy``, or
+    one mode name for every phase); returns ``model``. Nothing else changes: the experts
+    stay the same tensors. Compiled graphs of the model recompile on their next call."""
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError("model: holds no converted MoE layer")
+    policy = PhasePolicy.coerce(policy)
+    for layer in layers.values():
+        for name in ("prefill", "decode"):
+            cfg = getattr(policy, name)
+            if cfg.act_scale == "static" and cfg.mode == "w4a4" and layer.experts.a13_scale is None:
+                raise ValueError(
+                    f"policy: {name} runs {cfg}, which needs calibrated activation scales; "
+                    "these experts have none"
+                )
+    for layer in layers.values():
+        layer.policy = policy
+    return model

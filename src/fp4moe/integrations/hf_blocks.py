@@ -50,6 +50,7 @@ __all__ = [
     "Checkpoint",
     "FP4MoEBlock",
     "arch_of",
+    "block_over",
     "check_block",
     "convert_block",
     "expert_prefix",
@@ -288,8 +289,7 @@ def convert_block(
             checkpoint shapes that do not match the model.
     """
     cls = type(block).__name__
-    arch, gate = check_block(block)
-    policy = PhasePolicy.coerce(policy if policy is not None else PhasePolicy())
+    _, gate = check_block(block)
     w13, w2 = expert_weights(block, materialize=checkpoint is None)
     e, two_i, h = w13.shape
     if device is None:
@@ -315,7 +315,19 @@ def convert_block(
                 f"I={prepared.intermediate_size}; the model's {cls} has H={h}, I={two_i // 2}"
             )
     del w13, w2
+    return block_over(block, prepared, policy)
 
+
+def block_over(
+    block: nn.Module, prepared: PreparedExperts, policy: PhasePolicy | PhaseConfig | str | None
+) -> FP4MoEBlock:
+    """The :class:`FP4MoEBlock` of a supported block over experts already prepared (the
+    block's router, shared experts and routing settings; its expert weights unread).
+    :func:`convert_block` reads or quantizes the experts, then calls this."""
+    cls = type(block).__name__
+    arch = arch_of(block)
+    gate = block.gate
+    policy = PhasePolicy.coerce(policy if policy is not None else PhasePolicy())
     if arch.method == "sigmoid_grouped":
         router = RouterConfig(
             method="sigmoid_grouped", top_k=int(gate.top_k), renormalize=bool(gate.norm_topk_prob),
