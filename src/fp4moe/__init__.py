@@ -38,6 +38,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'fp4moe' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | {"load_model"})
+
+
 __all__ = [
     "MODE_NAMES",
     "EPMoELayer",

@@ -352,6 +352,8 @@ def block_over(
 
 
 def arch_of(block: nn.Module) -> Arch:
+    """The :class:`Arch` of a supported block; NotImplementedError naming what fp4moe
+    cannot compute for any other."""
     cls = type(block).__name__
     if cls in ARCHS:
         return ARCHS[cls]
@@ -434,6 +436,11 @@ def expert_weights(block: nn.Module, materialize: bool = True) -> tuple[torch.Te
 
 
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(module path, block) of every supported MoE block of ``model``, outermost first.
+
+    Raises NotImplementedError for a block fp4moe cannot compute (gpt-oss, or any module
+    owning an ``experts`` module it does not know) and ValueError when there is none (or
+    every block is converted already), both before anything is changed."""
     found: list[tuple[str, nn.Module]] = []
     refused: list[tuple[str, str, str]] = []
     already: list[str] = []
@@ -471,6 +478,7 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put ``new`` at module path ``name`` of ``model`` (lists and sequences by index)."""
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     if isinstance(parent, (nn.ModuleList, nn.Sequential)):
@@ -482,6 +490,9 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
 def expert_prefix(
     name: str, arch: Arch, keys: set[str], mapping: Callable[[str], str] | None
 ) -> str:
+    """The checkpoint prefix of the experts of the block at ``name``, among the checkpoint's
+    ``keys``: ``mapping(name)`` when given, else ``"{name}.experts"`` or the on-disk alias
+    (Mixtral's ``block_sparse_moe``). ValueError naming what was looked for otherwise."""
     if mapping is not None:
         candidates = [mapping(name)]
     else:
