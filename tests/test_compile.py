@@ -56,6 +56,26 @@ def test_op_schema_and_opcheck():
     torch.library.opcheck(torch.ops.fp4moe.moe.default, empty, test_utils=utils)
 
 
+def test_eager_calls_and_the_op_give_the_same_bits():
+    """An eager call that needs no gradient runs the op's body without the dispatcher;
+    fake tensors (what the compiler traces with) go through the op and its fake."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ex = _experts()
+    x = random_x(7, H, seed=2)
+    ids, w = random_routes(7, K, E, seed=3)
+    eager = fp4moe.moe(x, ids, w, ex, mode="w4a4-static")
+    op = torch.ops.fp4moe.moe(x, ids, w, *expert_tensors(ex), "w4a4", "static", False,
+                              "reference", True, None, None)  # fmt: skip
+    assert torch.equal(eager, op)
+    with FakeTensorMode() as mode:
+        fake = fp4moe.PreparedExperts(
+            **{k: mode.from_tensor(v) for k, v in ex.tensors().items()}, validate=False
+        )
+        out = fp4moe.moe(mode.from_tensor(x), mode.from_tensor(ids), mode.from_tensor(w), fake)
+        assert out.shape == (7, H) and out.dtype == torch.bfloat16
+
+
 def test_every_option_is_passed_through_or_eager_only():
     names = {f.name for f in dataclasses.fields(fp4moe.Options)}
     assert names == set(OP_OPTIONS) | set(EAGER_OPTIONS)
