@@ -102,6 +102,29 @@ def test_load_model_from_a_checkpoint_folder(folders, arch, fmt):
     assert hf.moe_layers(model)  # the reference left the model converted
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_load_model_reads_modelopts_own_export(arch, tmp_path):
+    """A tiny model quantized by NVIDIA ModelOpt (NVFP4_DEFAULT_CFG) and exported with its
+    export_hf_checkpoint (where ModelOpt is installed): load_model reads the whole folder,
+    its experts bit for bit, and runs close to the model ModelOpt quantized."""
+    mtq = pytest.importorskip("modelopt.torch.quantization")
+    from modelopt.torch.export import export_hf_checkpoint
+
+    model = build(arch, num_hidden_layers=1)
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(5))
+    mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, lambda m: m(ids))
+    with torch.no_grad():
+        quantized = model(ids).logits
+    export_hf_checkpoint(model, export_dir=tmp_path)
+    loaded = fp4moe.load_model(tmp_path, policy=PhasePolicy.single("w4a4-static"))
+    name, layer = next(iter(hf.moe_layers(loaded).items()))
+    want = load_checkpoint_experts(tmp_path, prefix=_expert_prefix(name, arch),
+                                   num_experts=layer.experts.num_experts)  # fmt: skip
+    for k, t in want.tensors().items():
+        assert torch.equal(_bits(getattr(layer.experts, k)), _bits(t)), k
+    assert rel(_logits(loaded, ids), quantized) < 0.1
+
+
 def test_load_model_generates_with_phases(folders):
     model = fp4moe.load_model(folders["qwen3_moe", "modelopt"][0], policy=REF)
     out = model.generate(_ids(), attention_mask=torch.ones(2, 7, dtype=torch.long),
@@ -216,7 +239,7 @@ def test_gpu_peak_host_memory_is_about_a_layer(tmp_path):
     print(
         f"\npeak host memory (cuda): loaded {loaded / 2**20:.1f} MiB, peak {peak / 2**20:.1f} MiB"
     )
-    assert peak < 0.5 * loaded
+    assert peak < 0.5 * loaded + 16 * 2**20
 
 
 def measure_load_peak(folder, device: str = "cpu") -> int:
@@ -381,7 +404,8 @@ def test_gpu_loaded_model_on_triton(folders, arch):
     ids = _ids(6)
     for layer in hf.moe_layers(gpu).values():
         assert layer.experts.device.type == "cuda"
-    assert rel(_logits(gpu, ids.cuda()).cpu(), _logits(cpu, ids)) < 2e-2
+    # Triton against the reference (W4A4 prefill), and GPU attention against the CPU's
+    assert rel(_logits(gpu, ids.cuda()).cpu(), _logits(cpu, ids)) < 3e-2
     moved = cpu.cuda()  # .cuda() moves the experts; Triton from then on
     for layer in hf.moe_layers(moved).values():
         layer.policy = PhasePolicy(prefill="w4a4-token", decode="w4a16")
@@ -401,6 +425,7 @@ def test_gpu_compiled_model_cuda_graphs(folders):
     ids = _ids(7).cuda()
     with torch.no_grad():
         for _ in range(3):
-            assert torch.equal(compiled(ids).logits.clone(), model(ids).logits)
-            assert torch.equal(compiled(ids[:, :1]).logits.clone(), model(ids[:, :1]).logits)
+            for step in (ids, ids[:, :1]):  # 14 tokens, then 2: two graphs
+                got = compiled(step, use_cache=False).logits.clone()
+                assert torch.equal(got, model(step, use_cache=False).logits)
     torch._dynamo.reset()

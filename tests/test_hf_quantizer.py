@@ -97,4 +97,4 @@ def test_from_pretrained_onto_the_gpu(folders):
     ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(0)).cuda()
     with torch.no_grad():
         out = model(ids).logits.cpu()
-    assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 2e-2
+    assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 3e-2
