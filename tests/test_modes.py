@@ -73,7 +73,7 @@ def test_refusals_name_the_argument(case, mode, act_scale, field, hint):
 
 
 def test_policies_and_runner_take_the_names(case):
-    x, ids, w, ex = case
+    *_, ex = case
     policy = PhasePolicy(prefill="w4a4-static+fused", decode="w4a16")
     assert (policy.prefill.mode, policy.prefill.act_scale) == ("w4a4", "static")
     with pytest.raises(ValueError, match="did you mean 'w4a4-token'"):

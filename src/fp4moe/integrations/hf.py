@@ -168,8 +168,10 @@ def _check_router_matches(
         keys.append(keys[0].replace(f".{alias[0]}.", f".{alias[1]}.", 1))
     for key in keys:
         if src.has(key) and src.info(key)[0].is_floating_point:
-            stored = src.read([key])[key].to(device=weight.device, dtype=weight.dtype)
-            if stored.shape != weight.shape or not torch.equal(stored, weight.detach()):
+            stored = src.read([key])[key].to(device=weight.device, dtype=torch.float32)
+            mine = weight.detach().float()
+            # a tolerance: the model may hold the router in another dtype than the file
+            if stored.shape != mine.shape or (stored - mine).norm() > 1e-2 * stored.norm():
                 raise ValueError(
                     f"checkpoint: the router weight of {name!r} differs from the checkpoint's "
                     f"{key!r}: this model's dense weights (attention, routers) are not the "
