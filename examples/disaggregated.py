@@ -70,7 +70,12 @@ def save_prepared(model, folder: str) -> list[str]:
         path = os.path.join(folder, f"experts-{i}.safetensors")
         layer.experts.save(path)
         paths.append((name, path))
-    dense = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    experts = tuple(f"{name}.experts." for name, _ in paths)  # in the files above
+    dense = {
+        k: v.detach().cpu().contiguous()
+        for k, v in model.state_dict().items()
+        if not k.startswith(experts)
+    }
     save_file(dense, os.path.join(folder, "dense.safetensors"))
     with open(os.path.join(folder, "experts.json"), "w") as f:
         json.dump(paths, f)
@@ -86,9 +91,12 @@ def open_worker_model(folder: str, device: str, seed: int):
 
     model = build_model(seed + 1, device)  # different random init: everything is loaded
     convert(model, policy())
-    model.load_state_dict(load_file(os.path.join(folder, "dense.safetensors"), device="cpu"))
     with open(os.path.join(folder, "experts.json")) as f:
         paths = dict(json.load(f))
+    dense = load_file(os.path.join(folder, "dense.safetensors"), device="cpu")
+    missing = model.load_state_dict(dense, strict=False).missing_keys
+    if any(not k.startswith(tuple(f"{n}.experts." for n in paths)) for k in missing):
+        raise RuntimeError(f"dense.safetensors lacks {missing[0]!r}")
     for name, layer in moe_layers(model).items():
         layer.experts = fp4moe.load_experts(paths[name], device=device)
     return model

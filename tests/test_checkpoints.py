@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from fp4moe.checkpoints import (
+    CheckpointSource,
     load_checkpoint_experts,
+    modelopt_expert_tensors,
     save_compressed_tensors_experts,
     save_modelopt_experts,
 )
@@ -102,30 +104,75 @@ def test_modelopt_file_round_trip(tmp_path, static):
     assert back.device == torch.device("cpu")
 
 
-def test_modelopt_sharded_directory_opens_each_shard_once(tmp_path, experts, monkeypatch):
+def test_modelopt_sharded_directory_reads_each_header_once(tmp_path, experts, monkeypatch):
     sd = save_modelopt_experts(experts, prefix=PREFIX)
     sd["model.layers.2.mlp.experts.0.gate_proj.weight"] = torch.zeros(4, dtype=torch.uint8)
     sd["lm_head.weight"] = torch.zeros(2, 2)
     write_shards(sd, tmp_path)
 
-    import safetensors
+    import fp4moe.checkpoints as module
 
     opened: list[str] = []
-    real = safetensors.safe_open
+    real = module.read_safetensors_header
 
-    def counting_open(path, *args, **kwargs):
+    def counting(path):
         opened.append(os.path.basename(path))
-        return real(path, *args, **kwargs)
+        return real(path)
 
-    monkeypatch.setattr(safetensors, "safe_open", counting_open)
+    monkeypatch.setattr(module, "read_safetensors_header", counting)
     back = load_checkpoint_experts(str(tmp_path), prefix=PREFIX, num_experts=E)
     assert_identical(experts, back)
     assert sorted(opened) == sorted(set(opened)) and len(opened) == 2
 
 
+def test_truncated_shard_and_bad_headers(tmp_path, experts):
+    path = tmp_path / "model.safetensors"
+    save_modelopt_experts(experts, path, prefix=PREFIX)
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-10])  # the last tensor ends past the file
+    with pytest.raises(ValueError, match="truncated or not a safetensors file"):
+        load_checkpoint_experts(path, prefix=PREFIX, num_experts=E)
+    path.write_bytes(b"\xff" * 8 + whole[8:])
+    with pytest.raises(ValueError, match=r"truncated or not a safetensors file \(header size"):
+        load_checkpoint_experts(path, prefix=PREFIX, num_experts=E)
+
+
 def test_single_model_safetensors_directory(tmp_path, experts):
     save_modelopt_experts(experts, tmp_path / "model.safetensors", prefix=PREFIX)
     assert_identical(experts, load_checkpoint_experts(tmp_path, prefix=PREFIX, num_experts=E))
+
+
+@pytest.mark.parametrize("names", [("gate_proj", "up_proj", "down_proj"), MIXTRAL], ids=str)
+def test_modelopt_tensors_are_views_of_the_experts(experts, names):
+    """What a state dict holds: the writer's keys and bits, as views (no copy)."""
+    views = modelopt_expert_tensors(experts, prefix=PREFIX, names=names)
+    written = save_modelopt_experts(experts, prefix=PREFIX, names=names)
+    assert sorted(views) == sorted(written)
+    storages = {t.untyped_storage().data_ptr() for t in experts.tensors().values()}
+    for k, v in views.items():
+        assert v.untyped_storage().data_ptr() in storages, k
+        assert v.dtype == written[k].dtype and v.shape == written[k].shape, k
+        assert torch.equal(bits(v.contiguous()), bits(written[k])), k
+    assert_identical(load_checkpoint_experts(views, prefix=PREFIX, num_experts=E), experts)
+
+
+def test_checkpoint_source_reads_headers_and_closes(tmp_path, experts):
+    save_modelopt_experts(experts, tmp_path / "model.safetensors", prefix=PREFIX)
+    key = f"{PREFIX}.1.down_proj.weight_scale"
+    with CheckpointSource(tmp_path) as src:
+        assert src.folder == str(tmp_path) and src.has(key)
+        assert src.info(key) == (torch.float8_e4m3fn, (H, I // 16))
+        assert src.nbytes() == sum(
+            t.numel() * t.element_size()
+            for t in save_modelopt_experts(experts, prefix=PREFIX).values()
+        )
+        # an open source is read by the loader and left open
+        assert_identical(load_checkpoint_experts(src, prefix=PREFIX, num_experts=E), experts)
+        assert torch.equal(
+            src.read([key])[key].view(torch.uint8), experts.w2_scales[1].view(torch.uint8)
+        )
+    with CheckpointSource({key: experts.w2_scales[1]}) as sd:
+        assert sd.info(key) == (torch.float8_e4m3fn, (H, I // 16)) and sd.folder is None
 
 
 def test_state_dict_and_mixtral_names(experts):

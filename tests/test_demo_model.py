@@ -12,20 +12,18 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import fp4moe.phases  # noqa: E402
-from fp4moe.checkpoints import (  # noqa: E402
-    save_compressed_tensors_experts,
-    save_modelopt_experts,
-)
+from fp4moe.checkpoints import CheckpointSource  # noqa: E402
 from fp4moe.demo_model import (  # noqa: E402
     ModelDemoConfig,
-    _build,
-    _load_dense_weights,
+    NotEnoughMemory,
+    demo_memory,
     load_model_config,
     render_model_demo,
     run_model_demo,
 )
-from fp4moe.integrations.hf import convert, moe_layers  # noqa: E402
-from fp4moe.nvfp4 import dequantize_nvfp4, quantize_nvfp4  # noqa: E402
+from fp4moe.integrations.hf import load_model  # noqa: E402
+from fp4moe.integrations.hf_export import write_nvfp4_checkpoint  # noqa: E402
+from fp4moe.integrations.hf_load import read_weight  # noqa: E402
 
 B, S, N = 2, 6, 3  # batch, prompt tokens, new tokens
 
@@ -55,13 +53,13 @@ def tiny(arch: str = "qwen3_moe"):
 
 @pytest.fixture
 def moe_calls(monkeypatch):
-    """(mode, act_scale, tokens) of every fp4moe.moe call made by an MoELayer."""
+    """(mode, tokens) of every fp4moe.moe call made by an MoELayer."""
     calls = []
     real = fp4moe.phases.moe
 
-    def spy(x, ids, w, experts, *, mode, act_scale, **kw):
-        calls.append((mode, act_scale, x.shape[0]))
-        return real(x, ids, w, experts, mode=mode, act_scale=act_scale, **kw)
+    def spy(x, ids, w, experts, *, mode, **kw):
+        calls.append((mode, x.shape[0]))
+        return real(x, ids, w, experts, mode=mode, **kw)
 
     monkeypatch.setattr(fp4moe.phases, "moe", spy)
     return calls
@@ -121,8 +119,8 @@ def test_prefill_runs_w4a4_and_decode_w4a16(moe_calls):
     # The measured generate (after a 2-token warm-up): per layer one W4A4 per-token call over
     # the prompt, then N - 1 W4A16 calls of B tokens.
     measured = moe_calls[-2 * N :]
-    assert measured[:2] == [("w4a4", "per_token", B * S)] * 2
-    assert {(m, t) for m, _, t in measured[2:]} == {("w4a16", B)}
+    assert measured[:2] == [("w4a4-token", B * S)] * 2
+    assert set(measured[2:]) == {("w4a16", B)}
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
@@ -158,45 +156,24 @@ def test_bad_settings_are_refused():
         ModelDemoConfig(prefill="w4a8")
 
 
-def write_checkpoint(folder, arch: str, fmt: str):
-    """A checkpoint directory as an NVFP4 exporter writes it: config.json, the dense weights
-    in bf16 except one NVFP4 attention projection, the experts in NVFP4."""
-    config = tiny(arch)
-    model = _build(config, seed=5)
-    dense = {k: v for k, v in model.state_dict().items() if ".experts." not in k}
-    q = "model.layers.1.self_attn.o_proj"
-    qt = quantize_nvfp4(dense.pop(f"{q}.weight"))
-    if fmt == "modelopt":
-        dense |= {f"{q}.weight": qt.codes, f"{q}.weight_scale": qt.scales,
-                  f"{q}.weight_scale_2": qt.global_scale}  # fmt: skip
-    else:
-        encode = torch.reciprocal(qt.global_scale).reshape(1)  # compressed-tensors' global
-        dense |= {f"{q}.weight_packed": qt.codes, f"{q}.weight_scale": qt.scales,
-                  f"{q}.weight_global_scale": encode}  # fmt: skip
-    save = save_modelopt_experts if fmt == "modelopt" else save_compressed_tensors_experts
-    names = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    for name, layer in moe_layers(convert(model)).items():
-        save(layer.experts, dense, prefix=f"{name}.experts", names=names)
-    if arch == "mixtral":  # Mixtral checkpoints name the block block_sparse_moe, not mlp
-        dense = {k.replace(".mlp.", ".block_sparse_moe."): v for k, v in dense.items()}
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in dense.items()}, str(folder / "model.safetensors"))
-    d = config.to_dict()
-    d["quantization_config"] = {"quant_method": fmt}
-    (folder / "config.json").write_text(json.dumps(d))
-    return dequantize_nvfp4(qt)
+def write_checkpoint(folder, arch: str, fmt: str) -> None:
+    """A checkpoint directory as an NVFP4 exporter writes it: config.json, the experts and
+    the attention projections in NVFP4, everything else in bf16."""
+    torch.manual_seed(5)
+    model = transformers.AutoModelForCausalLM.from_config(tiny(arch)).bfloat16()
+    write_nvfp4_checkpoint(model, folder, format=fmt)
 
 
 @pytest.mark.parametrize(
     ("arch", "fmt"), [("qwen3_moe", "modelopt"), ("mixtral", "compressed-tensors")]
 )
 def test_nvfp4_checkpoint(arch, fmt, tmp_path):
-    o_proj = write_checkpoint(tmp_path, arch, fmt)
-    skeleton = _build(load_model_config(tmp_path), seed=9)
-    _load_dense_weights(skeleton, str(tmp_path))
-    got = skeleton.get_submodule("model.layers.1.self_attn.o_proj").weight
-    assert torch.equal(got, o_proj.to(torch.bfloat16))  # the NVFP4 linear, decoded
+    write_checkpoint(tmp_path, arch, fmt)
+    model = load_model(tmp_path)
+    key = "model.layers.1.self_attn.o_proj.weight"
+    with CheckpointSource(tmp_path) as src:
+        o_proj = read_weight(src, key)  # the NVFP4 linear, decoded
+    assert torch.equal(model.get_submodule(key.removesuffix(".weight")).weight, o_proj.bfloat16())
 
     res = run_model_demo(
         ModelDemoConfig(checkpoint=str(tmp_path), batch=B, prompt_len=S, new_tokens=N)
@@ -219,3 +196,18 @@ def test_checkpoint_without_a_dense_weight_is_refused(tmp_path):
         run_model_demo(
             ModelDemoConfig(checkpoint=str(tmp_path), batch=1, prompt_len=2, new_tokens=2)
         )
+
+
+def test_memory_is_checked_before_anything_is_built(monkeypatch):
+    """A full-size config is refused from its shapes alone, saying what it would need."""
+    big = transformers.Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, moe_intermediate_size=768, num_hidden_layers=48,
+        num_experts=128, num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128,
+    )  # fmt: skip
+    need = demo_memory(big)
+    # Qwen3-30B-A3B: about 30.5 G parameters, twice in bf16, plus its NVFP4 experts
+    assert 2 * 2 * 30e9 < need["total"] < 2 * 2 * 31e9 + 0.6 * 29e9
+    monkeypatch.setattr(fp4moe.demo_model, "available_bytes", lambda device: 8 * 2**30)
+    with pytest.raises(NotEnoughMemory, match=r"needs about 1\d\d\.\d\d GiB .* 8\.00 GiB"):
+        run_model_demo(ModelDemoConfig(model_config=big, batch=1, prompt_len=2, new_tokens=2))

@@ -25,7 +25,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_same_experts(a: PreparedExperts, b: PreparedExperts) -> None:
-    ta, tb = a._tensors(), b._tensors()
+    ta, tb = a.tensors(), b.tensors()
     assert sorted(ta) == sorted(tb)
     for k in ta:
         assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape, k
@@ -59,7 +59,7 @@ def test_prepare_shapes_and_dtypes(experts):
         "w2_scales": ((E, H, I // 16), F8),
         "w2_global": ((E,), torch.float32),
     }
-    tensors = experts._tensors()
+    tensors = experts.tensors()
     assert sorted(tensors) == sorted(expected)
     for k, (shape, dtype) in expected.items():
         assert tuple(tensors[k].shape) == shape and tensors[k].dtype == dtype, k
@@ -141,7 +141,7 @@ def test_nbytes(experts, static_experts, static):
 def test_linear_round_trip_bit_exact(experts, static_experts, static):
     ex = static_experts if static else experts
     lin = ex.to_linear()
-    assert sorted(lin) == sorted(ex._tensors())
+    assert sorted(lin) == sorted(ex.tensors())
     back = PreparedExperts.from_linear(lin)
     assert_same_experts(back, ex)
     for k, v in lin.items():  # new storage: changing the linear form leaves ex alone
@@ -186,7 +186,7 @@ def test_load_with_device(tmp_path, experts):
     experts.save(path)
     loaded = load_experts(path, device="meta")  # placement only; meta needs no GPU
     assert loaded.device.type == "meta"
-    assert all(t.device.type == "meta" for t in loaded._tensors().values())
+    assert all(t.device.type == "meta" for t in loaded.tensors().values())
     if torch.cuda.is_available():
         assert_same_experts(load_experts(path, device="cuda"), experts)
 
@@ -291,6 +291,30 @@ def test_load_refuses_shape_mismatch(tmp_path, saved, experts):
     wrong = experts.w2_scales[:, :, :1].contiguous()
     bad = _rewrite(saved, tmp_path / "bad.safetensors", replace={"w2_scales": wrong})
     with pytest.raises(ValueError, match=r"path.*w2_scales"):
+        load_experts(bad)
+
+
+@pytest.mark.parametrize(
+    "field,byte,pattern",
+    [("w13_scales", 0x7F, "NaN"), ("w2_scales", 0xFF, "NaN"), ("w2_scales", 0x81, "negative")],
+    ids=["nan", "negative-nan", "negative"],
+)
+def test_load_refuses_bad_block_scales(tmp_path, saved, experts, field, byte, pattern):
+    """The same check as the checkpoint loaders (check_block_scales)."""
+    bits = getattr(experts, field).view(torch.uint8).clone()
+    bits[1, 2, 0] = byte
+    bad = _rewrite(saved, tmp_path / "bad.safetensors",
+                   replace={field: bits.view(torch.float8_e4m3fn)})  # fmt: skip
+    with pytest.raises(ValueError, match=rf"path.*{field}.*{pattern}"):
+        load_experts(bad)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 0.0, -1.0])
+def test_load_refuses_bad_global_scales(tmp_path, saved, experts, value):
+    g = experts.w13_global.clone()
+    g[0, 1] = value
+    bad = _rewrite(saved, tmp_path / "bad.safetensors", replace={"w13_global": g})
+    with pytest.raises(ValueError, match=r"path.*w13_global.*finite and positive"):
         load_experts(bad)
 
 

@@ -30,6 +30,7 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
+import fp4moe  # noqa: E402
 from fp4moe import (  # noqa: E402
     PhasePolicy,
     PreparedExperts,
@@ -198,9 +199,21 @@ def test_deepseek_shared_experts_are_the_models_own():
     with torch.no_grad():
         routed = new.moe(x.reshape(-1, x.shape[-1]), routes=new.route(x.reshape(-1, x.shape[-1])))
         assert torch.equal(new(x), routed.reshape(x.shape) + block.shared_experts(x))
-    # The correction bias routes (a copy) but is not a second state-dict entry.
-    assert torch.equal(new.moe.correction_bias, block.gate.e_score_correction_bias.float())
-    assert not any("moe." in k for k in new.state_dict())
+    # The gate's own correction bias routes (no copy: load_state_dict and .to() reach it),
+    # and the state dict holds the experts under ModelOpt names, not the layer's buffers.
+    assert new.moe.correction_bias is None
+    with torch.no_grad():
+        block.gate.e_score_correction_bias.add_(1.0)
+        x2d = x.reshape(-1, x.shape[-1])
+        shifted = fp4moe.route(
+            new.router_logits(x2d), 3, method="sigmoid_grouped",
+            correction_bias=block.gate.e_score_correction_bias.float(), n_group=4, topk_group=2,
+            scaling_factor=2.5,
+        )  # fmt: skip
+        assert all(torch.equal(a, b) for a, b in zip(new.route(x2d), shifted))
+    sd = new.state_dict()
+    assert not any(k.startswith("moe.") for k in sd)
+    assert "experts.0.gate_proj.weight_scale_2" in sd and "gate.e_score_correction_bias" in sd
 
 
 # ------------------------------------------------------------------------------ models
@@ -271,13 +284,13 @@ def test_fp32_model_and_expert_dtype():
 
 @pytest.fixture
 def mode_spy(monkeypatch):
-    """Records (tokens, mode, act_scale) of every fp4moe.moe call made by a MoELayer."""
-    calls: list[tuple[int, str, str]] = []
+    """Records (tokens, mode) of every fp4moe.moe call made by a MoELayer."""
+    calls: list[tuple[int, str]] = []
     real = phases_module.moe
 
-    def spy(x, ids, w, experts, *, mode, act_scale, **kw):
-        calls.append((x.shape[0], mode, act_scale if mode == "w4a4" else "-"))
-        return real(x, ids, w, experts, mode=mode, act_scale=act_scale, **kw)
+    def spy(x, ids, w, experts, *, mode, **kw):
+        calls.append((x.shape[0], mode))
+        return real(x, ids, w, experts, mode=mode, **kw)
 
     monkeypatch.setattr(phases_module, "moe", spy)
     return calls
@@ -307,8 +320,8 @@ def test_generate_prompt_is_prefill_then_decode(arch, mode_spy):
     assert out.shape == (2, 12)
     # 14 prompt tokens: the policy's threshold (64) alone would call them decode.
     assert _stats(model) == {((1, 4), (14, 8))}  # (prefill, decode) calls and tokens
-    assert mode_spy == [(14, "w4a4", "per_token")] * n_layers + [(2, "w4a16", "-")] * 4 * n_layers
-    assert phases_module._current_phase.get() is None
+    assert mode_spy == [(14, "w4a4-token")] * n_layers + [(2, "w4a16")] * 4 * n_layers
+    assert fp4moe.current_phase() is None
 
 
 def test_generate_explicit_phase_and_no_hooks():
@@ -354,7 +367,7 @@ def test_plain_forward_phases_and_reset_after_error():
     assert not twin._forward_pre_hooks and model._forward_pre_hooks
     with pytest.raises(IndexError), torch.no_grad():
         model(torch.full((1, 3), 10_000))  # fails inside the forward
-    assert phases_module._current_phase.get() is None
+    assert fp4moe.current_phase() is None
 
 
 def test_infer_phase_rule():
@@ -568,8 +581,12 @@ def _expert_refs(model: nn.Module) -> tuple[list[weakref.ref], int]:
 
 
 def _state_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, less the NVFP4 expert buffers."""
+    experts = {
+        id(t) for layer in hf.moe_layers(model).values() for t in layer.experts.tensors().values()
+    }
     tensors = list(model.parameters()) + list(model.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in tensors if id(t) not in experts)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -584,11 +601,7 @@ def test_no_copy_of_the_original_experts(arch):
     assert not [n for n in names if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
     assert all(p.dim() <= 2 for p in model.parameters())
     layers = hf.moe_layers(model)
-    routing_copies = sum(
-        layer.correction_bias.numel() * 4 for layer in layers.values()
-        if layer.correction_bias is not None
-    )  # fmt: skip
-    assert _state_bytes(model) == before - expert_bytes + routing_copies
+    assert _state_bytes(model) == before - expert_bytes  # no routing copy either
     nvfp4 = sum(layer.experts.nbytes() for layer in layers.values())
     assert nvfp4 < expert_bytes * 0.3  # 4.5 bits a weight (+ scales) instead of 16
     for layer in layers.values():

@@ -16,6 +16,8 @@ from fp4moe.phases import PHASES, serving_phase
 from testing import assert_close_moe, random_moe_weights, random_routes, random_x, rel_err
 
 E, H, I, K = 8, 64, 32, 2  # noqa: E741 (the SPEC's names)
+EXPERT_KEYS = ("w13_codes", "w13_scales", "w13_global", "w2_codes", "w2_scales", "w2_global",
+               "a13_scale", "a2_scale")  # fmt: skip
 
 # every accepted policy string -> (mode, act_scale, fused_finalize)
 SPECS = {
@@ -101,9 +103,14 @@ def test_phase_config_parse_and_str_round_trip(spec):
     ids=lambda v: str(v),
 )
 def test_phase_config_constructed_round_trips(mode, act_scale, fused):
+    if mode == "w4a16" and act_scale != "per_token":  # W4A16 has no activation scale
+        with pytest.raises(ValueError, match="act_scale"):
+            PhaseConfig(mode, act_scale, fused)
+        return
     cfg = PhaseConfig(mode, act_scale, fused)
     assert PhaseConfig.parse(str(cfg)) == cfg
-    if mode == "w4a16":  # W4A16 ignores the activation scale: one spelling
+    assert PhaseConfig(cfg.name, fused_finalize=fused) == cfg  # the mode name alone
+    if mode == "w4a16":
         assert cfg == PhaseConfig("w4a16", fused_finalize=fused)
 
 
@@ -134,10 +141,14 @@ def test_phase_config_bad_type(spec):
         ({"mode": "W4A4"}, ValueError, "mode"),
         ({"mode": "w4a4", "act_scale": "per_row"}, ValueError, "act_scale"),
         ({"mode": "w4a16", "act_scale": "token"}, ValueError, "act_scale"),
+        ({"mode": "w4a16", "act_scale": "static"}, ValueError, "act_scale"),
+        ({"mode": "w4a4-token", "act_scale": "static"}, ValueError, "act_scale"),
+        ({"mode": "w4a4-per_token"}, ValueError, "mode"),
         ({"mode": "w4a16", "fused_finalize": "yes"}, TypeError, "fused_finalize"),
     ],
-    ids=["mode", "mode-case", "act_scale", "act_scale-w4a16", "fused_finalize"],
-)
+    ids=["mode", "mode-case", "act_scale", "act_scale-w4a16", "static-w4a16",
+         "name-contradicted", "old-name", "fused_finalize"],
+)  # fmt: skip
 def test_phase_config_bad_field(kwargs, exc, field):
     with pytest.raises(exc, match=field):
         PhaseConfig(**kwargs)
@@ -380,7 +391,7 @@ def test_layer_sigmoid_grouped(experts, device):
     for phase in PHASES:
         out = layer(x, phase)
         assert torch.equal(out, _ref(x, ids, w, experts, getattr(layer.policy, phase)))
-    assert set(layer.state_dict()) == {"gate_weight", "correction_bias"}
+    assert set(layer.state_dict()) == {"gate_weight", "correction_bias", *EXPERT_KEYS}
 
 
 @pytest.mark.parametrize("start", [0, 2, 4], ids=lambda s: f"experts{s}-{s + 3}")
@@ -442,8 +453,9 @@ def test_static_phase_needs_calibrated_scales(device, phase):
     with pytest.raises(ValueError, match="a13_scale") as info:
         MoELayer(plain, policy=policy)
     assert phase in str(info.value) and "policy" in str(info.value)
-    # W4A16 ignores the activation scale: PhaseConfig("w4a16", "static") is plain W4A16
-    MoELayer(plain, policy=PhaseConfig("w4a16", "static"))
+    # W4A16 has no activation scale: PhaseConfig("w4a16", "static") is refused, not ignored
+    with pytest.raises(ValueError, match="act_scale"):
+        PhaseConfig("w4a16", "static")
     # experts swapped after construction: the call names act_scale and counts nothing
     layer = MoELayer(_experts(device=device), gate_weight=_gate(device=device), policy=policy)
     layer.experts = plain
@@ -545,20 +557,43 @@ def test_phase_switches_never_touch_the_weights(experts, gate, device):
     assert layer.stats.calls == {"prefill": 2, "decode": 1}
 
 
-def test_state_dict_holds_no_expert_tensor(experts, gate):
+def test_state_dict_holds_the_expert_tensors_themselves(experts, gate):
     layer = MoELayer(experts, gate_weight=gate)
     sd = layer.state_dict()
-    assert set(sd) == {"gate_weight"}
+    assert set(sd) == {"gate_weight", *EXPERT_KEYS}
     assert not list(layer.parameters())
-    ptrs = {t.data_ptr() for t in _expert_tensors(experts).values()}
-    assert not any(t.data_ptr() in ptrs for t in sd.values())
-    assert not any(t.data_ptr() in ptrs for t in layer.buffers())
-    # the router weight is the layer's own fp32 copy, not the caller's tensor
+    # the expert entries are the prepared tensors (no copy); the router is the layer's own
+    for k, t in _expert_tensors(experts).items():
+        assert sd[k].data_ptr() == t.data_ptr() and sd[k].dtype == t.dtype, k
     assert sd["gate_weight"].dtype == torch.float32 and torch.equal(sd["gate_weight"], gate)
     assert sd["gate_weight"].data_ptr() != gate.data_ptr()
-    # loading a state dict back touches only the router
-    layer.load_state_dict({"gate_weight": torch.zeros_like(gate)})
-    assert layer.experts is experts and not layer.gate_weight.any()
+    # loading a state dict copies into the buffers: a round trip through another layer
+    other = MoELayer(_experts(seed=5), gate_weight=torch.zeros_like(gate))
+    other.load_state_dict(sd)
+    for k, t in _expert_tensors(experts).items():
+        assert torch.equal(_bits(getattr(other.experts, k)), _bits(t)), k
+    assert torch.equal(other.gate_weight, gate)
+    with pytest.raises(RuntimeError, match="w13_codes"):
+        other.load_state_dict({k: v for k, v in sd.items() if k != "w13_codes"})
+
+
+def test_layer_moves_with_the_module(experts, gate):
+    """.to(device) moves the experts (meta: the one other device every machine has);
+    layer.experts follows, and the layer refuses experts of another shape."""
+    layer = MoELayer(experts, gate_weight=gate)
+    moved = layer.to("meta")
+    assert moved is layer and layer.experts.device.type == "meta"
+    assert all(t.device.type == "meta" for t in _expert_tensors(layer.experts).values())
+    assert layer.gate_weight.device.type == "meta"
+    assert experts.device.type == "cpu"  # the caller's object is not changed
+    layer.to_empty(device="cpu")
+    assert layer.experts.device.type == "cpu"
+    layer.experts = experts  # assigning replaces the buffers
+    assert layer.experts is experts and layer.w13_codes is experts.w13_codes
+    with pytest.raises(ValueError, match="experts"):
+        layer.experts = _experts(4)
+    with pytest.raises(TypeError, match="experts"):
+        layer.experts = experts.to_linear()
 
 
 def test_module_to_dtype_leaves_experts_alone(experts, gate, device):

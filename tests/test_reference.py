@@ -552,12 +552,12 @@ def _bits(t):
 @pytest.mark.parametrize("mode,act_scale", MODES, ids=MODE_IDS)
 def test_moe_modifies_nothing(mode, act_scale):
     x, ids, w, ex = make_case(9, 3, 4, 64, 32, seed=31, masked_frac=0.2, mode_act=(mode, act_scale))
-    before = {k: _bits(v) for k, v in ex._tensors().items()}
+    before = {k: _bits(v) for k, v in ex.tensors().items()}
     inputs = [x.clone(), ids.clone(), w.clone()]
     fp4moe.moe(x, ids, w, ex, mode=mode, act_scale=act_scale, backend="reference")
     for name, got, want in zip(("x", "ids", "w"), (x, ids, w), inputs):
         assert torch.equal(_bits(got), _bits(want)), name
-    after = ex._tensors()
+    after = ex.tensors()
     assert sorted(after) == sorted(before)
     for k, v in before.items():
         assert torch.equal(_bits(after[k]), v), k

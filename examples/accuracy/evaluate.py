@@ -44,6 +44,7 @@ from tinymoe import CONFIG, DATA, HERE, WEIGHTS, encode, load_model
 import fp4moe
 from fp4moe import MoELayer, PhasePolicy, serving_phase
 from fp4moe.nvfp4 import global_from_amax
+from fp4moe.progress import progress
 
 MODES = ("w4a16", "w4a4-token", "w4a4-tensor", "w4a4-static")
 POLICIES = (
@@ -281,7 +282,7 @@ def run(
         "modes": {"bf16": text_metrics(ref_logits, ref_logits, rows)},
         "policies": {},
     }  # fmt: skip
-    for mode in modes:
+    for mode in progress(modes, desc="evaluating modes"):
         set_policy(layers, mode, mode)
         result["modes"][mode] = text_metrics(logits_of(quant, rows, batch), ref_logits, rows)
     base = result["modes"]["bf16"]
@@ -294,7 +295,7 @@ def run(
         del m["window_nll"]
 
     ref_gen = greedy(bf16, prompts, gen)
-    for pre, dec in policies:
+    for pre, dec in progress(policies, desc="evaluating policies"):
         set_policy(layers, pre, dec)
         stats = {"prefill": pre, "decode": dec,
                  "forced_agree": forced_agreement(quant, prompts, ref_gen)}  # fmt: skip

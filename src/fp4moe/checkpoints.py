@@ -28,6 +28,7 @@ the last bit for about one fp32 value in seven).
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from contextlib import ExitStack
@@ -35,11 +36,14 @@ from typing import Any
 
 import torch
 
-from .experts import PreparedExperts
+from .experts import PreparedExperts, validate_block_scales
 
 __all__ = [
     "CHECKPOINT_FORMATS",
+    "CheckpointSource",
     "load_checkpoint_experts",
+    "modelopt_expert_tensors",
+    "read_safetensors_header",
     "save_compressed_tensors_experts",
     "save_modelopt_experts",
 ]
@@ -62,19 +66,77 @@ _LEAVES = {
 
 _SCALAR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # widen to fp32 exactly
 
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
 
 # ----------------------------------------------------------------------------- sources
 
 
-class _Source:
-    """Keys of a checkpoint, and reading a chosen few of them, each shard opened once."""
+def read_safetensors_header(
+    file: str,
+) -> tuple[dict[str, tuple[torch.dtype, tuple, int, int]], int]:
+    """The tensors of a safetensors file from its header: ``{key: (dtype, shape, begin,
+    end)}`` (byte offsets into the data) and where the data starts. Nothing else is read.
 
-    def __init__(self, source: Any, stack: ExitStack) -> None:
-        self._stack = stack
+    Raises:
+        ValueError: a file too short for its header, a header that is not the format's
+            JSON, an unsupported dtype, or offsets that do not fit the shape or the file.
+    """
+    size = os.path.getsize(file)
+    bad = f"source: {file!r} is truncated or not a safetensors file"
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 2 <= n <= size - 8:
+            raise ValueError(f"{bad} (header size {n}, file size {size})")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as exc:
+            raise ValueError(f"{bad} ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{bad} (the header is not a JSON object)")
+    start, data = 8 + n, size - 8 - n
+    out: dict[str, tuple[torch.dtype, tuple, int, int]] = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{bad} (entry {key!r}: {exc!r})") from None
+        nbytes = dtype.itemsize * math.prod(shape)
+        if not 0 <= begin <= end <= data or end - begin != nbytes:
+            raise ValueError(f"{bad} (entry {key!r}: offsets {begin}..{end} of {data} bytes)")
+        out[key] = (dtype, shape, begin, end)
+    return out, start
+
+
+class CheckpointSource:
+    """The keys of a checkpoint, and reading a chosen few of them.
+
+    Args:
+        source: a safetensors file; a directory with ``model.safetensors.index.json`` (HF
+            sharded layout) or a single ``model.safetensors``; or a state dict
+            ``dict[str, Tensor]``.
+
+    Each shard's header is read once; a tensor is read with one ``readinto`` into its own
+    new CPU tensor (files are not memory-mapped, so the process holds only the tensors it
+    read: host memory measures what a loader keeps). Use as a context manager (``with
+    CheckpointSource(path) as src:``); :meth:`close` forgets the headers.
+    """
+
+    def __init__(self, source: Any) -> None:
         self._dict: Mapping[str, torch.Tensor] | None = None
         self._key_to_file: dict[str, str] = {}
-        self._handles: dict[str, Any] = {}  # file -> open safetensors handle
-        self._file_keys: dict[str, set[str]] = {}  # file -> the keys it holds
+        self._headers: dict[str, tuple[dict, int]] = {}  # file -> (entries, data start)
+        self.folder: str | None = None  # the checkpoint directory, when given one
         if isinstance(source, Mapping):
             for k, v in source.items():
                 if not isinstance(k, str):
@@ -97,6 +159,7 @@ class _Source:
         if os.path.isfile(path):
             self._map_whole_file(path)
         elif os.path.isdir(path):
+            self.folder = path
             index = os.path.join(path, "model.safetensors.index.json")
             single = os.path.join(path, "model.safetensors")
             if os.path.isfile(index):
@@ -112,23 +175,27 @@ class _Source:
         else:
             raise ValueError(f"source: no such file or directory {path!r}")
 
-    def _open(self, file: str) -> Any:
-        from safetensors import safe_open
+    def __enter__(self) -> CheckpointSource:
+        return self
 
-        if file not in self._handles:
-            try:
-                self._handles[file] = self._stack.enter_context(
-                    safe_open(file, framework="pt", device="cpu")
-                )
-            except Exception as exc:  # safetensors raises its own error types
-                raise ValueError(
-                    f"source: {file!r} is truncated or not a safetensors file ({exc})"
-                ) from exc
-        return self._handles[file]
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Forget the headers read (no file stays open between reads)."""
+        self._headers.clear()
+
+    def _header(self, file: str, key: str | None = None) -> tuple[dict, int]:
+        if file not in self._headers:
+            if not os.path.isfile(file):
+                what = f"the index maps {key!r} to {file!r}" if key else repr(file)
+                raise ValueError(f"source: {what}, which does not exist")
+            self._headers[file] = read_safetensors_header(file)
+        return self._headers[file]
 
     def _map_whole_file(self, file: str) -> None:
-        handle = self._open(file)
-        self._key_to_file = dict.fromkeys(handle.keys(), file)
+        entries, _ = self._header(file)
+        self._key_to_file = dict.fromkeys(entries, file)
 
     def _map_index(self, index: str, folder: str) -> None:
         try:
@@ -141,34 +208,48 @@ class _Source:
         self._key_to_file = {k: os.path.join(folder, v) for k, v in weight_map.items()}
 
     def has(self, key: str) -> bool:
+        """Whether the checkpoint holds ``key``."""
         return key in (self._dict if self._dict is not None else self._key_to_file)
 
     def all_keys(self) -> Iterable[str]:
+        """Every key of the checkpoint."""
         return self._dict.keys() if self._dict is not None else self._key_to_file.keys()
 
+    def _entry(self, key: str) -> tuple[torch.dtype, tuple, int, int, int, str]:
+        file = self._key_to_file[key]
+        entries, start = self._header(file, key)
+        if key not in entries:
+            raise ValueError(f"source: the index maps {key!r} to {file!r}, which does not hold it")
+        return (*entries[key], start, file)
+
+    def info(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """(dtype, shape) of ``key`` (from the file header: nothing is read)."""
+        if self._dict is not None:
+            t = self._dict[key]
+            return t.dtype, tuple(t.shape)
+        dtype, shape, *_ = self._entry(key)
+        return dtype, shape
+
+    def nbytes(self) -> int:
+        """Bytes of all the checkpoint's tensors (from the headers)."""
+        return sum(d.itemsize * math.prod(s) for d, s in map(self.info, self.all_keys()))
+
     def read(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
-        """The tensors of ``keys`` (all present: check with :meth:`has` first)."""
+        """The tensors of ``keys`` (all present: check with :meth:`has` first), new CPU
+        tensors (the state dict's own, for a state dict)."""
         if self._dict is not None:
             return {k: self._dict[k] for k in keys}
-        by_file: dict[str, list[str]] = {}
-        for k in keys:
-            by_file.setdefault(self._key_to_file[k], []).append(k)
         out: dict[str, torch.Tensor] = {}
-        for file, file_keys in by_file.items():
-            if not os.path.isfile(file):
-                raise ValueError(
-                    f"source: the index maps {file_keys[0]!r} to {file!r}, which does not exist"
-                )
-            handle = self._open(file)
-            if file not in self._file_keys:
-                self._file_keys[file] = set(handle.keys())
-            for k in file_keys:
-                if k not in self._file_keys[file]:
-                    raise ValueError(
-                        f"source: the index maps {k!r} to {file!r}, which does not hold it"
-                    )
-                out[k] = handle.get_tensor(k)
-        return out
+        for k in sorted(keys, key=lambda k: self._key_to_file[k]):
+            dtype, shape, begin, end, start, file = self._entry(k)
+            raw = torch.empty(end - begin, dtype=torch.uint8)
+            with open(file, "rb", buffering=0) as f:
+                f.seek(start + begin)
+                got = f.readinto(memoryview(raw.numpy())) if end > begin else 0
+            if got != end - begin:
+                raise ValueError(f"source: {file!r} is truncated ({k!r} ends past the file)")
+            out[k] = raw.view(dtype).reshape(shape)
+        return {k: out[k] for k in keys}
 
 
 # ----------------------------------------------------------------------------- checks
@@ -204,7 +285,9 @@ def _check_args(prefix: Any, num_experts: Any, fmt: Any, expert_range: Any) -> t
     return prefix.rstrip("."), start, stop
 
 
-def _detect(src: _Source, prefix: str, e0: int, fmt: str) -> tuple[str, tuple[str, str, str]]:
+def _detect(
+    src: CheckpointSource, prefix: str, e0: int, fmt: str
+) -> tuple[str, tuple[str, str, str]]:
     """(format, projection names) from the keys of expert ``e0``'s gate projection."""
     # compressed-tensors: weight_packed; ModelOpt: weight beside weight_scale (an unquantized
     # checkpoint has a weight but no weight_scale).
@@ -241,7 +324,7 @@ def _detect(src: _Source, prefix: str, e0: int, fmt: str) -> tuple[str, tuple[st
     return found[0]
 
 
-def _hint(src: _Source, prefix: str) -> str:
+def _hint(src: CheckpointSource, prefix: str) -> str:
     under = [k for k in src.all_keys() if k.startswith(prefix + ".")]
     if not under:
         return f"; no key starts with {prefix + '.'!r}"
@@ -249,7 +332,7 @@ def _hint(src: _Source, prefix: str) -> str:
 
 
 def _check_expert_count(
-    src: _Source, prefix: str, num_experts: int, names: Sequence[str], codes_leaf: str
+    src: CheckpointSource, prefix: str, num_experts: int, names: Sequence[str], codes_leaf: str
 ) -> None:
     last = f"{prefix}.{num_experts - 1}.{names[0]}.{codes_leaf}"
     if not src.has(last):
@@ -276,11 +359,7 @@ def _as_block_scales(t: torch.Tensor, key: str, shape: tuple[int, int]) -> torch
             f"{key}: expected torch.float8_e4m3fn (or uint8 bits) {list(shape)} "
             f"(linear block scales), got {t.dtype} {list(t.shape)}"
         )
-    bits = t.view(torch.uint8)
-    if bool(((bits & 0x7F) == 0x7F).any()):
-        raise ValueError(f"{key}: block scales hold NaN")
-    if bool(((bits & 0x80) != 0).logical_and((bits & 0x7F) != 0).any()):
-        raise ValueError(f"{key}: block scales must be non-negative, found negative values")
+    validate_block_scales(t, key)
     return t.view(torch.float8_e4m3fn)
 
 
@@ -310,7 +389,7 @@ def _decode_global(t: torch.Tensor, key: str, fmt: str) -> torch.Tensor:
 
 
 def load_checkpoint_experts(
-    source: str | os.PathLike | Mapping[str, torch.Tensor],
+    source: str | os.PathLike | Mapping[str, torch.Tensor] | CheckpointSource,
     *,
     prefix: str,
     num_experts: int,
@@ -325,7 +404,8 @@ def load_checkpoint_experts(
     Args:
         source: a safetensors file; a directory with ``model.safetensors.index.json`` (HF
             sharded layout, its ``weight_map`` says which shard holds each key) or with a
-            single ``model.safetensors``; or a state dict ``dict[str, Tensor]``.
+            single ``model.safetensors``; a state dict ``dict[str, Tensor]``; or an open
+            :class:`CheckpointSource` (left open).
         prefix: module path of the experts, e.g. ``"model.layers.3.mlp.experts"``; expert
             e's tensors are ``{prefix}.{e}.{proj}.{leaf}``.
         num_experts: experts the block has in the checkpoint (checked against the keys).
@@ -349,7 +429,10 @@ def load_checkpoint_experts(
     prefix, start, stop = _check_args(prefix, num_experts, format, expert_range)
     target = torch.device(device) if device is not None else torch.device("cpu")
     with ExitStack() as stack, torch.no_grad():
-        src = _Source(source, stack)
+        if isinstance(source, CheckpointSource):
+            src = source  # the caller's, left open
+        else:
+            src = stack.enter_context(CheckpointSource(source))
         fmt, names = _detect(src, prefix, start, format)
         codes_leaf, scale_leaf, global_leaf, input_leaf = _LEAVES[fmt]
         _check_expert_count(src, prefix, num_experts, names, codes_leaf)
@@ -509,6 +592,43 @@ def _save(
     raise TypeError(
         f"path_or_dict: expected a path, a dict or None, got {type(path_or_dict).__name__}"
     )
+
+
+def modelopt_expert_tensors(
+    experts: PreparedExperts,
+    *,
+    prefix: str,
+    names: Sequence[str] = ("gate_proj", "up_proj", "down_proj"),
+) -> dict[str, torch.Tensor]:
+    """The experts in the ModelOpt NVFP4 layout of :func:`save_modelopt_experts`, as views
+    of the experts' own tensors (no copy, on their device): what a state dict holds.
+
+    Keys ``{prefix}.{e}.{p}.weight`` uint8 [N, K/2], ``.weight_scale`` e4m3 [N, K/16],
+    ``.weight_scale_2`` fp32 [] and, with static activation scales, ``.input_scale`` fp32 []
+    (views of ``a13_scale`` for gate and up, of ``a2_scale`` for down). The views of one
+    expert tensor share its storage: writers that refuse shared storage (safetensors)
+    need copies, as :func:`save_modelopt_experts` makes.
+    """
+    if not isinstance(experts, PreparedExperts):
+        raise TypeError(f"experts: expected a PreparedExperts, got {type(experts).__name__}")
+    prefix = prefix.rstrip(".")
+    i = experts.intermediate_size
+    out: dict[str, torch.Tensor] = {}
+    for e in range(experts.num_experts):
+        parts = (
+            (experts.w13_codes[e, :i], experts.w13_scales[e, :i], experts.w13_global[e, 0]),
+            (experts.w13_codes[e, i:], experts.w13_scales[e, i:], experts.w13_global[e, 1]),
+            (experts.w2_codes[e], experts.w2_scales[e], experts.w2_global[e]),
+        )
+        statics = (experts.a13_scale, experts.a13_scale, experts.a2_scale)
+        for name, (codes, scales, g), a in zip(names, parts, statics):
+            base = f"{prefix}.{e}.{name}"
+            out[f"{base}.weight"] = codes
+            out[f"{base}.weight_scale"] = scales
+            out[f"{base}.weight_scale_2"] = g
+            if a is not None:
+                out[f"{base}.input_scale"] = a[e]
+    return out
 
 
 def save_modelopt_experts(

@@ -25,13 +25,28 @@ def _fail(command: str, message: str, code: int = 2) -> int:
     return code
 
 
-def _check_device(command: str, device: str) -> int:
+def _check_device(command: str, device: str, backend: str | None = None) -> int:
+    """0, or the exit code after a one-line error for a device or backend this machine
+    cannot run (GPU-only options on a CPU machine)."""
     try:
         dev = torch.device(device)
     except RuntimeError as exc:
         return _fail(command, f"--device: {exc}")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        return _fail(command, "--device cuda: no CUDA device is available here")
+        return _fail(command, "--device cuda: no CUDA device is available here", 1)
+    interpreter = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if backend == "triton" and dev.type != "cuda" and not interpreter:
+        where = (
+            "no CUDA device is available here"
+            if not torch.cuda.is_available()
+            else (f"--device is {device}")
+        )
+        return _fail(
+            command,
+            f"--backend triton: the Triton kernels need a CUDA device ({where}); use "
+            "--backend reference, or auto (the reference on the CPU)",
+            1,
+        )
     return 0
 
 
@@ -72,7 +87,7 @@ def _write_json(path: str | None, doc: dict) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
-    if rc := _check_device("demo", args.device):
+    if rc := _check_device("demo", args.device, args.backend):
         return rc
     given = {k for k in (*_LAYER_DEFAULTS, *_MODEL_DEFAULTS) if getattr(args, k) is not None}
     if args.layer:
@@ -121,7 +136,7 @@ def _demo_layer(args: argparse.Namespace) -> int:
 
 
 def _demo_model(args: argparse.Namespace, opts: dict) -> int:
-    from .demo_model import ModelDemoConfig, render_model_demo, run_model_demo
+    from .demo_model import ModelDemoConfig, NotEnoughMemory, render_model_demo, run_model_demo
 
     for key in ("model_config", "checkpoint"):
         path = opts[key]
@@ -139,6 +154,8 @@ def _demo_model(args: argparse.Namespace, opts: dict) -> int:
         return _fail("demo", str(exc))
     try:
         res = run_model_demo(cfg)
+    except NotEnoughMemory as exc:  # refused before anything large was built
+        return _fail("demo", str(exc), 1)
     except (ValueError, NotImplementedError) as exc:  # a config or checkpoint we cannot run
         return _fail("demo", str(exc))
     print(render_model_demo(res))
@@ -176,6 +193,10 @@ def _cmd_prepare(args: argparse.Namespace, extra: list[str]) -> int:
 
     if rc := _check_device("prepare", args.device):
         return rc
+    if os.path.realpath(args.output) == os.path.realpath(args.input) or (
+        os.path.exists(args.output) and os.path.samefile(args.output, args.input)
+    ):
+        return _fail("prepare", f"{args.output}: is the input file; refusing to write over it")
     keys = {
         "w13": args.w13_key,
         "w2": args.w2_key,
@@ -200,7 +221,9 @@ def _cmd_prepare(args: argparse.Namespace, extra: list[str]) -> int:
         experts = prepare_experts(**tensors)
     except (TypeError, ValueError) as exc:
         return _fail("prepare", str(exc))
-    experts.save(args.output)
+    tmp = f"{args.output}.tmp-{os.getpid()}"
+    experts.save(tmp)  # complete before it replaces anything
+    os.replace(tmp, args.output)
     print(f"prepared {experts!r}")
     print(f"wrote {args.output} ({os.path.getsize(args.output)} bytes)")
     return 0
@@ -242,7 +265,7 @@ def _cmd_inspect(args: argparse.Namespace, extra: list[str]) -> int:
             str(list(t.shape)),
             str(t.numel() * t.element_size()),
         ]
-        for name, t in experts._tensors().items()
+        for name, t in experts.tensors().items()
     ]
     print(format_table(["tensor", "dtype", "shape", "bytes"], rows, "lllr"))
     e, h, i = experts.num_experts, experts.hidden_size, experts.intermediate_size

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .experts import PreparedExperts, prepare_experts
+from .modes import MODE_NAMES
 from .moe import moe
 from .nvfp4 import global_from_amax
 from .routing import route
@@ -37,13 +38,8 @@ __all__ = [
     "synthetic_tokens",
 ]
 
-# (mode, act_scale) rows of the demo, in table order.
-DEMO_MODES = (
-    ("w4a16", "-"),
-    ("w4a4", "per_token"),
-    ("w4a4", "static"),
-    ("w4a4", "per_tensor"),
-)
+# The modes of the demo, in table order (the names of fp4moe.modes).
+DEMO_MODES = MODE_NAMES
 
 
 @dataclass(frozen=True)
@@ -233,7 +229,7 @@ def _rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _tensor_ids(experts: PreparedExperts) -> dict[str, tuple[int, int]]:
-    return {k: (id(v), v.data_ptr()) for k, v in experts._tensors().items()}
+    return {k: (id(v), v.data_ptr()) for k, v in experts.tensors().items()}
 
 
 def _kernels_missing(exc: BaseException) -> bool:
@@ -274,7 +270,6 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     res.rows.append(
         {
             "mode": "bf16",
-            "act_scale": "-",
             "backend": "torch",
             "rel_error": 0.0,
             "median_ms": ms,
@@ -283,32 +278,26 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         }
     )
 
-    for mode, act in DEMO_MODES:
-        act_scale = "per_token" if act == "-" else act
+    for mode in DEMO_MODES:
         backend = cfg.backend
         if backend == "auto":
             backend = "triton" if device.type == "cuda" else "reference"
 
-        def call(backend: str = backend, mode: str = mode, act_scale: str = act_scale):
-            return moe(
-                x, topk_ids, topk_weights, experts, mode=mode, act_scale=act_scale, backend=backend
-            )
+        def call(backend: str = backend, mode: str = mode):
+            return moe(x, topk_ids, topk_weights, experts, mode=mode, backend=backend)
 
         try:
             out = call()
         except Exception as exc:
             if cfg.backend != "auto" or backend != "triton" or not _kernels_missing(exc):
                 raise
-            res.notes.append(
-                f"{mode} {act}: triton backend not available ({exc}); used the reference"
-            )
+            res.notes.append(f"{mode}: triton backend not available ({exc}); used the reference")
             backend = "reference"
             out = call(backend=backend)
         ms = _median_ms(lambda b=backend: call(backend=b), cfg.repeats, device)
         res.rows.append(
             {
                 "mode": mode,
-                "act_scale": act,
                 "backend": backend,
                 "rel_error": _rel_error(out, baseline),
                 "median_ms": ms,
@@ -317,9 +306,9 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
             }
         )
         if _tensor_ids(experts) != before:
-            raise AssertionError(f"{mode} {act}: the prepared tensors were replaced")
+            raise AssertionError(f"{mode}: the prepared tensors were replaced")
 
-    after = experts._tensors()
+    after = experts.tensors()
     if sorted(after) != sorted(snapshot) or not all(
         torch.equal(after[k], snapshot[k]) for k in snapshot
     ):
@@ -360,7 +349,6 @@ def render_demo(res: DemoResult) -> str:
     table = [
         [
             r["mode"],
-            r["act_scale"],
             r["backend"],
             f"{r['rel_error']:.4f}" if r["mode"] != "bf16" else "baseline",
             f"{r['median_ms']:.2f}",
@@ -368,8 +356,8 @@ def render_demo(res: DemoResult) -> str:
         ]
         for r in res.rows
     ]
-    headers = ["mode", "act scale", "backend", "rel err vs bf16", "median ms", "expert weights"]
-    lines.append(format_table(headers, table, "lllrrr"))
+    headers = ["mode", "backend", "rel err vs bf16", "median ms", "expert weights"]
+    lines.append(format_table(headers, table, "llrrr"))
     modes = len(res.rows) - 1
     lines += [
         "",
@@ -378,7 +366,7 @@ def render_demo(res: DemoResult) -> str:
         "object and data pointer checked after each mode, contents unchanged).",
         f"NVFP4 experts: {_mib(res.prepared_bytes)}, "
         f"{res.prepared_bytes / res.bf16_bytes:.3f} of the bf16 weights ({_mib(res.bf16_bytes)}).",
-        "w4a4 per_tensor takes one activation scale over the whole batch: a token's output "
+        "w4a4-tensor takes one activation scale over the whole batch: a token's output "
         "depends on the other tokens (numerics section 7).",
     ]
     lines += [f"note: {n}" for n in res.notes]

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import copy
 import importlib
-import json
 import os
 import sys
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,12 +30,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from .integrations.hf_blocks import find_blocks
+from .integrations.hf_load import dequantized_model, load_model, load_model_config
 from .phases import PHASES, MoELayer, PhasePolicy
 
 __all__ = [
     "ModelDemoConfig",
     "ModelDemoResult",
+    "NotEnoughMemory",
+    "available_bytes",
     "default_model_config",
+    "demo_memory",
     "load_model_config",
     "render_disaggregated",
     "render_model_demo",
@@ -63,34 +66,6 @@ def default_model_config():
         num_experts=16, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
         max_position_embeddings=1024, tie_word_embeddings=False,
     )  # fmt: skip
-
-
-def load_model_config(path: str | os.PathLike):
-    """A transformers config from a ``config.json`` file, or a directory holding one.
-
-    Read offline; a ``quantization_config`` entry is dropped (the demo converts the model
-    itself), so transformers never tries to quantize it."""
-    from transformers import AutoConfig
-
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.is_file():
-        raise ValueError(f"model config: no such file {str(p)!r}")
-    try:
-        with open(p) as f:
-            d = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"model config: {str(p)!r} is not a JSON file ({exc})") from None
-    if not isinstance(d, dict) or "model_type" not in d:
-        raise ValueError(f"model config: {str(p)!r} has no model_type")
-    d.pop("quantization_config", None)
-    d.pop("transformers_version", None)
-    model_type = d.pop("model_type")
-    try:
-        return AutoConfig.for_model(model_type, **d)
-    except ValueError as exc:
-        raise ValueError(f"model config: {str(p)!r}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -186,98 +161,71 @@ def _build(config, seed: int) -> nn.Module:
     return AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
 
 
-def _expert_param_prefixes(model: nn.Module) -> list[str]:
-    from .integrations.hf import SUPPORTED_BLOCKS
-
-    return [
-        f"{name}.experts."
-        for name, m in model.named_modules()
-        if type(m).__name__ in SUPPORTED_BLOCKS
-    ]
+class NotEnoughMemory(ValueError):
+    """The demo would need more memory than the machine has available (nothing was built)."""
 
 
-def _read_dense(src, key: str) -> torch.Tensor | None:
-    """The tensor of model key ``key`` from a checkpoint; an NVFP4 linear (ModelOpt
-    ``weight`` uint8 + ``weight_scale`` + ``weight_scale_2``, or compressed-tensors
-    ``weight_packed`` + ``weight_scale`` + ``weight_global_scale``) decoded to fp32."""
-    from .nvfp4 import NVFP4Tensor, dequantize_nvfp4
+def demo_memory(config, *, checkpoint: str | None = None) -> dict[str, int]:
+    """Bytes the demo holds at once, from the model's shapes alone (the model is built on
+    the meta device: nothing is allocated; an unsupported MoE block is refused here).
 
-    base = key.removesuffix(".weight")
-    if key.endswith(".weight") and src.has(f"{base}.weight_packed"):  # compressed-tensors
-        t = src.read(
-            [f"{base}.weight_packed", f"{base}.weight_scale", f"{base}.weight_global_scale"]
+    Random weights: the bf16 model, its bf16 copy (the reference) and the NVFP4 experts.
+    A checkpoint: the loaded model (dense weights in bf16, NVFP4 experts) and the reference
+    (the same dense tensors, the experts decoded to bf16)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    blocks = tuple(f"{name}.experts." for name, _ in find_blocks(model))
+    expert = dense = 0
+    for name, p in model.named_parameters():
+        if name.startswith(blocks):
+            expert += p.numel()
+        else:
+            dense += p.numel()
+    del model
+    nvfp4 = expert * 9 // 16  # 4 bits a weight and one e4m3 scale per 16 weights
+    bf16_model = 2 * (dense + expert)
+    if checkpoint is not None:
+        parts = {"dense_bf16": 2 * dense, "experts_nvfp4": nvfp4,
+                 "reference_experts_bf16": 2 * expert}  # fmt: skip
+    else:
+        parts = {"model_bf16": bf16_model, "reference_bf16": bf16_model, "experts_nvfp4": nvfp4}
+    return {"total": sum(parts.values()), **parts}
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory available for new allocations on ``device`` (a CUDA device's free memory;
+    the host's MemAvailable, or its physical memory where /proc is not there)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_memory(needed: dict[str, int], device: torch.device) -> None:
+    """Raise :class:`NotEnoughMemory`, saying how much is needed and for what, when
+    ``needed["total"]`` exceeds what ``device`` has available."""
+    have = available_bytes(device)
+    if needed["total"] > have:
+        parts = ", ".join(
+            f"{k.replace('_', ' ')} {_gib(v)}" for k, v in needed.items() if k != "total"
         )
-        g = torch.reciprocal(t[f"{base}.weight_global_scale"].float().reshape(()))
-        q = NVFP4Tensor(
-            t[f"{base}.weight_packed"], t[f"{base}.weight_scale"].view(torch.float8_e4m3fn), g
+        raise NotEnoughMemory(
+            f"this model needs about {_gib(needed['total'])} ({needed['total']} bytes: {parts}) "
+            f"on {device}, which has {_gib(have)} available; nothing was built (a smaller "
+            "--model-config, or a machine with more memory)"
         )
-        return dequantize_nvfp4(q)
-    if not src.has(key):
-        return None
-    t = src.read([key])[key]
-    if t.dtype == torch.uint8 and key.endswith(".weight") and src.has(f"{base}.weight_scale"):
-        s = src.read([f"{base}.weight_scale", f"{base}.weight_scale_2"])  # ModelOpt
-        g = s[f"{base}.weight_scale_2"].float().reshape(())
-        return dequantize_nvfp4(
-            NVFP4Tensor(t, s[f"{base}.weight_scale"].view(torch.float8_e4m3fn), g)
-        )
-    return t
 
 
-def _load_dense_weights(model: nn.Module, path: str) -> int:
-    """Load every non-expert weight of ``model`` from the checkpoint; returns how many.
-
-    Keys are the model's own names, or (Mixtral) the on-disk ``block_sparse_moe`` for ``mlp``."""
-    from .checkpoints import _Source
-
-    skip = _expert_param_prefixes(model)
-    state = model.state_dict()
-    tied = set()
-    if getattr(model.config, "tie_word_embeddings", False):
-        tied = {"lm_head.weight"}
-    loaded: dict[str, torch.Tensor] = {}
-    missing = []
-    with ExitStack() as stack, torch.no_grad():
-        src = _Source(path, stack)
-        for key, want in state.items():
-            if any(key.startswith(p) for p in skip):
-                continue
-            t = None
-            for cand in (key, key.replace(".mlp.", ".block_sparse_moe.")):
-                t = _read_dense(src, cand)
-                if t is not None:
-                    break
-            if t is None:
-                if key not in tied:
-                    missing.append(key)
-                continue
-            if tuple(t.shape) != tuple(want.shape):
-                raise ValueError(
-                    f"checkpoint: {key} has shape {list(t.shape)}, the model {list(want.shape)}"
-                )
-            loaded[key] = t.to(want.dtype)
-    if missing:
-        raise ValueError(
-            f"checkpoint: {path!r} holds no tensor for {missing[0]!r} ({len(missing)} model "
-            "weights missing in all; the experts are read separately)"
-        )
-    model.load_state_dict(loaded, strict=False)
-    return len(loaded)
-
-
-def _set_expert_weights(block: nn.Module, w13: torch.Tensor, w2: torch.Tensor) -> None:
-    """Write w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] into a transformers
-    block's fused experts, in its layout (``is_concatenated``, ``is_transposed``)."""
-    ex = block.experts
-    gu, down = w13, w2
-    if not getattr(ex, "is_concatenated", True):  # gate0, up0, gate1, up1, ...
-        e, two_i, h = w13.shape
-        gu = torch.stack((w13[:, : two_i // 2], w13[:, two_i // 2 :]), dim=2).reshape(e, two_i, h)
-    if getattr(ex, "is_transposed", False):
-        gu, down = gu.transpose(1, 2), down.transpose(1, 2)
-    with torch.no_grad():
-        ex.gate_up_proj.copy_(gu)
-        ex.down_proj.copy_(down)
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 def _describe(
@@ -360,7 +308,7 @@ def _storage(layers: dict[str, MoELayer]) -> dict[str, tuple]:
     return {
         name: (
             id(layer.experts),
-            {k: (v.data_ptr(), tuple(v.shape)) for k, v in layer.experts._tensors().items()},
+            {k: (v.data_ptr(), tuple(v.shape)) for k, v in layer.experts.tensors().items()},
         )
         for name, layer in layers.items()
     }
@@ -394,29 +342,28 @@ def run_model_demo(cfg: ModelDemoConfig) -> ModelDemoResult:
         config, source = load_model_config(cfg.model_config), f"config {cfg.model_config}"
     else:
         config, source = cfg.model_config, "config object"
-    model = _build(config, cfg.seed)
-    if cfg.checkpoint is not None:
-        _load_dense_weights(model, cfg.checkpoint)
-    else:
-        source += f", random weights (seed {cfg.seed})"
-    model.to(device)
-    reference = copy.deepcopy(model)  # the bf16 model: unconverted
+    check_memory(demo_memory(config, checkpoint=cfg.checkpoint), device)
 
     t0 = time.perf_counter()
-    convert(model, cfg.policy(), checkpoint=cfg.checkpoint)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    res.prepare_s = time.perf_counter() - t0
-    layers = moe_layers(model)
     if cfg.checkpoint is not None:
-        for name, layer in layers.items():  # the reference runs the checkpoint's experts
-            _set_expert_weights(reference.get_submodule(name), *layer.experts.dequantize())
+        model = load_model(cfg.checkpoint, policy=cfg.policy(), device=device)
+        res.prepare_s = time.perf_counter() - t0
+        reference = dequantized_model(model)  # the checkpoint's experts, decoded
         res.reference = (
             "the same model in bf16 with the checkpoint's NVFP4 experts decoded to bf16 "
             "(unconverted MoE blocks)"
         )
     else:
+        source += f", random weights (seed {cfg.seed})"
+        model = _build(config, cfg.seed).to(device)
+        reference = copy.deepcopy(model)  # the bf16 model: unconverted
+        t0 = time.perf_counter()
+        convert(model, cfg.policy())
+        res.prepare_s = time.perf_counter() - t0
         res.reference = "the same model in bf16 before conversion (unquantized experts)"
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    layers = moe_layers(model)
     res.model = _describe(model, reference, layers, source)
     policy = cfg.policy()
     res.backend = (
@@ -511,7 +458,7 @@ def run_model_demo(cfg: ModelDemoConfig) -> ModelDemoResult:
         ran = {p: layer.stats.calls[p] - stats0[name][0][p] for p in PHASES}
         if not all(ran.values()):
             raise AssertionError(f"{name}: generate ran {ran} MoE calls, expected both phases")
-        now = layer.experts._tensors()
+        now = layer.experts.tensors()
         if not all(torch.equal(now[k], v) for k, v in snapshot[name].items()):
             raise AssertionError(f"{name}: the prepared experts were modified while generating")
     del snapshot

@@ -21,14 +21,22 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import InitVar, dataclass, fields
 from typing import ClassVar
 
 import torch
 
 from .nvfp4 import NVFP4Tensor, dequantize_blocks, global_from_amax, quantize_blocks
 
-__all__ = ["LAYOUT_NAME", "LAYOUT_VERSION", "PreparedExperts", "load_experts", "prepare_experts"]
+__all__ = [
+    "LAYOUT_NAME",
+    "LAYOUT_VERSION",
+    "PreparedExperts",
+    "check_block_scales",
+    "load_experts",
+    "prepare_experts",
+    "validate_block_scales",
+]
 
 FORMAT_NAME = "fp4moe.prepared_experts"
 LAYOUT_NAME = "linear"
@@ -45,6 +53,11 @@ class PreparedExperts:
     Build with :func:`prepare_experts`, :func:`load_experts`,
     :func:`fp4moe.load_checkpoint_experts` or :meth:`from_linear`. No call of the library
     modifies these tensors.
+
+    Construction checks shapes, dtypes and devices (and that static activation scales are
+    finite and positive); every loader also runs :func:`check_block_scales`.
+    ``validate=False`` skips the checks for tensors already checked (the custom op rebuilds
+    the object from its tensors on every call, where a check would cost a host sync).
     """
 
     w13_codes: torch.Tensor
@@ -56,11 +69,14 @@ class PreparedExperts:
     a13_scale: torch.Tensor | None = None
     a2_scale: torch.Tensor | None = None
 
+    validate: InitVar[bool] = True
+
     layout: ClassVar[str] = LAYOUT_NAME
     layout_version: ClassVar[int] = LAYOUT_VERSION
 
-    def __post_init__(self) -> None:
-        _validate_linear(self._tensors())
+    def __post_init__(self, validate: bool) -> None:
+        if validate:
+            _validate_linear(self.tensors())
 
     # ------------------------------------------------------------------ shape facts
     @property
@@ -81,9 +97,11 @@ class PreparedExperts:
 
     def nbytes(self) -> int:
         """Bytes of all expert tensors (codes, block scales, global and activation scales)."""
-        return sum(t.numel() * t.element_size() for t in self._tensors().values())
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
-    def _tensors(self) -> dict[str, torch.Tensor]:
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors themselves (not copies), keyed by field name; absent static
+        activation scales are left out."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         return {k: v for k, v in out.items() if v is not None}
 
@@ -113,7 +131,7 @@ class PreparedExperts:
         Lossless: ``PreparedExperts.from_linear(e.to_linear())`` is bit-identical to ``e``.
         In layout version 1 the physical layout is the linear one, so this is a copy.
         """
-        return {k: v.clone() for k, v in self._tensors().items()}
+        return {k: v.clone() for k, v in self.tensors().items()}
 
     @classmethod
     def from_linear(cls, tensors: dict[str, torch.Tensor]) -> PreparedExperts:
@@ -127,14 +145,14 @@ class PreparedExperts:
         return cls(**{k: v.contiguous() for k, v in tensors.items()})
 
     def to(self, device: torch.device | str) -> PreparedExperts:
-        return PreparedExperts(**{k: v.to(device) for k, v in self._tensors().items()})
+        return PreparedExperts(**{k: v.to(device) for k, v in self.tensors().items()})
 
     # ------------------------------------------------------------------ files
     def save(self, path: str | os.PathLike) -> None:
         """Write safetensors with metadata (format, layout and version, shapes, dtypes)."""
         from safetensors.torch import save_file
 
-        tensors = {k: v.detach().contiguous().cpu() for k, v in self._tensors().items()}
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.tensors().items()}
         meta = {
             "format": FORMAT_NAME,
             "layout": LAYOUT_NAME,
@@ -315,12 +333,39 @@ def load_experts(
         )
     try:
         experts = PreparedExperts.from_linear(tensors)
+        check_block_scales(experts)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"path: {path!r} holds inconsistent tensors: {exc}") from exc
     dims = (experts.num_experts, experts.hidden_size, experts.intermediate_size)
     if dims != meta_dims:
         raise ValueError(f"path: {path!r} metadata shapes disagree with its tensors")
     return experts.to(device) if device is not None else experts
+
+
+def validate_block_scales(scales: torch.Tensor, name: str) -> None:
+    """Block scales (e4m3, or their uint8 bits) hold no NaN and no negative value
+    (float8_e4m3fn has no Inf; its NaN is 0x7F / 0xFF). Raises ValueError naming ``name``."""
+    bits = scales.view(torch.uint8)
+    if bool(((bits & 0x7F) == 0x7F).any()):
+        raise ValueError(f"{name}: block scales hold NaN")
+    if bool(((bits & 0x80) != 0).logical_and((bits & 0x7F) != 0).any()):
+        raise ValueError(f"{name}: block scales must be non-negative, found negative values")
+
+
+def check_block_scales(experts: PreparedExperts) -> None:
+    """The check every loader of prepared experts runs (files of :meth:`PreparedExperts.save`
+    here; ModelOpt and compressed-tensors checkpoints run :func:`validate_block_scales` key
+    by key): no NaN or negative block scale, every global scale finite and positive.
+    Raises ValueError naming the tensor.
+
+    One pass over the scale bytes (a sixteenth of the codes), on the experts' device.
+    """
+    for name in ("w13_scales", "w2_scales"):
+        validate_block_scales(getattr(experts, name), name)
+    for name in ("w13_global", "w2_global"):
+        g = getattr(experts, name)
+        if not bool(torch.isfinite(g).all()) or bool((g <= 0).any()):
+            raise ValueError(f"{name}: global scales must be finite and positive")
 
 
 def _check_metadata(meta: dict[str, str], path: str) -> None:

@@ -1,4 +1,5 @@
-"""moe(): validation, mode and finalize selection, dispatch to a backend."""
+"""moe(): validation, mode and finalize selection, dispatch to a backend through the
+``fp4moe::moe`` custom op (``fp4moe.ops``)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,33 @@ import torch
 from .backend.options import Options
 from .backend.plan import Plan
 from .experts import PreparedExperts
+from .modes import ACT_SCALES, KERNEL_MODES, MODE_NAMES, resolve_mode
+from .ops import expert_tensors, run_moe
+from .routing import check_expert_ids
 
-__all__ = ["ACT_SCALES", "BACKENDS", "MODES", "moe", "plan", "validate_moe_inputs"]
+__all__ = [
+    "ACT_SCALES",
+    "BACKENDS",
+    "MODES",
+    "MODE_NAMES",
+    "moe",
+    "plan",
+    "validate_moe_inputs",
+]
 
-MODES = ("w4a16", "w4a4")
-ACT_SCALES = ("per_token", "static", "per_tensor")
+# The kernel families (what ``PhaseConfig.mode`` and the backends take); the names a user
+# passes are ``MODE_NAMES`` (``fp4moe.modes``).
+MODES = KERNEL_MODES
 BACKENDS = ("auto", "reference", "triton")
 
-Mode = Literal["w4a16", "w4a4"]
+ModeName = Literal["w4a16", "w4a4-token", "w4a4-tensor", "w4a4-static", "w4a4"]
 ActScale = Literal["per_token", "static", "per_tensor"]
 Backend = Literal["auto", "reference", "triton"]
+
+# Options fields the op passes through, and the eager-only test and bench settings (every
+# field is in one of the two: tests/test_compile.py checks it).
+OP_OPTIONS = ("pdl", "valid_fraction")
+EAGER_OPTIONS = ("fc1_tile", "fc2_tile", "gemm", "poison")
 
 
 def _choice(value: str, allowed: tuple[str, ...], name: str) -> None:
@@ -36,7 +54,9 @@ def validate_moe_inputs(
     act_scale: str,
     check_ids: bool,
 ) -> None:
-    """SPEC section 9 for one call. ``check_ids`` reads the ids (a host sync on a GPU)."""
+    """SPEC section 9 for one call (``mode`` and ``act_scale`` as the backends take them:
+    a kernel family and a W4A4 activation scale). ``check_ids`` reads the ids (a host sync
+    on a GPU)."""
     if not isinstance(experts, PreparedExperts):
         raise TypeError(f"experts: expected PreparedExperts, got {type(experts).__name__}")
     _choice(mode, MODES, "mode")
@@ -72,13 +92,8 @@ def validate_moe_inputs(
         )
     if topk_ids.shape[1] < 1:
         raise ValueError("topk_ids: K (routes per token) must be at least 1")
-    if check_ids and topk_ids.numel():
-        hi = int(topk_ids.max())
-        if hi >= experts.num_experts:
-            raise ValueError(
-                f"topk_ids: expert id {hi} out of range; these experts hold "
-                f"{experts.num_experts} (ids 0..{experts.num_experts - 1}, negative = masked)"
-            )
+    if check_ids:
+        check_expert_ids(topk_ids, experts.num_experts)
 
 
 def moe(
@@ -87,8 +102,8 @@ def moe(
     topk_weights: torch.Tensor,
     experts: PreparedExperts,
     *,
-    mode: Mode = "w4a16",
-    act_scale: ActScale = "per_token",
+    mode: ModeName = "w4a16",
+    act_scale: ActScale | None = None,
     fused_finalize: bool = False,
     backend: Backend = "auto",
     validate_ids: bool = False,
@@ -96,62 +111,90 @@ def moe(
 ) -> torch.Tensor:
     """One MoE layer over prepared NVFP4 experts (SPEC sections 4 to 7).
 
+    Runs as the custom op ``torch.ops.fp4moe.moe`` (``fp4moe.ops``): ``torch.compile``
+    keeps it in the graph, and autograd gives straight-through gradients for ``x`` and
+    ``topk_weights`` (``fp4moe.backward``). An eager call that needs no gradient, on plain
+    tensors, runs the op's body directly: the same function, without the dispatcher's
+    cost (about 20 us a call on a CPU host).
+
     Args:
         x: bf16 [T, H] tokens.
         topk_ids: int32 [T, K] local expert ids; negative ids are masked routes.
         topk_weights: fp32 [T, K] router weights.
         experts: the prepared experts (E experts, hidden size H); never modified.
-        mode: "w4a16" (bf16 activations) or "w4a4" (activations quantized to NVFP4).
-        act_scale: W4A4 activation global scale: "per_token", "static" (calibrated
-            a13/a2 scales of the experts) or "per_tensor" (dynamic over the whole batch, so
-            results depend on the other tokens). Ignored for W4A16.
+        mode: "w4a16" (bf16 activations), "w4a4-token", "w4a4-tensor" (one dynamic scale
+            over the whole batch, so results depend on the other tokens) or "w4a4-static"
+            (the experts' calibrated a13/a2 scales): activations quantized to NVFP4.
+        act_scale: leave it out. The older spelling ``mode="w4a4", act_scale="per_token" |
+            "per_tensor" | "static"`` is accepted with the one mapping of ``fp4moe.modes``;
+            any other value (a typo, or an activation scale with W4A16) is refused.
         fused_finalize: add the weighted expert outputs with atomics in the last GEMM
             (fastest, not bitwise reproducible) instead of the deterministic finalize.
         backend: "reference" (plain PyTorch, any device), "triton" (CUDA kernels) or "auto"
             (triton on a CUDA device, the reference elsewhere).
         validate_ids: also check ids < E where that costs a host sync (CUDA tensors). On
             CPU the ids are always checked.
-        options: ``fp4moe.Options`` for the triton backend (PDL, pinned tiles, under
-            expert parallelism by masking ``valid_fraction`` = 1 / ranks, NaN poisoning for
-            tests). Every option gives the same bits. Ignored by the reference. Which
-            kernels a call runs: ``fp4moe.plan`` / ``fp4moe.explain``.
+        options: ``fp4moe.Options`` for the triton backend (PDL, under expert parallelism
+            by masking ``valid_fraction`` = 1 / ranks; pinned tiles and NaN poisoning for
+            tests, which run eagerly and are refused under ``torch.compile``). Every option
+            gives the same bits. Ignored by the reference. Which kernels a call runs:
+            ``fp4moe.plan`` / ``fp4moe.explain``.
 
     Returns:
         bf16 [T, H].
     """
+    kernel_mode, scale = resolve_mode(mode, act_scale)
     _choice(backend, BACKENDS, "backend")
+    if not isinstance(fused_finalize, bool):
+        raise TypeError(f"fused_finalize: expected a bool, got {type(fused_finalize).__name__}")
     if options is not None and not isinstance(options, Options):
         raise TypeError(f"options: expected fp4moe.Options or None, got {type(options).__name__}")
     on_cuda = isinstance(x, torch.Tensor) and x.is_cuda
+    check_ids = validate_ids or not on_cuda or backend == "reference"
     validate_moe_inputs(
-        x,
-        topk_ids,
-        topk_weights,
-        experts,
-        mode=mode,
-        act_scale=act_scale,
-        check_ids=validate_ids or not on_cuda or backend == "reference",
-    )
-    if x.shape[0] == 0:
-        return torch.empty(0, x.shape[1], dtype=torch.bfloat16, device=x.device)
+        x, topk_ids, topk_weights, experts, mode=kernel_mode, act_scale=scale, check_ids=False
+    )  # fmt: skip
     if backend == "auto":
         backend = "triton" if on_cuda else "reference"
-    if backend == "reference":
-        from .reference import moe_reference
+    eager_only = []
+    if options is not None:
+        eager_only = [n for n in EAGER_OPTIONS if getattr(options, n) not in (None, False)]
+    if eager_only:
+        if torch.compiler.is_compiling():
+            raise ValueError(
+                f"options: {eager_only} are eager-only test and benchmark settings; the "
+                f"compiled op takes only {OP_OPTIONS}"
+            )
+        return run_moe(
+            x, topk_ids, topk_weights, experts, mode=kernel_mode, act_scale=scale,
+            fused_finalize=fused_finalize, backend=backend, check_ids=check_ids,
+            options=options,
+        )  # fmt: skip
+    if _eager_call(x, topk_ids, topk_weights, experts):
+        return run_moe(
+            x, topk_ids, topk_weights, experts, mode=kernel_mode, act_scale=scale,
+            fused_finalize=fused_finalize, backend=backend, check_ids=check_ids,
+            options=options,
+        )  # fmt: skip
+    return torch.ops.fp4moe.moe(
+        x, topk_ids, topk_weights, *expert_tensors(experts), kernel_mode, scale,
+        fused_finalize, backend, check_ids,
+        options.pdl if options is not None else None,
+        options.valid_fraction if options is not None else None,
+    )  # fmt: skip
 
-        return moe_reference(x, topk_ids, topk_weights, experts, mode=mode, act_scale=act_scale)
-    from .backend.launch import moe_triton
 
-    return moe_triton(
-        x,
-        topk_ids,
-        topk_weights,
-        experts,
-        mode=mode,
-        act_scale=act_scale,
-        fused_finalize=fused_finalize,
-        options=options,
-    )
+def _eager_call(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: PreparedExperts
+) -> bool:
+    """Whether the op's body may run without the dispatcher: not compiling, plain tensors
+    (not fake, functional or other subclasses) off the meta device, no gradient needed."""
+    if torch.compiler.is_compiling() or x.device.type == "meta":
+        return False
+    tensors = [x, topk_ids, topk_weights, *(t for t in expert_tensors(experts) if t is not None)]
+    if any(type(t) is not torch.Tensor for t in tensors):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 def plan(
@@ -159,8 +202,8 @@ def plan(
     num_tokens: int,
     top_k: int,
     *,
-    mode: Mode = "w4a16",
-    act_scale: ActScale = "per_token",
+    mode: ModeName = "w4a16",
+    act_scale: ActScale | None = None,
     fused_finalize: bool = False,
     options: Options | None = None,
 ) -> Plan:
@@ -179,8 +222,7 @@ def plan(
     for name, v, low in (("num_tokens", num_tokens, 0), ("top_k", top_k, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ValueError(f"{name}: expected an int >= {low}, got {v!r}")
-    _choice(mode, MODES, "mode")
-    _choice(act_scale, ACT_SCALES, "act_scale")
+    mode, act_scale = resolve_mode(mode, act_scale)
     if options is not None and not isinstance(options, Options):
         raise TypeError(f"options: expected fp4moe.Options or None, got {type(options).__name__}")
     target = target_for(experts.device) if experts.device.type == "cuda" else H200

@@ -2,13 +2,16 @@
 
 One PreparedExperts serves every phase; switching phase changes only the mode argument of
 ``fp4moe.moe`` (no copy, repack or conversion of the weights).
+
+The phase a call runs in comes, in this order, from the ``phase`` argument of the layer,
+from :func:`serving_phase` (process-wide state, readable by ``torch.compile``: the compiled
+graph is guarded on it, so a phase change selects, or compiles, the graph of that phase),
+and else from the policy's token-count threshold.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -17,17 +20,58 @@ from torch import nn
 
 from .backend.options import Options
 from .experts import PreparedExperts
-from .moe import ACT_SCALES, BACKENDS, MODES, moe
+from .modes import MODE_NAMES, resolve_mode
+from .moe import BACKENDS, moe
+from .ops import EXPERT_FIELDS
 from .routing import ROUTING_METHODS, local_expert_ids, route
 
-__all__ = ["PHASES", "MoELayer", "PhaseConfig", "PhasePolicy", "RouterConfig", "serving_phase"]
+__all__ = [
+    "PHASES",
+    "MoELayer",
+    "PhaseConfig",
+    "PhasePolicy",
+    "RouterConfig",
+    "current_phase",
+    "serving_phase",
+    "set_phase",
+]
 
 PHASES = ("prefill", "decode")
-_SHORT = {"token": "per_token", "tensor": "per_tensor", "static": "static"}
 
-_current_phase: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "fp4moe_phase", default=None
-)
+
+class _PhaseState:
+    """The phase of :func:`serving_phase`: a plain object, one for the process.
+
+    Not a ContextVar (``torch.compile`` cannot trace one: every MoE layer was a graph break)
+    and not a ``threading.local`` (Dynamo mis-traces writes to one inside a compiled frame,
+    as the phase hooks of ``fp4moe.integrations.hf`` make). So the phase is shared by the
+    threads of a process; threads serving different phases at once pass ``phase=`` to the
+    layers instead."""
+
+    def __init__(self) -> None:
+        self.phase: str | None = None
+
+
+_STATE = _PhaseState()
+
+
+def _check_phase(phase: object) -> None:
+    if phase is not None and phase not in PHASES:
+        raise ValueError(f"phase: expected one of {PHASES} or None, got {phase!r}")
+
+
+def current_phase() -> str | None:
+    """The phase set by :func:`serving_phase` / :func:`set_phase`, or None (infer it)."""
+    return _STATE.phase
+
+
+def set_phase(phase: str | None) -> str | None:
+    """Set the process-wide serving phase (``None``: infer it); returns the previous one.
+    :func:`serving_phase` is the scoped form."""
+    _check_phase(phase)
+    previous = _STATE.phase
+    _STATE.phase = phase
+    return previous
 
 
 @contextlib.contextmanager
@@ -35,43 +79,58 @@ def serving_phase(phase: str | None) -> Iterator[None]:
     """Set the phase for every MoELayer called inside the block (``None``: infer it).
 
     Integrations (for example Hugging Face ``generate``) use this to say which pass is the
-    prompt (prefill) and which are the later steps (decode)."""
-    if phase is not None and phase not in PHASES:
-        raise ValueError(f"phase: expected one of {PHASES} or None, got {phase!r}")
-    token = _current_phase.set(phase)
+    prompt (prefill) and which are the later steps (decode). The setting is process-wide
+    (all threads) and restored when the block exits, also on an exception."""
+    previous = set_phase(phase)
     try:
         yield
     finally:
-        _current_phase.reset(token)
+        _STATE.phase = previous
 
 
-def current_phase() -> str | None:
-    """The phase ``serving_phase`` set for the calls of this context (None: infer it)."""
-    return _current_phase.get()
+def _parse_error(spec: str) -> ValueError:
+    m = spec.strip().lower().replace("_", "-")
+    hint = ""
+    if m == "w4a4":
+        hint = " ('w4a4' alone is 'w4a4-token')"
+    for short in ("token", "tensor", "static"):
+        if m.split("+")[0] in (f"w4a4-per-{short}", f"w4a4{short}"):
+            hint = f" (did you mean 'w4a4-{short}'?)"
+    return ValueError(
+        f"policy: {spec!r} is not one of {', '.join(map(repr, MODE_NAMES))} (optionally with "
+        f"'+fused'){hint}"
+    )
 
 
 @dataclass(frozen=True)
 class PhaseConfig:
     """How one phase runs: mode, W4A4 activation scale, finalize.
 
-    Strings parse too: "w4a16", "w4a4-token", "w4a4-tensor", "w4a4-static", each with an
-    optional "+fused" suffix (fused finalize; default deterministic)."""
+    ``mode`` takes a mode name of ``fp4moe.modes`` ("w4a16", "w4a4-token", "w4a4-tensor",
+    "w4a4-static"), or the kernel family "w4a4" with ``act_scale`` ("per_token",
+    "per_tensor", "static"); the fields hold the kernel family and the activation scale.
+    Strings parse too (:meth:`parse`): a mode name with an optional "+fused" suffix (fused
+    finalize; default deterministic)."""
 
     mode: str = "w4a16"
-    act_scale: str = "per_token"
+    act_scale: str | None = None
     fused_finalize: bool = False
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode: expected one of {MODES}, got {self.mode!r}")
-        if self.act_scale not in ACT_SCALES:
-            raise ValueError(f"act_scale: expected one of {ACT_SCALES}, got {self.act_scale!r}")
+        if not isinstance(self.mode, str) or (self.mode not in MODE_NAMES and self.mode != "w4a4"):
+            raise ValueError(f"mode: expected one of {MODE_NAMES}, got {self.mode!r}")
+        kernel, scale = resolve_mode(self.mode, self.act_scale)
+        object.__setattr__(self, "mode", kernel)
+        object.__setattr__(self, "act_scale", scale)
         if not isinstance(self.fused_finalize, bool):
             raise TypeError(
                 f"fused_finalize: expected a bool, got {type(self.fused_finalize).__name__}"
             )
-        if self.mode == "w4a16":  # W4A16 ignores act_scale: one spelling, so str() round-trips
-            object.__setattr__(self, "act_scale", "per_token")
+
+    @property
+    def name(self) -> str:
+        """The mode name ("w4a16", "w4a4-token", ...), without the finalize suffix."""
+        return "w4a16" if self.mode == "w4a16" else "w4a4-" + self.act_scale.removeprefix("per_")
 
     @classmethod
     def parse(cls, spec: str | PhaseConfig) -> PhaseConfig:
@@ -82,20 +141,12 @@ class PhaseConfig:
         name, plus, suffix = spec.partition("+")
         if plus and suffix != "fused":  # "w4a16+" too
             raise ValueError(f"policy: unknown suffix {suffix!r} in {spec!r} (only '+fused')")
-        fused = suffix == "fused"
-        if name == "w4a16":
-            return cls("w4a16", "per_token", fused)
-        head, _, scale = name.partition("-")
-        if head != "w4a4" or scale not in _SHORT:
-            raise ValueError(
-                f"policy: {spec!r} is not one of 'w4a16', 'w4a4-token', 'w4a4-tensor', "
-                "'w4a4-static' (optionally with '+fused')"
-            )
-        return cls("w4a4", _SHORT[scale], fused)
+        if name not in MODE_NAMES:
+            raise _parse_error(spec)
+        return cls(name, fused_finalize=suffix == "fused")
 
     def __str__(self) -> str:
-        base = "w4a16" if self.mode == "w4a16" else "w4a4-" + self.act_scale.replace("per_", "")
-        return base + ("+fused" if self.fused_finalize else "")
+        return self.name + ("+fused" if self.fused_finalize else "")
 
 
 @dataclass(frozen=True)
@@ -137,11 +188,12 @@ class PhasePolicy:
         return cls.single(policy)
 
     def phase_of(self, num_tokens: int, phase: str | None = None) -> str:
-        phase = phase if phase is not None else _current_phase.get()
+        """``phase`` if given, else the :func:`serving_phase` one, else decode for at most
+        ``decode_max_tokens`` tokens and prefill above."""
+        phase = phase if phase is not None else _STATE.phase
         if phase is None:
             return "decode" if num_tokens <= self.decode_max_tokens else "prefill"
-        if phase not in PHASES:
-            raise ValueError(f"phase: expected one of {PHASES} or None, got {phase!r}")
+        _check_phase(phase)
         return phase
 
     def select(self, num_tokens: int, phase: str | None = None) -> PhaseConfig:
@@ -212,10 +264,17 @@ class PhaseStats:
 class MoELayer(nn.Module):
     """A sparse MoE block over one PreparedExperts, its router, and a phase policy.
 
+    The expert tensors are buffers of the layer (``w13_codes``, ``w13_scales``,
+    ``w13_global``, ``w2_codes``, ``w2_scales``, ``w2_global`` and, when calibrated,
+    ``a13_scale``, ``a2_scale``; SPEC section 3, linear layout): ``.to(device)``,
+    ``.cuda()`` and ``.cpu()`` move them, ``state_dict()`` holds them (the tensors themselves,
+    no copy) beside ``gate_weight``, and ``load_state_dict`` copies into them. A dtype change
+    (``.to(torch.bfloat16)``, ``.half()``) never touches them: codes, e4m3 scales and fp32
+    globals keep their dtypes. ``layer.experts`` is the PreparedExperts over the current
+    buffers; assigning one replaces them.
+
     Args:
-        experts: the prepared experts (E local experts). Held as a plain attribute, not as
-            parameters or buffers, so ``state_dict`` and ``.to()`` never copy them; move them
-            with ``layer.experts = layer.experts.to(device)`` if you must.
+        experts: the prepared experts (E local experts), shared, not copied.
         router: RouterConfig (method, top_k, groups, scaling).
         gate_weight: fp32/bf16 [E_total, H] router weight (logits = x @ gate_weight.T in
             fp32). May be None when every call passes ``router_logits`` or ``routes``.
@@ -236,7 +295,8 @@ class MoELayer(nn.Module):
         expert_range: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
-        self.experts, self.router, self.policy = layer_settings(experts, router, policy)
+        experts, self.router, self.policy = layer_settings(experts, router, policy)
+        self.experts = experts
         h = experts.hidden_size
         if gate_weight is not None:
             if not isinstance(gate_weight, torch.Tensor):
@@ -278,7 +338,56 @@ class MoELayer(nn.Module):
                     "these experts were prepared without a13_scale/a2_scale"
                 )
         self.num_experts_total = n_total
+        # The Triton backend's options for this layer's calls: the share of valid routes is
+        # the share of experts it holds (routes to other ranks' experts are masked), which
+        # puts the planner's regimes on valid rows an expert.
+        self.triton_options = Options(valid_fraction=(stop - start) / n_total)
         self.stats = PhaseStats()
+
+    # ------------------------------------------------------------------ the experts
+
+    @property
+    def experts(self) -> PreparedExperts:
+        """The prepared experts over the layer's current expert buffers."""
+        cached = self.__dict__.get("_experts")
+        if cached is not None and all(
+            getattr(cached, f) is self._buffers.get(f) for f in EXPERT_FIELDS
+        ):
+            return cached
+        tensors = {f: self._buffers.get(f) for f in EXPERT_FIELDS}
+        fresh = PreparedExperts(**tensors, validate=False)  # checked when first assigned
+        self.__dict__["_experts"] = fresh
+        return fresh
+
+    @experts.setter
+    def experts(self, experts: PreparedExperts) -> None:
+        if not isinstance(experts, PreparedExperts):
+            raise TypeError(f"experts: expected PreparedExperts, got {type(experts).__name__}")
+        old = self.__dict__.get("_experts")
+        if old is not None and (
+            (experts.num_experts, experts.hidden_size, experts.intermediate_size)
+            != (old.num_experts, old.hidden_size, old.intermediate_size)
+        ):
+            raise ValueError(
+                f"experts: {experts!r} does not have the shape of the layer's experts {old!r}"
+            )
+        for f in EXPERT_FIELDS:
+            self.register_buffer(f, getattr(experts, f))
+        self.__dict__["_experts"] = experts
+
+    def _apply(self, fn, recurse: bool = True):
+        # Expert buffers follow device moves only: fn may also change floating dtypes
+        # (module.to(torch.bfloat16)), which would ruin e4m3 scales and fp32 globals.
+        held = {f: self._buffers.pop(f) for f in EXPERT_FIELDS if f in self._buffers}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._buffers.update(held)
+        for f, t in held.items():
+            if t is not None:
+                new = fn(t)
+                self._buffers[f] = new if new.dtype == t.dtype else t.to(new.device)
+        return self
 
     def route(self, x2d: torch.Tensor, router_logits: torch.Tensor | None = None):
         """(topk_ids int32 [T, K] local ids, topk_weights fp32 [T, K]) for x2d [T, H]."""
@@ -334,22 +443,12 @@ class MoELayer(nn.Module):
         name = self.policy.phase_of(t, phase)
         cfg = self.policy.prefill if name == "prefill" else self.policy.decode
         out = moe(
-            x2d, ids, w, self.experts, mode=cfg.mode, act_scale=cfg.act_scale,
-            fused_finalize=cfg.fused_finalize, backend=self.policy.backend,
-            options=self.triton_options,
+            x2d, ids, w, self.experts, mode=cfg.name, fused_finalize=cfg.fused_finalize,
+            backend=self.policy.backend, options=self.triton_options,
         )  # fmt: skip
         self.stats.calls[name] += 1  # calls that ran: a call that raised is not counted
         self.stats.tokens[name] += t
         return out.reshape(shape)
-
-    @functools.cached_property
-    def triton_options(self) -> Options:
-        """The Triton backend's options for this layer's calls (``fp4moe.Options``, built on
-        first use): the share of valid routes is the share of experts it holds,
-        ``expert_range`` over all experts (routes to other ranks' experts are masked),
-        which puts the planner's regimes on valid rows an expert."""
-        start, stop = self.expert_range
-        return Options(valid_fraction=(stop - start) / self.num_experts_total)
 
     def memory_report(self, num_tokens: int | None = None) -> dict[str, int]:
         """Bytes of the expert weights (one prepared copy, shared by every phase), of the
@@ -361,7 +460,11 @@ class MoELayer(nn.Module):
 
         ex = self.experts
         e, h, i = ex.num_experts, ex.hidden_size, ex.intermediate_size
-        router = sum(b.numel() * b.element_size() for b in self.buffers())
+        router = sum(
+            b.numel() * b.element_size()
+            for b in (self.gate_weight, self.correction_bias)
+            if b is not None
+        )
         target = target_for(ex.device) if ex.device.type == "cuda" else H200
 
         def ws(t: int, cfg: PhaseConfig) -> int:

@@ -1,9 +1,11 @@
-"""Model shapes the tools (``fp4moe bench``, ``fp4moe plan``) take by name, and the bench's
-mode names."""
+"""Model shapes the tools (``fp4moe bench``, ``fp4moe plan``) take by name, and the modes
+they run (the names of ``fp4moe.modes``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .modes import MODE_NAMES, resolve_mode
 
 __all__ = ["MODES", "PRESETS", "Preset"]
 
@@ -28,9 +30,5 @@ PRESETS = {
     "kimi-k2-ep8": Preset(7168, 2048, 384, 48, 8, "sigmoid_grouped", 1, 1, 2.827),
     "gpt-oss-120b-shape": Preset(2880, 2880, 128, 128, 4, "topk_softmax"),
 }
-MODES = {
-    "w4a16": ("w4a16", "per_token"),
-    "w4a4-token": ("w4a4", "per_token"),
-    "w4a4-tensor": ("w4a4", "per_tensor"),
-    "w4a4-static": ("w4a4", "static"),
-}
+# mode name -> (kernel family, W4A4 activation scale), as the backends take them
+MODES = {name: resolve_mode(name) for name in MODE_NAMES}

@@ -33,7 +33,14 @@ from typing import Literal
 
 import torch
 
-__all__ = ["ROUTING_METHODS", "RoutingMethod", "expert_range", "local_expert_ids", "route"]
+__all__ = [
+    "ROUTING_METHODS",
+    "RoutingMethod",
+    "check_expert_ids",
+    "expert_range",
+    "local_expert_ids",
+    "route",
+]
 
 RoutingMethod = Literal["softmax", "topk_softmax", "sigmoid_grouped"]
 ROUTING_METHODS: tuple[str, ...] = ("softmax", "topk_softmax", "sigmoid_grouped")
@@ -153,6 +160,18 @@ def local_expert_ids(topk_ids: torch.Tensor, expert_start: int, expert_stop: int
     ids = topk_ids.to(torch.int64)  # no overflow in the subtraction whatever the input dtype
     local = (ids >= expert_start) & (ids < expert_stop)
     return torch.where(local, ids - expert_start, -1).to(torch.int32)
+
+
+def check_expert_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Raise ValueError naming ``topk_ids`` if an id is >= ``num_experts`` (SPEC section 4;
+    negative ids are masked routes). Reads the ids: a host sync on a GPU."""
+    if topk_ids.numel():
+        hi = int(topk_ids.max())
+        if hi >= num_experts:
+            raise ValueError(
+                f"topk_ids: expert id {hi} out of range; these experts hold "
+                f"{num_experts} (ids 0..{num_experts - 1}, negative = masked)"
+            )
 
 
 def expert_range(rank: int, world_size: int, num_experts: int) -> tuple[int, int]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from .experts import PreparedExperts
-from .moe import ACT_SCALES, MODES, validate_moe_inputs
+from .modes import resolve_mode
+from .moe import validate_moe_inputs
 
 __all__ = ["MoERunner"]
 
@@ -18,7 +19,8 @@ class MoERunner:
     (ids -1, x 0: they contribute nothing and do not move a per-tensor amax), replays the
     bucket's graph and returns a view of the bucket's static output. The graphs and their
     workspaces come from one memory pool, captured on first use of each bucket, so a
-    replay allocates nothing. Calls above ``max_tokens`` fall back to an eager
+    replay allocates nothing. ``mode`` is a name of ``fp4moe.modes`` (``"w4a16"``,
+    ``"w4a4-token"``, ...). Calls above ``max_tokens`` fall back to an eager
     ``fp4moe.moe`` call. Without CUDA (tests on the interpreter) the same buffers are used
     with eager kernel launches.
 
@@ -32,7 +34,7 @@ class MoERunner:
         max_tokens: int,
         top_k: int,
         mode: str = "w4a16",
-        act_scale: str = "per_token",
+        act_scale: str | None = None,
         fused_finalize: bool = False,
         options=None,
     ) -> None:
@@ -42,10 +44,7 @@ class MoERunner:
             raise ValueError(f"max_tokens: expected a positive int, got {max_tokens!r}")
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"top_k: expected a positive int, got {top_k!r}")
-        if mode not in MODES:
-            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-        if mode == "w4a4" and act_scale not in ACT_SCALES:
-            raise ValueError(f"act_scale: expected one of {ACT_SCALES}, got {act_scale!r}")
+        mode, act_scale = resolve_mode(mode, act_scale)  # names of fp4moe.modes
         self.experts = experts
         self.max_tokens = max_tokens
         self.top_k = top_k

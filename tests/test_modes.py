@@ -1,0 +1,95 @@
+"""One mode vocabulary (fp4moe.modes) across moe(), policies, the runner and the tools: the
+names, the one mapping of the older spelling, and refusals that name the right spelling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp4moe
+from fp4moe import PhaseConfig, PhasePolicy
+from fp4moe.modes import ACT_SCALES, MODE_NAMES, mode_name, resolve_mode
+from fp4moe.presets import MODES as TOOL_MODES
+from testing import random_moe_weights, random_routes, random_x
+
+OLD_SPELLINGS = {
+    ("w4a4", None): "w4a4-token",
+    ("w4a4", "per_token"): "w4a4-token",
+    ("w4a4", "per_tensor"): "w4a4-tensor",
+    ("w4a4", "static"): "w4a4-static",
+    ("w4a16", "per_token"): "w4a16",
+}
+
+
+@pytest.fixture(scope="module")
+def case():
+    w13, w2 = random_moe_weights(4, 64, 32, seed=0)
+    ex = fp4moe.prepare_experts(w13, w2, a13_scale=0.05, a2_scale=0.5)
+    x = random_x(5, 64, seed=1)
+    ids, w = random_routes(5, 2, 4, seed=2)
+    return x, ids, w, ex
+
+
+def test_one_vocabulary_everywhere():
+    assert MODE_NAMES == ("w4a16", "w4a4-token", "w4a4-tensor", "w4a4-static")
+    assert tuple(TOOL_MODES) == MODE_NAMES  # fp4moe bench / plan --modes
+    for name in MODE_NAMES:
+        kernel, scale = resolve_mode(name)
+        assert mode_name(kernel, scale) == name
+        assert PhaseConfig.parse(name).name == name == str(PhaseConfig(name))
+        assert TOOL_MODES[name] == (kernel, scale)
+
+
+@pytest.mark.parametrize("old,name", list(OLD_SPELLINGS.items()), ids=str)
+def test_old_spelling_maps_to_one_name(case, old, name):
+    x, ids, w, ex = case
+    assert resolve_mode(*old) == resolve_mode(name)
+    mode, act = old
+    kw = {} if act is None else {"act_scale": act}
+    out = fp4moe.moe(x, ids, w, ex, mode=mode, **kw)
+    assert torch.equal(out, fp4moe.moe(x, ids, w, ex, mode=name))
+
+
+@pytest.mark.parametrize(
+    "mode,act_scale,field,hint",
+    [
+        ("w4a16", "per-token", "act_scale", "W4A16 has no activation scale"),  # a typo
+        ("w4a16", "static", "act_scale", "W4A16 has no activation scale"),
+        ("w4a4-token", "static", "act_scale", "already says 'per_token'"),
+        ("w4a4", "per_row", "act_scale", str(ACT_SCALES).replace("(", r"\(")[:20]),
+        ("w4a4-per_token", None, "mode", "did you mean 'w4a4-token'"),
+        ("W4A16", None, "mode", "did you mean 'w4a16'"),
+        ("w8a8", None, "mode", "expected one of"),
+    ],
+    ids=["typo-w4a16", "static-w4a16", "contradiction", "bad-scale", "old-name", "case",
+         "unknown"],
+)  # fmt: skip
+def test_refusals_name_the_argument(case, mode, act_scale, field, hint):
+    x, ids, w, ex = case
+    kw = {} if act_scale is None else {"act_scale": act_scale}
+    with pytest.raises(ValueError, match=field) as info:
+        fp4moe.moe(x, ids, w, ex, mode=mode, **kw)
+    assert hint.replace("\\", "") in str(info.value) or hint in str(info.value)
+
+
+def test_policies_and_runner_take_the_names(case):
+    *_, ex = case
+    policy = PhasePolicy(prefill="w4a4-static+fused", decode="w4a16")
+    assert (policy.prefill.mode, policy.prefill.act_scale) == ("w4a4", "static")
+    with pytest.raises(ValueError, match="did you mean 'w4a4-token'"):
+        PhasePolicy(prefill="w4a4-per_token")
+    with pytest.raises(ValueError, match="'w4a4' alone is 'w4a4-token'"):
+        PhaseConfig.parse("w4a4")
+    runner = fp4moe.MoERunner(ex, max_tokens=8, top_k=2, mode="w4a4-static")
+    assert (runner.mode, runner.act_scale) == ("w4a4", "static")
+    with pytest.raises(ValueError, match="act_scale"):
+        fp4moe.MoERunner(ex, max_tokens=8, top_k=2, mode="w4a16", act_scale="tensor")
+
+
+def test_plan_takes_the_names(case):
+    *_, ex = case
+    assert fp4moe.plan(ex, 16, 2, mode="w4a4-tensor") == fp4moe.plan(
+        ex, 16, 2, mode="w4a4", act_scale="per_tensor"
+    )
+    with pytest.raises(ValueError, match="act_scale"):
+        fp4moe.plan(ex, 16, 2, mode="w4a16", act_scale="static")
