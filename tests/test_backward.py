@@ -17,7 +17,7 @@ import fp4moe
 from fp4moe.nvfp4 import dequantize_nvfp4, global_from_amax, quantize_nvfp4
 from testing import random_moe_weights, random_routes, random_x, rel_err
 
-E, H, I, K, T = 4, 64, 32, 2, 9  # noqa: E741 (the SPEC's names)
+E, H, I, K, T = 4, 64, 32, 2, 9  # noqa: E741 (the contract's names)
 MODES = ("w4a16", "w4a4-token", "w4a4-tensor", "w4a4-static")
 
 
@@ -33,7 +33,7 @@ def _ste(v: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 
 def _quantized(v: torch.Tensor, mode: str, static, batch_global) -> torch.Tensor:
-    """The W4A4 FC input as fp32 values (SPEC section 2), of a detached bf16 copy of v."""
+    """The W4A4 FC input as fp32 values (numerics section 2), of a detached bf16 copy of v."""
     b = v.detach().to(torch.bfloat16)
     if mode == "w4a4-token":
         q = quantize_nvfp4(b, per_row=True)

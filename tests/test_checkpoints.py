@@ -23,7 +23,7 @@ from fp4moe.checkpoints import (
 from fp4moe.experts import PreparedExperts, prepare_experts
 from fp4moe.nvfp4 import NVFP4Tensor, dequantize_blocks, dequantize_nvfp4
 
-E, H, I = 3, 64, 32  # noqa: E741 (SPEC notation)
+E, H, I = 3, 64, 32  # noqa: E741 (the contract's notation)
 PREFIX = "model.layers.3.mlp.experts"
 MIXTRAL = ("w1", "w3", "w2")
 
@@ -60,7 +60,7 @@ def assert_identical(a: PreparedExperts, b: PreparedExperts) -> None:
 
 
 def assert_ct_round_trip(a: PreparedExperts, b: PreparedExperts) -> None:
-    """Codes and block scales bit for bit; fp32 globals equal or one ulp apart (SPEC 1)."""
+    """Codes and block scales bit for bit; fp32 globals equal or one ulp apart (numerics 1)."""
     la, lb = a.to_linear(), b.to_linear()
     assert sorted(la) == sorted(lb)
     for k in la:

@@ -16,7 +16,7 @@ from fp4moe.moe import EAGER_OPTIONS, OP_OPTIONS
 from fp4moe.ops import expert_tensors
 from testing import random_moe_weights, random_routes, random_x
 
-E, H, I, K = 8, 64, 32, 2  # noqa: E741 (the SPEC's names)
+E, H, I, K = 8, 64, 32, 2  # noqa: E741 (the contract's names)
 
 
 @pytest.fixture(autouse=True)

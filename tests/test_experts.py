@@ -1,4 +1,4 @@
-"""PreparedExperts (SPEC section 3): preparing, layout conversion, files and refusals."""
+"""PreparedExperts (numerics section 3): preparing, layout conversion, files and refusals."""
 
 from __future__ import annotations
 

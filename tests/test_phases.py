@@ -15,7 +15,7 @@ from fp4moe.moe import ACT_SCALES, MODES
 from fp4moe.phases import PHASES, serving_phase
 from testing import assert_close_moe, random_moe_weights, random_routes, random_x, rel_err
 
-E, H, I, K = 8, 64, 32, 2  # noqa: E741 (the SPEC's names)
+E, H, I, K = 8, 64, 32, 2  # noqa: E741 (the contract's names)
 EXPERT_KEYS = ("w13_codes", "w13_scales", "w13_global", "w2_codes", "w2_scales", "w2_global",
                "a13_scale", "a2_scale")  # fmt: skip
 

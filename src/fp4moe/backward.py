@@ -1,7 +1,7 @@
 """The backward of ``fp4moe.moe`` in plain PyTorch: straight-through activation quantization.
 
 The NVFP4 expert weights are frozen (they get no gradient). For a loss L and the forward of
-SPEC section 5, the gradients of the inputs are those of the same computation on the
+numerics section 5, the gradients of the inputs are those of the same computation on the
 dequantized weights with every rounding and activation quantization taken as the identity
 (the straight-through convention), evaluated at the forward's own values:
 

@@ -19,7 +19,7 @@ compressed-tensors (``format: nvfp4-pack-quantized``)::
     input_global_scale   float32        [] or [1]  encode scale of the input (optional)
 
 Codes and block scales are copied bit for bit. ModelOpt globals are copied bit for bit.
-compressed-tensors globals are converted with one fp32 division (SPEC section 1), so a
+compressed-tensors globals are converted with one fp32 division (numerics section 1), so a
 round trip PreparedExperts -> compressed-tensors -> PreparedExperts keeps codes and block
 scales bit for bit and each global within one ulp (``1 / (1 / g)`` differs from ``g`` in
 the last bit for about one fp32 value in seven).
@@ -376,7 +376,7 @@ def _as_scalar(t: torch.Tensor, key: str) -> torch.Tensor:
 def _decode_global(t: torch.Tensor, key: str, fmt: str) -> torch.Tensor:
     g = _as_scalar(t, key)
     if fmt == "compressed-tensors":
-        # The stored value is the encode scale; SPEC section 1: global = 1 / encode in fp32.
+        # The stored value is the encode scale; numerics section 1: global = 1 / encode in fp32.
         if not bool(torch.isfinite(g)) or float(g) <= 0:
             raise ValueError(f"{key}: encode scale must be finite and positive, got {float(g)}")
         g = torch.reciprocal(g)
@@ -677,7 +677,7 @@ def save_compressed_tensors_experts(
     division) and, with static activation scales, ``input_global_scale`` fp32 [1] = 1 / a.
 
     Reading the result back keeps codes and block scales bit for bit; each global comes back
-    as ``1 / (1 / g)`` in fp32, which equals ``g`` or is one ulp from it (SPEC section 1).
+    as ``1 / (1 / g)`` in fp32, which equals ``g`` or is one ulp from it (numerics section 1).
     Arguments and return value as :func:`save_modelopt_experts`.
     """
     return _save(experts, path_or_dict, prefix, names, expert_offset, "compressed-tensors")

@@ -1,12 +1,12 @@
 """The one vocabulary of execution modes, shared by ``moe()``, policies, the CLI and the bench.
 
 ======================= =========================================================
-mode name               what runs (SPEC section 5)
+mode name               what runs (numerics section 5)
 ======================= =========================================================
 ``"w4a16"``             bf16 activations
 ``"w4a4-token"``        activations quantized to NVFP4, one global scale a token
 ``"w4a4-tensor"``       one dynamic global scale over the whole batch (the output
-                        of a token depends on the other tokens: SPEC section 7)
+                        of a token depends on the other tokens: numerics section 7)
 ``"w4a4-static"``       the experts' calibrated ``a13_scale`` / ``a2_scale``
 ======================= =========================================================
 

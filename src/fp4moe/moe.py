@@ -54,7 +54,7 @@ def validate_moe_inputs(
     act_scale: str,
     check_ids: bool,
 ) -> None:
-    """SPEC section 9 for one call (``mode`` and ``act_scale`` as the backends take them:
+    """numerics section 9 for one call (``mode`` and ``act_scale`` as the backends take them:
     a kernel family and a W4A4 activation scale). ``check_ids`` reads the ids (a host sync
     on a GPU)."""
     if not isinstance(experts, PreparedExperts):
@@ -109,7 +109,7 @@ def moe(
     validate_ids: bool = False,
     options: Options | None = None,
 ) -> torch.Tensor:
-    """One MoE layer over prepared NVFP4 experts (SPEC sections 4 to 7).
+    """One MoE layer over prepared NVFP4 experts (numerics sections 4 to 7).
 
     Runs as the custom op ``torch.ops.fp4moe.moe`` (``fp4moe.ops``): ``torch.compile``
     keeps it in the graph, and autograd gives straight-through gradients for ``x`` and

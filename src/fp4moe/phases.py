@@ -266,7 +266,7 @@ class MoELayer(nn.Module):
 
     The expert tensors are buffers of the layer (``w13_codes``, ``w13_scales``,
     ``w13_global``, ``w2_codes``, ``w2_scales``, ``w2_global`` and, when calibrated,
-    ``a13_scale``, ``a2_scale``; SPEC section 3, linear layout): ``.to(device)``,
+    ``a13_scale``, ``a2_scale``; numerics section 3, linear layout): ``.to(device)``,
     ``.cuda()`` and ``.cpu()`` move them, ``state_dict()`` holds them (the tensors themselves,
     no copy) beside ``gate_weight``, and ``load_state_dict`` copies into them. A dtype change
     (``.to(torch.bfloat16)``, ``.half()``) never touches them: codes, e4m3 scales and fp32

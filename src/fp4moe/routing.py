@@ -163,7 +163,7 @@ def local_expert_ids(topk_ids: torch.Tensor, expert_start: int, expert_stop: int
 
 
 def check_expert_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
-    """Raise ValueError naming ``topk_ids`` if an id is >= ``num_experts`` (SPEC section 4;
+    """Raise ValueError naming ``topk_ids`` if an id is >= ``num_experts`` (numerics section 4;
     negative ids are masked routes). Reads the ids: a host sync on a GPU."""
     if topk_ids.numel():
         hi = int(topk_ids.max())

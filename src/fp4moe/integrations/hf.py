@@ -17,7 +17,7 @@ experts; its ``state_dict`` holds the experts in the ModelOpt NVFP4 layout and
 ``.to()``, ``.cuda()`` and ``.cpu()`` move the experts with the model. Phase inference
 inside ``generate``: ``hf_phases``.
 
-Numerics inside a converted block follow SPEC.md (fp32 accumulation, one bf16 rounding of
+Numerics inside a converted block follow docs/numerics.md (fp32 accumulation, one bf16 rounding of
 each route row, routes summed in fp32 in ascending k): they differ from the model's own
 bf16 expert loop by bf16 rounding only (W4A16) or by the activation quantization (W4A4).
 Activations enter the experts in bf16 whatever the model dtype; the output is cast back.

@@ -12,7 +12,7 @@ without those tools installed:
    * routed experts: NVFP4 codes and block scales kept bit for bit in one
      :class:`fp4moe.PreparedExperts` a block (``fp4moe.load_checkpoint_experts``);
    * every other NVFP4 linear (attention, shared experts, dense MLPs): dequantized to the
-     model dtype (bf16 by default), ``code * block scale * global`` (SPEC section 1), so
+     model dtype (bf16 by default), ``code * block scale * global`` (numerics section 1), so
      those layers run as plain bf16 linears; their input scales are not used;
    * routers, norms, embeddings, biases and any other unquantized tensor: as stored, cast
      to the model's dtype for that tensor;
