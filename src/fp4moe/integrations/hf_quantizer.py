@@ -179,7 +179,9 @@ class FP4MoEQuantizer(HfQuantizer):
                         self._linears.append(name)
                         break
 
-    def update_weight_conversions(self, weight_conversions: list, model: nn.Module) -> list:
+    def update_weight_conversions(
+        self, weight_conversions: list, model: nn.Module | None = None
+    ) -> list:  # (transformers before 5.24 passes no model)
         # The experts stay one tensor set an expert (no merge into gate_up_proj / down_proj).
         def merges_experts(conv: Any) -> bool:
             targets = getattr(conv, "_original_target_patterns", None) or []
