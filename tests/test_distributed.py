@@ -28,7 +28,7 @@ from testing import random_moe_weights, random_x, rel_err
 
 H, I, E_TOTAL, K = 64, 32, 8, 2  # noqa: E741 (the contract's name)
 MODES = ("w4a16", "w4a4-token", "w4a4-static", "w4a4-tensor")
-TOKENS = {2: [13, 5], 4: [9, 0, 17, 4]}  # uneven loads; T = 0 on one rank at world 4
+TOKENS = {1: [13], 2: [13, 5], 4: [9, 0, 17, 4]}  # uneven loads; T = 0 on one rank at world 4
 JOIN_TIMEOUT_S = 150
 _DEVICE = ["cpu"]  # the worker's device: "cpu" (gloo) or "cuda:<rank>" (nccl)
 
@@ -375,7 +375,8 @@ CASES = {
 }
 
 
-def _worker(rank: int, world: int, init: str, out_dir: str, device: str) -> None:
+def _worker(rank: int, world: int, init: str, out_dir: str, device: str,
+            cases: tuple[str, ...]) -> None:  # fmt: skip
     torch.set_num_threads(1)
     backend = "gloo"
     if device == "cuda":
@@ -389,6 +390,8 @@ def _worker(rank: int, world: int, init: str, out_dir: str, device: str) -> None
     full = _full_experts()
     try:
         for name, fn in CASES.items():
+            if name not in cases:
+                continue
             t0 = time.perf_counter()
             try:
                 fn(rank, world, res, full)
@@ -413,11 +416,12 @@ def _free_port() -> int:
 _RESULTS: dict[tuple[int, str], list[dict]] = {}
 
 
-def _run(world: int, tmp_dir: str, device: str = "cpu") -> list[dict]:
+def _run(world: int, tmp_dir: str, device: str = "cpu",
+         cases: tuple[str, ...] = tuple(CASES)) -> list[dict]:  # fmt: skip
     if (world, device) not in _RESULTS:
         init = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.start_processes(
-            _worker, args=(world, init, tmp_dir, device), nprocs=world, join=False,
+            _worker, args=(world, init, tmp_dir, device, cases), nprocs=world, join=False,
             start_method="spawn",
         )  # fmt: skip
         deadline = time.monotonic() + JOIN_TIMEOUT_S
@@ -514,6 +518,22 @@ def test_ep_needs_initialized_group():
     full = _full_experts()
     with pytest.raises(RuntimeError, match="init_process_group"):
         EPMoELayer(full, gate_weight=_gate())
+
+
+# the cases that make sense on one rank (the others need a second rank to disagree with)
+ONE_RANK = ("router_modes", "fixed_capacity", "phase_inference", "shapes", "split_steps",
+            "cuda_graph")  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_ep_nccl_one_gpu(tmp_path):
+    """NCCL at world size 1 on one GPU, the Triton backend: the collectives, both dispatch
+    paths and the CUDA-graph replay of the fixed path, bitwise as the single-process
+    layer (the two-GPU test below needs a machine with two)."""
+    results = _run(1, str(tmp_path), device="cuda", cases=ONE_RANK)
+    bad = {c: v for c in ONE_RANK if (v := results[0]["cases"].get(c, "not run")) != "ok"}
+    assert not bad, "\n".join(f"{c}: {v}" for c, v in bad.items())
+    assert results[0].get("graph") == ["w4a16", "w4a4-token", "w4a4-static"]
 
 
 @pytest.mark.gpu
