@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from .experts import PreparedExperts
-from .nvfp4 import dequantize_nvfp4, global_from_amax, quantize_nvfp4
-from .reference import route_rows_reference
+from .nvfp4 import dequantize_nvfp4, global_from_amax
+from .reference import quantized_input, route_rows_reference
 
 __all__ = ["fc1_input_values", "moe_backward_reference"]
 
@@ -40,15 +40,10 @@ def fc1_input_values(
     """The FC1 input the forward multiplies, as fp32 values: bf16 ``x`` [n, H] itself
     (W4A16), or its NVFP4 quantization decoded with its global scale (W4A4: one global a
     row for "per_token", ``static`` for "static", ``batch_global`` for "per_tensor")."""
-    if mode == "w4a16":
-        return x.float()
-    if act_scale == "per_token":
-        q = quantize_nvfp4(x, per_row=True)
-    elif act_scale == "static":
-        q = quantize_nvfp4(x, global_scale=static)
-    else:
-        q = quantize_nvfp4(x, global_scale=batch_global)
-    return dequantize_nvfp4(q)
+    values, g = quantized_input(x, mode, act_scale, static, batch_global)
+    if g is None:  # W4A16
+        return values
+    return values * (g.unsqueeze(-1) if g.dim() > 0 else g)  # dequantize_nvfp4's product
 
 
 def moe_backward_reference(
