@@ -531,6 +531,21 @@ def load_checkpoint_experts(
 # ----------------------------------------------------------------------------- save
 
 
+def _projections(experts: PreparedExperts, names: Sequence[str]):
+    """(expert, projection name, codes, block scales, global, static input scale or None)
+    of each expert's gate, up and down projection, as views of the experts' tensors."""
+    i = experts.intermediate_size
+    for e in range(experts.num_experts):
+        parts = (
+            (experts.w13_codes[e, :i], experts.w13_scales[e, :i], experts.w13_global[e, 0]),
+            (experts.w13_codes[e, i:], experts.w13_scales[e, i:], experts.w13_global[e, 1]),
+            (experts.w2_codes[e], experts.w2_scales[e], experts.w2_global[e]),
+        )
+        statics = (experts.a13_scale, experts.a13_scale, experts.a2_scale)
+        for name, (codes, scales, g), a in zip(names, parts, statics):
+            yield e, name, codes, scales, g, (a[e] if a is not None else None)
+
+
 def _save(
     experts: PreparedExperts,
     path_or_dict: str | os.PathLike | MutableMapping[str, torch.Tensor] | None,
@@ -561,23 +576,15 @@ def _save(
         g = g.detach().to(device="cpu", dtype=torch.float32)
         return (torch.reciprocal(g) if encode else g.clone()).reshape(scalar_shape)
 
-    i = experts.intermediate_size
     out: dict[str, torch.Tensor] = {}
-    for e in range(experts.num_experts):
-        base = f"{prefix}.{e + expert_offset}"
-        parts = (
-            (experts.w13_codes[e, :i], experts.w13_scales[e, :i], experts.w13_global[e, 0]),
-            (experts.w13_codes[e, i:], experts.w13_scales[e, i:], experts.w13_global[e, 1]),
-            (experts.w2_codes[e], experts.w2_scales[e], experts.w2_global[e]),
-        )
-        statics = (experts.a13_scale, experts.a13_scale, experts.a2_scale)
-        for name, (codes, scales, g), a in zip(names, parts, statics):
-            # clone: safetensors refuses tensors that share storage
-            out[f"{base}.{name}.{codes_leaf}"] = codes.detach().cpu().clone()
-            out[f"{base}.{name}.{scale_leaf}"] = scales.detach().cpu().clone()
-            out[f"{base}.{name}.{global_leaf}"] = scalar(g)
-            if a is not None:
-                out[f"{base}.{name}.{input_leaf}"] = scalar(a[e])
+    for e, name, codes, scales, g, a in _projections(experts, names):
+        base = f"{prefix}.{e + expert_offset}.{name}"
+        # clone: safetensors refuses tensors that share storage
+        out[f"{base}.{codes_leaf}"] = codes.detach().cpu().clone()
+        out[f"{base}.{scale_leaf}"] = scales.detach().cpu().clone()
+        out[f"{base}.{global_leaf}"] = scalar(g)
+        if a is not None:
+            out[f"{base}.{input_leaf}"] = scalar(a)
 
     if path_or_dict is None:
         return out
@@ -612,22 +619,14 @@ def modelopt_expert_tensors(
     if not isinstance(experts, PreparedExperts):
         raise TypeError(f"experts: expected a PreparedExperts, got {type(experts).__name__}")
     prefix = prefix.rstrip(".")
-    i = experts.intermediate_size
     out: dict[str, torch.Tensor] = {}
-    for e in range(experts.num_experts):
-        parts = (
-            (experts.w13_codes[e, :i], experts.w13_scales[e, :i], experts.w13_global[e, 0]),
-            (experts.w13_codes[e, i:], experts.w13_scales[e, i:], experts.w13_global[e, 1]),
-            (experts.w2_codes[e], experts.w2_scales[e], experts.w2_global[e]),
-        )
-        statics = (experts.a13_scale, experts.a13_scale, experts.a2_scale)
-        for name, (codes, scales, g), a in zip(names, parts, statics):
-            base = f"{prefix}.{e}.{name}"
-            out[f"{base}.weight"] = codes
-            out[f"{base}.weight_scale"] = scales
-            out[f"{base}.weight_scale_2"] = g
-            if a is not None:
-                out[f"{base}.input_scale"] = a[e]
+    for e, name, codes, scales, g, a in _projections(experts, names):
+        base = f"{prefix}.{e}.{name}"
+        out[f"{base}.weight"] = codes
+        out[f"{base}.weight_scale"] = scales
+        out[f"{base}.weight_scale_2"] = g
+        if a is not None:
+            out[f"{base}.input_scale"] = a
     return out
 
 
