@@ -315,8 +315,21 @@ def plan_call(
                         early_weights=decode_family and gpdl and early,
                         counters=counters)  # fmt: skip
 
+    def operand(kernel: str, quantize_decodes: bool, plain: str) -> str:
+        """How a GEMM's activation rows reach ``kernel`` (``GemmPlan.operand``): W4A4 rows
+        for a Gluon decode kernel come decoded by their quantize kernel where it
+        ``quantize_decodes``, else by a launch of their own."""
+        if kernel == "gluon-prefill":
+            return "gather"
+        if kernel == "triton-dense":
+            return "dense"
+        if not w4a4:
+            return plain
+        if kernel in ("gluon-split", "gluon-whole"):
+            return "decoded" if quantize_decodes else "decode"
+        return "nvfp4"
+
     # FC1's input and operand
-    gluon1 = k1 in ("gluon-split", "gluon-whole")
     if dispatched:
         fc1_input = "dispatched" if w4a4 else "bf16"
     elif not w4a4:
@@ -325,16 +338,7 @@ def plan_call(
         fc1_input = "per-tensor" if _amax_self(t * h, False) else "per-tensor+amax"
     else:
         fc1_input = {"per_token": "per-row", "static": "static"}[act_scale]
-    if k1 == "gluon-prefill":
-        op1 = "gather"
-    elif k1 == "triton-dense":
-        op1 = "dense"
-    elif w4a4 and gluon1:
-        op1 = "decode" if dispatched else "decoded"
-    elif w4a4:
-        op1 = "nvfp4"
-    else:
-        op1 = "rows" if static else "x"
+    op1 = operand(k1, not dispatched, "x")
     fc1 = gemm(k1, s1, i, h, t1, "nvfp4" if fc1_fp4 else "bf16", op1,
                early=w4a4 and not dispatched)  # fmt: skip
 
@@ -347,17 +351,7 @@ def plan_call(
         fc2_input = "per-tensor" if _amax_self(routes * i, amax_all_reduce) else "per-tensor+amax"
     else:
         fc2_input = {"per_token": "per-row", "static": "static"}[act_scale]
-    gluon2 = k2 in ("gluon-split", "gluon-whole")
-    if k2 == "gluon-prefill":
-        op2 = "gather"
-    elif k2 == "triton-dense":
-        op2 = "dense"
-    elif w4a4 and gluon2:
-        op2 = "decode" if fc1_fp4 else "decoded"
-    elif w4a4:
-        op2 = "nvfp4"
-    else:
-        op2 = "rows"
+    op2 = operand(k2, not fc1_fp4, "rows")
     fused = fused_finalize and not dispatched
     fc2 = gemm(k2, s2, h, i, t2, "atomic" if fused else "bf16", op2, early=True)
 
