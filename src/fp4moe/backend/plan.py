@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
-from ..kernels.gemm.shapes import SEGMENT, gluon_decode_fits, prefill_fits
+from ..kernels.gemm.shapes import SEGMENT, gluon_decode_fits, max_blocks, prefill_fits
 from . import heuristics as hx
 from .device import Target
 from .options import InapplicableOverride, Options, Tile
@@ -304,7 +304,7 @@ def plan_call(
 
     def gemm(kernel, split, n, kk, t, epilogue, operand, early):
         counters = 0
-        nb = _max_blocks(routes, e, block_m)
+        nb = max_blocks(routes, e, block_m)
         if kernel == "gluon-split" and epilogue != "nvfp4":
             counters = -(-n // _GLUON_TILE_N) * nb
         elif split and kernel != "gluon-split":
@@ -368,11 +368,6 @@ def plan_call(
     )  # fmt: skip
 
 
-def _max_blocks(routes: int, e: int, block_m: int) -> int:
-    """The tile schedule's row blocks (``sort.max_blocks``)."""
-    return -(-routes // block_m) + min(e, routes)
-
-
 def _pin(kernel: str, r: _Rules, t1: Tile, t2: Tile, static: bool) -> tuple[str, Tile, Tile]:
     """Both GEMMs on ``kernel`` (``Options.gemm``) with the tiles it takes (from the
     portable tiles ``t1``, ``t2``); raises ``InapplicableOverride`` where it cannot run."""
@@ -432,7 +427,7 @@ def workspace_bytes(plan: Plan) -> int:
     p = plan
     t, h, i, e = p.num_tokens, p.hidden, p.inter, p.num_experts
     n = t * p.top_k
-    nb = _max_blocks(n, e, p.block_m)
+    nb = max_blocks(n, e, p.block_m)
     common = 4 * (3 * n + 2 * e + 1 + 3 * nb)  # the sort's outputs (int32)
     w4a4 = p.mode == "w4a4"
     nvfp4_row = lambda c: c // 2 + c // 16 + 4  # codes, scales, global

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemm.shapes import max_blocks
+
 __all__ = ["RouteSort", "max_blocks", "sort_routes", "sort_routes_reference"]
 
 
@@ -60,10 +62,6 @@ class RouteSort:
     @property
     def num_blocks(self) -> int:
         return self.block_expert.numel()
-
-
-def max_blocks(num_routes: int, num_experts: int, block_m: int) -> int:
-    return -(-num_routes // block_m) + min(num_experts, num_routes)
 
 
 def sort_routes(

@@ -3,7 +3,7 @@ the launchers' input checks and the planner."""
 
 from __future__ import annotations
 
-__all__ = ["SEGMENT", "gluon_decode_fits", "k_order", "prefill_fits"]
+__all__ = ["SEGMENT", "gluon_decode_fits", "k_order", "max_blocks", "prefill_fits"]
 
 SEGMENT = 1024  # K elements a segment of the main loop, the same for every kernel family
 PREFILL_ROWS = 128  # token rows a tile of the prefill kernel (its schedule's block_m)
@@ -32,3 +32,9 @@ def prefill_fits(n: int, k: int, gated: bool) -> bool:
     """Whether the Gluon prefill kernel takes a GEMM of ``n`` outputs and K = ``k``: whole
     1024-K segments, and whole 64-row (gated) or 128-row weight tiles."""
     return k % SEGMENT == 0 and n % (64 if gated else 128) == 0
+
+
+def max_blocks(num_routes: int, num_experts: int, block_m: int) -> int:
+    """The row blocks of a call's tile schedule (``sort.sort_routes``): an upper bound of
+    sum over experts of cdiv(rows, block_m), known on the host without a sync."""
+    return -(-num_routes // block_m) + min(num_experts, num_routes)
