@@ -1,4 +1,4 @@
-"""Expert parallelism on ``torch.distributed``: EPMoELayer and the expert-side route rows.
+"""Expert parallelism on ``torch.distributed``: EPMoELayer (its expert side: expert_rows.py).
 
 Each rank of a process group holds a contiguous slice of the experts
 (``fp4moe.expert_range(rank, world, E_total)``) and its own tokens. One call:
