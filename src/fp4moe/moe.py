@@ -159,18 +159,12 @@ def moe(
     eager_only = []
     if options is not None:
         eager_only = [n for n in EAGER_OPTIONS if getattr(options, n) not in (None, False)]
-    if eager_only:
-        if torch.compiler.is_compiling():
-            raise ValueError(
-                f"options: {eager_only} are eager-only test and benchmark settings; the "
-                f"compiled op takes only {OP_OPTIONS}"
-            )
-        return run_moe(
-            x, topk_ids, topk_weights, experts, mode=kernel_mode, act_scale=scale,
-            fused_finalize=fused_finalize, backend=backend, check_ids=check_ids,
-            options=options,
-        )  # fmt: skip
-    if _eager_call(x, topk_ids, topk_weights, experts):
+    if eager_only and torch.compiler.is_compiling():
+        raise ValueError(
+            f"options: {eager_only} are eager-only test and benchmark settings; the "
+            f"compiled op takes only {OP_OPTIONS}"
+        )
+    if eager_only or _eager_call(x, topk_ids, topk_weights, experts):
         return run_moe(
             x, topk_ids, topk_weights, experts, mode=kernel_mode, act_scale=scale,
             fused_finalize=fused_finalize, backend=backend, check_ids=check_ids,
