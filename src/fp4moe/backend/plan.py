@@ -16,14 +16,13 @@ import functools
 from dataclasses import dataclass, replace
 
 from ..kernels.gemm.shapes import SEGMENT, gluon_decode_fits, max_blocks, prefill_fits
+from ..modes import ACT_SCALES, KERNEL_MODES
 from . import heuristics as hx
 from .device import Target
 from .options import InapplicableOverride, Options, Tile
 
 __all__ = ["GemmPlan", "Plan", "explain", "plan_call", "workspace_bytes"]
 
-MODES = ("w4a16", "w4a4")
-ACT_SCALES = ("per_token", "static", "per_tensor")
 _GLUON_TILE_N = 64  # weight rows a Gluon decode-kernel tile (its counters' tiles)
 
 
@@ -249,8 +248,8 @@ def plan_call(
     (an amax kernel, never the quantize kernel's own). Raises ``InapplicableOverride``
     when a kernel pinned in ``options.gemm`` cannot serve a GEMM of this call."""
     opt = options or Options()
-    if mode not in MODES:
-        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"mode: expected one of {KERNEL_MODES}, got {mode!r}")
     if act_scale not in ACT_SCALES:
         raise ValueError(f"act_scale: expected one of {ACT_SCALES}, got {act_scale!r}")
     w4a4 = mode == "w4a4"
