@@ -52,6 +52,7 @@ from .gluon_common import (
     tile_index,
     weight_descriptors,
 )
+from .shapes import SEGMENT, gluon_decode_fits
 
 __all__ = ["RING_STAGES", "WHOLE_PER_SM", "compile_sm90", "split_partials_tma"]
 
@@ -384,7 +385,7 @@ def tma_split_kernel(
 def split_partials_tma(
     x, sorted_routes, codes, scales, block_expert, block_start, block_end, part, *,
     n: int, topk: int, gated: bool, gather: bool, block_m: int, ws_rows: int,
-    seg: int = 1024, out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
     counters: torch.Tensor | None = None, w_global: torch.Tensor | None = None,
     topk_w: torch.Tensor | None = None, fused: bool = False, out_scale: float = 1.0,
     a_unit_order: bool = False, a_global: torch.Tensor | None = None, pdl: bool = False,
@@ -399,7 +400,7 @@ def split_partials_tma(
             K/16] (W_ROWS = 2 n gated, else n).
         block_expert, block_start, block_end: the tile schedule of ``sort_routes`` with
             ``block_m`` rows a tile (8 or 16; 32 with ``whole``).
-        part: fp32 [K / seg, ws_rows, (2 if gated) * n], every valid row's segment
+        part: fp32 [K / 1024, ws_rows, (2 if gated) * n], every valid row's segment
             partials (split K); None with ``whole``.
         out: the output, written by the kernel (the last unit of each tile, or each whole-K
             program): bf16 rows [ws_rows, n] in sorted order, or with ``fused`` fp32
@@ -414,10 +415,10 @@ def split_partials_tma(
         whole: each program takes every K segment of its tile in turn (``gluon-whole``).
     """
     k = x.shape[1]
-    if k % seg or seg % STAGE_K.value or block_m not in ((8, 16, 32) if whole else (8, 16)):
-        raise ValueError(f"split_partials_tma: needs K % {seg} == 0, seg % 256 == 0 and "
+    if not gluon_decode_fits(k, block_m, UNIT.value, whole):
+        raise ValueError(f"split_partials_tma: needs K a multiple of {SEGMENT} above it and "
                          "block_m 8 or 16 (or 32 with whole)")  # fmt: skip
-    tiles, blocks, segs = triton.cdiv(n, _TR.value), block_expert.numel(), k // seg
+    tiles, blocks, segs = triton.cdiv(n, _TR.value), block_expert.numel(), k // SEGMENT
     epilogue = out is not None
     short = not whole and (counters is None or counters.numel() < tiles * blocks)
     if epilogue and (short or w_global is None or (fused and topk_w is None)):
@@ -438,7 +439,7 @@ def split_partials_tma(
         counters if epilogue else dummy, w_global if epilogue else dummy,
         topk_w if fused else dummy, out if epilogue else dummy,
         a_global if a_global is not None else dummy, ws_rows,
-        N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=gather, BM=block_m, SEG=seg,
+        N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=gather, BM=block_m, SEG=SEGMENT,
         NBUF=RING_STAGES, EPILOGUE=epilogue, FUSED=fused and epilogue, OUT_SCALE=out_scale,
         A_UNIT_ORDER=a_unit_order, A_FP4=a_global is not None and epilogue, USE_PDL=pdl,
         EARLY_W=pdl and early_weights, WHOLE=whole, num_warps=4, launch_pdl=pdl,
@@ -460,7 +461,7 @@ def compile_sm90(*, n: int, k: int, gated: bool, block_m: int, epilogue: bool = 
         "c_desc": f"tensordesc<u8[{_TR.value}, {STAGE_K.value // 2}],{CODE_SMEM!r}>",
         "s_desc": f"tensordesc<u8[{_TR.value}, 16],{SCALE_SMEM!r}>",
     }
-    const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated, BM=block_m, SEG=1024,
+    const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated, BM=block_m, SEG=SEGMENT,
                  NBUF=RING_STAGES, EPILOGUE=epilogue or whole, FUSED=fused,
                  OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_UNIT_ORDER=a_fp4, A_FP4=a_fp4,
                  USE_PDL=pdl, EARLY_W=pdl and early_weights, WHOLE=whole)  # fmt: skip
