@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from ..experts import PreparedExperts
-from ..kernels.common import empty, interpreting
+from ..kernels.common import empty
 from ..kernels.finalize import cast_rows, finalize_rows
 from ..kernels.gemm.operands import dense_rows, dense_weights
 from ..kernels.gemm.portable import portable_gemm
@@ -104,27 +104,24 @@ def _gemm(
         return
     ws_rows = sort.sorted_routes.shape[0] if g.split or g.kernel == "gluon-whole" else 0
     common = dict(n=n, k=k, topk=topk, gated=gated, fused=fused, pdl=plan.pdl, tile=tile,
-                  interpret=interpreting(), out_fp4=out_fp4, ws_rows=ws_rows)  # fmt: skip
+                  interpret=plan.target.interpret, out_fp4=out_fp4, ws_rows=ws_rows)  # fmt: skip
     schedule = (sort.block_expert, sort.block_start, sort.block_end)
     part = None
     if g.split:  # fp32 partials of every K segment, summed by the last program of a tile
         part = torch.empty(g.segments * ws_rows * (2 * n if gated else n),
                            dtype=torch.float32, device=a.device)  # fmt: skip
-    if g.kernel == "triton-dense":
-        order = k_order(k, t.block_k)
-        w_codes = dense_weights(w_codes, w_scales, order=order)
-        # rows in sorted order (not gathered) stop at the valid count: masked routes are
-        # never loaded
-        a = dense_rows(a, a_scales, count=None if a_gather else n_valid, poison=poison,
-                       order=order)  # fmt: skip
+    if g.kernel in ("triton", "triton-split", "triton-dense"):
+        dense = g.kernel == "triton-dense"
+        if dense:  # the weights and the rows decoded (or reordered) once, in the loop's order
+            order = k_order(k, t.block_k)
+            w_codes = dense_weights(w_codes, w_scales, order=order)
+            # rows in sorted order (not gathered) stop at the valid count: masked routes
+            # are never loaded
+            a = dense_rows(a, a_scales, count=None if a_gather else n_valid, poison=poison,
+                           order=order)  # fmt: skip
         portable_gemm(a, a_scales, a_global, sort.sorted_routes, topk_w, w_codes, w_scales,
-                      w_global, out, *schedule, a_gather=a_gather, split=g.split, dense=True,
+                      w_global, out, *schedule, a_gather=a_gather, split=g.split, dense=dense,
                       part=part, counters=counters, **common)  # fmt: skip
-        return
-    if g.kernel in ("triton", "triton-split"):
-        portable_gemm(a, a_scales, a_global, sort.sorted_routes, topk_w, w_codes, w_scales,
-                      w_global, out, *schedule, a_gather=a_gather, split=g.split, part=part,
-                      counters=counters, **common)  # fmt: skip
         return
     from ..kernels.gemm.gluon_decode import split_partials_tma
 
