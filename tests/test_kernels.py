@@ -150,6 +150,7 @@ def test_sort_zero_bad_input():
 
 CPU_CASES = [
     # (T, K, E, H, I, masked, one_expert)
+    pytest.param(0, 2, 4, 64, 32, 0.0, None, id="T0"),
     pytest.param(1, 2, 4, 64, 32, 0.0, None, id="T1"),
     pytest.param(9, 3, 4, 64, 64, 0.2, None, id="T9-masked"),
     pytest.param(20, 2, 6, 96, 32, 0.0, None, id="T20-emptyexperts"),
