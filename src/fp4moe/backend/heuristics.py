@@ -14,6 +14,7 @@ from .options import Tile
 
 __all__ = [
     "DENSE_ABOVE_ROWS",
+    "DENSE_TILE",
     "GLUON_PDL_MAX_ROUTES",
     "GLUON_SPLIT_MAX_ROWS",
     "PREFILL_ABOVE_ROWS",
@@ -28,6 +29,7 @@ __all__ = [
     "WHOLE_K_MAX_ROWS",
     "WHOLE_K_WIDE_ROWS",
     "portable_tile",
+    "split_programs",
     "touched_experts",
 ]
 

@@ -15,7 +15,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
-from ..kernels.gemm.shapes import SEGMENT, gluon_decode_fits, max_blocks, prefill_fits
+from ..kernels.gemm.shapes import (
+    PREFILL_ROWS,
+    SEGMENT,
+    gluon_decode_fits,
+    max_blocks,
+    prefill_fits,
+)
 from ..modes import ACT_SCALES, KERNEL_MODES
 from . import heuristics as hx
 from .device import Target
@@ -268,8 +274,10 @@ def plan_call(
     split1, split2 = r.splits(t1, t2)
     dense = r.dense()
     gpdl = pdl and r.valid * e <= hx.GLUON_PDL_MAX_ROUTES
-    fc1_prefill = dense and target.gluon and prefill_fits(i, h, True) and t1.block_m == 128
-    fc2_prefill = dense and target.gluon and prefill_fits(h, i, False) and t2.block_m == 128
+    # the prefill kernel where its shape fits, on the dense path's 128-row tiles
+    prefill_here = dense and target.gluon
+    fc1_prefill = prefill_here and prefill_fits(i, h, True) and t1.block_m == PREFILL_ROWS
+    fc2_prefill = prefill_here and prefill_fits(h, i, False) and t2.block_m == PREFILL_ROWS
     fc1_fp4 = static and not fc1_prefill
 
     def family(kk, t, split, prefill, whole_can, out_fp4) -> tuple[str, bool]:

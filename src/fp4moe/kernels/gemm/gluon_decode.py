@@ -54,14 +54,11 @@ from .gluon_common import (
 )
 from .shapes import SEGMENT, gluon_decode_fits
 
-__all__ = ["RING_STAGES", "WHOLE_PER_SM", "compile_sm90", "split_partials_tma"]
+__all__ = ["RING_STAGES", "compile_sm90", "split_partials_tma"]
 
 # Ring stages of 256 K in shared memory (1: 18 KB a program for FC1's 8-row tiles, so more
 # programs an SM): the fastest of 1, 2 and 4 on the H200 for both forms.
 RING_STAGES = 1
-# The whole-K programs an SM holds, by gated (FC1: 16-row tiles 121 registers and 51 KB,
-# four; FC2: 96 and 42 KB, five; compiled for sm_90): the planner's occupancy estimate.
-WHOLE_PER_SM = {True: 4, False: 5}
 _TR = gl.constexpr(64)  # weight rows a tile (one warpgroup)
 
 
