@@ -4,6 +4,8 @@
 mode name               what runs (numerics section 5)
 ======================= =========================================================
 ``"w4a16"``             bf16 activations
+``"w4a8"``              activations to e4m3 with one scale a row, weights to e4m3
+                        from the same NVFP4 bytes, FP8 tensor cores (section 5a)
 ``"w4a4-token"``        activations quantized to NVFP4, one global scale a token
 ``"w4a4-tensor"``       one dynamic global scale over the whole batch (the output
                         of a token depends on the other tokens: numerics section 7)
@@ -34,14 +36,15 @@ from __future__ import annotations
 
 __all__ = ["ACT_SCALES", "KERNEL_MODES", "MODE_NAMES", "mode_name", "resolve_mode"]
 
-MODE_NAMES: tuple[str, ...] = ("w4a16", "w4a4-token", "w4a4-tensor", "w4a4-static")
+MODE_NAMES: tuple[str, ...] = ("w4a16", "w4a8", "w4a4-token", "w4a4-tensor", "w4a4-static")
 # The kernel families and W4A4 activation scales the backends take (``moe_reference``,
 # ``moe_triton``, ``PhaseConfig.mode`` / ``.act_scale``).
-KERNEL_MODES: tuple[str, ...] = ("w4a16", "w4a4")
+KERNEL_MODES: tuple[str, ...] = ("w4a16", "w4a8", "w4a4")
 ACT_SCALES: tuple[str, ...] = ("per_token", "static", "per_tensor")
 
 _BY_NAME: dict[str, tuple[str, str]] = {
     "w4a16": ("w4a16", "per_token"),
+    "w4a8": ("w4a8", "per_token"),
     "w4a4-token": ("w4a4", "per_token"),
     "w4a4-tensor": ("w4a4", "per_tensor"),
     "w4a4-static": ("w4a4", "static"),
@@ -50,9 +53,9 @@ _BY_NAME: dict[str, tuple[str, str]] = {
 
 def mode_name(kernel_mode: str, act_scale: str = "per_token") -> str:
     """The mode name of a (kernel family, activation scale) pair: ``("w4a4", "static")``
-    -> ``"w4a4-static"``; W4A16 ignores ``act_scale``."""
-    if kernel_mode == "w4a16":
-        return "w4a16"
+    -> ``"w4a4-static"``; W4A16 and W4A8 ignore ``act_scale``."""
+    if kernel_mode in ("w4a16", "w4a8"):
+        return kernel_mode
     return "w4a4-" + act_scale.removeprefix("per_")
 
 
@@ -78,8 +81,8 @@ def resolve_mode(mode: str, act_scale: str | None = None) -> tuple[str, str]:
         kernel, implied = _BY_NAME[mode]
         if act_scale is not None and act_scale != implied:
             why = (
-                "W4A16 has no activation scale"
-                if kernel == "w4a16"
+                f"{kernel.upper()} has no activation scale choice"
+                if kernel != "w4a4"
                 else f"the mode name already says {implied!r}"
             )
             raise ValueError(

@@ -1,5 +1,5 @@
-"""The whole MoE forward of docs/numerics.md (sections 5 and 6) in plain PyTorch: the contract
-in code.
+"""The whole MoE forward of docs/numerics.md (sections 5, 5a and 6) in plain PyTorch: the
+contract in code.
 
 Short, obvious and slow, on any device. Every fast path is tested against these functions.
 Products of decoded values are exact; the reference accumulates them in float64 and
@@ -15,8 +15,11 @@ from .experts import PreparedExperts
 from .nvfp4 import dequantize_blocks, global_from_amax, quantize_nvfp4
 
 __all__ = [
+    "E4M3_MAX",
     "accumulate",
     "apply_global",
+    "e4m3_rows",
+    "e4m3_weights",
     "finalize_reference",
     "fma_f32",
     "moe_reference",
@@ -28,6 +31,36 @@ __all__ = [
 def accumulate(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """acc(a * w) over the reduction axis: a [n, K] and w [N, K] (fp32, exact decoded values)."""
     return (a.double() @ w.double().t()).float()
+
+
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def e4m3_rows(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W4A8's activation rows (numerics section 5a): s = amax(|row|) / 448 in fp32 (1 for a
+    row of zeros), q = e4m3(row / s), round to nearest even, saturating at 448.
+
+    v: bf16 [n, C]. Returns (q float8_e4m3fn [n, C], s fp32 [n])."""
+    f = v.float()
+    amax = f.abs().amax(dim=1) if f.shape[1] else f.new_zeros(f.shape[0])
+    s = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
+    q = (f / s[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, s
+
+
+def e4m3_weights(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """W4A8's weights (numerics section 5a): e4m3(code value x block scale / 8), round to
+    nearest even (exact up to that rounding; at most 336 in magnitude, so never saturating).
+
+    codes uint8 [..., C/2], scales e4m3 [..., C/16]. Returns float8_e4m3fn [..., C]."""
+    return (dequantize_blocks(codes, scales) / 8.0).to(torch.float8_e4m3fn)
+
+
+def _w4a8_fc(v: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """acc(q_v * w8) * s_v * 8 in fp32 [n, N] (the weights' global not yet applied)."""
+    q, s = e4m3_rows(v)
+    acc = accumulate(q.float(), e4m3_weights(codes, scales).float())
+    return acc * s[:, None] * 8.0
 
 
 def quantized_input(
@@ -66,7 +99,8 @@ def route_rows_reference(
 
     Args:
         x: bf16 [T, H]. topk_ids: int32 [T, K], negative = masked.
-        mode: "w4a16" or "w4a4"; act_scale: "per_token", "static" or "per_tensor" (W4A4 only).
+        mode: "w4a16", "w4a8" or "w4a4"; act_scale: "per_token", "static" or "per_tensor"
+            (W4A4 only).
 
     Returns:
         bf16 [T, K, H]; rows of masked routes are 0 (the finalize never reads them).
@@ -83,11 +117,15 @@ def route_rows_reference(
         tok, slot = (ids == e).nonzero(as_tuple=True)
         if tok.numel() == 0:
             continue
-        a13 = experts.a13_scale[e] if experts.a13_scale is not None else None
-        xin, gx = quantized_input(x[tok], mode, act_scale, a13, x_global)
         gate, up = experts.w13_nvfp4(e)
-        h_gate = apply_global(accumulate(xin, dequantize_blocks(gate.codes, gate.scales)), gx)
-        h_up = apply_global(accumulate(xin, dequantize_blocks(up.codes, up.scales)), gx)
+        if mode == "w4a8":
+            h_gate = _w4a8_fc(x[tok], gate.codes, gate.scales)
+            h_up = _w4a8_fc(x[tok], up.codes, up.scales)
+        else:
+            a13 = experts.a13_scale[e] if experts.a13_scale is not None else None
+            xin, gx = quantized_input(x[tok], mode, act_scale, a13, x_global)
+            h_gate = apply_global(accumulate(xin, dequantize_blocks(gate.codes, gate.scales)), gx)
+            h_up = apply_global(accumulate(xin, dequantize_blocks(up.codes, up.scales)), gx)
         h_gate = h_gate * gate.global_scale
         h_up = h_up * up.global_scale
         act_rows[tok, slot] = (F.silu(h_gate) * h_up).to(torch.bfloat16)
@@ -100,10 +138,13 @@ def route_rows_reference(
         tok, slot = (ids == e).nonzero(as_tuple=True)
         if tok.numel() == 0:
             continue
-        a2 = experts.a2_scale[e] if experts.a2_scale is not None else None
-        ain, ga = quantized_input(act_rows[tok, slot], mode, act_scale, a2, a_global)
         w2 = experts.w2_nvfp4(e)
-        acc = apply_global(accumulate(ain, dequantize_blocks(w2.codes, w2.scales)), ga)
+        if mode == "w4a8":
+            acc = _w4a8_fc(act_rows[tok, slot], w2.codes, w2.scales)
+        else:
+            a2 = experts.a2_scale[e] if experts.a2_scale is not None else None
+            ain, ga = quantized_input(act_rows[tok, slot], mode, act_scale, a2, a_global)
+            acc = apply_global(accumulate(ain, dequantize_blocks(w2.codes, w2.scales)), ga)
         y[tok, slot] = (acc * w2.global_scale).to(torch.bfloat16)
     return y
 
@@ -161,7 +202,7 @@ def moe_reference(
     mode: str = "w4a16",
     act_scale: str = "per_token",
 ) -> torch.Tensor:
-    """The MoE layer of numerics sections 5 and 6 (deterministic finalize), bf16 [T, H].
+    """The MoE layer of numerics sections 5, 5a and 6 (deterministic finalize), bf16 [T, H].
 
     Inputs are assumed valid (``fp4moe.moe`` validates them).
     """
