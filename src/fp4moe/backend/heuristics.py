@@ -31,6 +31,7 @@ __all__ = [
     "portable_tile",
     "split_programs",
     "touched_experts",
+    "w4a8_tile",
 ]
 
 # Options.valid_fraction when not given: a call masking 7 of 8 routes (expert parallelism
@@ -143,3 +144,20 @@ def split_programs(n: int, block_n: int, touched: float, rows: float, block_m: i
     row blocks an expert (``rows`` an expert; 16.000001 rows: one 16-row block)."""
     blocks = math.ceil(rows / block_m - 1e-6)
     return -(-n // block_n) * touched * blocks
+
+
+def w4a8_tile(valid_rows: float, k: int, *, gated: bool, interpret: bool) -> Tile:
+    """W4A8's tile (the portable kernel's FP8 main loop). Its K tile is fixed by the shape
+    (128, or the largest power of two dividing K), never by the token count: each K
+    tile's FP8 dot is added to the fp32 sums, so the K tile is the accumulation order and
+    the bits of a token do not depend on the batch. FP8 dots take at least 16 token rows.
+    The token rows grow with the expected rows an expert: 16 up to 16 rows, 64 up to 64,
+    then 128."""
+    bk = _pow2_dividing(k, 32 if interpret else 128)
+    if interpret:
+        return Tile(16, 32, bk, 4, 1)
+    if valid_rows <= 16:
+        return Tile(16, 64, bk, 4, 3)
+    if valid_rows <= 64:
+        return Tile(64, 64 if gated else 128, bk, 4 if gated else 8, 3)
+    return Tile(128, 64 if gated else 128, bk, 8, 3)

@@ -29,6 +29,7 @@ from ..kernels.quantize import (
     decoded_rows_dtype,
     quantize_rows,
 )
+from ..kernels.quantize_e4m3 import e4m3_rows
 from ..kernels.sort import RouteSort, sort_routes
 from .device import target_for
 from .options import Options
@@ -183,7 +184,9 @@ def expert_gemms(
         plan: the call's plan. sort: ``sort_routes`` of its [T, top_k] expert ids.
         a: FC1 input. bf16 [T, H] gathered by route (``a_gather``), or for W4A4 NVFP4 codes
             uint8 [T, H/2] (gathered) or [T * top_k, H/2] in sorted order (not gathered),
-            with ``a_scales`` e4m3 [..., H/16] and ``a_global`` fp32 [...] per row.
+            with ``a_scales`` e4m3 [..., H/16] and ``a_global`` fp32 [...] per row, or for
+            W4A8 float8_e4m3fn rows [T, H] (gathered) or [T * top_k, H] (sorted order;
+            dispatched) with ``a_scales`` None and their scales ``a_global`` fp32 [...].
         route_weights: fp32 [T * top_k] router weights (read by the fused epilogue only).
         slots: ``zero_buffer``'s views (tile counters and amax slots, zeroed by the sort).
         fused_into: fp32 [T, H] zeros: FC2 adds weight * y of each route into it with
@@ -224,7 +227,9 @@ def expert_gemms(
     if plan.fc2.operand == "decoded":  # the quantize kernel decodes FC2's rows too
         b_dec = empty((n_routes, inter), decoded_rows_dtype(), dev, poison)
     src = plan.fc2_input
-    if src == "per-row":
+    if src == "e4m3-row":  # W4A8
+        b_src, b_global = e4m3_rows(act, n_routes, count=n_valid, pdl=pdl, poison=poison)
+    elif src == "per-row":
         b_src, b_scales, b_global = quantize_rows(
             act, n_routes, mode=MODE_PER_ROW, count=n_valid, pdl=pdl, poison=poison,
             decoded=b_dec,
@@ -294,7 +299,9 @@ def moe_triton(
     if plan.fc1.operand == "decoded":  # the quantize kernel decodes FC1's rows too
         rows = n_routes if plan.fc1_input == "static" else t
         a_dec = empty((rows, h), decoded_rows_dtype(), dev, poison)
-    if plan.fc1_input == "per-row":
+    if plan.fc1_input == "e4m3-row":  # W4A8: e4m3 rows by token, gathered by the GEMM
+        a_src, a_global = e4m3_rows(x, t, pdl=pdl, poison=poison)
+    elif plan.fc1_input == "per-row":
         a_src, a_scales, a_global = quantize_rows(x, t, mode=MODE_PER_ROW, pdl=pdl,
                                                   poison=poison, decoded=a_dec)  # fmt: skip
     elif plan.fc1_input in ("per-tensor", "per-tensor+amax"):

@@ -45,10 +45,11 @@ class GemmPlan:
     "nvfp4" (decoded in the main loop), "decoded" (W4A4 rows decoded by the quantize
     kernel), "decode" (W4A4 rows decoded by a launch of their own), "gather" (rows
     gathered into sorted unit order by a launch: the prefill kernel), "dense" (decoded or
-    reordered once with the weights: triton-dense). split: one program a K segment and
-    tile (gluon-split, triton-split, and triton-dense of too few programs). pdl: the
-    kernel joins the call's PDL chain. early_weights: its first weight copies are issued
-    before its PDL wait. counters: int32 tile counters it needs zeroed (split kernels)."""
+    reordered once with the weights: triton-dense), "e4m3" (W4A8's e4m3 rows). split: one
+    program a K segment and tile (gluon-split, triton-split, and triton-dense of too few
+    programs). pdl: the kernel joins the call's PDL chain. early_weights: its first weight
+    copies are issued before its PDL wait. counters: int32 tile counters it needs zeroed
+    (split kernels)."""
 
     kernel: str
     tile: Tile
@@ -258,6 +259,9 @@ def plan_call(
         raise ValueError(f"mode: expected one of {KERNEL_MODES}, got {mode!r}")
     if act_scale not in ACT_SCALES:
         raise ValueError(f"act_scale: expected one of {ACT_SCALES}, got {act_scale!r}")
+    if mode == "w4a8":
+        return _plan_w4a8(num_tokens, top_k, num_experts, hidden, inter, fused_finalize, opt,
+                          target, dispatched)  # fmt: skip
     w4a4 = mode == "w4a4"
     static = w4a4 and act_scale == "static"
     per_tensor = w4a4 and act_scale == "per_tensor"
@@ -375,6 +379,46 @@ def plan_call(
     )  # fmt: skip
 
 
+def _plan_w4a8(
+    t: int, k: int, e: int, h: int, i: int, fused_finalize: bool, opt: Options, target: Target,
+    dispatched: bool,
+) -> Plan:  # fmt: skip
+    """W4A8 (numerics section 5a): each GEMM's input quantized to e4m3 rows by a launch of
+    its own (FC1's by token, gathered by the GEMM; dispatched rows arrive quantized), both
+    GEMMs on the portable kernel's FP8 main loop, never split (a split would change the
+    accumulation order with the token count)."""
+    if opt.gemm not in (None, "triton"):
+        raise InapplicableOverride(
+            f"gemm={opt.gemm!r} cannot serve this call: W4A8 runs on the 'triton' kernel only"
+        )
+    routes = t * k
+    frac = hx.UNKNOWN_VALID_FRACTION if opt.valid_fraction is None else opt.valid_fraction
+    valid = routes * frac / e if e > 0 else 0.0
+    pdl = not target.interpret and (target.pdl if opt.pdl is None else opt.pdl)
+    if opt.fc1_tile is not None:
+        t1, t2 = opt.fc1_tile, opt.fc2_tile
+    else:
+        kw = dict(interpret=target.interpret)
+        t1 = hx.w4a8_tile(valid, h, gated=True, **kw)
+        t2 = replace(hx.w4a8_tile(valid, i, gated=False, **kw), block_m=t1.block_m)
+    fused = fused_finalize and not dispatched
+
+    def gemm(kk: int, tile: Tile, epilogue: str) -> GemmPlan:
+        return GemmPlan("triton", tile, -(-kk // SEGMENT), False, epilogue, "e4m3", pdl=pdl)
+
+    return Plan(
+        num_tokens=t, top_k=k, num_experts=e, hidden=h, inter=i, mode="w4a8",
+        act_scale="per_token", fused_finalize=fused, dispatched=dispatched, valid_rows=valid,
+        block_m=t1.block_m,
+        sort="triton" if target.sort_kernel and 0 < routes <= hx.SORT_KERNEL_MAX_ROUTES
+        else "torch",
+        fc1_input="dispatched" if dispatched else "e4m3-row", fc2_input="e4m3-row",
+        fc1=gemm(h, t1, "bf16"), fc2=gemm(i, t2, "atomic" if fused else "bf16"),
+        finalize="atomic" if fused else "deterministic", pdl=pdl, fc2_amax_slot=False,
+        fc1_amax_slot=False, target=target,
+    )  # fmt: skip
+
+
 def _pin(kernel: str, r: _Rules, t1: Tile, t2: Tile, static: bool) -> tuple[str, Tile, Tile]:
     """Both GEMMs on ``kernel`` (``Options.gemm``) with the tiles it takes (from the
     portable tiles ``t1``, ``t2``); raises ``InapplicableOverride`` where it cannot run."""
@@ -441,6 +485,9 @@ def workspace_bytes(plan: Plan) -> int:
     fc1_fp4 = p.fc1.epilogue == "nvfp4"
     act = n * nvfp4_row(i) if fc1_fp4 else n * i * 2  # FC1's output
     b_in = 0
+    if p.mode == "w4a8":
+        common += (n if p.fc1_input == "dispatched" else t) * (h + 4)
+        b_in = n * (i + 4)
     if w4a4:
         rows = n if p.fc1_input in ("static", "dispatched") else t
         common += rows * nvfp4_row(h)

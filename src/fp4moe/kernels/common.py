@@ -19,6 +19,7 @@ __all__ = [
     "nibble_to_f16",
     "order_rows",
     "resource_usage",
+    "round_e4m3",
     "to_bf16",
     "to_e4m3",
 ]
@@ -115,16 +116,26 @@ def fma_f32(a, b, c, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def round_e4m3(v):
+    """fp32 values rounded to nearest even on the float8_e4m3fn grid and saturated at
+    +-448, still fp32 (the interpreter's own cast rounds ties away from zero): 3 mantissa
+    bits for normals (>= 2^-6), multiples of 2^-9 below."""
+    a = tl.minimum(tl.abs(v), 448.0)
+    b = a.to(tl.uint32, bitcast=True)
+    b = (b + 0x7FFFF + ((b >> 20) & 1)) & 0xFFF00000
+    normal = b.to(tl.float32, bitcast=True)
+    sub = ((a * 512.0 + 8388608.0) - 8388608.0) * (1.0 / 512.0)
+    r = tl.where(a >= 0.015625, normal, sub).to(tl.uint32, bitcast=True)
+    sign = v.to(tl.uint32, bitcast=True) & 0x80000000
+    return (r | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def to_e4m3(s, INTERPRET: tl.constexpr):
-    """Non-negative fp32 (<= 448) to float8_e4m3fn, round to nearest even. The interpreter's
-    cast rounds ties away from zero, so there the value is first rounded on the e4m3 grid:
-    3 mantissa bits for normals (>= 2^-6), multiples of 2^-9 below."""
+    """fp32 to float8_e4m3fn, round to nearest even, saturating at +-448 (the interpreter's
+    cast rounds ties away from zero, so there the value is first rounded on the grid)."""
     if INTERPRET:
-        b = s.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFFF + ((b >> 20) & 1)) & 0xFFF00000
-        normal = b.to(tl.float32, bitcast=True)
-        sub = ((s * 512.0 + 8388608.0) - 8388608.0) * (1.0 / 512.0)
-        return tl.where(s >= 0.015625, normal, sub).to(tl.float8e4nv)
+        return round_e4m3(s).to(tl.float8e4nv)
     else:
         return s.to(tl.float8e4nv)
 

@@ -25,12 +25,13 @@ activation as NVFP4 with the expert's calibrated global).
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from ..common import order_rows, to_bf16, to_e4m3
 from ..quantize import encode_e2m1
-from .decode import decode_permuted
+from .decode import decode_e4m3, decode_permuted
 from .shapes import SEGMENT, k_order
 
 __all__ = ["moe_gemm_kernel", "portable_gemm"]
@@ -65,13 +66,27 @@ def _chunk_tile(
     kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
     N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     GATED: tl.constexpr, A_FP4: tl.constexpr, DECODE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    W_DENSE: tl.constexpr = False, ORDER: tl.constexpr = 32,
+    W_DENSE: tl.constexpr = False, ORDER: tl.constexpr = 32, A_FP8: tl.constexpr = False,
 ):  # fmt: skip
     """One K tile of the main loop: load, decode, dot. W_DENSE: both operand tiles are
     loaded already decoded and in the loop's order (the values ``decode_permuted`` and the
-    register permutation give), so the dots see the same operands: the same bits."""
+    register permutation give), so the dots see the same operands: the same bits. A_FP8
+    (W4A8): e4m3 rows and e4m3 weights in natural K order, one FP8 dot a K tile whose sum
+    is added to the fp32 sums (``max_num_imprecise_acc``: the tile's K)."""
     KH: tl.constexpr = K // 2
     KS: tl.constexpr = K // 16
+    if A_FP8:
+        x8 = tl.trans(tl.load(xp2 + kb * BK, mask=m_mask[:, None], other=0.0).to(DOT_DTYPE))
+        cg = tl.load(cw2 + kb * (BK // 2), mask=n_mask[:, None], other=0)
+        sg = tl.load(sw2 + kb * (BK // 16), mask=n_mask[:, None], other=0.0)
+        wg = decode_e4m3(cg, sg, BN, BK, DECODE_ASM)
+        acc_g = tl.dot(wg, x8, acc_g, max_num_imprecise_acc=BK)
+        if GATED:
+            cu = tl.load(cw2 + N * KH + kb * (BK // 2), mask=n_mask[:, None], other=0)
+            su = tl.load(sw2 + N * KS + kb * (BK // 16), mask=n_mask[:, None], other=0.0)
+            wu = decode_e4m3(cu, su, BN, BK, DECODE_ASM)
+            acc_u = tl.dot(wu, x8, acc_u, max_num_imprecise_acc=BK)
+        return acc_g, acc_u
     if W_DENSE:  # the activation operand, already in the loop's order (and decoded)
         x = tl.trans(tl.load(xp2 + kb * BK, mask=m_mask[:, None], other=0.0))
     elif A_FP4:
@@ -103,7 +118,7 @@ def _segment(
     first, NT: tl.constexpr, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
     N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     GATED: tl.constexpr, A_FP4: tl.constexpr, DECODE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    W_DENSE: tl.constexpr, ORDER: tl.constexpr,
+    W_DENSE: tl.constexpr, ORDER: tl.constexpr, A_FP8: tl.constexpr,
 ):  # fmt: skip
     """One K segment in registers: NT tiles from tile ``first`` summed from zero (a
     constexpr trip count and no branch, which the software pipeliner needs), then added
@@ -113,7 +128,7 @@ def _segment(
     for j in range(0, NT):
         pg, pu = _chunk_tile(
             first + j, pg, pu, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
-            N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE, ORDER,
+            N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE, ORDER, A_FP8,
         )  # fmt: skip
     acc_g = acc_g + pg
     if GATED:
@@ -155,7 +170,7 @@ def _split_unit(
     OUT_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr, DECODE_ASM: tl.constexpr,
     OUT_FP4: tl.constexpr, SEG_TILES: tl.constexpr, W_DENSE: tl.constexpr,
-    REDUCE_ONLY: tl.constexpr, ORDER: tl.constexpr,
+    REDUCE_ONLY: tl.constexpr, ORDER: tl.constexpr, A_FP8: tl.constexpr,
 ):  # fmt: skip
     """Split K, one unit: K segment ``s_id`` of the tile (row block ``pid_m``, weight rows
     ``pid_n``), a dot chain from zero written as the fp32 partial P_s; the last unit of a
@@ -192,11 +207,13 @@ def _split_unit(
                 acc_g, acc_u = _chunk_tile(
                     kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
                     N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE, ORDER,
+                    A_FP8,
                 )  # fmt: skip
             elif kb < KB:
                 acc_g, acc_u = _chunk_tile(
                     kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
                     N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE, ORDER,
+                    A_FP8,
                 )  # fmt: skip
         tl.store(prow + s_id * stride, acc_g, mask=pmask)
         if GATED:
@@ -220,7 +237,8 @@ def _split_unit(
         _epilogue(
             acc_g, acc_u, e64, offs_m, m_mask, route, src, offs_n, n_mask, pid_n,
             a_global_ptr, w_global_ptr, topk_w_ptr, out_ptr, out_scales_ptr, out_global_ptr,
-            out_table_ptr, N, TOPK, GATED, A_FP4, FUSED, OUT_FP4, OUT_SCALE, BM, BN, INTERPRET,
+            out_table_ptr, N, TOPK, GATED, A_FP4 or A_FP8, FUSED, OUT_FP4, OUT_SCALE, BM, BN,
+            INTERPRET,
         )  # fmt: skip
 
 
@@ -267,6 +285,7 @@ def moe_gemm_kernel(
     REDUCE_ONLY: tl.constexpr,
     ORDER: tl.constexpr,
     BLOCKS_LAST: tl.constexpr,
+    A_FP8: tl.constexpr = False,
 ):
     if GROUP_M:
         # One grid axis in groups of GROUP_M tile rows: consecutive programs sweep the
@@ -302,7 +321,7 @@ def moe_gemm_kernel(
             out_scales_ptr, out_global_ptr, out_table_ptr, block_expert_ptr, block_start_ptr,
             block_end_ptr, part_ptr, cnt_ptr, ws_rows, N, K, TOPK, GATED, A_FP4,
             A_GATHER, FUSED, OUT_SCALE, BM, BN, BK, DOT_DTYPE, INTERPRET, DECODE_ASM, OUT_FP4,
-            SEG_TILES, W_DENSE, REDUCE_ONLY, ORDER,
+            SEG_TILES, W_DENSE, REDUCE_ONLY, ORDER, A_FP8,
         )  # fmt: skip
         return
     e64 = e.to(tl.int64)
@@ -326,25 +345,33 @@ def moe_gemm_kernel(
     REM: tl.constexpr = KB % SEG_TILES
     if not GATED:
         acc_u = acc_g
-    # Full segments, then the REM tiles of a last one: constexpr trip counts and no
-    # branch in the inner loop, which the software pipeliner needs (a `kb < KB` test
-    # there cost 15% to 30% at prefill sizes on the H200).
-    for sg_i in range(0, NFULL):
-        acc_g, acc_u = _segment(
-            sg_i * SEG_TILES, SEG_TILES, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2,
-            m_mask, n_mask, N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
-            W_DENSE, ORDER,
-        )  # fmt: skip
-    if REM > 0:
-        acc_g, acc_u = _segment(
-            NFULL * SEG_TILES, REM, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2,
-            m_mask, n_mask, N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
-            W_DENSE, ORDER,
-        )  # fmt: skip
+    if A_FP8:  # W4A8: each K tile's FP8 dot added to the fp32 sums, K tiles in order
+        for kb in range(0, KB):
+            acc_g, acc_u = _chunk_tile(
+                kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
+                N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE, ORDER, A_FP8,
+            )  # fmt: skip
+    else:
+        # Full segments, then the REM tiles of a last one: constexpr trip counts and no
+        # branch in the inner loop, which the software pipeliner needs (a `kb < KB` test
+        # there cost 15% to 30% at prefill sizes on the H200).
+        for sg_i in range(0, NFULL):
+            acc_g, acc_u = _segment(
+                sg_i * SEG_TILES, SEG_TILES, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2,
+                m_mask, n_mask, N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
+                W_DENSE, ORDER, A_FP8,
+            )  # fmt: skip
+        if REM > 0:
+            acc_g, acc_u = _segment(
+                NFULL * SEG_TILES, REM, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2,
+                m_mask, n_mask, N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
+                W_DENSE, ORDER, A_FP8,
+            )  # fmt: skip
     _epilogue(
         acc_g, acc_u, e64, offs_m, m_mask, route, src, offs_n, n_mask, pid_n,
         a_global_ptr, w_global_ptr, topk_w_ptr, out_ptr, out_scales_ptr, out_global_ptr,
-        out_table_ptr, N, TOPK, GATED, A_FP4, FUSED, OUT_FP4, OUT_SCALE, BM, BN, INTERPRET,
+        out_table_ptr, N, TOPK, GATED, A_FP4 or A_FP8, FUSED, OUT_FP4, OUT_SCALE, BM, BN,
+        INTERPRET,
     )  # fmt: skip
 
 
@@ -433,10 +460,12 @@ def portable_gemm(
     partials are written already and this launch sums them and runs the epilogue."""
     bm, bn, bk, warps, stages = tile
     a_fp4 = a_scales is not None
+    a_fp8 = a.dtype == torch.float8_e4m3fn
     order = k_order(k, bk)
     decode_asm = not interpret
-    dot = tl.float32 if interpret else tl.bfloat16
-    out_scale = 2.0**16 if a_fp4 else 2.0**8  # each decoded operand carries 2^-8
+    dot = tl.float32 if interpret else tl.float8e4nv if a_fp8 else tl.bfloat16
+    # each decoded NVFP4 operand carries 2^-8; W4A8's weights carry 1/8
+    out_scale = 8.0 if a_fp8 else 2.0**16 if a_fp4 else 2.0**8
     blocks = block_expert.numel()
     grid = (triton.cdiv(n, bn), blocks)
     group_m = 8 if dense else 0  # dense tiles: grouped raster for L2 reuse
@@ -449,7 +478,8 @@ def portable_gemm(
     if split and not reduce_only:  # blocks last: every valid unit before the empty blocks
         grid = (grid[0], nseg, grid[1]) if blocks_last else (*grid, nseg)
     args = (
-        a, a_scales if a_fp4 else dummy, a_global if a_fp4 else dummy, sorted_routes, topk_w,
+        a, a_scales if a_fp4 else dummy, a_global if a_fp4 or a_fp8 else dummy, sorted_routes,
+        topk_w,
         w_codes, w_scales, w_global, out,
         *(out_fp4 if out_fp4 is not None else (dummy, dummy, dummy)),
         block_expert, block_start, block_end,
@@ -461,7 +491,7 @@ def portable_gemm(
         OUT_SCALE=out_scale, BM=bm, BN=bn, BK=bk, DOT_DTYPE=dot, INTERPRET=interpret,
         DECODE_ASM=decode_asm, OUT_FP4=out_fp4 is not None, SEG_TILES=seg_tiles, SPLIT=split,
         W_DENSE=dense, GROUP_M=group_m, REDUCE_ONLY=reduce_only, ORDER=order,
-        BLOCKS_LAST=blocks_last, num_warps=warps, num_stages=stages,
+        BLOCKS_LAST=blocks_last, A_FP8=a_fp8, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if pdl:
         kw["launch_pdl"] = True
@@ -471,7 +501,7 @@ def portable_gemm(
 def compile_sm90(
     *, n: int, k: int, gated: bool, tile: tuple[int, int, int, int, int], a_fp4: bool = False,
     a_gather: bool = True, fused: bool = False, split: bool = False, dense: bool = False,
-    reduce_only: bool = False, out_fp4: bool = False, pdl: bool = True,
+    reduce_only: bool = False, out_fp4: bool = False, pdl: bool = True, a_fp8: bool = False,
 ):  # fmt: skip
     """Compile the ``moe_gemm_kernel`` specialization ``portable_gemm`` launches for these
     arguments, for sm_90 without a GPU (``common.compile_sm90``)."""
@@ -479,7 +509,8 @@ def compile_sm90(
 
     bm, bn, bk, warps, stages = tile
     ptrs = {
-        "a_ptr": "*u8" if a_fp4 and not dense else "*bf16", "a_scales_ptr": "*fp8e4nv",
+        "a_ptr": "*fp8e4nv" if a_fp8 else "*u8" if a_fp4 and not dense else "*bf16",
+        "a_scales_ptr": "*fp8e4nv",
         "a_global_ptr": "*fp32", "sorted_routes_ptr": "*i32", "topk_w_ptr": "*fp32",
         "w_codes_ptr": "*bf16" if dense else "*u8", "w_scales_ptr": "*fp8e4nv",
         "w_global_ptr": "*fp32",
@@ -490,11 +521,12 @@ def compile_sm90(
     }  # fmt: skip
     const = dict(
         N=n, K=k, TOPK=8, GATED=gated, A_FP4=a_fp4, A_GATHER=a_gather, FUSED=fused,
-        OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, BM=bm, BN=bn, BK=bk, DOT_DTYPE=tl.bfloat16,
+        OUT_SCALE=8.0 if a_fp8 else 2.0**16 if a_fp4 else 2.0**8, BM=bm, BN=bn, BK=bk,
+        DOT_DTYPE=tl.float8e4nv if a_fp8 else tl.bfloat16,
         USE_PDL=pdl, INTERPRET=False, DECODE_ASM=True, OUT_FP4=out_fp4,
         SEG_TILES=SEGMENT // bk, SPLIT=split, W_DENSE=dense, GROUP_M=8 if dense else 0,
         REDUCE_ONLY=reduce_only, ORDER=k_order(k, bk),
-        BLOCKS_LAST=split and not reduce_only and not dense,
+        BLOCKS_LAST=split and not reduce_only and not dense, A_FP8=a_fp8,
     )  # fmt: skip
     return common_compile_sm90(moe_gemm_kernel, ptrs, const, ints=("ws_rows",),
                                num_warps=warps, num_stages=stages)  # fmt: skip

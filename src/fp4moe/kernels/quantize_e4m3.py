@@ -1,0 +1,127 @@
+"""W4A8's activation rows (numerics section 5a), bit-identical to
+``fp4moe.reference.e4m3_rows``: s = amax(|row|) / 448 in fp32 (1 for a row of zeros) and
+q = e4m3(row / s), rounded to nearest even and saturating at 448, optionally gathering
+the rows it reads.
+
+One program a row (``SPLIT_C``: one chunk of a row a program, for few rows): the row's
+amax, then its elements divided by s with ``div_rn`` (the reference's quotient) and
+cast with the hardware's round-to-nearest-even, saturating conversion.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import empty, interpreting, launch, to_e4m3
+
+__all__ = ["e4m3_rows", "e4m3_rows_kernel"]
+
+# few rows: one chunk of a row a program (each reads the whole row for its amax), as the
+# NVFP4 quantize kernel does at decode sizes
+SPLIT_ROWS = 512
+SPLIT_C = 1024
+
+
+@triton.jit
+def _amax(row, C: tl.constexpr, BLOCK_C: tl.constexpr):
+    cols = tl.arange(0, BLOCK_C)
+    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        x = tl.load(row + c0 + cols, mask=c0 + cols < C, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, tl.abs(x))
+    return tl.max(acc, axis=0)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def e4m3_rows_kernel(
+    src_ptr,  # bf16 [src_rows, C]
+    src_index_ptr,  # int32 [rows]: src row = src_index[i] // DIV (GATHER)
+    n_rows_ptr,  # int32 pointer to the row count (COUNT_FROM_PTR)
+    n_rows,
+    q_ptr,  # float8_e4m3fn [rows, C]
+    s_ptr,  # fp32 [rows]
+    C: tl.constexpr,
+    GATHER: tl.constexpr,
+    DIV: tl.constexpr,
+    COUNT_FROM_PTR: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    AMAX_C: tl.constexpr,
+    SPLIT_C: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    i = tl.program_id(0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if COUNT_FROM_PTR:
+        n = tl.load(n_rows_ptr)
+    else:
+        n = n_rows
+    if i >= n:
+        return
+    if GATHER:
+        src = (tl.load(src_index_ptr + i) // DIV).to(tl.int64)
+    else:
+        src = i.to(tl.int64)
+    row = src_ptr + src * C
+    amax = _amax(row, C, AMAX_C)
+    s = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, 448.0))
+    out = q_ptr + i.to(tl.int64) * C
+    if SPLIT_C:
+        tl.store(s_ptr + i, s, mask=tl.program_id(1) == 0)
+        _chunk(row, out, tl.program_id(1) * BLOCK_C, s, C, BLOCK_C, INTERPRET)
+    else:
+        tl.store(s_ptr + i, s)
+        for c0 in range(0, C, BLOCK_C):
+            _chunk(row, out, c0, s, C, BLOCK_C, INTERPRET)
+
+
+@triton.jit
+def _chunk(row, out, c0, s, C: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRET: tl.constexpr):
+    """Elements c0 .. c0 + BLOCK_C of a row: e4m3(x / s), saturating."""
+    cols = c0 + tl.arange(0, BLOCK_C)
+    m = cols < C
+    x = tl.load(row + cols, mask=m, other=0.0).to(tl.float32)
+    v = tl.math.div_rn(x, tl.zeros_like(x) + s)
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    tl.store(out + cols, to_e4m3(v, INTERPRET), mask=m)
+
+
+def e4m3_rows(
+    src: torch.Tensor,
+    rows: int,
+    *,
+    pdl: bool = False,
+    index: torch.Tensor | None = None,
+    div: int = 1,
+    count: torch.Tensor | None = None,
+    poison: bool = False,
+    split_rows: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8_e4m3fn [rows, C] and fp32 scales [rows] of rows of ``src`` (bf16 [., C]),
+    ``reference.e4m3_rows`` bit for bit. ``index`` / ``div`` gather source row
+    ``index[r] // div``; ``count`` (a device scalar) limits the rows (those past it are
+    left unwritten). ``split_rows``: one chunk of a row a program (None: up to
+    ``SPLIT_ROWS`` rows); the same bits either way."""
+    c = src.shape[1]
+    dev = src.device
+    q = empty((rows, c), torch.float8_e4m3fn, dev, poison)
+    s = empty((rows,), torch.float32, dev, poison)
+    if rows == 0:
+        return q, s
+    interp = interpreting()
+    cap = 64 if interp else SPLIT_C
+    block_c = min(triton.next_power_of_2(c), cap)
+    few = (rows <= SPLIT_ROWS if split_rows is None else split_rows) and c > block_c
+    grid = (rows, triton.cdiv(c, block_c)) if few else (rows,)
+    launch(
+        e4m3_rows_kernel, grid, pdl,
+        src, index if index is not None else s, count if count is not None else s, rows, q, s,
+        c, GATHER=index is not None, DIV=div, COUNT_FROM_PTR=count is not None,
+        BLOCK_C=block_c, AMAX_C=min(triton.next_power_of_2(c), 64 if interp else 8192),
+        SPLIT_C=few, INTERPRET=interp, num_warps=4,
+    )  # fmt: skip
+    return q, s
