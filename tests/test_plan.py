@@ -3,6 +3,7 @@ workspace accounting, ``fp4moe plan`` and ``explain`` (no kernel runs here)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 
@@ -80,6 +81,12 @@ def test_w4a4_steps(mode, fused):
         assert plan.fc2.epilogue == ("atomic" if fused else "bf16")
         if mode == "w4a16":
             assert (plan.fc1_input, plan.fc2_input) == ("bf16", "bf16")
+            continue
+        if mode == "w4a8":  # e4m3 rows: by token for the portable loop, by route to prefill
+            kernel = "triton" if t == 1 else "gluon-prefill"
+            assert (plan.fc1.kernel, plan.fc2.kernel) == (kernel, kernel)
+            assert plan.fc1_input == ("e4m3-row" if t == 1 else "e4m3-gather")
+            assert plan.fc2_input == "e4m3-row" and not plan.fc1.split and not plan.fc2.split
             continue
         if mode == "w4a4-static":
             assert plan.fc1_input == "static"
@@ -263,3 +270,22 @@ def test_gluon_needs_the_tested_triton(monkeypatch):
             assert device.gluon_supported() is False  # once
     finally:
         device.gluon_supported.cache_clear()
+
+
+def test_w4a8_pins():
+    """W4A8 runs on the portable kernel or the prefill kernel; other pins are refused, and
+    the prefill pin where the shape or the device does not take it."""
+    for g in ("gluon-split", "gluon-whole", "triton-split", "triton-dense"):
+        with pytest.raises(InapplicableOverride, match="W4A8"):
+            plan_call(16, 8, 32, 7168, 2048, mode="w4a8", options=Options(gemm=g), target=H200)
+    p = plan_call(16, 8, 32, 7168, 2048, mode="w4a8", options=Options(gemm="gluon-prefill"),
+                  target=H200)  # fmt: skip
+    assert p.fc1.kernel == p.fc2.kernel == "gluon-prefill" and p.block_m == 128
+    with pytest.raises(InapplicableOverride, match="gluon-prefill"):
+        plan_call(16, 4, 32, 2880, 2880, mode="w4a8", options=Options(gemm="gluon-prefill"),
+                  target=H200)  # fmt: skip
+    no_gluon = dataclasses.replace(H200, gluon=False)
+    with pytest.raises(InapplicableOverride):
+        plan_call(16, 8, 32, 7168, 2048, mode="w4a8", options=Options(gemm="gluon-prefill"),
+                  target=no_gluon)  # fmt: skip
+    assert plan_call(8192, 8, 32, 7168, 2048, mode="w4a8", target=no_gluon).fc1.kernel == "triton"

@@ -25,6 +25,7 @@ __all__ = [
     "SPLIT_BELOW_PROGRAMS",
     "SPLIT_MAX_ROUTES_PER_EXPERT",
     "UNKNOWN_VALID_FRACTION",
+    "W4A8_PREFILL_ABOVE_ROWS",
     "WHOLE_K_FROM_ROWS",
     "WHOLE_K_MAX_ROWS",
     "WHOLE_K_WIDE_ROWS",
@@ -93,6 +94,10 @@ DENSE_ABOVE_ROWS = 192
 # 225 / 358.
 GLUON_PDL_MAX_ROUTES = 32
 
+# W4A8 runs on the Gluon prefill kernel's FP8 path (where both GEMMs fit it) above this
+# many rows, else on the portable kernel's FP8 loop (the same bits).
+W4A8_PREFILL_ABOVE_ROWS = 32
+
 # Per-tensor W4A4: where the rows to quantize hold at most this many elements, each
 # quantize program takes the amax itself instead of an amax kernel before it (one launch
 # less; DeepSeek-V3 EP8 at 1 token 56.0 -> 52.2 us).
@@ -148,12 +153,12 @@ def split_programs(n: int, block_n: int, touched: float, rows: float, block_m: i
 
 def w4a8_tile(valid_rows: float, k: int, *, gated: bool, interpret: bool) -> Tile:
     """W4A8's tile (the portable kernel's FP8 main loop). Its K tile is fixed by the shape
-    (128, or the largest power of two dividing K), never by the token count: each K
-    tile's FP8 dot is added to the fp32 sums, so the K tile is the accumulation order and
-    the bits of a token do not depend on the batch. FP8 dots take at least 16 token rows.
-    The token rows grow with the expected rows an expert: 16 up to 16 rows, 64 up to 64,
-    then 128."""
-    bk = _pow2_dividing(k, 32 if interpret else 128)
+    (128, or the largest power of two dividing K; 64 in the interpreter), never by the
+    token count, and the FP8 sums are chained over ``shapes.FP8_GROUP`` K whatever the
+    tile, so the bits of a token do not depend on the batch. FP8 dots take at least 16
+    token rows. The token rows grow with the expected rows an expert: 16 up to 16 rows,
+    64 up to 64, then 128."""
+    bk = _pow2_dividing(k, 64 if interpret else 128)
     if interpret:
         return Tile(16, 32, bk, 4, 1)
     if valid_rows <= 16:

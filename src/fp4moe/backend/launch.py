@@ -92,15 +92,18 @@ def _gemm(
     if g.kernel == "gluon-prefill":
         from ..kernels.gemm.gluon_prefill import prefill_gemm
 
-        xs = dense_rows(a, a_scales, count=n_valid, poison=poison, order=64,
-                        index=sort.sorted_routes if a_gather else None,
-                        div=topk if a_gather else 1)  # fmt: skip
+        if a.dtype == torch.float8_e4m3fn:  # W4A8: e4m3 rows in sorted order already
+            xs, out_scale, a_fp4 = a, 8.0, True
+        else:
+            xs = dense_rows(a, a_scales, count=n_valid, poison=poison, order=64,
+                            index=sort.sorted_routes if a_gather else None,
+                            div=topk if a_gather else 1)  # fmt: skip
         prefill_gemm(
             xs, w_codes, w_scales, w_global, sort.block_expert, sort.block_start,
             sort.block_end, sort.valid_blocks, out, n=n, topk=topk, gated=gated,
             out_scale=out_scale, sm_count=plan.target.sm_count,
             sorted_routes=sort.sorted_routes, topk_w=topk_w, fused=fused,
-            a_global=a_global if a_fp4 else None, a_gather=a_gather,
+            a_global=a_global if a_fp4 else None, a_gather=a_gather and a_fp4,
         )  # fmt: skip
         return
     ws_rows = sort.sorted_routes.shape[0] if g.split or g.kernel == "gluon-whole" else 0
@@ -301,6 +304,10 @@ def moe_triton(
         a_dec = empty((rows, h), decoded_rows_dtype(), dev, poison)
     if plan.fc1_input == "e4m3-row":  # W4A8: e4m3 rows by token, gathered by the GEMM
         a_src, a_global = e4m3_rows(x, t, pdl=pdl, poison=poison)
+    elif plan.fc1_input == "e4m3-gather":  # W4A8: e4m3 rows of the routes, sorted order
+        a_src, a_global = e4m3_rows(x, n_routes, index=sort.sorted_routes, div=topk,
+                                    count=n_valid, pdl=pdl, poison=poison)  # fmt: skip
+        a_gather = False
     elif plan.fc1_input == "per-row":
         a_src, a_scales, a_global = quantize_rows(x, t, mode=MODE_PER_ROW, pdl=pdl,
                                                   poison=poison, decoded=a_dec)  # fmt: skip

@@ -384,27 +384,42 @@ def _plan_w4a8(
     dispatched: bool,
 ) -> Plan:  # fmt: skip
     """W4A8 (numerics section 5a): each GEMM's input quantized to e4m3 rows by a launch of
-    its own (FC1's by token, gathered by the GEMM; dispatched rows arrive quantized), both
-    GEMMs on the portable kernel's FP8 main loop, never split (a split would change the
-    accumulation order with the token count)."""
-    if opt.gemm not in (None, "triton"):
+    its own (FC1's by token, gathered by the GEMM, or at prefill sizes by route into
+    sorted order; dispatched rows arrive quantized), both GEMMs on the portable kernel's
+    FP8 main loop, or above ``W4A8_PREFILL_ABOVE_ROWS`` on the Gluon prefill kernel's FP8
+    path: the same sums in the same order (``shapes.FP8_GROUP``), never split K."""
+    if opt.gemm not in (None, "triton", "gluon-prefill"):
         raise InapplicableOverride(
-            f"gemm={opt.gemm!r} cannot serve this call: W4A8 runs on the 'triton' kernel only"
+            f"gemm={opt.gemm!r} cannot serve this call: W4A8 runs on 'triton' and 'gluon-prefill'"
         )
     routes = t * k
     frac = hx.UNKNOWN_VALID_FRACTION if opt.valid_fraction is None else opt.valid_fraction
     valid = routes * frac / e if e > 0 else 0.0
     pdl = not target.interpret and (target.pdl if opt.pdl is None else opt.pdl)
-    if opt.fc1_tile is not None:
+    fits = target.gluon and prefill_fits(i, h, True) and prefill_fits(h, i, False)
+    if opt.gemm == "gluon-prefill" and not fits:
+        raise InapplicableOverride(
+            "gemm='gluon-prefill' cannot serve this call: it needs a Hopper GPU, K a multiple "
+            "of 1024 and the outputs of 64 (FC1) and 128 (FC2)"
+        )
+    prefill = routes > 0 and (
+        opt.gemm == "gluon-prefill"
+        or (opt.gemm is None and fits and valid > hx.W4A8_PREFILL_ABOVE_ROWS)
+    )
+    if prefill:
+        t1 = t2 = hx.DENSE_TILE
+    elif opt.fc1_tile is not None:
         t1, t2 = opt.fc1_tile, opt.fc2_tile
     else:
         kw = dict(interpret=target.interpret)
         t1 = hx.w4a8_tile(valid, h, gated=True, **kw)
         t2 = replace(hx.w4a8_tile(valid, i, gated=False, **kw), block_m=t1.block_m)
     fused = fused_finalize and not dispatched
+    kernel = "gluon-prefill" if prefill else "triton"
 
-    def gemm(kk: int, tile: Tile, epilogue: str) -> GemmPlan:
-        return GemmPlan("triton", tile, -(-kk // SEGMENT), False, epilogue, "e4m3", pdl=pdl)
+    def gemm(kk: int, tile: Tile, epilogue: str, operand: str) -> GemmPlan:
+        return GemmPlan(kernel, tile, -(-kk // SEGMENT), False, epilogue, operand,
+                        pdl=pdl and not prefill)  # fmt: skip
 
     return Plan(
         num_tokens=t, top_k=k, num_experts=e, hidden=h, inter=i, mode="w4a8",
@@ -412,8 +427,9 @@ def _plan_w4a8(
         block_m=t1.block_m,
         sort="triton" if target.sort_kernel and 0 < routes <= hx.SORT_KERNEL_MAX_ROUTES
         else "torch",
-        fc1_input="dispatched" if dispatched else "e4m3-row", fc2_input="e4m3-row",
-        fc1=gemm(h, t1, "bf16"), fc2=gemm(i, t2, "atomic" if fused else "bf16"),
+        fc1_input="dispatched" if dispatched else "e4m3-gather" if prefill else "e4m3-row",
+        fc2_input="e4m3-row", fc1=gemm(h, t1, "bf16", "gather" if prefill else "e4m3"),
+        fc2=gemm(i, t2, "atomic" if fused else "bf16", "e4m3"),
         finalize="atomic" if fused else "deterministic", pdl=pdl, fc2_amax_slot=False,
         fc1_amax_slot=False, target=target,
     )  # fmt: skip

@@ -6,6 +6,11 @@ the rows it reads.
 One program a row (``SPLIT_C``: one chunk of a row a program, for few rows): the row's
 amax, then its elements divided by s with ``div_rn`` (the reference's quotient) and
 cast with the hardware's round-to-nearest-even, saturating conversion.
+
+Rows whose width is a multiple of 64 are stored in W4A8's unit order (``unit_order``):
+in each 64 elements, position 16 s + 4 q + 2 a + b holds element 16 q + 4 s + 2 a + b
+(q and s swapped), the K order of the FP8 GEMMs (``gemm.decode.decode_e4m3``), so that a
+thread's 16 decoded weights are its wgmma fragment's bytes.
 """
 
 from __future__ import annotations
@@ -16,12 +21,22 @@ import triton.language as tl
 
 from .common import empty, interpreting, launch, to_e4m3
 
-__all__ = ["e4m3_rows", "e4m3_rows_kernel"]
+__all__ = ["e4m3_rows", "e4m3_rows_kernel", "unit_order"]
 
 # few rows: one chunk of a row a program (each reads the whole row for its amax), as the
 # NVFP4 quantize kernel does at decode sizes
 SPLIT_ROWS = 512
 SPLIT_C = 1024
+
+
+def unit_order(x: torch.Tensor) -> torch.Tensor:
+    """Rows [..., C] (C a multiple of 64) between natural and W4A8's unit order (the
+    permutation is its own inverse); other widths are returned as they are."""
+    c = x.shape[-1]
+    if c % 64:
+        return x
+    v = x.reshape(*x.shape[:-1], c // 64, 4, 4, 4)
+    return v.transpose(-3, -2).reshape(x.shape)
 
 
 @triton.jit
@@ -87,6 +102,9 @@ def _chunk(row, out, c0, s, C: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRET: t
     x = tl.load(row + cols, mask=m, other=0.0).to(tl.float32)
     v = tl.math.div_rn(x, tl.zeros_like(x) + s)
     v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    if C % 64 == 0:  # the unit order: q and s of element 16 q + 4 s + 2 a + b swapped
+        e = cols % 64
+        cols = cols - e + 16 * ((e // 4) % 4) + 4 * (e // 16) + e % 4
     tl.store(out + cols, to_e4m3(v, INTERPRET), mask=m)
 
 
@@ -102,7 +120,8 @@ def e4m3_rows(
     split_rows: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float8_e4m3fn [rows, C] and fp32 scales [rows] of rows of ``src`` (bf16 [., C]),
-    ``reference.e4m3_rows`` bit for bit. ``index`` / ``div`` gather source row
+    ``reference.e4m3_rows`` bit for bit, each row in the unit order where C is a multiple
+    of 64 (``unit_order``). ``index`` / ``div`` gather source row
     ``index[r] // div``; ``count`` (a device scalar) limits the rows (those past it are
     left unwritten). ``split_rows``: one chunk of a row a program (None: up to
     ``SPLIT_ROWS`` rows); the same bits either way."""

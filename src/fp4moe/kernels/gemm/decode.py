@@ -23,9 +23,11 @@ K orders (``ORDER``):
 - 32, the chunk order, where 64 does not divide K or the K tile: for each 32 elements the
   16 even (low-nibble) ones, then the 16 odd ones.
 
-W4A8 (``decode_e4m3``) takes the weights to e4m3(code x scale / 8) (numerics section 5a)
-in natural K order: the bf16 decode times 32 (exact), then the hardware's
-round-to-nearest-even conversion.
+W4A8 (``decode_e4m3``) takes the weights to e4m3(code x scale / 8) (numerics section 5a):
+the bf16 decode times 32 (exact), then the hardware's round-to-nearest-even conversion,
+in W4A8's unit order where 64 divides K (position 16 s + 4 q + 2 a + b holds element
+16 q + 4 s + 2 a + b: a thread's 16 decoded values are its bytes of the FP8 wgmma
+fragment of two k32 steps), else in natural order.
 """
 
 from __future__ import annotations
@@ -97,14 +99,19 @@ def decode_permuted(
 
 
 @triton.jit
-def decode_e4m3(codes, scales, R: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr):
+def decode_e4m3(codes, scales, R: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr,
+                ORDER: tl.constexpr):  # fmt: skip
     """codes [R, C/2] and scales [R, C/16] to W4A8's weights e4m3(code x scale / 8), [R, C]
-    in natural K order: float8e4nv (``ASM``, the GPU), or in the interpreter fp32 holding
-    the same values."""
+    in the unit order (``ORDER`` 64) or natural order: float8e4nv (``ASM``, the GPU), or
+    in the interpreter fp32 holding the same values."""
     if ASM:
         lo, hi = decode_lohi(codes, scales, R, C, ASM, tl.bfloat16)
-        v = tl.reshape(tl.join(lo, hi), (R, C)) * 32.0
-        return v.to(tl.float8e4nv)
+        v = (tl.join(lo, hi).to(tl.float32) * 32.0).to(tl.float8e4nv)
     else:
         lo, hi = decode_lohi(codes, scales, R, C, ASM, tl.float32)
-        return round_e4m3(tl.reshape(tl.join(lo, hi), (R, C)) * 32.0)
+        v = round_e4m3(tl.join(lo, hi) * 32.0)
+    if ORDER == 64:  # [r, unit, q, s, a, b] -> [r, unit, s, q, a, b]
+        v = tl.reshape(v, (R, C // 64, 4, 4, 2, 2))
+        return tl.reshape(tl.permute(v, (0, 1, 3, 2, 4, 5)), (R, C))
+    else:
+        return tl.reshape(v, (R, C))

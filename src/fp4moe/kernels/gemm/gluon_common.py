@@ -37,6 +37,7 @@ __all__ = [
     "code_layout",
     "code_layout3",
     "decode_unit",
+    "decode_unit_e4m3",
     "row_globals",
     "smem_unit",
     "stage_x",
@@ -132,6 +133,30 @@ def decode_unit(codes, sc, A_L: gl.constexpr, TR: gl.constexpr = 64):
     w = gl.join(lo, hi)  # [TR, 32 bytes (q, s, a), 2 (b)]
     w = gl.reshape(w, [TR, 4, 4, 2, 2])  # [row, q, s, a, b]
     w = gl.permute(w, [0, 2, 4, 1, 3])  # [row, s, b, q, a]
+    w = gl.reshape(w, [TR, UNIT])
+    return gl.convert_layout(w, A_L, assert_trivial=True)
+
+
+@gluon.jit
+def decode_unit_e4m3(codes, sc, A_L: gl.constexpr, TR: gl.constexpr = 64):
+    """Decode one unit ([TR rows, 64 K]) of weights to W4A8's e4m3(code x scale / 8) in
+    the FP8 wgmma A fragment ``A_L`` (k_width 4, two k32 steps): ``decode_unit``'s values
+    times 32 (exact), rounded to nearest even by the hardware's conversion, in W4A8's unit
+    order (position 16 s + 4 q + 2 a + b holds element 16 q + 4 s + 2 a + b), where each
+    thread's 16 decoded values of a row are its fragment bytes."""
+    CL: gl.constexpr = code_layout(TR)
+    sb = (sc.to(gl.float32) * 3.32306998946229e35).to(gl.bfloat16)
+    sb, codes = gl.broadcast(gl.expand_dims(sb, 2), codes)
+    codes = gl.convert_layout(gl.reshape(codes, [TR, 32]), CL, assert_trivial=True)
+    sb = gl.convert_layout(gl.reshape(sb, [TR, 32]), CL, assert_trivial=True)
+    lo, hi = gl.inline_asm_elementwise(
+        CHUNK_DECODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
+        [codes, sb], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=8,
+    )  # fmt: skip
+    w = gl.join(lo, hi)  # [TR, 32 bytes (q, s, a), 2 (b)]
+    w = (w.to(gl.float32) * 32.0).to(gl.float8e4nv)
+    w = gl.reshape(w, [TR, 4, 4, 2, 2])  # [row, q, s, a, b]
+    w = gl.permute(w, [0, 2, 1, 3, 4])  # [row, s, q, a, b]
     w = gl.reshape(w, [TR, UNIT])
     return gl.convert_layout(w, A_L, assert_trivial=True)
 

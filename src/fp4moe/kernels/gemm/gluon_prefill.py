@@ -44,6 +44,7 @@ from .gluon_common import (
     UNIT,
     X_SMEM3,
     decode_unit,
+    decode_unit_e4m3,
     row_globals,
     smem_unit,
     weight_descriptors,
@@ -65,15 +66,18 @@ _SK, _SEG, _GROUP, _TR = (gl.constexpr(v) for v in (SK, SEG, GROUP, TR))
 # the epilogue's fp32 tile in shared memory (the rows' ring, reused): rows of BM
 # values, vec-2 groups swizzled by the row so that the wgmma fragment's stores spread
 EPI_SMEM = gl.SwizzledSharedLayout(2, 1, 16, order=[1, 0])
+# W4A8: e4m3 rows, 64 bytes a unit row (64-byte swizzle)
+X8_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+X8_SMEM3 = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=3)
 
 
 @gluon.jit
 def _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bar, t, b: gl.constexpr, row0, row1,
-           start, BM: gl.constexpr):  # fmt: skip
+           start, BM: gl.constexpr, XE: gl.constexpr = 2):  # fmt: skip
     """TMA copies of ring stage ``t`` (K from ``t * 256``) into buffer ``b``, completing
-    on ``bar``: the rows [start, start + BM) of the activation, and 64 weight rows from
-    ``row0`` and from ``row1`` (codes and scales)."""
-    XB: gl.constexpr = _SK // 64 * BM * 64 * 2
+    on ``bar``: the rows [start, start + BM) of the activation (``XE`` bytes an element),
+    and 64 weight rows from ``row0`` and from ``row1`` (codes and scales)."""
+    XB: gl.constexpr = _SK // 64 * BM * 64 * XE
     CB: gl.constexpr = 2 * 64 * (_SK // 2) + 2 * 64 * (_SK // 16)
     mbarrier.expect(bar, XB + CB)
     tma.async_copy_global_to_shared(x_desc, [t * (_SK // 64), start, 0], bar, xdst.index(b))
@@ -108,6 +112,7 @@ def prefill_kernel(
     A_FP4: gl.constexpr,
     NB: gl.constexpr,  # ring stages
     BM: gl.constexpr,  # token rows a tile (the schedule's block_m; the wgmma N)
+    A_E4M3: gl.constexpr = False,  # W4A8: e4m3 rows in the unit order, FP8 wgmma
 ):
     UPS: gl.constexpr = _SK // UNIT  # units a stage
     SPS: gl.constexpr = _SEG // _SK  # stages a segment
@@ -122,9 +127,20 @@ def prefill_kernel(
         W_ROWS: gl.constexpr = N
     NTILES: gl.constexpr = N // TN
 
-    XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
-    xr = gl.allocate_shared_memory(gl.bfloat16, [NB * UPS * BM, UNIT], XS)
-    xdst = xr._reinterpret(gl.bfloat16, [NB, UPS, BM, UNIT], X_SMEM3)
+    if A_E4M3:
+        XT: gl.constexpr = gl.float8e4nv
+        XS: gl.constexpr = X8_SMEM
+        XS3: gl.constexpr = X8_SMEM3
+        XE: gl.constexpr = 1
+        KI: gl.constexpr = 32  # the wgmma's K: 32 e4m3
+    else:
+        XT: gl.constexpr = gl.bfloat16
+        XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
+        XS3: gl.constexpr = X_SMEM3
+        XE: gl.constexpr = 2
+        KI: gl.constexpr = 16
+    xr = gl.allocate_shared_memory(XT, [NB * UPS * BM, UNIT], XS)
+    xdst = xr._reinterpret(XT, [NB, UPS, BM, UNIT], XS3)
     cbuf = gl.allocate_shared_memory(gl.uint8, [2 * NB, 64, _SK // 2], CODE_SMEM)
     sbuf = gl.allocate_shared_memory(gl.uint8, [2 * NB, 64, 16], SCALE_SMEM)
     cview = cbuf._reinterpret(gl.uint8, [NB, _TR, _SK // 2], CODE_SMEM)
@@ -135,9 +151,9 @@ def prefill_kernel(
         mbarrier.init(bars.index(i), count=1)
 
     MMA: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BM, 16]
+        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BM, KI]
     )
-    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4 // XE)
     # the epilogue's layout: lanes along the outputs (contiguous bf16 stores), warps along
     # the rows
     EL: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, 8], [0, 1])
@@ -164,7 +180,7 @@ def prefill_kernel(
             row1 = row0 + 64
         for st in gl.static_range(NB):
             _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bars.index(st), st, st, row0,
-                   row1, start, BM)  # fmt: skip
+                   row1, start, BM, XE)  # fmt: skip
         base = (w - pid) // nprog * (NT // NB)  # the ring's uses before this tile
         acc = gl.zeros([_TR, BM], gl.float32, layout=MMA)
         for s in range(NSEG):
@@ -174,9 +190,19 @@ def prefill_kernel(
                 mbarrier.wait(bars.index(st % NB), (base + s * (SPS // NB) + st // NB) & 1)
                 for u in gl.static_range(UPS):
                     gc, gs = smem_unit(cview, sview, st * UPS + u, 0, NB, UPS, _TR)
-                    a = decode_unit(gc, gs, A_L, _TR)
+                    if A_E4M3:
+                        a = decode_unit_e4m3(gc, gs, A_L, _TR)
+                    else:
+                        a = decode_unit(gc, gs, A_L, _TR)
                     if st + u > 0:
-                        p, _ = warpgroup_mma_wait(num_outstanding=0, deps=(p, pa))  # noqa: F821
+                        if A_E4M3:  # (the wait takes no 8-bit operands)
+                            p = warpgroup_mma_wait(num_outstanding=0, deps=[p])
+                        else:
+                            p, _ = warpgroup_mma_wait(num_outstanding=0, deps=(p, pa))  # noqa: F821
+                        if A_E4M3 and u == 0:
+                            # W4A8: each stage's (256 K's) FP8 sum (its first wgmma
+                            # starts from zero: use_acc off), added to the fp32 sums
+                            acc = acc + p
                     if u == 0:
                         # the last stage's wgmmas are done (waited above, or at the end
                         # of the last segment): refill its buffer with stage t - 1 + NB,
@@ -187,18 +213,24 @@ def prefill_kernel(
                                 fence_async_shared()
                                 _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf,
                                        bars.index((st - 1) % NB), t - 1 + NB, (st - 1) % NB,
-                                       row0, row1, start, BM)  # fmt: skip
+                                       row0, row1, start, BM, XE)  # fmt: skip
                         elif s > 0 and t - 1 + NB < NT:
                             gl.thread_barrier()
                             fence_async_shared()
                             _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf,
                                    bars.index((SPS - 1) % NB), t - 1 + NB, (SPS - 1) % NB,
-                                   row0, row1, start, BM)  # fmt: skip
+                                   row0, row1, start, BM, XE)  # fmt: skip
                     xb = xr.slice((st % NB * UPS + u) * BM, BM).permute((1, 0))
-                    p = warpgroup_mma(a, xb, p, is_async=True)
+                    if A_E4M3:
+                        p = warpgroup_mma(a, xb, p, use_acc=u > 0, is_async=True)
+                    else:
+                        p = warpgroup_mma(a, xb, p, is_async=True)
                     pa = a  # read by the next unit's wait
             # the segment's sum is complete
-            p, _ = warpgroup_mma_wait(num_outstanding=0, deps=(p, pa))
+            if A_E4M3:
+                p = warpgroup_mma_wait(num_outstanding=0, deps=[p])
+            else:
+                p, _ = warpgroup_mma_wait(num_outstanding=0, deps=(p, pa))
             acc = acc + p
         gl.thread_barrier()  # every wgmma reading the ring is done before the epilogue
 
@@ -208,13 +240,13 @@ def prefill_kernel(
         om = start + gl.arange(0, BM, layout=gl.SliceLayout(0, EL))
         m_ok = om < end
         e64 = e.to(gl.int64)
-        if A_FP4:  # the activation row's global (W4A4)
+        if A_FP4 or A_E4M3:  # the activation row's global (W4A4) or scale (W4A8)
             gx = row_globals(a_global_ptr, sorted_routes_ptr, om, m_ok, TOPK, A_GATHER)
         if GATED:
             on = pid_n * TN + gl.arange(0, TN, layout=gl.SliceLayout(1, EL))
             h = ep.slice(0, TN, dim=0).load(EL) * OUT_SCALE
             hu = ep.slice(TN, TN, dim=0).load(EL) * OUT_SCALE
-            if A_FP4:
+            if A_FP4 or A_E4M3:
                 h = h * gx[None, :]
                 hu = hu * gx[None, :]
             h = h * gl.load(w_global_ptr + e64 * 2)
@@ -223,7 +255,7 @@ def prefill_kernel(
         else:
             on = pid_n * TN + gl.arange(0, TN, layout=gl.SliceLayout(1, EL))
             h = ep.load(EL) * OUT_SCALE
-            if A_FP4:
+            if A_FP4 or A_E4M3:
                 h = h * gx[None, :]
             res = h * gl.load(w_global_ptr + e64)
         y = res.to(gl.bfloat16)
@@ -269,7 +301,9 @@ def prefill_gemm(
     Args:
         xs: bf16 [R, K], the activation rows in sorted order with each 64 elements in
             the unit order (``dense_rows(..., order=64)``; W4A4: decoded rows, their 2^-8
-            included). Rows past a block's valid ones are read and not used.
+            included), or W4A8's float8_e4m3fn rows in sorted order and W4A8's unit order
+            (``quantize_e4m3.e4m3_rows``) with their scales in ``a_global``. Rows past a
+            block's valid ones are read and not used.
         codes, scales: one GEMM's weights, uint8 [E, W_ROWS, K/2] and float8_e4m3fn
             [E, W_ROWS, K/16] (W_ROWS = 2 * n gated, else n).
         w_global: fp32 [E, 2] (gated) or [E]. block_*: ``sort_routes``' schedule with
@@ -277,17 +311,21 @@ def prefill_gemm(
         out: bf16 [R, n] rows in sorted order, or with ``fused`` fp32 [T, n] that
             router weight times y of each valid route is added into (``topk_w`` fp32
             [T * topk], ``sorted_routes`` int32 [T * topk]).
-        out_scale: the decodes' powers of two to undo (2^8; 2^16 for W4A4).
+        out_scale: the decodes' powers of two to undo (2^8; 2^16 for W4A4; 8 for W4A8).
         sm_count: the device's SMs (one persistent program each).
-        a_global: fp32 per row of the activation (W4A4), by token when ``a_gather`` (the
-            sorted routes' token rows: ``sorted_routes`` needed).
+        a_global: fp32 per row of the activation (W4A4's globals, W4A8's scales), by
+            token when ``a_gather`` (the sorted routes' token rows: ``sorted_routes``
+            needed).
     """
     k = xs.shape[1]
     if not prefill_fits(n, k, gated):
         raise ValueError(f"prefill_gemm: needs K % {SEG} == 0 and n % {64 if gated else TR} "
                          f"== 0, got K {k}, n {n}")  # fmt: skip
-    if xs.dtype != torch.bfloat16 or not xs.is_contiguous():
-        raise ValueError(f"prefill_gemm: xs must be contiguous bf16, got {xs.dtype}")
+    e4m3 = xs.dtype == torch.float8_e4m3fn
+    if xs.dtype not in (torch.bfloat16, torch.float8_e4m3fn) or not xs.is_contiguous():
+        raise ValueError(f"prefill_gemm: xs must be contiguous bf16 or e4m3, got {xs.dtype}")
+    if e4m3 and a_global is None:
+        raise ValueError("prefill_gemm: e4m3 rows need their scales (a_global)")
     if (fused or (a_global is not None and a_gather)) and sorted_routes is None:
         raise ValueError("prefill_gemm: fused and gathered globals need sorted_routes")
     if fused and topk_w is None:
@@ -296,7 +334,7 @@ def prefill_gemm(
 
     c_desc, s_desc = weight_descriptors(codes, scales)
     x_desc = TensorDescriptor(xs, [k // 64, xs.shape[0], 64], [64, k, 1],
-                              [SK // 64, BM, 64], X_SMEM3)  # fmt: skip
+                              [SK // 64, BM, 64], X8_SMEM3 if e4m3 else X_SMEM3)  # fmt: skip
     tiles = n // (64 if gated else TR)
     grid = (max(1, min(sm_count, tiles * block_expert.numel())),)
     dummy = w_global
@@ -305,11 +343,13 @@ def prefill_gemm(
         sorted_routes if sorted_routes is not None else block_end, w_global,
         topk_w if fused else dummy, a_global if a_global is not None else dummy, out,
         N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=a_gather, FUSED=fused,
-        OUT_SCALE=out_scale, A_FP4=a_global is not None, NB=STAGES, BM=BM, num_warps=8,
+        OUT_SCALE=out_scale, A_FP4=a_global is not None and not e4m3, NB=STAGES, BM=BM,
+        A_E4M3=e4m3, num_warps=8,
     )  # fmt: skip
 
 
-def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: bool = False):
+def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: bool = False,
+                 a_e4m3: bool = False):  # fmt: skip
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``)."""
     ptrs = {
         "block_expert_ptr": "*i32", "block_start_ptr": "*i32", "block_end_ptr": "*i32",
@@ -318,7 +358,9 @@ def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: boo
         "out_ptr": "*fp32" if fused else "*bf16",
     }  # fmt: skip
     descs = {
-        "x_desc": f"tensordesc<bf16[{SK // 64}, {BM}, 64],{X_SMEM3!r}>",
+        "x_desc": f"tensordesc<fp8e4nv[{SK // 64}, {BM}, 64],{X8_SMEM3!r}>"
+        if a_e4m3
+        else f"tensordesc<bf16[{SK // 64}, {BM}, 64],{X_SMEM3!r}>",
         "c_desc": f"tensordesc<u8[64, {SK // 2}],{CODE_SMEM!r}>",
         "s_desc": f"tensordesc<u8[64, 16],{SCALE_SMEM!r}>",
     }
@@ -329,10 +371,11 @@ def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: boo
         GATED=gated,
         A_GATHER=gated and a_fp4,
         FUSED=fused,
-        OUT_SCALE=2.0**16 if a_fp4 else 2.0**8,
+        OUT_SCALE=8.0 if a_e4m3 else 2.0**16 if a_fp4 else 2.0**8,
         A_FP4=a_fp4,
         NB=STAGES,
         BM=BM,
+        A_E4M3=a_e4m3,
     )
     return common_compile_sm90(prefill_kernel, ptrs, const, gluon=True, descs=descs,
                                num_warps=8)  # fmt: skip

@@ -32,7 +32,7 @@ import triton.language as tl
 from ..common import order_rows, to_bf16, to_e4m3
 from ..quantize import encode_e2m1
 from .decode import decode_e4m3, decode_permuted
-from .shapes import SEGMENT, k_order
+from .shapes import FP8_GROUP, SEGMENT, k_order
 
 __all__ = ["moe_gemm_kernel", "portable_gemm"]
 
@@ -71,21 +71,21 @@ def _chunk_tile(
     """One K tile of the main loop: load, decode, dot. W_DENSE: both operand tiles are
     loaded already decoded and in the loop's order (the values ``decode_permuted`` and the
     register permutation give), so the dots see the same operands: the same bits. A_FP8
-    (W4A8): e4m3 rows and e4m3 weights in natural K order, one FP8 dot a K tile whose sum
-    is added to the fp32 sums (``max_num_imprecise_acc``: the tile's K)."""
+    (W4A8): e4m3 rows (stored in the unit order where ORDER is 64) and e4m3 weights in
+    the same order, one FP8 dot (the caller chains them in groups of FP8_GROUP K)."""
     KH: tl.constexpr = K // 2
     KS: tl.constexpr = K // 16
     if A_FP8:
         x8 = tl.trans(tl.load(xp2 + kb * BK, mask=m_mask[:, None], other=0.0).to(DOT_DTYPE))
         cg = tl.load(cw2 + kb * (BK // 2), mask=n_mask[:, None], other=0)
         sg = tl.load(sw2 + kb * (BK // 16), mask=n_mask[:, None], other=0.0)
-        wg = decode_e4m3(cg, sg, BN, BK, DECODE_ASM)
-        acc_g = tl.dot(wg, x8, acc_g, max_num_imprecise_acc=BK)
+        wg = decode_e4m3(cg, sg, BN, BK, DECODE_ASM, ORDER)
+        acc_g = tl.dot(wg, x8, acc_g)
         if GATED:
             cu = tl.load(cw2 + N * KH + kb * (BK // 2), mask=n_mask[:, None], other=0)
             su = tl.load(sw2 + N * KS + kb * (BK // 16), mask=n_mask[:, None], other=0.0)
-            wu = decode_e4m3(cu, su, BN, BK, DECODE_ASM)
-            acc_u = tl.dot(wu, x8, acc_u, max_num_imprecise_acc=BK)
+            wu = decode_e4m3(cu, su, BN, BK, DECODE_ASM, ORDER)
+            acc_u = tl.dot(wu, x8, acc_u)
         return acc_g, acc_u
     if W_DENSE:  # the activation operand, already in the loop's order (and decoded)
         x = tl.trans(tl.load(xp2 + kb * BK, mask=m_mask[:, None], other=0.0))
@@ -286,6 +286,7 @@ def moe_gemm_kernel(
     ORDER: tl.constexpr,
     BLOCKS_LAST: tl.constexpr,
     A_FP8: tl.constexpr = False,
+    FP8_TILES: tl.constexpr = 1,  # K tiles of an FP8 group (A_FP8)
 ):
     if GROUP_M:
         # One grid axis in groups of GROUP_M tile rows: consecutive programs sweep the
@@ -345,10 +346,18 @@ def moe_gemm_kernel(
     REM: tl.constexpr = KB % SEG_TILES
     if not GATED:
         acc_u = acc_g
-    if A_FP8:  # W4A8: each K tile's FP8 dot added to the fp32 sums, K tiles in order
-        for kb in range(0, KB):
-            acc_g, acc_u = _chunk_tile(
-                kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
+    if A_FP8:
+        # W4A8: the FP8 products summed in groups of FP8_GROUP K (a dot chain from zero),
+        # each group added to the fp32 sums in K order (the Gluon prefill kernel's sums)
+        GT: tl.constexpr = FP8_TILES
+        for g in range(0, KB // GT):
+            acc_g, acc_u = _segment(
+                g * GT, GT, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask, N, K, BM,
+                BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE, ORDER, A_FP8,
+            )  # fmt: skip
+        if KB % GT > 0:
+            acc_g, acc_u = _segment(
+                KB // GT * GT, KB % GT, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
                 N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE, ORDER, A_FP8,
             )  # fmt: skip
     else:
@@ -491,7 +500,8 @@ def portable_gemm(
         OUT_SCALE=out_scale, BM=bm, BN=bn, BK=bk, DOT_DTYPE=dot, INTERPRET=interpret,
         DECODE_ASM=decode_asm, OUT_FP4=out_fp4 is not None, SEG_TILES=seg_tiles, SPLIT=split,
         W_DENSE=dense, GROUP_M=group_m, REDUCE_ONLY=reduce_only, ORDER=order,
-        BLOCKS_LAST=blocks_last, A_FP8=a_fp8, num_warps=warps, num_stages=stages,
+        BLOCKS_LAST=blocks_last, A_FP8=a_fp8, FP8_TILES=max(FP8_GROUP // bk, 1),
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if pdl:
         kw["launch_pdl"] = True
@@ -527,6 +537,7 @@ def compile_sm90(
         SEG_TILES=SEGMENT // bk, SPLIT=split, W_DENSE=dense, GROUP_M=8 if dense else 0,
         REDUCE_ONLY=reduce_only, ORDER=k_order(k, bk),
         BLOCKS_LAST=split and not reduce_only and not dense, A_FP8=a_fp8,
+        FP8_TILES=max(FP8_GROUP // bk, 1),
     )  # fmt: skip
     return common_compile_sm90(moe_gemm_kernel, ptrs, const, ints=("ws_rows",),
                                num_warps=warps, num_stages=stages)  # fmt: skip

@@ -3,10 +3,14 @@ the launchers' input checks and the planner."""
 
 from __future__ import annotations
 
-__all__ = ["SEGMENT", "gluon_decode_fits", "k_order", "max_blocks", "prefill_fits"]
+__all__ = ["FP8_GROUP", "SEGMENT", "gluon_decode_fits", "k_order", "max_blocks", "prefill_fits"]
 
 SEGMENT = 1024  # K elements a segment of the main loop, the same for every kernel family
 PREFILL_ROWS = 128  # token rows a tile of the prefill kernel (its schedule's block_m)
+# W4A8's accumulation: the FP8 products of each FP8_GROUP K are summed in the tensor cores
+# from zero, and the group sums added to fp32 sums in K order, in every kernel family (a
+# longer chain loses precision in the tensor cores' FP8 accumulator)
+FP8_GROUP = 256
 
 
 def k_order(k: int, block_k: int) -> int:
