@@ -1,7 +1,8 @@
 """Disaggregated serving on one prepared NVFP4 copy: a prefill worker in W4A4 and a decode
-worker in W4A16, both opening the same saved prepared-experts files.
+worker in W4A16 (by default), both opening the same saved prepared-experts files.
 
     python3 examples/disaggregated.py            # or: fp4moe demo --disaggregated
+    python3 examples/disaggregated.py --prefill w4a8   # the Hopper policy's prefill
 
 1. The main process builds a small Qwen3-MoE model (a real architecture, scaled down,
    random weights), converts it with ``fp4moe.integrations.hf.convert``, and saves the
@@ -9,8 +10,8 @@ worker in W4A16, both opening the same saved prepared-experts files.
 2. Two worker processes join a torch.distributed group (gloo on CPU, NCCL with two GPUs).
    Each builds the model skeleton, loads the dense weights and opens the SAME expert files
    with ``fp4moe.load_experts`` (no conversion, no second format): rank 0 runs the prompt
-   in W4A4 (per-token scales) and sends the KV cache and the first token; rank 1 continues
-   greedily in W4A16.
+   in W4A4 (per-token scales; ``--prefill``: any mode name of ``fp4moe.modes``) and sends
+   the KV cache and the first token; rank 1 continues greedily in W4A16 (``--decode``).
 3. The main process checks that the decode worker produced exactly what one process
    running the same policy produces (same tokens, bitwise the same last logits), and
    reports the bytes handed over.
@@ -53,10 +54,11 @@ def build_model(seed: int, device: str):
     return model.to(device)
 
 
-def policy():
+def policy(prefill: str = PREFILL, decode: str = DECODE):
+    """The phase policy of both workers (mode names of ``fp4moe.modes``)."""
     import fp4moe
 
-    return fp4moe.PhasePolicy(prefill=PREFILL, decode=DECODE)
+    return fp4moe.PhasePolicy(prefill=prefill, decode=decode)
 
 
 def save_prepared(model, folder: str) -> list[str]:
@@ -82,15 +84,16 @@ def save_prepared(model, folder: str) -> list[str]:
     return [p for _, p in paths]
 
 
-def open_worker_model(folder: str, device: str, seed: int):
-    """The model skeleton, its dense weights, and the saved experts opened as they are."""
+def open_worker_model(folder: str, device: str, seed: int, phases=None):
+    """The model skeleton, its dense weights, and the saved experts opened as they are,
+    under the phase policy ``phases`` (default ``policy()``)."""
     from safetensors.torch import load_file
 
     import fp4moe
     from fp4moe.integrations.hf import convert, moe_layers
 
     model = build_model(seed + 1, device)  # different random init: everything is loaded
-    convert(model, policy())
+    convert(model, phases if phases is not None else policy())
     with open(os.path.join(folder, "experts.json")) as f:
         paths = dict(json.load(f))
     dense = load_file(os.path.join(folder, "dense.safetensors"), device="cpu")
@@ -157,9 +160,9 @@ def worker(rank: int, world: int, addr: str, folder: str, args: dict) -> None:
     device = f"cuda:{rank}" if args["nccl"] else args["device"]
     if device.startswith("cuda"):  # "cuda" alone: both workers share the current GPU
         torch.cuda.set_device(torch.device(device).index or 0)
-    model = open_worker_model(folder, device, args["seed"])
+    model = open_worker_model(folder, device, args["seed"], policy(*args["modes"]))
     result = {}
-    if rank == 0:  # prefill worker, W4A4
+    if rank == 0:  # prefill worker
         prompt = torch.tensor(args["prompt"], device=device)
         t0 = time.perf_counter()
         cache, logits = prefill(model, prompt)
@@ -172,7 +175,7 @@ def worker(rank: int, world: int, addr: str, folder: str, args: dict) -> None:
             sent += _send(k, 1, device) + _send(v, 1, device)
         result["bytes_sent"] = sent
         result["kv_dtype"] = str(layers[0][0].dtype)
-    else:  # decode worker, W4A16
+    else:  # decode worker
         from transformers import DynamicCache
 
         header = _recv((5,), torch.int64, 0, device).tolist()
@@ -202,8 +205,10 @@ def _free_port() -> int:
 
 
 def run(*, steps: int = 8, prompt_len: int = 12, batch: int = 2, seed: int = 0,
-        device: str | None = None, folder: str | None = None) -> dict:  # fmt: skip
-    """Run the example; returns a report dict (raises if the decode worker disagrees)."""
+        device: str | None = None, folder: str | None = None, prefill_mode: str = PREFILL,
+        decode_mode: str = DECODE) -> dict:  # fmt: skip
+    """Run the example; returns a report dict (raises if the decode worker disagrees).
+    ``prefill_mode`` / ``decode_mode``: the workers' modes (names of ``fp4moe.modes``)."""
     from fp4moe.integrations.hf import convert
 
     if device is None:
@@ -213,20 +218,21 @@ def run(*, steps: int = 8, prompt_len: int = 12, batch: int = 2, seed: int = 0,
     tmp = tempfile.TemporaryDirectory() if own else None
     folder = tmp.name if own else folder
     try:
-        model = convert(build_model(seed, device), policy())
+        phases = policy(prefill_mode, decode_mode)  # a bad mode name fails here, first
+        model = convert(build_model(seed, device), phases)
         save_prepared(model, folder)
         del model
         g = torch.Generator().manual_seed(seed)
         prompt = torch.randint(0, 256, (batch, prompt_len), generator=g)
 
         # One process, the same policy, the same files: the sequence to reproduce.
-        single = open_worker_model(folder, device, seed)
+        single = open_worker_model(folder, device, seed, phases)
         cache, logits = prefill(single, prompt.to(device))
         ref_toks, ref_logits = decode(single, cache, logits.argmax(-1, keepdim=True), steps)
         del single
 
         args = {"prompt": prompt.tolist(), "steps": steps, "seed": seed, "device": device,
-                "nccl": nccl}  # fmt: skip
+                "nccl": nccl, "modes": (prefill_mode, decode_mode)}  # fmt: skip
         addr = f"tcp://127.0.0.1:{_free_port()}"
         mp.start_processes(worker, args=(2, addr, folder, args), nprocs=2, join=True,
                            start_method="spawn")  # fmt: skip
@@ -240,7 +246,7 @@ def run(*, steps: int = 8, prompt_len: int = 12, batch: int = 2, seed: int = 0,
         report = {
             "backend": "nccl" if nccl else "gloo", "device": device, "batch": batch,
             "prompt_tokens": prompt_len, "decode_steps": steps,
-            "prefill_policy": PREFILL, "decode_policy": DECODE,
+            "prefill_policy": str(phases.prefill), "decode_policy": str(phases.decode),
             "kv_bytes_handed_over": r0["bytes_sent"], "kv_dtype": r0["kv_dtype"],
             "prefill_s": r0["prefill_s"], "decode_s": r1["decode_s"],
             "tokens": r1["tokens"], "matches_single_process": same_tokens and same_logits,
@@ -266,11 +272,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--prefill", default=PREFILL, help=f"prefill mode (default {PREFILL})")
+    p.add_argument("--decode", default=DECODE, help=f"decode mode (default {DECODE})")
     args = p.parse_args(argv)
     rep = run(steps=args.steps, prompt_len=args.prompt_len, batch=args.batch, seed=args.seed,
-              device=args.device)  # fmt: skip
-    print(f"prefill worker ({PREFILL}) -> decode worker ({DECODE}) over {rep['backend']}, "
-          f"device {rep['device']}")  # fmt: skip
+              device=args.device, prefill_mode=args.prefill,
+              decode_mode=args.decode)  # fmt: skip
+    print(f"prefill worker ({rep['prefill_policy']}) -> decode worker "
+          f"({rep['decode_policy']}) over {rep['backend']}, device {rep['device']}")  # fmt: skip
     print(f"  both opened the same prepared files: {', '.join(rep['expert_files'])}")
     print(
         f"  handed over: KV cache and first token, {rep['kv_bytes_handed_over']} bytes "

@@ -3,8 +3,9 @@
 The backward (fp4moe.backward, run by the custom op's autograd) is compared with torch
 autograd of the reference computation on the dequantized weights, written out here with
 every rounding and activation quantization as a straight-through estimator (value of the
-forward, gradient of the identity): W4A16 and each W4A4 activation scale, masked routes,
-fp32 and bf16 upstream gradients.
+forward, gradient of the identity): W4A16, W4A8 (on the e4m3 weights its forward
+multiplies) and each W4A4 activation scale, masked routes, fp32 and bf16 upstream
+gradients.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import torch.nn.functional as F
 
 import fp4moe
 from fp4moe.nvfp4 import dequantize_nvfp4, global_from_amax, quantize_nvfp4
+from fp4moe.reference import e4m3_rows, e4m3_weights
 from testing import random_moe_weights, random_routes, random_x, rel_err
 
 E, H, I, K, T = 4, 64, 32, 2, 9  # noqa: E741 (the contract's names)
-MODES = ("w4a16", "w4a4-token", "w4a4-tensor", "w4a4-static")
+MODES = ("w4a16", "w4a8", "w4a4-token", "w4a4-tensor", "w4a4-static")
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +35,12 @@ def _ste(v: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 
 def _quantized(v: torch.Tensor, mode: str, static, batch_global) -> torch.Tensor:
-    """The W4A4 FC input as fp32 values (numerics section 2), of a detached bf16 copy of v."""
+    """The W4A8 or W4A4 FC input as fp32 values (numerics sections 5a and 2), of a detached
+    bf16 copy of v."""
     b = v.detach().to(torch.bfloat16)
+    if mode == "w4a8":
+        q, s = e4m3_rows(b)
+        return q.float() * s[:, None]
     if mode == "w4a4-token":
         q = quantize_nvfp4(b, per_row=True)
     elif mode == "w4a4-static":
@@ -44,14 +50,21 @@ def _quantized(v: torch.Tensor, mode: str, static, batch_global) -> torch.Tensor
     return dequantize_nvfp4(q)
 
 
+def _weights(m, mode: str) -> torch.Tensor:
+    """The fp32 weights the forward multiplies: decoded, or W4A8's e4m3(u / 8) x 8 x g."""
+    if mode == "w4a8":
+        return e4m3_weights(m.codes, m.scales).float() * 8.0 * m.global_scale
+    return dequantize_nvfp4(m)
+
+
 def autograd_reference(x, ids, w, ex, mode):
-    """out fp32 [T, H] with autograd through x and w: dequantized weights, STE roundings."""
+    """out fp32 [T, H] with autograd through x and w: the forward's weights, STE roundings."""
     xf = x.float()
-    w4a4 = mode != "w4a16"
+    w4a4 = mode != "w4a16"  # W4A8 or W4A4: quantized activations
     x_global = global_from_amax(x.abs().amax())
     acts: dict[tuple[int, int], torch.Tensor] = {}
     for e in range(E):
-        gate, up = (dequantize_nvfp4(m) for m in ex.w13_nvfp4(e))
+        gate, up = (_weights(m, mode) for m in ex.w13_nvfp4(e))
         for t, k in (ids == e).nonzero().tolist():
             xin = xf[t : t + 1]
             if w4a4:
@@ -64,7 +77,7 @@ def autograd_reference(x, ids, w, ex, mode):
         e = int(ids[t, k])
         if w4a4:
             a = _ste(a, _quantized(a, mode, ex.a2_scale[e], a_global))
-        y = a @ dequantize_nvfp4(ex.w2_nvfp4(e)).t()
+        y = a @ _weights(ex.w2_nvfp4(e), mode).t()
         y = _ste(y, y.detach().to(torch.bfloat16).float())
         out = out.index_add(0, torch.tensor([t]), w[t, k] * y)
     return out

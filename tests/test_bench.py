@@ -63,8 +63,35 @@ def test_outputs_table_json_csv(tmp_path):
     assert json.loads((tmp_path / "bench.json").read_text())["rows"][0]["us"] == 300.0
     rows = list(csv.DictReader((tmp_path / "bench.csv").open()))
     assert rows[0]["mode"] == "w4a16"
+    table = bench.format_table(doc)  # a run without the FP8 rate (older JSON) still prints
+    assert "4.20 TB/s" in table and "w4a16" in table and "fp8" not in table
+    doc["ceilings"]["fp8_matmul_flops"] = 1.5e15
+    doc["rows"].append({**row, "mode": "w4a8", "compute_roof": "fp8"})
     table = bench.format_table(doc)
-    assert "4.20 TB/s" in table and "w4a16" in table
+    assert "bf16 750 TFLOP/s  fp8 1500 TFLOP/s" in table and "w4a8" in table
+
+
+def test_w4a8_roofline_takes_the_fp8_rate():
+    """A W4A8 row's compute roof is the card's FP8 matmul rate; every other mode's the bf16
+    rate (W4A4 multiplies in bf16 on Hopper); the byte floor bounds both from below."""
+    ceil = {"copy_bytes_per_s": 4e12, "bf16_matmul_flops": 1e15, "fp8_matmul_flops": 2e15}
+    assert {m: bench.compute_roof(m) for m in bench.MODES} == {
+        "w4a16": "bf16", "w4a8": "fp8", "w4a4-token": "bf16", "w4a4-tensor": "bf16",
+        "w4a4-static": "bf16",
+    }  # fmt: skip
+    flops = 4e12  # 4 ms at 1 PFLOP/s
+    assert bench.roofline_us("w4a16", 10.0, flops, ceil) == pytest.approx(4000.0)
+    assert bench.roofline_us("w4a4-token", 10.0, flops, ceil) == pytest.approx(4000.0)
+    assert bench.roofline_us("w4a8", 10.0, flops, ceil) == pytest.approx(2000.0)
+    assert bench.roofline_us("w4a8", 5000.0, flops, ceil) == 5000.0  # bytes-bound
+    with pytest.raises(KeyError):  # never the bf16 rate standing in for an unmeasured FP8 one
+        bench.roofline_us("w4a8", 10.0, flops, {"bf16_matmul_flops": 1e15})
+
+
+def test_bench_takes_w4a8():
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    assert p.parse_args(["--modes", "w4a8", "w4a16"]).modes == ["w4a8", "w4a16"]
 
 
 def test_bench_without_gpu_fails_clearly(capsys):

@@ -19,6 +19,7 @@ from fp4moe.demo import (
     synthetic_layer,
     synthetic_tokens,
 )
+from fp4moe.ops import TRITON_KERNEL_MODES
 
 TINY = ["--hidden", "128", "--inter", "64", "--experts", "4", "--top-k", "2", "--tokens", "16"]
 
@@ -56,10 +57,10 @@ def test_demo_layer_runs_every_mode(tmp_path, capsys, device):
     argv = ["demo", "--layer", *TINY, "--calib-tokens", "256", "--repeats", "1", "--device", device]
     assert main([*argv, "--json", str(path)]) == 0
     out = capsys.readouterr().out
-    assert DEMO_MODES == ("w4a16", "w4a4-token", "w4a4-tensor", "w4a4-static")
+    assert DEMO_MODES == ("w4a16", "w4a8", "w4a4-token", "w4a4-tensor", "w4a4-static")
     for mode in DEMO_MODES:
         assert any(line.split()[:1] == [mode] for line in out.splitlines()), mode
-    assert "All 4 modes read the same prepared tensors" in out
+    assert "All 5 modes read the same prepared tensors" in out
     result = json.loads(path.read_text())
     rows = {r["mode"]: r for r in result["rows"]}
     assert set(rows) == {"bf16", *DEMO_MODES}
@@ -143,7 +144,7 @@ def test_demo_model_config_policy_and_json(tmp_path, capsys, device):
         (["--disaggregated", "--prefill", "w4a16"], "--prefill: not an option of --disaggregated"),
         (["--new-tokens", "1"], "new_tokens: expected at least 2"),
         (["--model-config", "no/such.json"], "--model-config: no such file or directory"),
-        (["--prefill", "w4a8"], "is not one of 'w4a16'"),
+        (["--prefill", "w8a8"], "is not one of 'w4a16', 'w4a8'"),
     ],
     ids=str,
 )
@@ -181,6 +182,15 @@ def test_demo_disaggregated(tmp_path, capsys):
 def test_bench_without_gpu_fails_with_a_message(capsys):
     assert main(["bench"]) != 0
     assert "fp4moe bench needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.skipif("w4a8" in TRITON_KERNEL_MODES, reason="the Triton backend runs W4A8")
+def test_plan_refuses_a_mode_without_triton_kernels(capsys):
+    """``fp4moe plan --modes w4a8`` says there is nothing to plan (exit 1), and never prints
+    a W4A16 plan under the name W4A8."""
+    assert main(["plan", "--num-tokens", "1", "--modes", "w4a16", "w4a8"]) == 1
+    out, err = capsys.readouterr()
+    assert "--modes: 'w4a8' has no Triton kernels to plan" in err and out == ""
 
 
 def _weights(e=3, h=64, i=32, seed=0):

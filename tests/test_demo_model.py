@@ -139,12 +139,13 @@ def test_other_architectures_from_a_config_file(arch, tmp_path):
 
 def test_policy_and_sizes_are_options():
     cfg = ModelDemoConfig(
-        model_config=tiny(), batch=1, prompt_len=4, new_tokens=2, prefill="w4a16",
+        model_config=tiny(), batch=1, prompt_len=4, new_tokens=2, prefill="w4a8",
         decode="w4a4-tensor", seed=3,
     )  # fmt: skip
     res = run_model_demo(cfg)
-    assert [r["mode"] for r in res.rows] == ["w4a16", "w4a4-tensor"]
+    assert [r["mode"] for r in res.rows] == ["w4a8", "w4a4-tensor"]
     assert res.row("decode")["tokens"] == 1 and res.row("prefill")["tokens"] == 4
+    assert "two NVFP4 copies: w4a8 for prefill, w4a4-tensor for decode" in render_model_demo(res)
 
 
 def test_bad_settings_are_refused():
@@ -152,8 +153,14 @@ def test_bad_settings_are_refused():
         ModelDemoConfig(new_tokens=1)
     with pytest.raises(ValueError, match="give one"):
         ModelDemoConfig(model_config="a.json", checkpoint="ckpt")
-    with pytest.raises(ValueError, match="w4a8"):
-        ModelDemoConfig(prefill="w4a8")
+    with pytest.raises(ValueError, match="w8a8"):
+        ModelDemoConfig(prefill="w8a8")
+    from fp4moe.ops import TRITON_KERNEL_MODES
+
+    if "w4a8" not in TRITON_KERNEL_MODES:  # refused before the model is built
+        cfg = ModelDemoConfig(model_config=tiny(), prefill="w4a8", backend="triton")
+        with pytest.raises(NotImplementedError, match="'w4a8' has no Triton kernels"):
+            run_model_demo(cfg)
 
 
 def write_checkpoint(folder, arch: str, fmt: str) -> None:

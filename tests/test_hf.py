@@ -12,8 +12,8 @@ errors):
 - routed experts against HF's expert loop in fp32 on the same routes: ours (W4A16) 0.0037 ..
   0.0039, HF's own bf16 loop 0.0041 .. 0.0044; W4A4 per-token 0.161 .. 0.167 (two NVFP4
   activation quantizations of random data);
-- whole-model logits vs the original in bf16: W4A16 0.0033 .. 0.0039, W4A4 (per-token or
-  per-tensor) 0.011 .. 0.032.
+- whole-model logits vs the original in bf16: W4A16 0.0033 .. 0.0039, W4A8 0.0062 .. 0.012,
+  W4A4 (per-token or per-tensor) 0.011 .. 0.032.
 - routes: the same experts as HF's router for every token; the same weights bit for bit
   (Qwen3, Mixtral) or to 1e-6 relative (DeepSeek-V3 sums its k weights in another order).
 """
@@ -228,9 +228,11 @@ def test_model_logits(arch):
     ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(2))
     policies = {
         "w4a16": 2e-2,
+        "w4a8": 3e-2,
         "w4a4-token": 6e-2,
         "w4a4-tensor": 6e-2,
         PhasePolicy(prefill="w4a4-token", decode="w4a16"): 6e-2,
+        PhasePolicy(prefill="w4a8", decode="w4a16"): 3e-2,
     }
     with torch.no_grad():
         ref = original(ids).logits
@@ -322,6 +324,23 @@ def test_generate_prompt_is_prefill_then_decode(arch, mode_spy):
     assert _stats(model) == {((1, 4), (14, 8))}  # (prefill, decode) calls and tokens
     assert mode_spy == [(14, "w4a4-token")] * n_layers + [(2, "w4a16")] * 4 * n_layers
     assert fp4moe.current_phase() is None
+
+
+def test_convert_with_the_hopper_policy(mode_spy):
+    """convert(policy=PhasePolicy(prefill="w4a8", decode="w4a16")): generate's prompt pass
+    runs W4A8, its later steps W4A16, and the prompt pass gives W4A8's own numbers."""
+    model = build("qwen3_moe")
+    hf.convert(model, policy=PhasePolicy(prefill="w4a8", decode="w4a16"))
+    n_layers = len(hf.moe_layers(model))
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(8))
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, min_new_tokens=3,
+                   do_sample=False, pad_token_id=0)  # fmt: skip
+    assert mode_spy == [(5, "w4a8")] * n_layers + [(1, "w4a16")] * 2 * n_layers
+    with torch.no_grad():
+        prefill = model(ids).logits
+        for layer in hf.moe_layers(model).values():
+            layer.policy = PhasePolicy.single("w4a16")
+        assert not torch.equal(model(ids).logits, prefill)  # W4A8 is not W4A16 renamed
 
 
 def test_generate_explicit_phase_and_no_hooks():

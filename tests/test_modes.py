@@ -9,7 +9,9 @@ import torch
 import fp4moe
 from fp4moe import PhaseConfig, PhasePolicy
 from fp4moe.modes import ACT_SCALES, MODE_NAMES, mode_name, resolve_mode
+from fp4moe.ops import TRITON_KERNEL_MODES
 from fp4moe.presets import MODES as TOOL_MODES
+from fp4moe.reference import moe_reference
 from testing import random_moe_weights, random_routes, random_x
 
 OLD_SPELLINGS = {
@@ -31,7 +33,7 @@ def case():
 
 
 def test_one_vocabulary_everywhere():
-    assert MODE_NAMES == ("w4a16", "w4a4-token", "w4a4-tensor", "w4a4-static")
+    assert MODE_NAMES == ("w4a16", "w4a8", "w4a4-token", "w4a4-tensor", "w4a4-static")
     assert tuple(TOOL_MODES) == MODE_NAMES  # fp4moe bench / plan --modes
     for name in MODE_NAMES:
         kernel, scale = resolve_mode(name)
@@ -55,14 +57,16 @@ def test_old_spelling_maps_to_one_name(case, old, name):
     [
         ("w4a16", "per-token", "act_scale", "W4A16 has no activation scale"),  # a typo
         ("w4a16", "static", "act_scale", "W4A16 has no activation scale"),
+        ("w4a8", "per_tensor", "act_scale", "W4A8 has no activation scale"),
         ("w4a4-token", "static", "act_scale", "already says 'per_token'"),
         ("w4a4", "per_row", "act_scale", str(ACT_SCALES).replace("(", r"\(")[:20]),
         ("w4a4-per_token", None, "mode", "did you mean 'w4a4-token'"),
         ("W4A16", None, "mode", "did you mean 'w4a16'"),
+        ("W4A8", None, "mode", "did you mean 'w4a8'"),
         ("w8a8", None, "mode", "expected one of"),
     ],
-    ids=["typo-w4a16", "static-w4a16", "contradiction", "bad-scale", "old-name", "case",
-         "unknown"],
+    ids=["typo-w4a16", "static-w4a16", "scale-w4a8", "contradiction", "bad-scale", "old-name",
+         "case", "case-w4a8", "unknown"],
 )  # fmt: skip
 def test_refusals_name_the_argument(case, mode, act_scale, field, hint):
     x, ids, w, ex = case
@@ -93,3 +97,33 @@ def test_plan_takes_the_names(case):
     )
     with pytest.raises(ValueError, match="act_scale"):
         fp4moe.plan(ex, 16, 2, mode="w4a16", act_scale="static")
+
+
+def test_w4a8_is_its_own_mode(case):
+    """moe(mode="w4a8") runs numerics section 5a, not W4A16 or W4A4 under another name."""
+    x, ids, w, ex = case
+    out = fp4moe.moe(x, ids, w, ex, mode="w4a8", backend="reference")
+    assert torch.equal(out, moe_reference(x, ids, w, ex, mode="w4a8"))
+    for other in ("w4a16", "w4a4-token"):
+        assert not torch.equal(out, fp4moe.moe(x, ids, w, ex, mode=other, backend="reference"))
+    assert torch.equal(out, fp4moe.moe(x, ids, w, ex, mode="w4a8"))  # auto on the CPU
+    assert torch.equal(fp4moe.moe(x[:2], ids[:2], w[:2], ex, mode="w4a8")[1], out[1])  # rows
+
+
+@pytest.mark.skipif("w4a8" in TRITON_KERNEL_MODES, reason="the Triton backend runs W4A8")
+def test_triton_without_w4a8_kernels_refuses_it(case):
+    """Where the Triton backend has no W4A8 kernels every way into it refuses W4A8 by name
+    (never a W4A16 run or plan under the name W4A8)."""
+    x, ids, w, ex = case
+    msg = "'w4a8' has no Triton kernels"
+    with pytest.raises(NotImplementedError, match=msg):
+        fp4moe.moe(x, ids, w, ex, mode="w4a8", backend="triton")
+    with pytest.raises(NotImplementedError, match=msg):
+        fp4moe.moe(x[:0], ids[:0], w[:0], ex, mode="w4a8", backend="triton")
+    with pytest.raises(NotImplementedError, match=msg):
+        fp4moe.plan(ex, 16, 2, mode="w4a8")
+    with pytest.raises(NotImplementedError, match=msg):
+        fp4moe.MoERunner(ex, max_tokens=8, top_k=2, mode="w4a8")
+    args = (x, ids, w, *fp4moe.ops.expert_tensors(ex), "w4a8", "per_token", False, "triton")
+    with pytest.raises(NotImplementedError, match=msg):  # the custom op called directly
+        torch.ops.fp4moe.moe(*args, True, None, None)

@@ -22,6 +22,7 @@ EXPERT_KEYS = ("w13_codes", "w13_scales", "w13_global", "w2_codes", "w2_scales",
 # every accepted policy string -> (mode, act_scale, fused_finalize)
 SPECS = {
     "w4a16": ("w4a16", "per_token", False),
+    "w4a8": ("w4a8", "per_token", False),
     "w4a4-token": ("w4a4", "per_token", False),
     "w4a4-tensor": ("w4a4", "per_tensor", False),
     "w4a4-static": ("w4a4", "static", False),
@@ -103,7 +104,7 @@ def test_phase_config_parse_and_str_round_trip(spec):
     ids=lambda v: str(v),
 )
 def test_phase_config_constructed_round_trips(mode, act_scale, fused):
-    if mode == "w4a16" and act_scale != "per_token":  # W4A16 has no activation scale
+    if mode != "w4a4" and act_scale != "per_token":  # W4A16, W4A8: no activation scale
         with pytest.raises(ValueError, match="act_scale"):
             PhaseConfig(mode, act_scale, fused)
         return
@@ -116,9 +117,9 @@ def test_phase_config_constructed_round_trips(mode, act_scale, fused):
 
 @pytest.mark.parametrize(
     "spec",
-    ["", "w4a8", "W4A16", "w4a4", "w4a4-", "w4a4-row", "w4a4-per_token", "w4a16-token",
-     "w4a16+atomic", "w4a4-token+fused+fused", "w4a4-token+", "w4a16+", " w4a16", "w4a16 ",
-     "w4a4_token", "+fused"],
+    ["", "w8a8", "W4A16", "W4A8", "w4a8-token", "w4a8+atomic", "w4a4", "w4a4-", "w4a4-row",
+     "w4a4-per_token", "w4a16-token", "w4a16+atomic", "w4a4-token+fused+fused", "w4a4-token+",
+     "w4a16+", " w4a16", "w4a16 ", "w4a4_token", "+fused"],
     ids=repr,
 )  # fmt: skip
 def test_phase_config_bad_string(spec):
@@ -171,6 +172,10 @@ def test_policy_defaults():
 
 
 def test_policy_parses_strings_and_configs():
+    hopper = PhasePolicy(prefill="w4a8+fused", decode="w4a16")
+    assert hopper.prefill == PhaseConfig("w4a8", fused_finalize=True) != PhaseConfig("w4a16")
+    assert (hopper.prefill.mode, hopper.prefill.act_scale) == ("w4a8", "per_token")
+    assert str(hopper.prefill) == "w4a8+fused" and hopper.prefill.name == "w4a8"
     p = PhasePolicy(prefill="w4a4-static+fused", decode=PhaseConfig("w4a4", "per_tensor"))
     assert p.prefill == PhaseConfig("w4a4", "static", True)
     assert p.decode == PhaseConfig("w4a4", "per_tensor")
@@ -284,8 +289,9 @@ def test_layer_equals_moe_reference(experts, gate, device, spec):
         assert rel_err(out, _ref(x, ids, w, experts, PhaseConfig("w4a16"))) < 0.3  # sane
 
 
-def test_layer_prefill_and_decode_run_their_own_config(experts, gate, device):
-    policy = PhasePolicy(prefill="w4a4-token", decode="w4a16", backend="reference")
+@pytest.mark.parametrize("prefill", ["w4a4-token", "w4a8"])
+def test_layer_prefill_and_decode_run_their_own_config(experts, gate, device, prefill):
+    policy = PhasePolicy(prefill=prefill, decode="w4a16", backend="reference")
     layer = MoELayer(experts, RouterConfig(top_k=K), gate_weight=gate, policy=policy)
     x = _x(12, seed=3, device=device)
     ids, w = layer.route(x)
@@ -498,7 +504,7 @@ def test_layer_bad_router_and_policy(experts, gate):
     with pytest.raises(TypeError, match="router"):
         MoELayer(experts, {"method": "softmax"})
     with pytest.raises(ValueError, match="policy"):
-        MoELayer(experts, policy="w4a8")
+        MoELayer(experts, policy="w8a8")
     with pytest.raises(TypeError, match="policy"):
         MoELayer(experts, policy=8)
     with pytest.raises(ValueError, match="correction_bias"):  # would be silently ignored
@@ -736,6 +742,15 @@ def test_memory_report_workspaces():
                          expert_range=(8, 12))  # fmt: skip
     assert ep.triton_options.valid_fraction == 4 / 32
     assert ws(1024, "w4a16") > ws(512, "w4a16")
+    # a W4A8 prefill: the Triton backend's workspace, none while it has no W4A8 kernels
+    from fp4moe.ops import TRITON_KERNEL_MODES
+
+    hopper = fp4moe.MoELayer(ex, fp4moe.RouterConfig("softmax", 2), gate_weight=torch.randn(4, 64),
+                             policy=PhasePolicy(prefill="w4a8", decode="w4a16"))  # fmt: skip
+    rep8 = hopper.memory_report(num_tokens=512)
+    want = ws(512, "w4a8", options=opt) if "w4a8" in TRITON_KERNEL_MODES else 0
+    assert rep8["prefill_workspace_bytes"] == want
+    assert rep8["decode_workspace_bytes"] == rep["decode_workspace_bytes"]
 
 
 @pytest.mark.gpu

@@ -145,6 +145,8 @@ def spec_moe(x, ids, weights, ex: PreparedExperts, mode: str, act_scale: str):
 MODES = [("w4a16", "per_token"), ("w4a4", "per_token"), ("w4a4", "static"), ("w4a4", "per_tensor")]
 MODE_IDS = ["w4a16", "w4a4-per_token", "w4a4-static", "w4a4-per_tensor"]
 INVARIANT_MODES = MODES[:3]  # numerics section 7: activation scales independent of other tokens
+# with W4A8 (numerics section 5a), for the tests that need no spec_moe
+ALL_MODES, ALL_IDS = [*MODES, ("w4a8", "per_token")], [*MODE_IDS, "w4a8"]
 
 
 def _with_static(ex: PreparedExperts, seed: int) -> PreparedExperts:
@@ -241,7 +243,7 @@ def test_reference_matches_spec(mode, act_scale, T, K, E, H, I, masked):  # noqa
 # --------------------------------------------------------------------------- edge sizes
 
 
-@pytest.mark.parametrize("mode,act_scale", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("mode,act_scale", ALL_MODES, ids=ALL_IDS)
 def test_T0_empty_output(mode, act_scale):
     x, ids, w, ex = make_case(0, 2, 4, 64, 32, seed=1, mode_act=(mode, act_scale))
     out = fp4moe.moe(x, ids, w, ex, mode=mode, act_scale=act_scale, backend="reference")
@@ -276,7 +278,7 @@ def test_edge_cases_match_spec(mode, act_scale, case):
         assert set(ids[ids >= 0].tolist()) == {case["all_on_one"]}
 
 
-@pytest.mark.parametrize("mode,act_scale", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("mode,act_scale", ALL_MODES, ids=ALL_IDS)
 def test_all_routes_masked_gives_exact_zero(mode, act_scale):
     x, ids, w, ex = make_case(6, 3, 4, 64, 32, seed=9, mode_act=(mode, act_scale))
     ids = torch.full_like(ids, -1)
@@ -291,7 +293,7 @@ def test_tokens_with_all_routes_masked_are_zero_in_a_mixed_batch():
     assert (out[[1, 5]] == 0).all() and (out[[0, 2, 3, 4, 6, 7]] != 0).any(dim=1).all()
 
 
-@pytest.mark.parametrize("mode,act_scale", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("mode,act_scale", ALL_MODES, ids=ALL_IDS)
 def test_any_negative_id_is_masked(mode, act_scale):
     x, ids, w, ex = make_case(
         10, 3, 4, 64, 32, seed=12, masked_frac=0.4, mode_act=(mode, act_scale)
@@ -434,7 +436,9 @@ def test_finalize_exact_rationals_small():
 # --------------------------------------------------------------------------- batch invariance
 
 
-@pytest.mark.parametrize("mode,act_scale", INVARIANT_MODES, ids=MODE_IDS[:3])
+@pytest.mark.parametrize(
+    "mode,act_scale", [*INVARIANT_MODES, ALL_MODES[-1]], ids=[*MODE_IDS[:3], "w4a8"]
+)
 def test_batch_invariance_bitwise(mode, act_scale):
     T = 24
     x, ids, w, ex = make_case(T, 3, 6, 64, 32, seed=21, masked_frac=0.2, mode_act=(mode, act_scale))

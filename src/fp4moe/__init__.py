@@ -1,8 +1,9 @@
 """fp4moe: Mixture-of-Experts layers over NVFP4 expert weights.
 
-One prepared copy of the experts serves W4A4 (per-tensor, per-token or static activation
-scales) and W4A16; see README.md and docs/. ``fp4moe.load_model`` (a checkpoint folder to a
-transformers model) imports transformers on first use.
+One prepared copy of the experts serves every mode of ``fp4moe.modes`` (``MODE_NAMES``):
+W4A16, W4A8 (e4m3 activations and weights, FP8 tensor cores) and W4A4 (per-tensor,
+per-token or static activation scales); see README.md and docs/. ``fp4moe.load_model``
+(a checkpoint folder to a transformers model) imports transformers on first use.
 """
 
 from typing import Any

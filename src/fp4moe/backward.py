@@ -9,8 +9,13 @@ dequantized weights with every rounding and activation quantization taken as the
   (bf16, exactly the reference's); 0 for a masked route.
 - ``x``: for each valid route (t, k) to expert e, with h = xin @ W13[e].T the FC1 output of
   the forward's own FC1 input xin (``x`` in W4A16; its NVFP4 quantization, decoded, in
-  W4A4) and g = w[t, k] * dL/dout[t] @ W2[e]:
+  W4A4; its e4m3 rows times their scales in W4A8) and g = w[t, k] * dL/dout[t] @ W2[e]:
   dL/dx[t] += (g * up * silu'(gate)) @ W_gate[e] + (g * silu(gate)) @ W_up[e].
+
+W13 and W2 are the weights the forward multiplies: the decoded NVFP4 weights in W4A16 and
+W4A4, and in W4A8 their e4m3 roundings (numerics section 5a: e4m3(u / 8) x 8 x the
+global). So W4A8 gets W4A4's treatment: the straight-through gradient of the forward's own
+computation, evaluated at its own quantized activations.
 
 Expert by expert, in fp32; the weights of one expert are decoded at a time, so the extra
 memory is one expert in fp32 plus the route rows [T, K, H] in bf16. Slow on purpose: it is
@@ -23,10 +28,10 @@ from __future__ import annotations
 import torch
 
 from .experts import PreparedExperts
-from .nvfp4 import dequantize_nvfp4, global_from_amax
-from .reference import quantized_input, route_rows_reference
+from .nvfp4 import NVFP4Tensor, dequantize_nvfp4, global_from_amax
+from .reference import e4m3_rows, e4m3_weights, quantized_input, route_rows_reference
 
-__all__ = ["fc1_input_values", "moe_backward_reference"]
+__all__ = ["fc1_input_values", "forward_weights", "moe_backward_reference"]
 
 
 def fc1_input_values(
@@ -37,13 +42,26 @@ def fc1_input_values(
     static: torch.Tensor | None = None,
     batch_global: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The FC1 input the forward multiplies, as fp32 values: bf16 ``x`` [n, H] itself
-    (W4A16), or its NVFP4 quantization decoded with its global scale (W4A4: one global a
-    row for "per_token", ``static`` for "static", ``batch_global`` for "per_tensor")."""
+    """The FC1 input the forward multiplies, as fp32 values [n, H]: bf16 ``x`` [n, H] itself
+    (W4A16), its e4m3 rows times their scales (W4A8), or its NVFP4 quantization decoded
+    with its global scale (W4A4: one global a row for "per_token", ``static`` for
+    "static", ``batch_global`` for "per_tensor")."""
+    if mode == "w4a8":
+        q, s = e4m3_rows(x)
+        return q.float() * s[:, None]
     values, g = quantized_input(x, mode, act_scale, static, batch_global)
     if g is None:  # W4A16
         return values
     return values * (g.unsqueeze(-1) if g.dim() > 0 else g)  # dequantize_nvfp4's product
+
+
+def forward_weights(m: NVFP4Tensor, mode: str) -> torch.Tensor:
+    """The fp32 weights [N, C] the forward multiplies for one NVFP4 matrix ``m``: decoded
+    (W4A16, W4A4), or rounded to e4m3 as W4A8 does, e4m3(u / 8) x 8 x global."""
+    if mode != "w4a8":
+        return dequantize_nvfp4(m)
+    g = m.global_scale.float()
+    return e4m3_weights(m.codes, m.scales).float() * 8.0 * (g.unsqueeze(-1) if g.dim() else g)
 
 
 def moe_backward_reference(
@@ -61,8 +79,8 @@ def moe_backward_reference(
     Args:
         grad_out: [T, H] dL/dout (any float dtype).
         x: bf16 [T, H]; topk_ids: int32 [T, K]; topk_weights: fp32 [T, K]: the forward's.
-        experts: the forward's experts. mode: "w4a16" or "w4a4"; act_scale: the W4A4
-            activation scale ("per_token", "static", "per_tensor").
+        experts: the forward's experts. mode: "w4a16", "w4a8" or "w4a4"; act_scale: the
+            W4A4 activation scale ("per_token", "static", "per_tensor").
 
     Returns:
         (dL/dx bf16 [T, H], dL/dtopk_weights fp32 [T, K]).
@@ -82,8 +100,8 @@ def moe_backward_reference(
             continue
         static = experts.a13_scale[e] if experts.a13_scale is not None else None
         xin = fc1_input_values(x[tok], mode, act_scale, static=static, batch_global=batch_global)
-        gate, up = (dequantize_nvfp4(m) for m in experts.w13_nvfp4(e))  # fp32 [I, H] each
-        down = dequantize_nvfp4(experts.w2_nvfp4(e))  # fp32 [H, I]
+        gate, up = (forward_weights(m, mode) for m in experts.w13_nvfp4(e))  # fp32 [I, H]
+        down = forward_weights(experts.w2_nvfp4(e), mode)  # fp32 [H, I]
         h_gate, h_up = xin @ gate.t(), xin @ up.t()
         grad_a = (g[tok] * topk_weights[tok, slot].float().unsqueeze(-1)) @ down  # [n, I]
         sig = torch.sigmoid(h_gate)

@@ -280,11 +280,18 @@ def _cmd_inspect(args: argparse.Namespace, extra: list[str]) -> int:
 
 def _cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     from .backend import H200, Options, explain, plan_call, target_for
+    from .ops import TRITON_KERNEL_MODES
     from .presets import MODES, PRESETS
 
     p = PRESETS[args.preset]
     if any(t < 0 for t in args.num_tokens):
         return _fail("plan", "--num-tokens: counts must be >= 0")
+    for mode in args.modes:
+        if MODES[mode][0] not in TRITON_KERNEL_MODES:
+            return _fail(
+                "plan", f"--modes: {mode!r} has no Triton kernels to plan (the Triton backend "
+                f"runs {', '.join(TRITON_KERNEL_MODES)})", 1,
+            )  # fmt: skip
     if args.target == "current":
         if not torch.cuda.is_available():
             return _fail("plan", "--target current: no CUDA device here (use --target h200)")
@@ -341,6 +348,9 @@ def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
     except ValueError as exc:
         print(f"fp4moe bench: {exc}", file=sys.stderr)
         return 2
+    except NotImplementedError as exc:  # --modes: one the Triton backend has no kernels for
+        print(f"fp4moe bench: --modes: {exc}", file=sys.stderr)
+        return 1
     print(format_table(doc))
     print(f"(JSON, CSV and PNG in {args.out}/)")
     return 0
@@ -351,11 +361,12 @@ def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
+    from .modes import MODE_NAMES
     from .moe import BACKENDS
 
     parser = argparse.ArgumentParser(
         prog="fp4moe",
-        description="NVFP4 Mixture-of-Experts layers: one prepared copy, W4A4 and W4A16.",
+        description="NVFP4 Mixture-of-Experts layers: one prepared copy, W4A16, W4A8 and W4A4.",
     )
     parser.add_argument("--version", action="version", version=f"fp4moe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -420,8 +431,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="a local HF checkpoint directory (config.json, safetensors) whose experts are "
         "NVFP4 (ModelOpt or compressed-tensors); read offline",
     )
-    g.add_argument("--prefill", metavar="MODE", help="prefill mode (default w4a4-token)")
-    g.add_argument("--decode", metavar="MODE", help="decode mode (default w4a16)")
+    names = ", ".join(MODE_NAMES)
+    g.add_argument(
+        "--prefill", metavar="MODE", help=f"prefill mode: {names}, optionally +fused "
+        "(default w4a4-token)",
+    )  # fmt: skip
+    g.add_argument(
+        "--decode", metavar="MODE", help=f"decode mode: {names}, optionally +fused "
+        "(default w4a16)",
+    )  # fmt: skip
 
     g = p.add_argument_group("the layer demo (--layer)")
     g.add_argument("--hidden", type=int, help="hidden size H (default 512)")
@@ -491,8 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmark the MoE layer on a CUDA GPU",
         description=(
             "Benchmark the MoE layer on a CUDA GPU against a bf16 torch._grouped_mm MoE and "
-            "the naive NVFP4 path, with this card's copy bandwidth and bf16 matmul rate "
-            "measured in the same run. Writes bench.json, bench.csv and bench.png to --out. "
+            "the naive NVFP4 path, with this card's copy bandwidth and bf16 and FP8 matmul "
+            "rates measured in the same run (the roofline of a w4a8 row takes the FP8 rate). "
+            "Writes bench.json, bench.csv and bench.png to --out. "
             "--ep N: the expert-parallel layer over N GPUs (dispatch, compute and combine "
             "timed separately); writes bench-ep.json and bench-ep.csv."
         ),

@@ -32,6 +32,7 @@ from torch import nn
 
 from .integrations.hf_blocks import find_blocks
 from .integrations.hf_load import dequantized_model, load_model, load_model_config
+from .ops import check_triton_mode
 from .phases import PHASES, MoELayer, PhasePolicy
 
 __all__ = [
@@ -332,6 +333,10 @@ def run_model_demo(cfg: ModelDemoConfig) -> ModelDemoResult:
     start = time.perf_counter()
     device = torch.device(cfg.device)
     res = ModelDemoResult(config=cfg)
+    policy = cfg.policy()
+    if policy.backend == "triton" or (policy.backend == "auto" and device.type == "cuda"):
+        for phase in (policy.prefill, policy.decode):  # refused before anything is built
+            check_triton_mode(phase.mode, phase.act_scale)
 
     if cfg.checkpoint is not None:
         config = load_model_config(cfg.checkpoint)
@@ -365,7 +370,6 @@ def run_model_demo(cfg: ModelDemoConfig) -> ModelDemoResult:
         torch.cuda.synchronize(device)
     layers = moe_layers(model)
     res.model = _describe(model, reference, layers, source)
-    policy = cfg.policy()
     res.backend = (
         policy.backend
         if policy.backend != "auto"
@@ -551,7 +555,7 @@ def render_model_demo(res: ModelDemoResult) -> str:
     one = mem["one_shared_nvfp4_copy"]
     mem_rows = [
         ["one NVFP4 copy, shared by prefill and decode (fp4moe)", _mib(one), "1.00x"],
-        ["two NVFP4 copies: W4A4 for prefill, W4A16 for decode",
+        [f"two NVFP4 copies: {res.rows[0]['mode']} for prefill, {res.rows[1]['mode']} for decode",
          _mib(mem["two_nvfp4_copies"]), f"{mem['two_nvfp4_copies'] / one:.2f}x"],
         ["NVFP4 for prefill plus bf16 for decode", _mib(mem["nvfp4_plus_bf16_copies"]),
          f"{mem['nvfp4_plus_bf16_copies'] / one:.2f}x"],

@@ -11,7 +11,7 @@ from .backend.options import Options
 from .backend.plan import Plan
 from .experts import PreparedExperts
 from .modes import ACT_SCALES, KERNEL_MODES, MODE_NAMES, resolve_mode
-from .ops import expert_tensors, run_moe
+from .ops import check_triton_mode, expert_tensors, run_moe
 from .routing import check_expert_ids
 
 __all__ = [
@@ -29,7 +29,7 @@ __all__ = [
 MODES = KERNEL_MODES
 BACKENDS = ("auto", "reference", "triton")
 
-ModeName = Literal["w4a16", "w4a4-token", "w4a4-tensor", "w4a4-static", "w4a4"]
+ModeName = Literal["w4a16", "w4a8", "w4a4-token", "w4a4-tensor", "w4a4-static", "w4a4"]
 ActScale = Literal["per_token", "static", "per_tensor"]
 Backend = Literal["auto", "reference", "triton"]
 
@@ -122,16 +122,20 @@ def moe(
         topk_ids: int32 [T, K] local expert ids; negative ids are masked routes.
         topk_weights: fp32 [T, K] router weights.
         experts: the prepared experts (E experts, hidden size H); never modified.
-        mode: "w4a16" (bf16 activations), "w4a4-token", "w4a4-tensor" (one dynamic scale
-            over the whole batch, so results depend on the other tokens) or "w4a4-static"
-            (the experts' calibrated a13/a2 scales): activations quantized to NVFP4.
+        mode: "w4a16" (bf16 activations); "w4a8" (activations to float8 e4m3 with one
+            scale a row, weights to e4m3 from the same NVFP4 bytes, FP8 tensor cores:
+            numerics section 5a); or activations quantized to NVFP4: "w4a4-token",
+            "w4a4-tensor" (one dynamic scale over the whole batch, so results depend on the
+            other tokens) or "w4a4-static" (the experts' calibrated a13/a2 scales).
         act_scale: leave it out. The older spelling ``mode="w4a4", act_scale="per_token" |
             "per_tensor" | "static"`` is accepted with the one mapping of ``fp4moe.modes``;
-            any other value (a typo, or an activation scale with W4A16) is refused.
+            any other value (a typo, or an activation scale with W4A16 or W4A8) is refused.
         fused_finalize: add the weighted expert outputs with atomics in the last GEMM
             (fastest, not bitwise reproducible) instead of the deterministic finalize.
         backend: "reference" (plain PyTorch, any device), "triton" (CUDA kernels) or "auto"
-            (triton on a CUDA device, the reference elsewhere).
+            (triton on a CUDA device, the reference elsewhere). A mode the Triton backend
+            has no kernels for (``fp4moe.ops.TRITON_KERNEL_MODES``) raises
+            ``NotImplementedError`` there, never runs as another mode.
         validate_ids: also check ids < E where that costs a host sync (CUDA tensors). On
             CPU the ids are always checked.
         options: ``fp4moe.Options`` for the triton backend (PDL, under expert parallelism
@@ -156,6 +160,8 @@ def moe(
     )  # fmt: skip
     if backend == "auto":
         backend = "triton" if on_cuda else "reference"
+    if backend == "triton":
+        check_triton_mode(kernel_mode, scale)
     eager_only = []
     if options is not None:
         eager_only = [n for n in EAGER_OPTIONS if getattr(options, n) not in (None, False)]
@@ -208,6 +214,10 @@ def plan(
     Returns:
         the frozen ``fp4moe.Plan`` (per GEMM: kernel family, tile, K split; the sort,
         quantize and finalize choices).
+
+    Raises:
+        NotImplementedError: the Triton backend has no kernels for ``mode``
+            (``fp4moe.ops.TRITON_KERNEL_MODES``).
     """
     from .backend import H200, plan_call, target_for
 
@@ -219,6 +229,7 @@ def plan(
     mode, act_scale = resolve_mode(mode, act_scale)
     if options is not None and not isinstance(options, Options):
         raise TypeError(f"options: expected fp4moe.Options or None, got {type(options).__name__}")
+    check_triton_mode(mode, act_scale)
     target = target_for(experts.device) if experts.device.type == "cuda" else H200
     return plan_call(
         num_tokens, top_k, experts.num_experts, experts.hidden_size,

@@ -20,9 +20,9 @@ from torch import nn
 
 from .backend.options import Options
 from .experts import PreparedExperts
-from .modes import MODE_NAMES, resolve_mode
+from .modes import MODE_NAMES, mode_name, resolve_mode
 from .moe import BACKENDS, moe
-from .ops import EXPERT_FIELDS
+from .ops import EXPERT_FIELDS, TRITON_KERNEL_MODES
 from .routing import ROUTING_METHODS, local_expert_ids, route
 
 __all__ = [
@@ -106,9 +106,10 @@ def _parse_error(spec: str) -> ValueError:
 class PhaseConfig:
     """How one phase runs: mode, W4A4 activation scale, finalize.
 
-    ``mode`` takes a mode name of ``fp4moe.modes`` ("w4a16", "w4a4-token", "w4a4-tensor",
-    "w4a4-static"), or the kernel family "w4a4" with ``act_scale`` ("per_token",
-    "per_tensor", "static"); the fields hold the kernel family and the activation scale.
+    ``mode`` takes a mode name of ``fp4moe.modes`` ("w4a16", "w4a8", "w4a4-token",
+    "w4a4-tensor", "w4a4-static"), or the kernel family "w4a4" with ``act_scale``
+    ("per_token", "per_tensor", "static"); the fields hold the kernel family ("w4a16",
+    "w4a8", "w4a4") and the activation scale ("per_token" for W4A16 and W4A8).
     Strings parse too (:meth:`parse`): a mode name with an optional "+fused" suffix (fused
     finalize; default deterministic)."""
 
@@ -129,8 +130,8 @@ class PhaseConfig:
 
     @property
     def name(self) -> str:
-        """The mode name ("w4a16", "w4a4-token", ...), without the finalize suffix."""
-        return "w4a16" if self.mode == "w4a16" else "w4a4-" + self.act_scale.removeprefix("per_")
+        """The mode name ("w4a16", "w4a8", "w4a4-token", ...), without the finalize suffix."""
+        return mode_name(self.mode, self.act_scale)
 
     @classmethod
     def parse(cls, spec: str | PhaseConfig) -> PhaseConfig:
@@ -154,7 +155,8 @@ class PhasePolicy:
     """Maps serving phases to PhaseConfigs.
 
     Args:
-        prefill: the prompt pass (compute-bound; W4A4 by default).
+        prefill: the prompt pass (compute-bound; W4A4 per-token by default; on Hopper,
+            ``"w4a8"`` runs it on the FP8 tensor cores: docs/policies.md).
         decode: the generation steps (memory-bound; W4A16 by default).
         decode_max_tokens: when a call gives no phase (and none is set by
             ``serving_phase``), calls with at most this many tokens run as decode.
@@ -455,7 +457,8 @@ class MoELayer(nn.Module):
         router, what a bf16 copy of the experts would cost, and the transient workspace of
         one call (Triton backend) for the decode phase at ``decode_max_tokens`` tokens and
         for the prefill phase at ``num_tokens`` (default 4096) tokens (the plans of the
-        experts' CUDA device; an H200's where they are elsewhere)."""
+        experts' CUDA device; an H200's where they are elsewhere; 0 for a phase whose mode
+        the Triton backend has no kernels for, ``fp4moe.ops.TRITON_KERNEL_MODES``)."""
         from .backend import H200, plan_call, target_for, workspace_bytes
 
         ex = self.experts
@@ -468,6 +471,8 @@ class MoELayer(nn.Module):
         target = target_for(ex.device) if ex.device.type == "cuda" else H200
 
         def ws(t: int, cfg: PhaseConfig) -> int:
+            if cfg.mode not in TRITON_KERNEL_MODES:
+                return 0
             plan = plan_call(
                 t, self.router.top_k, e, h, i, mode=cfg.mode, act_scale=cfg.act_scale,
                 fused_finalize=cfg.fused_finalize, options=self.triton_options, target=target,

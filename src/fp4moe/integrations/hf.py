@@ -19,7 +19,8 @@ inside ``generate``: ``hf_phases``.
 
 Numerics inside a converted block follow docs/numerics.md (fp32 accumulation, one bf16 rounding of
 each route row, routes summed in fp32 in ascending k): they differ from the model's own
-bf16 expert loop by bf16 rounding only (W4A16) or by the activation quantization (W4A4).
+bf16 expert loop by bf16 rounding only (W4A16), by the e4m3 rounding of activations and
+weights (W4A8), or by the activation quantization (W4A4).
 Activations enter the experts in bf16 whatever the model dtype; the output is cast back.
 Gradients reach the inputs of the experts (straight-through, ``fp4moe.backward``), never
 the NVFP4 expert weights.
@@ -86,8 +87,9 @@ def convert(
             containing the blocks) of Qwen3-MoE, Mixtral or DeepSeek-V3, its weights loaded
             (to read a checkpoint folder whole, use :func:`load_model`).
         policy: one ``PhasePolicy`` shared by every converted layer (default
-            ``PhasePolicy()``: W4A4 per-token prefill, W4A16 decode), or one mode string
-            for every phase (e.g. ``"w4a16"``).
+            ``PhasePolicy()``: W4A4 per-token prefill, W4A16 decode; on Hopper
+            ``PhasePolicy(prefill="w4a8", decode="w4a16")``, docs/policies.md), or one mode
+            string for every phase (e.g. ``"w4a16"``).
         checkpoint: None to quantize the model's own bf16/fp32 expert weights; else an NVFP4
             checkpoint in ModelOpt or compressed-tensors layout (safetensors file, HF
             checkpoint directory, or state dict). Only the experts are read from it: the
