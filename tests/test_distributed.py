@@ -1,10 +1,11 @@
 """Expert parallelism (EPMoELayer) on gloo, CPU, 2 and 4 processes.
 
 Each world size is spawned once (module-scoped fixture): every rank runs all the cases in
-one process group, compares its outputs with the single-process MoELayer holding all
-experts (bitwise), and writes its verdicts to a JSON file that the tests below read. A
-rank that fails a case stops there (the group is then out of step); the 30 s gloo timeout
-and the join timeout make sure nothing hangs.
+one process group, compares its outputs with the single-process layer holding all experts
+(``MoELayer``'s router, then ``fp4moe.moe`` in the same mode: bitwise), and writes its
+verdicts to a JSON file that the tests below read. A rank that fails a case stops there
+(the group is then out of step); the 30 s gloo timeout and the join timeout make sure
+nothing hangs.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from testing import random_moe_weights, random_x, rel_err
 
 H, I, E_TOTAL, K = 64, 32, 8, 2  # noqa: E741 (the contract's name)
 MODES = ("w4a16", "w4a8", "w4a4-token", "w4a4-static", "w4a4-tensor")
-TRITON_MODES = ("w4a16", "w4a4-token", "w4a4-static", "w4a4-tensor")  # no Triton W4A8 yet
+# The modes the Triton backend has kernels for (the interpreter case, and every case on a
+# GPU, where "auto" is the Triton backend); W4A8 runs on the reference backend only.
+TRITON_MODES = ("w4a16", "w4a4-token", "w4a4-static", "w4a4-tensor")
 TOKENS = {1: [13], 2: [13, 5], 4: [9, 0, 17, 4]}  # uneven loads; T = 0 on one rank at world 4
 JOIN_TIMEOUT_S = 150
 _DEVICE = ["cpu"]  # the worker's device: "cpu" (gloo) or "cuda:<rank>" (nccl)
@@ -37,6 +40,11 @@ _DEVICE = ["cpu"]  # the worker's device: "cpu" (gloo) or "cuda:<rank>" (nccl)
 
 def _dev() -> str:
     return _DEVICE[0]
+
+
+def _modes(modes: tuple[str, ...] = MODES) -> tuple[str, ...]:
+    """``modes`` that the worker's backend runs ("auto": Triton on a GPU)."""
+    return modes if _dev() == "cpu" else tuple(m for m in modes if m in TRITON_MODES)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -130,7 +138,7 @@ def _case_router_modes(rank, world, res, full):
     """Global router, uneven loads, every mode: bitwise as the single-process layer."""
     ts = TOKENS[world]
     xs = [_x(r, ts[r]) for r in range(world)]
-    for mode in MODES:
+    for mode in _modes():
         ep = _ep(rank, world, mode, full)
         out = ep(xs[rank], phase="prefill")
         res.setdefault("bytes", {})[mode] = ep.last_comm_bytes
@@ -161,7 +169,7 @@ def _case_skewed(rank, world, res, full):
     ts = [6, 3, 0, 5][:world] if world == 4 else [6, 0]
     xs = [_x(r, ts[r], salt=2) for r in range(world)]
     rts = [_skewed_routes(r, world, ts[r], 0, seed=50) for r in range(world)]
-    for mode in MODES:
+    for mode in _modes():
         ep = _ep(rank, world, mode, full)
         out = ep(xs[rank], phase="decode", routes=rts[rank])
         single = _single(mode, full)
@@ -184,7 +192,7 @@ def _case_all_remote(rank, world, res, full):
     ts = TOKENS[world]
     xs = [_x(r, ts[r], salt=3) for r in range(world)]
     rts = [_skewed_routes(r, world, ts[r], (r + 1) % world, seed=60) for r in range(world)]
-    for mode in ("w4a16", "w4a8", "w4a4-token", "w4a4-static"):
+    for mode in _modes(("w4a16", "w4a8", "w4a4-token", "w4a4-static")):
         ep = _ep(rank, world, mode, full)
         out = ep(xs[rank], phase="prefill", routes=rts[rank])
         ref = _single(mode, full)(xs[rank], phase="prefill", routes=rts[rank])
@@ -196,7 +204,7 @@ def _case_fixed_capacity(rank, world, res, full):
     """max_tokens: fixed buffers, same bits as the variable path; bytes by capacity."""
     ts = TOKENS[world]
     xs = [_x(r, ts[r], salt=4) for r in range(world)]
-    for mode in MODES:
+    for mode in _modes():
         var = _ep(rank, world, mode, full)
         fix = _ep(rank, world, mode, full, max_tokens=20)
         a = var(xs[rank], phase="decode")
@@ -240,7 +248,7 @@ def _case_split_steps(rank, world, res, full):
     """dispatch, compute_experts, combine one by one: the bits and bytes of forward."""
     ts = TOKENS[world]
     x = _x(rank, ts[rank], salt=13)
-    for mode in MODES:
+    for mode in _modes():
         for max_tokens in (None, 20):
             ep = _ep(rank, world, mode, full, max_tokens=max_tokens)
             ref = ep(x, phase="prefill")
