@@ -28,7 +28,7 @@ TINY = [
     "--warmup", "1", "--iters", "2", "--ep-timeout", "30",
 ]  # fmt: skip
 GLOO = ["--ep", "2", "--ep-backend", "gloo", "--device", "cpu", *TINY]
-MODES = ["w4a16", "w4a4-token", "w4a4-tensor"]
+MODES = ["w4a16", "w4a8", "w4a4-token", "w4a4-tensor"]
 PATHS = ["variable", "fixed"]
 ROW_FIELDS = {
     "tokens", "global_tokens", "mode", "path", "max_tokens", "cuda_graph", "dispatch_us",
@@ -49,7 +49,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory):
-    """`python -m fp4moe bench --ep 2` (gloo, CPU), T = 1 and 5 a rank, three modes, both
+    """`python -m fp4moe bench --ep 2` (gloo, CPU), T = 1 and 5 a rank, four modes, both
     paths (the default --ep-path)."""
     out = tmp_path_factory.mktemp("bench-ep")
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -112,7 +112,7 @@ def test_ep_rows_sane(cli_run):
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_ep_w4a4_sends_fewer_bytes(cli_run, path):
+def test_ep_quantized_modes_send_fewer_bytes(cli_run, path):
     _, doc, _ = cli_run
     row = {(r["tokens"], r["mode"]): r for r in doc["rows"] if r["path"] == path}
     for t in (1, 5):
@@ -123,9 +123,11 @@ def test_ep_w4a4_sends_fewer_bytes(cli_run, path):
             tok = sent["w4a16"] / sent["w4a4-token"]
             assert tok == pytest.approx(wire_row_bytes(H, "w4a16") / wire_row_bytes(H, "w4a4"))
             assert sent["w4a16"] / sent["w4a4-tensor"] == pytest.approx(128 / 36)
+            w8 = wire_row_bytes(H, "w4a16") / wire_row_bytes(H, "w4a8")
+            assert sent["w4a16"] / sent["w4a8"] == pytest.approx(w8)  # 2H / (H + 4)
         if path == "fixed":  # by capacity: max_tokens * K rows to the other rank
             assert sent["w4a16"] == 2 * t * K * wire_row_bytes(H, "w4a16")
-    for m in ("w4a4-token", "w4a4-tensor"):
+    for m in ("w4a8", "w4a4-token", "w4a4-tensor"):
         assert row[5, m]["bytes_sent_all_ranks"] < row[5, "w4a16"]["bytes_sent_all_ranks"]
         assert row[5, m]["dispatch_bytes"] < row[5, "w4a16"]["dispatch_bytes"]
         assert row[5, m]["combine_bytes"] == row[5, "w4a16"]["combine_bytes"]  # bf16 rows back

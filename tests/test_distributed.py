@@ -1,10 +1,11 @@
 """Expert parallelism (EPMoELayer) on gloo, CPU, 2 and 4 processes.
 
 Each world size is spawned once (module-scoped fixture): every rank runs all the cases in
-one process group, compares its outputs with the single-process MoELayer holding all
-experts (bitwise), and writes its verdicts to a JSON file that the tests below read. A
-rank that fails a case stops there (the group is then out of step); the 30 s gloo timeout
-and the join timeout make sure nothing hangs.
+one process group, compares its outputs with the single-process layer holding all experts
+(``MoELayer``'s router, then ``fp4moe.moe`` in the same mode: bitwise), and writes its
+verdicts to a JSON file that the tests below read. A rank that fails a case stops there
+(the group is then out of step); the 30 s gloo timeout and the join timeout make sure
+nothing hangs.
 """
 
 from __future__ import annotations
@@ -22,12 +23,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fp4moe
-from fp4moe.distributed import EPMoELayer, compute_route_rows, wire_row_bytes
+from fp4moe.distributed import E4M3Rows, EPMoELayer, compute_route_rows, wire_row_bytes
+from fp4moe.modes import resolve_mode
 from fp4moe.phases import MoELayer, PhasePolicy, RouterConfig
 from testing import random_moe_weights, random_x, rel_err
 
 H, I, E_TOTAL, K = 64, 32, 8, 2  # noqa: E741 (the contract's name)
-MODES = ("w4a16", "w4a4-token", "w4a4-static", "w4a4-tensor")
+MODES = ("w4a16", "w4a8", "w4a4-token", "w4a4-static", "w4a4-tensor")
+# The modes the Triton backend has kernels for (the interpreter case, and every case on a
+# GPU, where "auto" is the Triton backend); W4A8 runs on the reference backend only.
+TRITON_MODES = ("w4a16", "w4a4-token", "w4a4-static", "w4a4-tensor")
 TOKENS = {1: [13], 2: [13, 5], 4: [9, 0, 17, 4]}  # uneven loads; T = 0 on one rank at world 4
 JOIN_TIMEOUT_S = 150
 _DEVICE = ["cpu"]  # the worker's device: "cpu" (gloo) or "cuda:<rank>" (nccl)
@@ -35,6 +40,11 @@ _DEVICE = ["cpu"]  # the worker's device: "cpu" (gloo) or "cuda:<rank>" (nccl)
 
 def _dev() -> str:
     return _DEVICE[0]
+
+
+def _modes(modes: tuple[str, ...] = MODES) -> tuple[str, ...]:
+    """``modes`` that the worker's backend runs ("auto": Triton on a GPU)."""
+    return modes if _dev() == "cpu" else tuple(m for m in modes if m in TRITON_MODES)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -71,11 +81,27 @@ def _ep(rank, world, mode, full, **kw) -> EPMoELayer:
     )
 
 
-def _single(mode, full, backend="auto") -> MoELayer:
-    return MoELayer(
-        full, RouterConfig(top_k=K), gate_weight=_gate(),
-        policy=PhasePolicy.single(mode, backend=backend),
-    )  # fmt: skip
+class _Single:
+    """The single-process layer holding all experts: ``MoELayer``'s router, then
+    ``fp4moe.moe`` in ``mode`` with the deterministic finalize, which is what
+    ``MoELayer.forward`` runs for a one-mode policy (the phase does not change it)."""
+
+    def __init__(self, mode: str, full: fp4moe.PreparedExperts, backend: str) -> None:
+        self.mode, self.full, self.backend = mode, full, backend
+        self.layer = MoELayer(full, RouterConfig(top_k=K), gate_weight=_gate(), policy=mode)
+
+    def route(self, x: torch.Tensor):
+        return self.layer.route(x)
+
+    def __call__(self, x, phase=None, routes=None) -> torch.Tensor:
+        x2d = x.reshape(-1, H)
+        ids, w = routes if routes is not None else self.route(x2d)
+        out = fp4moe.moe(x2d, ids, w, self.full, mode=self.mode, backend=self.backend)
+        return out.reshape(x.shape)
+
+
+def _single(mode, full, backend="auto") -> _Single:
+    return _Single(mode, full, backend)
 
 
 def _bitwise(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
@@ -112,7 +138,7 @@ def _case_router_modes(rank, world, res, full):
     """Global router, uneven loads, every mode: bitwise as the single-process layer."""
     ts = TOKENS[world]
     xs = [_x(r, ts[r]) for r in range(world)]
-    for mode in MODES:
+    for mode in _modes():
         ep = _ep(rank, world, mode, full)
         out = ep(xs[rank], phase="prefill")
         res.setdefault("bytes", {})[mode] = ep.last_comm_bytes
@@ -143,7 +169,7 @@ def _case_skewed(rank, world, res, full):
     ts = [6, 3, 0, 5][:world] if world == 4 else [6, 0]
     xs = [_x(r, ts[r], salt=2) for r in range(world)]
     rts = [_skewed_routes(r, world, ts[r], 0, seed=50) for r in range(world)]
-    for mode in MODES:
+    for mode in _modes():
         ep = _ep(rank, world, mode, full)
         out = ep(xs[rank], phase="decode", routes=rts[rank])
         single = _single(mode, full)
@@ -166,7 +192,7 @@ def _case_all_remote(rank, world, res, full):
     ts = TOKENS[world]
     xs = [_x(r, ts[r], salt=3) for r in range(world)]
     rts = [_skewed_routes(r, world, ts[r], (r + 1) % world, seed=60) for r in range(world)]
-    for mode in ("w4a16", "w4a4-token", "w4a4-static"):
+    for mode in _modes(("w4a16", "w4a8", "w4a4-token", "w4a4-static")):
         ep = _ep(rank, world, mode, full)
         out = ep(xs[rank], phase="prefill", routes=rts[rank])
         ref = _single(mode, full)(xs[rank], phase="prefill", routes=rts[rank])
@@ -178,23 +204,17 @@ def _case_fixed_capacity(rank, world, res, full):
     """max_tokens: fixed buffers, same bits as the variable path; bytes by capacity."""
     ts = TOKENS[world]
     xs = [_x(r, ts[r], salt=4) for r in range(world)]
-    for mode in MODES:
+    for mode in _modes():
         var = _ep(rank, world, mode, full)
         fix = _ep(rank, world, mode, full, max_tokens=20)
         a = var(xs[rank], phase="decode")
         b = fix(xs[rank], phase="decode")
         _bitwise(b, a, f"{mode} fixed capacity")
-        row = wire_row_bytes(H, *((mode, "per_token") if mode == "w4a16" else _split(mode)))
+        row = wire_row_bytes(H, *resolve_mode(mode))
         assert fix.last_comm_bytes["dispatch"] == (world - 1) * 20 * K * row
     fix = _ep(rank, world, "w4a16", full, max_tokens=20)
     fix(xs[rank])  # no phase given: a fixed-capacity layer runs as decode
     assert fix.stats.calls["decode"] == 1
-
-
-def _split(mode):
-    return "w4a4", {"token": "per_token", "static": "static", "tensor": "per_tensor"}[
-        mode.split("-")[1]
-    ]
 
 
 def _case_phase_inference(rank, world, res, full):
@@ -228,7 +248,7 @@ def _case_split_steps(rank, world, res, full):
     """dispatch, compute_experts, combine one by one: the bits and bytes of forward."""
     ts = TOKENS[world]
     x = _x(rank, ts[rank], salt=13)
-    for mode in MODES:
+    for mode in _modes():
         for max_tokens in (None, 20):
             ep = _ep(rank, world, mode, full, max_tokens=max_tokens)
             ref = ep(x, phase="prefill")
@@ -247,7 +267,7 @@ def _case_triton_interpreter(rank, world, res, full):
         return
     ts = [4, 3]
     xs = [_x(r, ts[r], salt=7) for r in range(world)]
-    for mode in MODES:
+    for mode in TRITON_MODES:
         ep = _ep(rank, world, mode, full, backend="triton")
         out = ep(xs[rank], phase="prefill")
         single = _single(mode, full, backend="triton")
@@ -460,8 +480,9 @@ def test_ep_case(ep_run, case):
     )
 
 
-def test_ep_w4a4_dispatch_bytes(ep_run):
-    """NVFP4 rows on the wire: > 3x fewer dispatch bytes than bf16 rows, same combine."""
+def test_ep_dispatch_bytes(ep_run):
+    """NVFP4 rows on the wire: > 3x fewer dispatch bytes than bf16 rows; e4m3 rows with
+    one fp32 scale: 2H / (H + 4); the same combine in every mode."""
     _, results = ep_run
     tot = {m: sum(res["bytes"][m]["dispatch"] for res in results) for m in MODES}
     comb = {m: sum(res["bytes"][m]["combine"] for res in results) for m in MODES}
@@ -470,6 +491,8 @@ def test_ep_w4a4_dispatch_bytes(ep_run):
         assert tot["w4a16"] / tot[m] > 3.0, (m, tot)
         assert comb[m] == comb["w4a16"]
     assert tot["w4a16"] / tot["w4a4-token"] == pytest.approx(2 * H / (H / 2 + H / 16 + 4))
+    assert tot["w4a16"] / tot["w4a8"] == pytest.approx(2 * H / (H + 4))
+    assert comb["w4a8"] == comb["w4a16"]
 
 
 # ----------------------------------------------------------------------------- in-process
@@ -479,6 +502,7 @@ def test_wire_row_bytes():
     assert wire_row_bytes(7168, "w4a16") == 14336
     assert wire_row_bytes(7168, "w4a4", "per_token") == 3584 + 448 + 4
     assert wire_row_bytes(7168, "w4a4", "static") == 3584 + 448
+    assert wire_row_bytes(7168, "w4a8") == 7168 + 4
     assert 14336 / wire_row_bytes(7168, "w4a4", "per_token") > 3.5
 
 
@@ -489,7 +513,7 @@ def test_compute_route_rows_matches_reference(mode):
     from fp4moe.reference import route_rows_reference
 
     full = _full_experts()
-    m, act = ("w4a16", "per_token") if mode == "w4a16" else _split(mode)
+    m, act = resolve_mode(mode)
     x = random_x(11, H, seed=3)
     ids = torch.stack([torch.randperm(E_TOTAL)[:K] for _ in range(11)]).to(torch.int32)
     y_ref = route_rows_reference(x, ids, full, mode=m, act_scale=act)
@@ -499,6 +523,8 @@ def test_compute_route_rows_matches_reference(mode):
     xr = torch.cat([x[tok], torch.zeros(2, H, dtype=torch.bfloat16)])
     if m == "w4a16":
         rows = xr
+    elif m == "w4a8":
+        rows = E4M3Rows.quantize(xr)  # what the home rank sends
     else:
         if act == "per_token":
             g = global_from_amax(xr.abs().amax(dim=-1))
@@ -510,6 +536,21 @@ def test_compute_route_rows_matches_reference(mode):
         rows = fp4moe.NVFP4Tensor(c, s, g)
     y = compute_route_rows(rows, row_expert, full, mode=m, act_scale=act)
     _bitwise(y[: 11 * K], y_ref[tok, slot], f"{mode} route rows")
+
+
+def test_w4a8_wire_rows_round_trip():
+    """W4A8 rows packed as the home rank sends them (e4m3 bytes, then the fp32 scale) read
+    back bit for bit; a zero row has scale 1."""
+    from fp4moe.expert_rows import pack_rows, unpack_rows
+
+    x = torch.cat([random_x(5, H, seed=4), torch.zeros(1, H, dtype=torch.bfloat16)])
+    sent = E4M3Rows.quantize(x)
+    wire = pack_rows([sent.values, sent.scales])
+    assert wire.dtype == torch.uint8 and tuple(wire.shape) == (6, wire_row_bytes(H, "w4a8"))
+    got = unpack_rows(wire, H, "w4a8")
+    assert isinstance(got, E4M3Rows) and got.values.dtype == torch.float8_e4m3fn
+    assert torch.equal(got.values.view(torch.uint8), sent.values.view(torch.uint8))
+    assert torch.equal(got.scales, sent.scales) and float(got.scales[5]) == 1.0
 
 
 def test_ep_needs_initialized_group():

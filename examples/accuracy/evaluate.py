@@ -3,7 +3,7 @@
 Loads the tiny byte-level Qwen3-MoE (tiny-moe.safetensors), converts its sparse MoE blocks to
 fp4moe layers (one prepared NVFP4 copy of the experts; everything else stays bf16) and reports:
 
-- per mode (w4a16, w4a4-token, w4a4-tensor, w4a4-static): perplexity on held-out windows,
+- per mode (w4a16, w4a8, w4a4-token, w4a4-tensor, w4a4-static): perplexity on held-out windows,
   its ratio to the bf16 model's, the mean KL(bf16 || mode) per byte and the top-1 agreement
   with bf16 on the same text (teacher forcing). One forward pass per batch of windows is the
   prefill phase, so a policy's perplexity is that of its prefill mode.
@@ -46,7 +46,7 @@ from fp4moe import MoELayer, PhasePolicy, serving_phase
 from fp4moe.nvfp4 import global_from_amax
 from fp4moe.progress import progress
 
-MODES = ("w4a16", "w4a4-token", "w4a4-tensor", "w4a4-static")
+MODES = ("w4a16", "w4a8", "w4a4-token", "w4a4-tensor", "w4a4-static")
 POLICIES = (
     ("w4a4-token", "w4a16"),  # the PhasePolicy default
     ("w4a4-static", "w4a16"),
@@ -55,6 +55,8 @@ POLICIES = (
     ("w4a4-token", "w4a4-token"),
     ("w4a4-static", "w4a4-static"),
     ("w4a4-tensor", "w4a4-tensor"),
+    ("w4a8", "w4a16"),
+    ("w4a8", "w4a8"),
 )
 SAMPLE_HELDOUT = HERE / "heldout_sample.txt"
 SAMPLE_CALIB = HERE / "calib_sample.txt"

@@ -4,15 +4,16 @@ Each rank of a process group holds a contiguous slice of the experts
 (``fp4moe.expert_range(rank, world, E_total)``) and its own tokens. One call:
 
 1. route every token of this rank with the global router (fp32 logits, ``fp4moe.route``);
-2. (W4A4) quantize the activations on this (home) rank exactly as the single-process
-   layer would, so that only NVFP4 bytes travel;
+2. (W4A4, W4A8) quantize the activations on this (home) rank exactly as the
+   single-process layer would, so that only NVFP4 (W4A4) or e4m3 (W4A8) bytes travel;
 3. dispatch: exchange per-expert counts, then the rows (``all_to_all_single``);
-4. expert ranks compute the route rows y (numerics section 5) of the rows they received;
+4. expert ranks compute the route rows y (numerics sections 5, 5a) of the rows they
+   received;
 5. combine: send y back (``all_to_all_single``); the home rank runs the deterministic
    finalize of numerics section 6 (ascending k, fp32 fma, one bf16 rounding).
 
-With the deterministic finalize and a batch-invariant mode (W4A16, W4A4 per-token, W4A4
-static), each token's output is bitwise identical to the single-process ``MoELayer``
+With the deterministic finalize and a batch-invariant mode (W4A16, W4A8, W4A4 per-token,
+W4A4 static), each token's output is bitwise identical to the single-process ``MoELayer``
 holding all experts. W4A4 per-tensor uses one global scale over the *global* batch (all
 ranks' tokens; an ``all_reduce(max)`` of the amax), so it is bitwise identical to the
 single-process layer run on all ranks' tokens concatenated. docs/expert-parallel.md has
@@ -21,7 +22,6 @@ the wire format and what is and is not guaranteed.
 
 from __future__ import annotations
 
-import math
 import struct
 import zlib
 from dataclasses import dataclass
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .expert_rows import compute_route_rows, wire_row_bytes
+from .expert_rows import E4M3Rows, compute_route_rows, pack_rows, unpack_rows, wire_row_bytes
 from .experts import PreparedExperts
 from .moe import ACT_SCALES, BACKENDS, MODES
 from .nvfp4 import NVFP4Tensor, global_from_amax, quantize_blocks
@@ -43,12 +43,12 @@ from .phases import (
     current_phase,
     layer_settings,
 )
-from .reference import finalize_reference
+from .reference import e4m3_rows, finalize_reference
 from .routing import ROUTING_METHODS, expert_range
 
-__all__ = ["EPDispatch", "EPMoELayer", "compute_route_rows", "wire_row_bytes"]
+__all__ = ["E4M3Rows", "EPDispatch", "EPMoELayer", "compute_route_rows", "wire_row_bytes"]
 
-_SIG_VERSION = 1
+_SIG_VERSION = 2  # 2: policy codes index the modes (w4a16, w4a8, w4a4)
 _SIG_FIELDS = (
     "signature version",
     "world size",
@@ -77,15 +77,6 @@ _META_EXTRA = 3  # per destination: counts of its experts, then T_local, phase c
 
 
 # ------------------------------------------------------------------------ helpers
-
-
-def _pack(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate [N, ...] tensors of any dtype into one uint8 [N, bytes] buffer."""
-    n = parts[0].shape[0]
-    cols = [math.prod(p.shape[1:]) for p in parts]
-    return torch.cat(
-        [p.contiguous().reshape(n, c).view(torch.uint8) for p, c in zip(parts, cols)], dim=1
-    ).contiguous()
 
 
 def _crc(t: torch.Tensor | None) -> int:
@@ -120,12 +111,13 @@ class EPDispatch:
     """What ``EPMoELayer.dispatch`` received and keeps for ``compute_experts`` and
     ``combine`` (one call of ``forward`` split in its three steps).
 
-    Expert side: ``rows`` (W4A16 bf16 [N, H]; W4A4 an NVFP4Tensor with one global per row)
+    Expert side: ``rows`` (W4A16 bf16 [N, H]; W4A8 ``E4M3Rows``, e4m3 [N, H] and one fp32
+    scale a row; W4A4 an NVFP4Tensor with one global per row)
     and ``row_expert`` (int [N] local expert ids, -1 for padding rows of the fixed-capacity
     path), the input of ``compute_route_rows`` with ``mode``, ``act_scale`` and
     ``backend``. The other fields are the home side's bookkeeping for the combine."""
 
-    rows: torch.Tensor | NVFP4Tensor
+    rows: torch.Tensor | NVFP4Tensor | E4M3Rows
     row_expert: torch.Tensor
     mode: str
     act_scale: str
@@ -419,7 +411,7 @@ class EPMoELayer(nn.Module):
         routes: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> EPDispatch:
         """Step 1 of ``forward`` (a collective; same arguments): route, exchange the counts,
-        quantize (W4A4) and send the rows to their expert ranks, and receive this rank's
+        quantize (W4A4, W4A8) and send the rows to their expert ranks, and receive this rank's
         rows. Returns the state that ``compute_experts`` and ``combine`` take."""
         dev = self.experts.device
         k = self.router.top_k
@@ -588,13 +580,16 @@ class EPMoELayer(nn.Module):
 
     def _home_rows(self, x2d, perm, sorted_key, k, mode, act, backend):
         """The dispatched payload, one uint8 row per route in send order, and (per-tensor)
-        the global FC1 scale. Quantization is that of the single-process layer: per-token
-        and per-tensor on the token rows, static per route with its expert's a13 scale."""
+        the global FC1 scale. Quantization is that of the single-process layer: W4A8, W4A4
+        per-token and per-tensor on the token rows, static per route with its expert's a13
+        scale."""
         dev = x2d.device
         t = x2d.shape[0]
         src = perm // k  # token of each route in send order
         if mode == "w4a16":
-            return _pack([x2d])[src], None
+            return pack_rows([x2d])[src], None
+        if mode == "w4a8":  # e4m3_rows defines the rows on every backend (numerics 5a)
+            return pack_rows(list(e4m3_rows(x2d)))[src], None
         if act == "per_tensor":
             amax = (
                 x2d.abs().amax().float() if t else torch.zeros((), dtype=torch.float32, device=dev)
@@ -605,44 +600,36 @@ class EPMoELayer(nn.Module):
 
             if act == "per_token":
                 c, s, gl = quantize_rows(x2d.contiguous(), t, mode=MODE_PER_ROW, pdl=False)
-                return _pack([c, s, gl])[src], None
+                return pack_rows([c, s, gl])[src], None
             if act == "per_tensor":
                 c, s, _ = quantize_rows(
                     x2d.contiguous(), t, mode=MODE_SCALAR, table=g.reshape(1), pdl=False
                 )
-                return _pack([c, s])[src], g
+                return pack_rows([c, s])[src], g
             expert = sorted_key.clamp(max=self.num_experts_total - 1).to(torch.int32)
             c, s, _ = quantize_rows(
                 x2d.contiguous(), perm.numel(), mode=MODE_STATIC, index=perm.to(torch.int32),
                 div=k, table=self.a13_scale_all, row_expert=expert, pdl=False,
             )  # fmt: skip
-            return _pack([c, s]), None
+            return pack_rows([c, s]), None
         if act == "per_token":
             g_rows = global_from_amax(x2d.abs().amax(dim=-1))
             c, s = quantize_blocks(x2d, g_rows)
-            return _pack([c, s, g_rows])[src], None
+            return pack_rows([c, s, g_rows])[src], None
         if act == "per_tensor":
             c, s = quantize_blocks(x2d, g)
-            return _pack([c, s])[src], g
+            return pack_rows([c, s])[src], g
         expert = sorted_key.clamp(max=self.num_experts_total - 1)
         c, s = quantize_blocks(x2d[src], self.a13_scale_all[expert])
-        return _pack([c, s]), None
+        return pack_rows([c, s]), None
 
     def _unpack(self, recv, row_expert, mode, act, fc1_global):
-        h = self.experts.hidden_size
-        n = recv.shape[0]
-        if mode == "w4a16":
-            return recv.view(torch.bfloat16)
-        codes = recv[:, : h // 2].contiguous()
-        scales = recv[:, h // 2 : h // 2 + h // 16].contiguous().view(torch.float8_e4m3fn)
-        if act == "per_token":
-            o = h // 2 + h // 16
-            glob = recv[:, o : o + 4].contiguous().view(torch.float32).reshape(n)
-        elif act == "static":
+        glob = None  # W4A4 globals known here: the expert's static scale, the batch's
+        if mode == "w4a4" and act == "static":
             glob = self.experts.a13_scale[row_expert.clamp(min=0)]
-        else:
-            glob = fc1_global.reshape(1).expand(n).contiguous()
-        return NVFP4Tensor(codes, scales, glob)
+        elif mode == "w4a4" and act == "per_tensor":
+            glob = fc1_global.reshape(1).expand(recv.shape[0]).contiguous()
+        return unpack_rows(recv, self.experts.hidden_size, mode, act, glob)
 
     def _finalize(self, y_rows, route_pos, ids, w, backend) -> torch.Tensor:
         t, k = ids.shape
