@@ -230,6 +230,11 @@ def test_pinned_tiles_same_bits(interpret, device):
     for tile in (Tile(16, 64, 32, num_stages=1), Tile(32, 16, 64, 2, 2)):
         opt = Options(fc1_tile=tile, fc2_tile=tile, poison=True)
         assert torch.equal(moe_triton(x, ids, w, experts, mode="w4a4", options=opt), base)
+    # W4A8: other token rows and weight rows, its own K tile (the accumulation order)
+    base = moe_triton(x, ids, w, experts, mode="w4a8", options=Options(poison=True))
+    for tile in (Tile(16, 64, 64, num_stages=1), Tile(32, 16, 64, 2, 2)):
+        opt = Options(fc1_tile=tile, fc2_tile=tile, poison=True)
+        assert torch.equal(moe_triton(x, ids, w, experts, mode="w4a8", options=opt), base)
 
 
 @pytest.mark.kernel

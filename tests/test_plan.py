@@ -289,3 +289,10 @@ def test_w4a8_pins():
         plan_call(16, 8, 32, 7168, 2048, mode="w4a8", options=Options(gemm="gluon-prefill"),
                   target=no_gluon)  # fmt: skip
     assert plan_call(8192, 8, 32, 7168, 2048, mode="w4a8", target=no_gluon).fc1.kernel == "triton"
+    # a pinned tile must keep W4A8's K tile (its accumulation order)
+    for bad in (Tile(16, 64, 64), Tile(16, 64, 32)):
+        with pytest.raises(InapplicableOverride, match="W4A8"):
+            plan_call(16, 8, 32, 7168, 2048, mode="w4a8", target=H200,
+                      options=Options(fc1_tile=bad, fc2_tile=Tile(16, 64, 128)))  # fmt: skip
+    ok = Options(fc1_tile=Tile(64, 64, 128), fc2_tile=Tile(64, 128, 128))
+    assert plan_call(16, 8, 32, 7168, 2048, mode="w4a8", target=H200, options=ok).block_m == 64

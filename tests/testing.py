@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from fp4moe.modes import TOLERANCE
 from fp4moe.ops import TRITON_KERNEL_MODES
 
 __all__ = [
@@ -27,8 +28,7 @@ __all__ = [
 ]
 
 # numerics section 8: ||out - ref|| / ||ref|| for route rows and outputs, kernel against reference
-# (W4A8: the W4A16 tolerance, numerics section 5a).
-TOL: dict[str, float] = {"w4a16": 2e-3, "w4a8": 2e-3, "w4a4": 1e-2}
+TOL: dict[str, float] = TOLERANCE
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -26,6 +26,7 @@ from dataclasses import asdict
 
 import torch
 
+from .modes import TOLERANCE
 from .presets import MODES, PRESETS, Preset
 
 __all__ = ["PRESETS", "Preset", "add_arguments", "compute_roof", "roofline_us", "run"]
@@ -461,7 +462,7 @@ def run(args: argparse.Namespace) -> dict:
                         x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused, options=opt
                     ).float()
                     err = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-                    tol = 1e-2 if m == "w4a4" else 2e-3  # numerics sections 5a and 8
+                    tol = TOLERANCE[m]  # numerics section 8
                     if not math.isfinite(err) or err > tol:
                         raise RuntimeError(
                             f"T={t} {mode} fused={fused}: rel. error {err:.2e} "

@@ -53,6 +53,8 @@ from datetime import timedelta
 
 import torch
 
+from .modes import TOLERANCE, resolve_mode
+
 __all__ = ["EPUnavailable", "format_table", "main_args", "run_ep", "write_outputs"]
 
 PREPARE_CHUNK = 16  # experts quantized at a time (bounds the bf16 weights held at once)
@@ -419,7 +421,7 @@ def _combine_ranks(
 def _check_row(row: dict, rank: int) -> None:
     """The expert compute against the reference on the same rows (as ``fp4moe bench``
     checks each configuration), and the timed steps against ``forward``."""
-    err, tol = row["rel_err"], 1e-2 if row["mode"].startswith("w4a4") else 2e-3
+    err, tol = row["rel_err"], TOLERANCE[resolve_mode(row["mode"])[0]]
     if err is not None and not (err <= tol):
         raise RuntimeError(
             f"T={row['tokens']} {row['mode']}: expert compute rel. error {err:.2e} against "

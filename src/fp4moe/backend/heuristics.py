@@ -26,12 +26,14 @@ __all__ = [
     "SPLIT_MAX_ROUTES_PER_EXPERT",
     "UNKNOWN_VALID_FRACTION",
     "W4A8_PREFILL_ABOVE_ROWS",
+    "W4A8_PREFILL_ABOVE_ROWS_LONG_K",
     "WHOLE_K_FROM_ROWS",
     "WHOLE_K_MAX_ROWS",
     "WHOLE_K_WIDE_ROWS",
     "portable_tile",
     "split_programs",
     "touched_experts",
+    "w4a8_block_k",
     "w4a8_tile",
 ]
 
@@ -95,8 +97,12 @@ DENSE_ABOVE_ROWS = 192
 GLUON_PDL_MAX_ROUTES = 32
 
 # W4A8 runs on the Gluon prefill kernel's FP8 path (where both GEMMs fit it) above this
-# many rows, else on the portable kernel's FP8 loop (the same bits).
+# many rows, else on the portable kernel's FP8 loop (the same bits): DeepSeek-V3 EP8 at 32
+# / 64 rows 917 / 1287 us portable against 969 / 1039 prefill; with both K at least
+# PREFILL_LONG_K from above W4A8_PREFILL_ABOVE_ROWS_LONG_K (Mixtral-8x7B at 16 rows 839
+# -> 769 us).
 W4A8_PREFILL_ABOVE_ROWS = 32
+W4A8_PREFILL_ABOVE_ROWS_LONG_K = 12
 
 # Per-tensor W4A4: where the rows to quantize hold at most this many elements, each
 # quantize program takes the amax itself instead of an amax kernel before it (one launch
@@ -151,6 +157,12 @@ def split_programs(n: int, block_n: int, touched: float, rows: float, block_m: i
     return -(-n // block_n) * touched * blocks
 
 
+def w4a8_block_k(k: int, interpret: bool) -> int:
+    """W4A8's K tile: 128 (64 in the interpreter), or the largest power of two dividing K;
+    a multiple of 64 wherever 64 divides K (the rows' unit order)."""
+    return _pow2_dividing(k, 64 if interpret else 128)
+
+
 def w4a8_tile(valid_rows: float, k: int, *, gated: bool, interpret: bool) -> Tile:
     """W4A8's tile (the portable kernel's FP8 main loop). Its K tile is fixed by the shape
     (128, or the largest power of two dividing K; 64 in the interpreter), never by the
@@ -158,7 +170,7 @@ def w4a8_tile(valid_rows: float, k: int, *, gated: bool, interpret: bool) -> Til
     tile, so the bits of a token do not depend on the batch. FP8 dots take at least 16
     token rows. The token rows grow with the expected rows an expert: 16 up to 16 rows,
     64 up to 64, then 128."""
-    bk = _pow2_dividing(k, 64 if interpret else 128)
+    bk = w4a8_block_k(k, interpret)
     if interpret:
         return Tile(16, 32, bk, 4, 1)
     if valid_rows <= 16:

@@ -402,14 +402,22 @@ def _plan_w4a8(
             "gemm='gluon-prefill' cannot serve this call: it needs a Hopper GPU, K a multiple "
             "of 1024 and the outputs of 64 (FC1) and 128 (FC2)"
         )
+    long_k = min(h, i) >= hx.PREFILL_LONG_K
+    above = hx.W4A8_PREFILL_ABOVE_ROWS_LONG_K if long_k else hx.W4A8_PREFILL_ABOVE_ROWS
     prefill = routes > 0 and (
-        opt.gemm == "gluon-prefill"
-        or (opt.gemm is None and fits and valid > hx.W4A8_PREFILL_ABOVE_ROWS)
+        opt.gemm == "gluon-prefill" or (opt.gemm is None and fits and valid > above)
     )
     if prefill:
         t1 = t2 = hx.DENSE_TILE
     elif opt.fc1_tile is not None:
         t1, t2 = opt.fc1_tile, opt.fc2_tile
+        for name, tile, kk in (("fc1_tile", t1, h), ("fc2_tile", t2, i)):
+            want = hx.w4a8_block_k(kk, target.interpret)
+            if tile.block_k != want:
+                raise InapplicableOverride(
+                    f"{name}={tile} cannot serve W4A8 with K = {kk}: its K tile is {want} "
+                    "(the mode's accumulation order)"
+                )
     else:
         kw = dict(interpret=target.interpret)
         t1 = hx.w4a8_tile(valid, h, gated=True, **kw)
