@@ -31,7 +31,7 @@ memcheck)
     # and their reduce and decode launches, finalize, cast)
     for run in "gluon-split w4a4-static" "gluon-whole w4a4-token --fused" \
         "gluon-prefill w4a4-tensor" "triton w4a16 --fused" "triton-split w4a4-static" \
-        "triton-dense w4a4-token"; do
+        "triton-dense w4a4-token" "triton w4a8 --fused" "gluon-prefill w4a8"; do
         set -- $run
         echo "== memcheck $run" | tee -a "$OUT/memcheck.log"
         compute-sanitizer --tool memcheck --error-exitcode 9 \

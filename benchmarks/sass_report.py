@@ -49,6 +49,7 @@ def compile_gemm(plan, which: str):
     gated = which == "fc1"
     n, k = (plan.inter, plan.hidden) if gated else (plan.hidden, plan.inter)
     a_fp4 = plan.mode == "w4a4"
+    e4m3 = plan.mode == "w4a8"
     fused = g.epilogue == "atomic"
     if g.kernel in ("gluon-split", "gluon-whole"):
         return gluon_decode.compile_sm90(
@@ -57,13 +58,15 @@ def compile_gemm(plan, which: str):
             whole=g.kernel == "gluon-whole",
         )  # fmt: skip
     if g.kernel == "gluon-prefill":
-        return gluon_prefill.compile_sm90(n=n, k=k, gated=gated, fused=fused, a_fp4=a_fp4)
+        return gluon_prefill.compile_sm90(n=n, k=k, gated=gated, fused=fused, a_fp4=a_fp4,
+                                          a_e4m3=e4m3)  # fmt: skip
     t = g.tile
     return portable.compile_sm90(
         n=n, k=k, gated=gated, tile=(t.block_m, t.block_n, t.block_k, t.num_warps,
                                      t.num_stages), a_fp4=a_fp4,
         a_gather=gated and plan.fc1_input not in ("static",), fused=fused, split=g.split,
         dense=g.kernel == "triton-dense", out_fp4=g.epilogue == "nvfp4", pdl=plan.pdl,
+        a_fp8=e4m3,
     )  # fmt: skip
 
 
