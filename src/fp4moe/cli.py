@@ -1,6 +1,7 @@
 """The ``fp4moe`` command line: demo, prepare, inspect, plan, bench.
 
-Exit codes: 0 success, 1 cannot run here (no GPU, not implemented yet), 2 bad usage or input.
+Exit codes: 0 success, 1 cannot run here (no GPU, not enough memory, a missing file), 2 bad
+usage or input.
 """
 
 from __future__ import annotations
@@ -396,8 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend",
         choices=BACKENDS,
         default=None,
-        help="auto: triton on CUDA (the reference where a kernel is not there yet), "
-        "reference elsewhere (default auto)",
+        help="auto: triton on CUDA, reference elsewhere (default auto)",
     )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 
