@@ -19,7 +19,6 @@ from fp4moe.demo import (
     synthetic_layer,
     synthetic_tokens,
 )
-from fp4moe.ops import TRITON_KERNEL_MODES
 
 TINY = ["--hidden", "128", "--inter", "64", "--experts", "4", "--top-k", "2", "--tokens", "16"]
 
@@ -184,13 +183,18 @@ def test_bench_without_gpu_fails_with_a_message(capsys):
     assert "fp4moe bench needs a CUDA GPU" in capsys.readouterr().err
 
 
-@pytest.mark.skipif("w4a8" in TRITON_KERNEL_MODES, reason="the Triton backend runs W4A8")
-def test_plan_refuses_a_mode_without_triton_kernels(capsys):
-    """``fp4moe plan --modes w4a8`` says there is nothing to plan (exit 1), and never prints
-    a W4A16 plan under the name W4A8."""
-    assert main(["plan", "--num-tokens", "1", "--modes", "w4a16", "w4a8"]) == 1
+def test_plan_w4a8(capsys):
+    """``fp4moe plan --modes w4a8`` prints W4A8's own plan: e4m3 row inputs, the portable
+    kernel's FP8 loop at decode sizes and the Gluon prefill kernel at prefill sizes."""
+    argv = ["plan", "--preset", "deepseek-v3-ep8", "--num-tokens", "1", "8192", "--modes", "w4a8"]
+    assert main(argv) == 0
     out, err = capsys.readouterr()
-    assert "--modes: 'w4a8' has no Triton kernels to plan" in err and out == ""
+    rows = [line.split()[:6] for line in out.splitlines()[2:]]
+    assert rows == [
+        ["1", "w4a8", "deterministic", "0.031", "e4m3-row", "triton"],
+        ["8192", "w4a8", "deterministic", "256.0", "e4m3-gather", "gluon-prefill"],
+    ]
+    assert err == ""
 
 
 def _weights(e=3, h=64, i=32, seed=0):

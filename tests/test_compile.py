@@ -13,7 +13,7 @@ import torch
 
 import fp4moe
 from fp4moe.moe import EAGER_OPTIONS, OP_OPTIONS
-from fp4moe.ops import TRITON_KERNEL_MODES, expert_tensors
+from fp4moe.ops import expert_tensors
 from testing import random_moe_weights, random_routes, random_x
 
 E, H, I, K = 8, 64, 32, 2  # noqa: E741 (the contract's names)
@@ -162,16 +162,8 @@ def test_inductor_keeps_the_op_bitwise():
 # ------------------------------------------------------------------------------ GPU
 
 
-_NO_W4A8 = pytest.mark.xfail(
-    "w4a8" not in TRITON_KERNEL_MODES, raises=NotImplementedError, strict=True,
-    reason="the Triton backend has no w4a8 kernels",
-)  # fmt: skip
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "mode", ["w4a16", "w4a4-token", "w4a4-static", pytest.param("w4a8", marks=_NO_W4A8)]
-)
+@pytest.mark.parametrize("mode", ["w4a16", "w4a8", "w4a4-token", "w4a4-static"])
 def test_cuda_graphs_reduce_overhead_bitwise(mode):
     """Triton backend inside torch.compile(mode="reduce-overhead") (CUDA graphs): replays
     give the eager bits, for two token counts and a phase change."""

@@ -30,9 +30,6 @@ from testing import random_moe_weights, random_x, rel_err
 
 H, I, E_TOTAL, K = 64, 32, 8, 2  # noqa: E741 (the contract's name)
 MODES = ("w4a16", "w4a8", "w4a4-token", "w4a4-static", "w4a4-tensor")
-# The modes the Triton backend has kernels for (the interpreter case, and every case on a
-# GPU, where "auto" is the Triton backend); W4A8 runs on the reference backend only.
-TRITON_MODES = ("w4a16", "w4a4-token", "w4a4-static", "w4a4-tensor")
 TOKENS = {1: [13], 2: [13, 5], 4: [9, 0, 17, 4]}  # uneven loads; T = 0 on one rank at world 4
 JOIN_TIMEOUT_S = 150
 _DEVICE = ["cpu"]  # the worker's device: "cpu" (gloo) or "cuda:<rank>" (nccl)
@@ -40,11 +37,6 @@ _DEVICE = ["cpu"]  # the worker's device: "cpu" (gloo) or "cuda:<rank>" (nccl)
 
 def _dev() -> str:
     return _DEVICE[0]
-
-
-def _modes(modes: tuple[str, ...] = MODES) -> tuple[str, ...]:
-    """``modes`` that the worker's backend runs ("auto": Triton on a GPU)."""
-    return modes if _dev() == "cpu" else tuple(m for m in modes if m in TRITON_MODES)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -138,7 +130,7 @@ def _case_router_modes(rank, world, res, full):
     """Global router, uneven loads, every mode: bitwise as the single-process layer."""
     ts = TOKENS[world]
     xs = [_x(r, ts[r]) for r in range(world)]
-    for mode in _modes():
+    for mode in MODES:
         ep = _ep(rank, world, mode, full)
         out = ep(xs[rank], phase="prefill")
         res.setdefault("bytes", {})[mode] = ep.last_comm_bytes
@@ -169,7 +161,7 @@ def _case_skewed(rank, world, res, full):
     ts = [6, 3, 0, 5][:world] if world == 4 else [6, 0]
     xs = [_x(r, ts[r], salt=2) for r in range(world)]
     rts = [_skewed_routes(r, world, ts[r], 0, seed=50) for r in range(world)]
-    for mode in _modes():
+    for mode in MODES:
         ep = _ep(rank, world, mode, full)
         out = ep(xs[rank], phase="decode", routes=rts[rank])
         single = _single(mode, full)
@@ -192,7 +184,7 @@ def _case_all_remote(rank, world, res, full):
     ts = TOKENS[world]
     xs = [_x(r, ts[r], salt=3) for r in range(world)]
     rts = [_skewed_routes(r, world, ts[r], (r + 1) % world, seed=60) for r in range(world)]
-    for mode in _modes(("w4a16", "w4a8", "w4a4-token", "w4a4-static")):
+    for mode in ("w4a16", "w4a8", "w4a4-token", "w4a4-static"):
         ep = _ep(rank, world, mode, full)
         out = ep(xs[rank], phase="prefill", routes=rts[rank])
         ref = _single(mode, full)(xs[rank], phase="prefill", routes=rts[rank])
@@ -204,7 +196,7 @@ def _case_fixed_capacity(rank, world, res, full):
     """max_tokens: fixed buffers, same bits as the variable path; bytes by capacity."""
     ts = TOKENS[world]
     xs = [_x(r, ts[r], salt=4) for r in range(world)]
-    for mode in _modes():
+    for mode in MODES:
         var = _ep(rank, world, mode, full)
         fix = _ep(rank, world, mode, full, max_tokens=20)
         a = var(xs[rank], phase="decode")
@@ -248,7 +240,7 @@ def _case_split_steps(rank, world, res, full):
     """dispatch, compute_experts, combine one by one: the bits and bytes of forward."""
     ts = TOKENS[world]
     x = _x(rank, ts[rank], salt=13)
-    for mode in _modes():
+    for mode in MODES:
         for max_tokens in (None, 20):
             ep = _ep(rank, world, mode, full, max_tokens=max_tokens)
             ref = ep(x, phase="prefill")
@@ -267,7 +259,7 @@ def _case_triton_interpreter(rank, world, res, full):
         return
     ts = [4, 3]
     xs = [_x(r, ts[r], salt=7) for r in range(world)]
-    for mode in TRITON_MODES:
+    for mode in MODES:
         ep = _ep(rank, world, mode, full, backend="triton")
         out = ep(xs[rank], phase="prefill")
         single = _single(mode, full, backend="triton")
@@ -278,9 +270,9 @@ def _case_triton_interpreter(rank, world, res, full):
         )  # fmt: skip
         lo = sum(ts[:rank])
         _bitwise(out, ref[lo : lo + ts[rank]], f"triton {mode}")
-        if mode == "w4a4-static":
+        if mode in ("w4a8", "w4a4-static"):  # padding rows among the received ones
             fixed = _ep(rank, world, mode, full, backend="triton", max_tokens=5)
-            _bitwise(fixed(xs[rank], phase="prefill"), out, "triton fixed capacity")
+            _bitwise(fixed(xs[rank], phase="prefill"), out, f"triton {mode} fixed capacity")
 
 
 def _expect_error(fn, exc_type, *patterns):

@@ -8,11 +8,11 @@ import torch
 
 import fp4moe
 from fp4moe import PhaseConfig, PhasePolicy
+from fp4moe.backend.launch import moe_triton
 from fp4moe.modes import ACT_SCALES, MODE_NAMES, mode_name, resolve_mode
-from fp4moe.ops import TRITON_KERNEL_MODES
 from fp4moe.presets import MODES as TOOL_MODES
 from fp4moe.reference import moe_reference
-from testing import random_moe_weights, random_routes, random_x
+from testing import assert_close_moe, random_moe_weights, random_routes, random_x
 
 OLD_SPELLINGS = {
     ("w4a4", None): "w4a4-token",
@@ -110,20 +110,18 @@ def test_w4a8_is_its_own_mode(case):
     assert torch.equal(fp4moe.moe(x[:2], ids[:2], w[:2], ex, mode="w4a8")[1], out[1])  # rows
 
 
-@pytest.mark.skipif("w4a8" in TRITON_KERNEL_MODES, reason="the Triton backend runs W4A8")
-def test_triton_without_w4a8_kernels_refuses_it(case):
-    """Where the Triton backend has no W4A8 kernels every way into it refuses W4A8 by name
-    (never a W4A16 run or plan under the name W4A8)."""
+def test_every_way_into_triton_runs_w4a8(case, interpret):
+    """moe(backend="triton"), the custom op, MoERunner and plan run W4A8 as W4A8: the
+    Triton backend's bits (interpreter on the CPU), within the W4A16 tolerance of the
+    reference (numerics section 5a)."""
     x, ids, w, ex = case
-    msg = "'w4a8' has no Triton kernels"
-    with pytest.raises(NotImplementedError, match=msg):
-        fp4moe.moe(x, ids, w, ex, mode="w4a8", backend="triton")
-    with pytest.raises(NotImplementedError, match=msg):
-        fp4moe.moe(x[:0], ids[:0], w[:0], ex, mode="w4a8", backend="triton")
-    with pytest.raises(NotImplementedError, match=msg):
-        fp4moe.plan(ex, 16, 2, mode="w4a8")
-    with pytest.raises(NotImplementedError, match=msg):
-        fp4moe.MoERunner(ex, max_tokens=8, top_k=2, mode="w4a8")
+    out = fp4moe.moe(x, ids, w, ex, mode="w4a8", backend="triton")
+    assert_close_moe(out, moe_reference(x, ids, w, ex, mode="w4a8"), "w4a8", what="w4a8")
+    assert torch.equal(out, moe_triton(x, ids, w, ex, mode="w4a8"))
+    assert fp4moe.moe(x[:0], ids[:0], w[:0], ex, mode="w4a8", backend="triton").shape == (0, 64)
     args = (x, ids, w, *fp4moe.ops.expert_tensors(ex), "w4a8", "per_token", False, "triton")
-    with pytest.raises(NotImplementedError, match=msg):  # the custom op called directly
-        torch.ops.fp4moe.moe(*args, True, None, None)
+    assert torch.equal(torch.ops.fp4moe.moe(*args, True, None, None), out)  # the op directly
+    runner = fp4moe.MoERunner(ex, max_tokens=8, top_k=2, mode="w4a8")
+    assert torch.equal(runner(x, ids, w), out)
+    plan = fp4moe.plan(ex, 16, 2, mode="w4a8")
+    assert (plan.mode, plan.fc2_input) == ("w4a8", "e4m3-row")

@@ -7,15 +7,11 @@ import torch
 
 import fp4moe
 from fp4moe.backend.launch import moe_triton
-from fp4moe.ops import TRITON_KERNEL_MODES
-from test_kernels import MODES, _experts, _gpu_routes, _routes, _x
-from testing import kernel_modes
-
-RUNNER_MODES = kernel_modes(MODES)  # with W4A8, a strict xfail until its kernels are there
+from test_kernels import MODES, _experts, _gpu_routes, _mode_id, _routes, _x
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("mode", RUNNER_MODES)
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
 def test_runner_matches_eager_interpreter(interpret, device, mode):
     if device != "cpu":
         pytest.skip("interpreter case; the GPU case replays graphs")
@@ -40,9 +36,6 @@ def test_runner_bad_arguments():
         fp4moe.MoERunner(experts, max_tokens=4, top_k=1, mode="w8a8")
     with pytest.raises(ValueError, match="act_scale"):
         fp4moe.MoERunner(experts, max_tokens=4, top_k=1, mode="w4a8", act_scale="static")
-    if "w4a8" not in TRITON_KERNEL_MODES:  # refused when built, never run as W4A16
-        with pytest.raises(NotImplementedError, match="'w4a8' has no Triton kernels"):
-            fp4moe.MoERunner(experts, max_tokens=4, top_k=1, mode="w4a8")
     with pytest.raises(TypeError, match="experts"):
         fp4moe.MoERunner(None, max_tokens=4, top_k=1)
     r = fp4moe.MoERunner(experts, max_tokens=4, top_k=2)
@@ -62,7 +55,7 @@ def test_modes_share_one_prepared_copy():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", RUNNER_MODES)
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
 @pytest.mark.parametrize("fused", [False, True], ids=["deterministic", "fused"])
 def test_runner_graph_replay_gpu(mode, fused):
     m, sc = mode

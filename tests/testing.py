@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
 from fp4moe.modes import TOLERANCE
-from fp4moe.ops import TRITON_KERNEL_MODES
 
 __all__ = [
     "TOL",
     "assert_close_moe",
-    "kernel_modes",
     "nan_empty",
     "poison_like",
     "random_moe_weights",
@@ -74,30 +71,6 @@ def assert_close_moe(out: torch.Tensor, ref: torch.Tensor, mode: str, *, what: s
             f"(out {o[worst].item():.6g}, ref {r[worst].item():.6g}); "
             f"||ref|| = {torch.linalg.vector_norm(r).item():.4g}"
         )
-
-
-def kernel_modes(modes) -> list:
-    """``pytest.param``s of the (kernel family, activation scale) pairs ``modes`` for a test
-    that runs the Triton backend, plus W4A8 where ``modes`` lacks it. A family the backend
-    has no kernels for (``fp4moe.ops.TRITON_KERNEL_MODES``) is marked as a strict xfail
-    raising ``NotImplementedError``: the test runs, and it passes only by the backend's
-    refusal; once the kernels are there the mark goes and the test checks them."""
-    pairs = list(modes)
-    if ("w4a8", "per_token") not in pairs:
-        pairs.append(("w4a8", "per_token"))
-    out = []
-    for m, sc in pairs:
-        marks = []
-        if m not in TRITON_KERNEL_MODES:
-            marks.append(
-                pytest.mark.xfail(
-                    raises=NotImplementedError, strict=True,
-                    reason=f"the Triton backend has no {m} kernels",
-                )
-            )  # fmt: skip
-        name = f"{m}-{sc}" if m == "w4a4" else m
-        out.append(pytest.param((m, sc), marks=marks, id=name))
-    return out
 
 
 def nan_empty(

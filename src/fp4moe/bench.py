@@ -385,12 +385,9 @@ def run(args: argparse.Namespace) -> dict:
     import fp4moe
     from fp4moe.backend import Options, plan_call, target_for
     from fp4moe.backend.launch import moe_triton
-    from fp4moe.ops import check_triton_mode
     from fp4moe.reference import moe_reference
 
     p = resolve_preset(args)
-    for mode in args.modes:  # before anything is measured
-        check_triton_mode(*MODES[mode])
     finals = {"both": [True, False], "fused": [True], "unfused": [False]}[
         args.finalize or ("unfused" if args.no_fused_finalize else "both")
     ]

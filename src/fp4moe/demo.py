@@ -188,7 +188,6 @@ def calibrate_static_scales(
 class DemoResult:
     config: DemoConfig
     rows: list[dict] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
     experts: PreparedExperts | None = None
     prepared_bytes: int = 0
     bf16_bytes: int = 0
@@ -200,7 +199,6 @@ class DemoResult:
         return {
             "config": self.config.__dict__,
             "rows": self.rows,
-            "notes": self.notes,
             "prepared_bytes": self.prepared_bytes,
             "bf16_bytes": self.bf16_bytes,
             "experts_touched": self.experts_touched,
@@ -230,13 +228,6 @@ def _rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _tensor_ids(experts: PreparedExperts) -> dict[str, tuple[int, int]]:
     return {k: (id(v), v.data_ptr()) for k, v in experts.tensors().items()}
-
-
-def _kernels_missing(exc: BaseException) -> bool:
-    """The triton backend is not there yet for this case (kernels are work in progress)."""
-    if isinstance(exc, NotImplementedError):
-        return True
-    return isinstance(exc, ModuleNotFoundError) and (exc.name or "").startswith("fp4moe.kernels")
 
 
 def run_demo(cfg: DemoConfig) -> DemoResult:
@@ -286,14 +277,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         def call(backend: str = backend, mode: str = mode):
             return moe(x, topk_ids, topk_weights, experts, mode=mode, backend=backend)
 
-        try:
-            out = call()
-        except Exception as exc:
-            if cfg.backend != "auto" or backend != "triton" or not _kernels_missing(exc):
-                raise
-            res.notes.append(f"{mode}: triton backend not available ({exc}); used the reference")
-            backend = "reference"
-            out = call(backend=backend)
+        out = call()
         ms = _median_ms(lambda b=backend: call(backend=b), cfg.repeats, device)
         res.rows.append(
             {
@@ -369,6 +353,5 @@ def render_demo(res: DemoResult) -> str:
         "w4a4-tensor takes one activation scale over the whole batch: a token's output "
         "depends on the other tokens (numerics section 7).",
     ]
-    lines += [f"note: {n}" for n in res.notes]
     lines.append(f"done in {res.seconds:.1f} s")
     return "\n".join(lines)

@@ -32,7 +32,6 @@ from torch import nn
 
 from .integrations.hf_blocks import find_blocks
 from .integrations.hf_load import dequantized_model, load_model, load_model_config
-from .ops import check_triton_mode
 from .phases import PHASES, MoELayer, PhasePolicy
 
 __all__ = [
@@ -334,9 +333,6 @@ def run_model_demo(cfg: ModelDemoConfig) -> ModelDemoResult:
     device = torch.device(cfg.device)
     res = ModelDemoResult(config=cfg)
     policy = cfg.policy()
-    if policy.backend == "triton" or (policy.backend == "auto" and device.type == "cuda"):
-        for phase in (policy.prefill, policy.decode):  # refused before anything is built
-            check_triton_mode(phase.mode, phase.act_scale)
 
     if cfg.checkpoint is not None:
         config = load_model_config(cfg.checkpoint)

@@ -199,11 +199,13 @@ def _route_rows_triton(rows, row_expert, experts, mode, act_scale, amax_reduce):
     the plan of dispatched rows (``plan_call(dispatched=True)``).
 
     Every received row is a one-route token; FC1 gathers it (bf16, or pre-quantized NVFP4
-    codes, scales and per-row global). W4A8 rows (e4m3 values, one fp32 scale a row) are
-    put in the sort's order first and FC1 reads them without a gather. Rows come back in
-    the order they came in."""
+    codes, scales and per-row global). W4A8 rows (e4m3 values in natural order, one fp32
+    scale a row) are put in the sort's order and in the FP8 GEMMs' unit order
+    (``kernels.quantize_e4m3.unit_order``) first, and FC1 reads them without a gather.
+    Rows come back in the order they came in."""
     from .backend import Options
     from .backend.launch import expert_gemms, plan_for, zero_buffer
+    from .kernels.quantize_e4m3 import unit_order
     from .kernels.sort import sort_routes
 
     w4a4, w4a8 = mode == "w4a4", mode == "w4a8"
@@ -225,7 +227,8 @@ def _route_rows_triton(rows, row_expert, experts, mode, act_scale, amax_reduce):
     if w4a8:
         order = sort.sorted_routes.long()
         y = expert_gemms(
-            plan, sort, rows.values[order].contiguous(), None, rows.scales[order].contiguous(),
+            plan, sort, unit_order(rows.values[order]).contiguous(),
+            None, rows.scales[order].contiguous(),
             experts, a_gather=False, route_weights=ones, slots=slots,
         )  # fmt: skip
         return y[sort.route_pos.long()]

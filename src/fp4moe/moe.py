@@ -11,7 +11,7 @@ from .backend.options import Options
 from .backend.plan import Plan
 from .experts import PreparedExperts
 from .modes import ACT_SCALES, KERNEL_MODES, MODE_NAMES, resolve_mode
-from .ops import check_triton_mode, expert_tensors, run_moe
+from .ops import expert_tensors, run_moe
 from .routing import check_expert_ids
 
 __all__ = [
@@ -133,9 +133,7 @@ def moe(
         fused_finalize: add the weighted expert outputs with atomics in the last GEMM
             (fastest, not bitwise reproducible) instead of the deterministic finalize.
         backend: "reference" (plain PyTorch, any device), "triton" (CUDA kernels) or "auto"
-            (triton on a CUDA device, the reference elsewhere). A mode the Triton backend
-            has no kernels for (``fp4moe.ops.TRITON_KERNEL_MODES``) raises
-            ``NotImplementedError`` there, never runs as another mode.
+            (triton on a CUDA device, the reference elsewhere).
         validate_ids: also check ids < E where that costs a host sync (CUDA tensors). On
             CPU the ids are always checked.
         options: ``fp4moe.Options`` for the triton backend (PDL, under expert parallelism
@@ -160,8 +158,6 @@ def moe(
     )  # fmt: skip
     if backend == "auto":
         backend = "triton" if on_cuda else "reference"
-    if backend == "triton":
-        check_triton_mode(kernel_mode, scale)
     eager_only = []
     if options is not None:
         eager_only = [n for n in EAGER_OPTIONS if getattr(options, n) not in (None, False)]
@@ -214,10 +210,6 @@ def plan(
     Returns:
         the frozen ``fp4moe.Plan`` (per GEMM: kernel family, tile, K split; the sort,
         quantize and finalize choices).
-
-    Raises:
-        NotImplementedError: the Triton backend has no kernels for ``mode``
-            (``fp4moe.ops.TRITON_KERNEL_MODES``).
     """
     from .backend import H200, plan_call, target_for
 
@@ -229,7 +221,6 @@ def plan(
     mode, act_scale = resolve_mode(mode, act_scale)
     if options is not None and not isinstance(options, Options):
         raise TypeError(f"options: expected fp4moe.Options or None, got {type(options).__name__}")
-    check_triton_mode(mode, act_scale)
     target = target_for(experts.device) if experts.device.type == "cuda" else H200
     return plan_call(
         num_tokens, top_k, experts.num_experts, experts.hidden_size,

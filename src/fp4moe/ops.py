@@ -11,8 +11,7 @@ check_ids, pdl?, valid_fraction?) -> Tensor``
 - The expert tensors go in one by one (``PreparedExperts`` is rebuilt inside, unchecked).
 - ``mode`` / ``act_scale`` are the kernel family ("w4a16", "w4a8", "w4a4") and the W4A4
   activation scale ("per_token", "static", "per_tensor"); ``backend`` "reference" or
-  "triton" (the Triton backend runs the families of ``TRITON_KERNEL_MODES``; another is
-  refused with ``NotImplementedError``, never run as a different mode).
+  "triton".
 - Of ``fp4moe.Options`` only ``pdl`` and ``valid_fraction`` are passed through; pinned tiles,
   a pinned kernel family and NaN poisoning are for tests and benchmarks: ``fp4moe.moe``
   runs a call with them eagerly, outside the op, and refuses them while compiling.
@@ -27,27 +26,9 @@ import torch
 
 from .backend.options import Options
 from .experts import PreparedExperts
-from .modes import mode_name
 from .routing import check_expert_ids
 
-__all__ = ["EXPERT_FIELDS", "TRITON_KERNEL_MODES", "check_triton_mode", "expert_tensors", "run_moe"]
-
-# The kernel families the Triton backend (``fp4moe.backend``) has kernels for. The others
-# of ``fp4moe.modes.KERNEL_MODES`` ("w4a8") run on the reference backend only.
-TRITON_KERNEL_MODES: tuple[str, ...] = ("w4a16", "w4a4")
-
-
-def check_triton_mode(mode: str, act_scale: str = "per_token") -> None:
-    """Raise ``NotImplementedError`` naming ``mode`` when the Triton backend has no kernels
-    for the kernel family ``mode`` (``TRITON_KERNEL_MODES``), so that no caller of the
-    backend (``moe``, ``MoERunner``, ``plan``, the bench) runs or plans it as another mode."""
-    if mode not in TRITON_KERNEL_MODES:
-        name = mode_name(mode, act_scale)
-        raise NotImplementedError(
-            f"mode: {name!r} has no Triton kernels (the Triton backend runs "
-            f"{TRITON_KERNEL_MODES}); run it with backend='reference'"
-        )
-
+__all__ = ["EXPERT_FIELDS", "expert_tensors", "run_moe"]
 
 # The order in which the op takes a PreparedExperts' tensors.
 EXPERT_FIELDS = (
@@ -87,8 +68,6 @@ def run_moe(
     """One MoE call on validated inputs (the body of the op): bf16 [T, H]."""
     if check_ids:
         check_expert_ids(topk_ids, experts.num_experts)
-    if backend != "reference":
-        check_triton_mode(mode, act_scale)
     if x.shape[0] == 0:
         return torch.empty(0, x.shape[1], dtype=torch.bfloat16, device=x.device)
     if backend == "reference":

@@ -22,7 +22,7 @@ from .backend.options import Options
 from .experts import PreparedExperts
 from .modes import MODE_NAMES, mode_name, resolve_mode
 from .moe import BACKENDS, moe
-from .ops import EXPERT_FIELDS, TRITON_KERNEL_MODES
+from .ops import EXPERT_FIELDS
 from .routing import ROUTING_METHODS, local_expert_ids, route
 
 __all__ = [
@@ -457,8 +457,7 @@ class MoELayer(nn.Module):
         router, what a bf16 copy of the experts would cost, and the transient workspace of
         one call (Triton backend) for the decode phase at ``decode_max_tokens`` tokens and
         for the prefill phase at ``num_tokens`` (default 4096) tokens (the plans of the
-        experts' CUDA device; an H200's where they are elsewhere; 0 for a phase whose mode
-        the Triton backend has no kernels for, ``fp4moe.ops.TRITON_KERNEL_MODES``)."""
+        experts' CUDA device; an H200's where they are elsewhere)."""
         from .backend import H200, plan_call, target_for, workspace_bytes
 
         ex = self.experts
@@ -471,8 +470,6 @@ class MoELayer(nn.Module):
         target = target_for(ex.device) if ex.device.type == "cuda" else H200
 
         def ws(t: int, cfg: PhaseConfig) -> int:
-            if cfg.mode not in TRITON_KERNEL_MODES:
-                return 0
             plan = plan_call(
                 t, self.router.top_k, e, h, i, mode=cfg.mode, act_scale=cfg.act_scale,
                 fused_finalize=cfg.fused_finalize, options=self.triton_options, target=target,

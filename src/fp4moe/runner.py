@@ -7,7 +7,6 @@ import torch
 from .experts import PreparedExperts
 from .modes import resolve_mode
 from .moe import validate_moe_inputs
-from .ops import check_triton_mode
 
 __all__ = ["MoERunner"]
 
@@ -21,10 +20,9 @@ class MoERunner:
     bucket's graph and returns a view of the bucket's static output. The graphs and their
     workspaces come from one memory pool, captured on first use of each bucket, so a
     replay allocates nothing. ``mode`` is a name of ``fp4moe.modes`` (``"w4a16"``,
-    ``"w4a8"``, ``"w4a4-token"``, ...); one the Triton backend has no kernels for
-    (``fp4moe.ops.TRITON_KERNEL_MODES``) raises ``NotImplementedError``. Calls above
-    ``max_tokens`` fall back to an eager ``fp4moe.moe`` call. Without CUDA (tests on the
-    interpreter) the same buffers are used with eager kernel launches.
+    ``"w4a8"``, ``"w4a4-token"``, ...). Calls above ``max_tokens`` fall back to an eager
+    ``fp4moe.moe`` call. Without CUDA (tests on the interpreter) the same buffers are used
+    with eager kernel launches.
 
     The returned tensor is overwritten by the next call of the same bucket: clone it to keep it.
     """
@@ -47,7 +45,6 @@ class MoERunner:
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"top_k: expected a positive int, got {top_k!r}")
         mode, act_scale = resolve_mode(mode, act_scale)  # names of fp4moe.modes
-        check_triton_mode(mode, act_scale)
         self.experts = experts
         self.max_tokens = max_tokens
         self.top_k = top_k
