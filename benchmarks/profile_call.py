@@ -23,6 +23,7 @@ import torch
 from fp4moe import Options, explain, moe
 from fp4moe.backend import KERNELS
 from fp4moe.bench import make_routes, random_experts
+from fp4moe.modes import TOLERANCE
 from fp4moe.presets import MODES, PRESETS
 from fp4moe.reference import moe_reference
 
@@ -67,7 +68,7 @@ torch.cuda.synchronize()
 if a.check:
     ref = moe_reference(x, ids, w, ex, mode=m, act_scale=sc).float()
     err = float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
-    tol = 2e-3 if m == "w4a16" else 1e-2
+    tol = TOLERANCE[m]
     print(f"rel err {err:.2e} (tolerance {tol}), NaN {bool(out.isnan().any())}")
     if not err <= tol or out.isnan().any():
         raise SystemExit(1)

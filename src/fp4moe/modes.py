@@ -43,8 +43,9 @@ KERNEL_MODES: tuple[str, ...] = ("w4a16", "w4a8", "w4a4")
 ACT_SCALES: tuple[str, ...] = ("per_token", "static", "per_tensor")
 # A kernel's ||out - ref|| / ||ref|| against the reference, by kernel family (docs/numerics.md
 # section 8): where the FC2 input is quantized to a few mantissa bits (e2m1, e4m3), a
-# last-bit difference in FC1's output moves a whole quantization step.
-TOLERANCE: dict[str, float] = {"w4a16": 2e-3, "w4a8": 1e-2, "w4a4": 1e-2}
+# last-bit difference in FC1's output moves a whole quantization step; W4A8's FP8 tensor
+# cores also accumulate with fewer bits than fp32.
+TOLERANCE: dict[str, float] = {"w4a16": 2e-3, "w4a8": 2e-2, "w4a4": 1e-2}
 
 _BY_NAME: dict[str, tuple[str, str]] = {
     "w4a16": ("w4a16", "per_token"),

@@ -509,8 +509,8 @@ def workspace_bytes(plan: Plan) -> int:
     fc1_fp4 = p.fc1.epilogue == "nvfp4"
     act = n * nvfp4_row(i) if fc1_fp4 else n * i * 2  # FC1's output
     b_in = 0
-    if p.mode == "w4a8":
-        common += (n if p.fc1_input == "dispatched" else t) * (h + 4)
+    if p.mode == "w4a8":  # e4m3 rows and a scale a row: FC1's by token or by route
+        common += (n if p.fc1_input in ("dispatched", "e4m3-gather") else t) * (h + 4)
         b_in = n * (i + 4)
     if w4a4:
         rows = n if p.fc1_input in ("static", "dispatched") else t
@@ -528,8 +528,8 @@ def workspace_bytes(plan: Plan) -> int:
         call = tmp = 0
         if g.kernel == "triton-dense":
             tmp = e * (2 * n_out if g is p.fc1 else n_out) * kk * 2 + rows * kk * 2
-        elif g.kernel == "gluon-prefill":
-            tmp = n * kk * 2  # the rows gathered into sorted unit order
+        elif g.kernel == "gluon-prefill" and p.mode != "w4a8":
+            tmp = n * kk * 2  # the rows gathered into sorted unit order (W4A8: its input)
         if g.split:
             tmp += g.segments * n * (2 * n_out if g is p.fc1 else n_out) * 4  # partials
         if g.operand == "decoded":
