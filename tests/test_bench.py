@@ -65,6 +65,10 @@ def test_outputs_table_json_csv(tmp_path):
     assert rows[0]["mode"] == "w4a16"
     table = bench.format_table(doc)  # a run without the FP8 rate (older JSON) still prints
     assert "4.20 TB/s" in table and "w4a16" in table and "fp8" not in table
+    assert "bound" in table.splitlines()[1]  # a column the older row lacks prints "-"
+    row.update(weight_bytes=2.7e8, flops=2.2e12, roofline_us=2900.0, bound="compute")
+    table = bench.format_table(doc)
+    assert table.splitlines()[2].split()[9] == "compute"
     doc["ceilings"]["fp8_matmul_flops"] = 1.5e15
     doc["rows"].append({**row, "mode": "w4a8", "compute_roof": "fp8"})
     table = bench.format_table(doc)
@@ -86,6 +90,9 @@ def test_w4a8_roofline_takes_the_fp8_rate():
     assert bench.roofline_us("w4a8", 5000.0, flops, ceil) == 5000.0  # bytes-bound
     with pytest.raises(KeyError):  # never the bf16 rate standing in for an unmeasured FP8 one
         bench.roofline_us("w4a8", 10.0, flops, {"bf16_matmul_flops": 1e15})
+    assert bench.bound("w4a16", 10.0, flops, ceil) == "compute"
+    assert bench.bound("w4a8", 5000.0, flops, ceil) == "bytes"
+    assert bench.bound("w4a16", 5000.0, flops, ceil) == "bytes"  # 5000 us of bytes, 4000 of FLOPs
 
 
 def test_bench_takes_w4a8():

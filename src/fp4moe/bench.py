@@ -2,13 +2,14 @@
 
 Per token count and mode: median microseconds over CUDA-graph replays, TFLOP/s, GB/s of
 expert weights, fraction of the byte floor (touched NVFP4 expert bytes over this card's
-copy bandwidth, measured in the same run), fraction of the roofline (the larger of the
-byte floor and the FLOPs over this card's matmul rate, measured in the same run: the FP8
-rate for W4A8 rows, which multiply on the FP8 tensor cores, the bf16 rate for the others),
-speed-up over a bf16 ``torch._grouped_mm`` MoE and over the naive NVFP4 path (dequantize
-every expert, then the same grouped GEMMs), and the unfused/fused ratio. Output: a table,
-and JSON, CSV and (with matplotlib) a PNG plot. Each timed configuration is checked
-against the reference once before it is timed.
+copy bandwidth, measured in the same run), fraction of the roofline and which bound sets
+it (the larger of the byte floor and the FLOPs over this card's matmul rate, measured in
+the same run: the FP8 rate for W4A8 rows, which multiply on the FP8 tensor cores, the bf16
+rate for the others; the rows keep the bytes and the FLOPs), speed-up over a bf16
+``torch._grouped_mm`` MoE and over the naive NVFP4 path (dequantize every expert, then the
+same grouped GEMMs), and the unfused/fused ratio. Output: a table, and JSON, CSV and (with
+matplotlib) a PNG plot with the byte floor and the roofline. Each timed configuration is
+checked against the reference once before it is timed.
 """
 
 from __future__ import annotations
@@ -29,7 +30,16 @@ import torch
 from .modes import TOLERANCE
 from .presets import MODES, PRESETS, Preset
 
-__all__ = ["PRESETS", "Preset", "add_arguments", "compute_roof", "roofline_us", "run"]
+__all__ = [
+    "PRESETS",
+    "Preset",
+    "add_arguments",
+    "bound",
+    "compute_roof",
+    "compute_us",
+    "roofline_us",
+    "run",
+]
 
 
 DEFAULT_TOKENS = [2**i for i in range(15)]  # 1 .. 16384
@@ -249,8 +259,18 @@ def roofline_us(mode: str, floor_us: float, flops: float, ceilings: dict) -> flo
     """The roofline of one call of mode name ``mode``: the larger of the byte floor
     ``floor_us`` and ``flops`` at the card's matmul rate of ``compute_roof(mode)``
     (``ceilings`` as ``card_ceilings`` gives them), in microseconds."""
-    rate = ceilings[f"{compute_roof(mode)}_matmul_flops"]
-    return max(floor_us, flops / rate * 1e6)
+    return max(floor_us, compute_us(mode, flops, ceilings))
+
+
+def compute_us(mode: str, flops: float, ceilings: dict) -> float:
+    """``flops`` at the card's matmul rate of ``compute_roof(mode)``, in microseconds."""
+    return flops / ceilings[f"{compute_roof(mode)}_matmul_flops"] * 1e6
+
+
+def bound(mode: str, floor_us: float, flops: float, ceilings: dict) -> str:
+    """Which floor sets a call's roofline: "bytes" (the touched weights at the copy rate)
+    or "compute" (the FLOPs at the mode's matmul rate)."""
+    return "bytes" if floor_us >= compute_us(mode, flops, ceilings) else "compute"
 
 
 # ----------------------------------------------------------------------------- baselines
@@ -509,6 +529,10 @@ def run(args: argparse.Namespace) -> dict:
                         "us": us,
                         "tflops": flops / (us * 1e-6) / 1e12,
                         "weight_GBps": touched * per_expert / (us * 1e-6) / 1e9,
+                        "weight_bytes": touched * per_expert,
+                        "flops": flops,
+                        "roofline_us": roof_us if touched else None,
+                        "bound": bound(mode, floor_us, flops, ceil) if touched else None,
                         "floor_fraction": floor_us / us if touched else None,
                         "roofline_fraction": roof_us / us if touched else None,
                         "compute_roof": compute_roof(mode),
@@ -557,6 +581,7 @@ def format_table(doc: dict) -> str:
         "tflops",
         "weight_GBps",
         "roofline_fraction",
+        "bound",
         "vs_bf16",
         "vs_naive_nvfp4",
         "unfused_over_fused",
@@ -565,12 +590,13 @@ def format_table(doc: dict) -> str:
 
 
 def table_rows(rows: list[dict], cols: list[str], width: int) -> list[str]:
-    """The header line and one line a row: floats with 2 decimals, None as "-"."""
+    """The header line and one line a row: floats with 2 decimals, None (or a column an
+    older JSON lacks) as "-"."""
     lines = ["  ".join(f"{k:>{width}s}" for k in cols)]
     for r in rows:
         cells = []
         for k in cols:
-            v = r[k]
+            v = r.get(k)
             if v is None:
                 cells.append(f"{'-':>{width}s}")
             elif isinstance(v, float):
@@ -622,6 +648,16 @@ def write_outputs(doc: dict, out: str, plot: bool = True) -> None:
     )
     if floor:
         ax.plot([p[0] for p in floor], [p[1] for p in floor], "k--", label="byte floor")
+    roofs: dict[str, set] = {}
+    for r in doc["rows"]:
+        if r.get("roofline_us"):
+            roofs.setdefault(r.get("compute_roof", "bf16"), set()).add(
+                (r["tokens"], r["roofline_us"])
+            )
+    for name, pts in sorted(roofs.items()):
+        pts = sorted(pts)
+        style = "k:" if name == "bf16" else "k-."
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"roofline ({name})")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("tokens")
