@@ -28,6 +28,7 @@ __all__ = [
     "encode_e2m1_fast",
     "quantize_rows",
     "quantize_rows_kernel",
+    "row_amax",
 ]
 
 # Launch shapes (the same bits at any of them). Up to QUANTIZE_SPLIT_ROWS rows, one
@@ -92,7 +93,7 @@ def _row_count(n_rows_ptr, n_rows, COUNT_FROM_PTR: tl.constexpr):
 
 
 @triton.jit
-def _row_amax(row, C: tl.constexpr, BLOCK_C: tl.constexpr):
+def row_amax(row, C: tl.constexpr, BLOCK_C: tl.constexpr):
     """max |x| over one bf16 row of C elements, in fp32."""
     cols = tl.arange(0, BLOCK_C)
     amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
@@ -209,7 +210,7 @@ def quantize_rows_kernel(
         g = tl.load(table_ptr)
     else:  # the global from an amax: the row's, a given one, or the counted rows'
         if MODE == 0:
-            a = _row_amax(row, C, AMAX_C)  # SPLIT_C: every chunk's program reads the row
+            a = row_amax(row, C, AMAX_C)  # SPLIT_C: every chunk's program reads the row
         elif MODE == 3:
             a = tl.load(table_ptr)
         else:  # the amax of rows 0 .. count - 1 of src (not gathered), as amax_rows_kernel

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .common import empty, interpreting, launch, to_e4m3
+from .quantize import row_amax
 
 __all__ = ["e4m3_rows", "e4m3_rows_kernel", "unit_order"]
 
@@ -37,16 +38,6 @@ def unit_order(x: torch.Tensor) -> torch.Tensor:
         return x
     v = x.reshape(*x.shape[:-1], c // 64, 4, 4, 4)
     return v.transpose(-3, -2).reshape(x.shape)
-
-
-@triton.jit
-def _amax(row, C: tl.constexpr, BLOCK_C: tl.constexpr):
-    cols = tl.arange(0, BLOCK_C)
-    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for c0 in range(0, C, BLOCK_C):
-        x = tl.load(row + c0 + cols, mask=c0 + cols < C, other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, tl.abs(x))
-    return tl.max(acc, axis=0)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -82,7 +73,7 @@ def e4m3_rows_kernel(
     else:
         src = i.to(tl.int64)
     row = src_ptr + src * C
-    amax = _amax(row, C, AMAX_C)
+    amax = row_amax(row, C, AMAX_C)
     s = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, 448.0))
     out = q_ptr + i.to(tl.int64) * C
     if SPLIT_C:

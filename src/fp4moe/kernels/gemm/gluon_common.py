@@ -114,23 +114,29 @@ def smem_unit(cbuf, sbuf, kb: gl.constexpr, w: gl.constexpr, NB: gl.constexpr,
 
 
 @gluon.jit
-def decode_unit(codes, sc, A_L: gl.constexpr, TR: gl.constexpr = 64):
-    """Decode one unit ([TR rows, 64 K]; TR 64, or 128 with 8 warps) of weights into the
-    wgmma A fragment ``A_L``: the portable loop's decode (the same operations and bits)."""
+def _decode_halves(codes, sc, TR: gl.constexpr):
+    """A unit's 8 code bytes a thread and row with their scales (bf16 times 2^118) to 8
+    low-nibble and 8 high-nibble values times 2^-8, bf16, joined: [TR, 32 bytes (q, s, a),
+    2 (b)] in ``code_layout(TR)``."""
     CL: gl.constexpr = code_layout(TR)
     sb = (sc.to(gl.float32) * 3.32306998946229e35).to(gl.bfloat16)
     sb, codes = gl.broadcast(gl.expand_dims(sb, 2), codes)
     codes = gl.convert_layout(gl.reshape(codes, [TR, 32]), CL, assert_trivial=True)
     sb = gl.convert_layout(gl.reshape(sb, [TR, 32]), CL, assert_trivial=True)
-    # 8 code bytes and their scales (bf16 times 2^118) to 8 low-nibble and 8 high-nibble
-    # values times 2^-8, bf16 pairs
     lo, hi = gl.inline_asm_elementwise(
         CHUNK_DECODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
         [codes, sb], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=8,
     )  # fmt: skip
+    return gl.join(lo, hi)
+
+
+@gluon.jit
+def decode_unit(codes, sc, A_L: gl.constexpr, TR: gl.constexpr = 64):
+    """Decode one unit ([TR rows, 64 K]; TR 64, or 128 with 8 warps) of weights into the
+    wgmma A fragment ``A_L``: the portable loop's decode (the same operations and bits)."""
     # byte 8 q + 2 s + a, nibble b holds element 16 q + 4 s + 2 a + b, at position
     # 16 s + 8 b + 2 q + a of the unit order
-    w = gl.join(lo, hi)  # [TR, 32 bytes (q, s, a), 2 (b)]
+    w = _decode_halves(codes, sc, TR)  # [TR, 32 bytes (q, s, a), 2 (b)]
     w = gl.reshape(w, [TR, 4, 4, 2, 2])  # [row, q, s, a, b]
     w = gl.permute(w, [0, 2, 4, 1, 3])  # [row, s, b, q, a]
     w = gl.reshape(w, [TR, UNIT])
@@ -144,16 +150,7 @@ def decode_unit_e4m3(codes, sc, A_L: gl.constexpr, TR: gl.constexpr = 64):
     times 32 (exact), rounded to nearest even by the hardware's conversion, in W4A8's unit
     order (position 16 s + 4 q + 2 a + b holds element 16 q + 4 s + 2 a + b), where each
     thread's 16 decoded values of a row are its fragment bytes."""
-    CL: gl.constexpr = code_layout(TR)
-    sb = (sc.to(gl.float32) * 3.32306998946229e35).to(gl.bfloat16)
-    sb, codes = gl.broadcast(gl.expand_dims(sb, 2), codes)
-    codes = gl.convert_layout(gl.reshape(codes, [TR, 32]), CL, assert_trivial=True)
-    sb = gl.convert_layout(gl.reshape(sb, [TR, 32]), CL, assert_trivial=True)
-    lo, hi = gl.inline_asm_elementwise(
-        CHUNK_DECODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
-        [codes, sb], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=8,
-    )  # fmt: skip
-    w = gl.join(lo, hi)  # [TR, 32 bytes (q, s, a), 2 (b)]
+    w = _decode_halves(codes, sc, TR)  # [TR, 32 bytes (q, s, a), 2 (b)]
     w = (w.to(gl.float32) * 32.0).to(gl.float8e4nv)
     w = gl.reshape(w, [TR, 4, 4, 2, 2])  # [row, q, s, a, b]
     w = gl.permute(w, [0, 2, 1, 3, 4])  # [row, s, q, a, b]
