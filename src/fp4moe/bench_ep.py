@@ -8,9 +8,8 @@ with the preset's routing. Per token count T (per rank), mode and path (``--ep-p
 variable path, ``max_tokens=None``; the fixed-capacity path, ``max_tokens=T``; or both),
 each rank times, with CUDA events, median over ``--iters`` after ``--warmup`` calls:
 
-- dispatch: ``EPMoELayer.dispatch``: the count exchange, W4A4 or W4A8 quantization of the
-  rows on the home rank, the row ``all_to_all_single`` (variable path: one host read of the
-  counts);
+- dispatch: ``EPMoELayer.dispatch``: the count exchange, W4A4 or W4A8 quantization on the
+  home rank, the row ``all_to_all_single`` (variable path: one host read of the counts);
 - compute: ``EPMoELayer.compute_experts``: FC1, SwiGLU, FC2 on the rows received (W4A4
   per-tensor: includes the 4-byte ``all_reduce(max)`` of the FC2 amax);
 - combine: ``EPMoELayer.combine``: the return ``all_to_all_single`` and the deterministic

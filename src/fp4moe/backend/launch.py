@@ -92,8 +92,9 @@ def _gemm(
     if g.kernel == "gluon-prefill":
         from ..kernels.gemm.gluon_prefill import prefill_gemm
 
-        if a.dtype == torch.float8_e4m3fn:  # W4A8: e4m3 rows in sorted order already
-            xs, out_scale, a_fp4 = a, 8.0, True
+        e4m3 = a.dtype == torch.float8_e4m3fn
+        if e4m3:  # W4A8: e4m3 rows in sorted order already, their scales in a_global
+            xs = a
         else:
             xs = dense_rows(a, a_scales, count=n_valid, poison=poison, order=64,
                             index=sort.sorted_routes if a_gather else None,
@@ -101,9 +102,9 @@ def _gemm(
         prefill_gemm(
             xs, w_codes, w_scales, w_global, sort.block_expert, sort.block_start,
             sort.block_end, sort.valid_blocks, out, n=n, topk=topk, gated=gated,
-            out_scale=out_scale, sm_count=plan.target.sm_count,
+            out_scale=8.0 if e4m3 else out_scale, sm_count=plan.target.sm_count,
             sorted_routes=sort.sorted_routes, topk_w=topk_w, fused=fused,
-            a_global=a_global if a_fp4 else None, a_gather=a_gather and a_fp4,
+            a_global=a_global if a_fp4 or e4m3 else None, a_gather=a_gather,
         )  # fmt: skip
         return
     ws_rows = sort.sorted_routes.shape[0] if g.split or g.kernel == "gluon-whole" else 0

@@ -259,17 +259,17 @@ def plan_call(
         raise ValueError(f"mode: expected one of {KERNEL_MODES}, got {mode!r}")
     if act_scale not in ACT_SCALES:
         raise ValueError(f"act_scale: expected one of {ACT_SCALES}, got {act_scale!r}")
-    if mode == "w4a8":
-        return _plan_w4a8(num_tokens, top_k, num_experts, hidden, inter, fused_finalize, opt,
-                          target, dispatched)  # fmt: skip
-    w4a4 = mode == "w4a4"
-    static = w4a4 and act_scale == "static"
-    per_tensor = w4a4 and act_scale == "per_tensor"
     t, k, e, h, i = num_tokens, top_k, num_experts, hidden, inter
     routes = t * k
     frac = hx.UNKNOWN_VALID_FRACTION if opt.valid_fraction is None else opt.valid_fraction
     r = _Rules(routes, e, h, i, frac, target)
     pdl = not target.interpret and (target.pdl if opt.pdl is None else opt.pdl)
+    sort = "triton" if target.sort_kernel and 0 < routes <= hx.SORT_KERNEL_MAX_ROUTES else "torch"
+    if mode == "w4a8":
+        return _plan_w4a8(t, k, r, fused_finalize, opt, pdl, sort, dispatched)
+    w4a4 = mode == "w4a4"
+    static = w4a4 and act_scale == "static"
+    per_tensor = w4a4 and act_scale == "per_tensor"
     pins = (opt.fc1_tile, opt.fc2_tile) if opt.fc1_tile is not None else None
 
     # FC1 writes bf16 where it may run whole-K (static W4A4's FC1 writes NVFP4)
@@ -369,10 +369,7 @@ def plan_call(
     return Plan(
         num_tokens=t, top_k=k, num_experts=e, hidden=h, inter=i, mode=mode,
         act_scale=act_scale, fused_finalize=fused, dispatched=dispatched, valid_rows=r.valid,
-        block_m=block_m,
-        sort="triton" if target.sort_kernel and 0 < routes <= hx.SORT_KERNEL_MAX_ROUTES
-        else "torch",
-        fc1_input=fc1_input, fc2_input=fc2_input, fc1=fc1, fc2=fc2,
+        block_m=block_m, sort=sort, fc1_input=fc1_input, fc2_input=fc2_input, fc1=fc1, fc2=fc2,
         finalize="atomic" if fused else "deterministic", pdl=pdl,
         fc2_amax_slot=fc2_input == "per-tensor+amax",
         fc1_amax_slot=fc1_input == "per-tensor+amax", target=target,
@@ -380,7 +377,7 @@ def plan_call(
 
 
 def _plan_w4a8(
-    t: int, k: int, e: int, h: int, i: int, fused_finalize: bool, opt: Options, target: Target,
+    t: int, k: int, r: _Rules, fused_finalize: bool, opt: Options, pdl: bool, sort: str,
     dispatched: bool,
 ) -> Plan:  # fmt: skip
     """W4A8 (numerics section 5a): each GEMM's input quantized to e4m3 rows by a launch of
@@ -392,19 +389,13 @@ def _plan_w4a8(
         raise InapplicableOverride(
             f"gemm={opt.gemm!r} cannot serve this call: W4A8 runs on 'triton' and 'gluon-prefill'"
         )
-    routes = t * k
-    frac = hx.UNKNOWN_VALID_FRACTION if opt.valid_fraction is None else opt.valid_fraction
-    valid = routes * frac / e if e > 0 else 0.0
-    pdl = not target.interpret and (target.pdl if opt.pdl is None else opt.pdl)
-    fits = target.gluon and prefill_fits(i, h, True) and prefill_fits(h, i, False)
-    if opt.gemm == "gluon-prefill" and not fits:
-        raise InapplicableOverride(
-            "gemm='gluon-prefill' cannot serve this call: it needs a Hopper GPU, K a multiple "
-            "of 1024 and the outputs of 64 (FC1) and 128 (FC2)"
-        )
+    e, h, i, target, valid = r.e, r.h, r.i, r.tgt, r.valid
+    fits = r.prefill_both()
+    if opt.gemm == "gluon-prefill":  # refused where the prefill kernel cannot run
+        _pin(opt.gemm, r, hx.DENSE_TILE, hx.DENSE_TILE, False)
     long_k = min(h, i) >= hx.PREFILL_LONG_K
     above = hx.W4A8_PREFILL_ABOVE_ROWS_LONG_K if long_k else hx.W4A8_PREFILL_ABOVE_ROWS
-    prefill = routes > 0 and (
+    prefill = r.routes > 0 and (
         opt.gemm == "gluon-prefill" or (opt.gemm is None and fits and valid > above)
     )
     if prefill:
@@ -432,9 +423,7 @@ def _plan_w4a8(
     return Plan(
         num_tokens=t, top_k=k, num_experts=e, hidden=h, inter=i, mode="w4a8",
         act_scale="per_token", fused_finalize=fused, dispatched=dispatched, valid_rows=valid,
-        block_m=t1.block_m,
-        sort="triton" if target.sort_kernel and 0 < routes <= hx.SORT_KERNEL_MAX_ROUTES
-        else "torch",
+        block_m=t1.block_m, sort=sort,
         fc1_input="dispatched" if dispatched else "e4m3-gather" if prefill else "e4m3-row",
         fc2_input="e4m3-row", fc1=gemm(h, t1, "bf16", "gather" if prefill else "e4m3"),
         fc2=gemm(i, t2, "atomic" if fused else "bf16", "e4m3"),

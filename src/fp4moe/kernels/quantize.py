@@ -29,6 +29,8 @@ __all__ = [
     "quantize_rows",
     "quantize_rows_kernel",
     "row_amax",
+    "row_count",
+    "source_row",
 ]
 
 # Launch shapes (the same bits at any of them). Up to QUANTIZE_SPLIT_ROWS rows, one
@@ -84,12 +86,24 @@ def encode_e2m1_fast(v, neg):
 
 
 @triton.jit
-def _row_count(n_rows_ptr, n_rows, COUNT_FROM_PTR: tl.constexpr):
+def row_count(n_rows_ptr, n_rows, COUNT_FROM_PTR: tl.constexpr):
     """Rows to process: ``*n_rows_ptr`` (a device count) or ``n_rows``."""
     if COUNT_FROM_PTR:
         return tl.load(n_rows_ptr)
     else:
         return n_rows
+
+
+@triton.jit
+def source_row(src_ptr, src_index_ptr, i, C: tl.constexpr, GATHER: tl.constexpr,
+               DIV: tl.constexpr):  # fmt: skip
+    """The first element of row ``i``'s source row of [., C] ``src``: ``src_index[i] // DIV``
+    (GATHER), else row ``i``."""
+    if GATHER:
+        src = (tl.load(src_index_ptr + i) // DIV).to(tl.int64)
+    else:
+        src = i.to(tl.int64)
+    return src_ptr + src * C
 
 
 @triton.jit
@@ -145,7 +159,7 @@ def amax_rows_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    n = _row_count(n_rows_ptr, n_rows, COUNT_FROM_PTR)
+    n = row_count(n_rows_ptr, n_rows, COUNT_FROM_PTR)
     if p * ROWS >= n:
         return
     cols = tl.arange(0, BLOCK_C)
@@ -196,13 +210,9 @@ def quantize_rows_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if i >= _row_count(n_rows_ptr, n_rows, COUNT_FROM_PTR):
+    if i >= row_count(n_rows_ptr, n_rows, COUNT_FROM_PTR):
         return
-    if GATHER:
-        src = (tl.load(src_index_ptr + i) // DIV).to(tl.int64)
-    else:
-        src = i.to(tl.int64)
-    row = src_ptr + src * C
+    row = source_row(src_ptr, src_index_ptr, i, C, GATHER, DIV)
 
     if MODE == 1:
         g = tl.load(table_ptr + tl.load(row_expert_ptr + i))
@@ -214,7 +224,7 @@ def quantize_rows_kernel(
         elif MODE == 3:
             a = tl.load(table_ptr)
         else:  # the amax of rows 0 .. count - 1 of src (not gathered), as amax_rows_kernel
-            nr = _row_count(n_rows_ptr, n_rows, COUNT_FROM_PTR)
+            nr = row_count(n_rows_ptr, n_rows, COUNT_FROM_PTR)
             a = _rows_amax(src_ptr, nr, C, AMAX_C)
         g = tl.where(a == 0.0, 1.0, tl.math.div_rn(a, 2688.0))
     if SPLIT_C:  # one chunk a program (grid axis 1); the row's global stored once

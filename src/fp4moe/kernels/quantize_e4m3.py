@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .common import empty, interpreting, launch, to_e4m3
-from .quantize import row_amax
+from .quantize import row_amax, row_count, source_row
 
 __all__ = ["e4m3_rows", "e4m3_rows_kernel", "unit_order"]
 
@@ -62,17 +62,9 @@ def e4m3_rows_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if COUNT_FROM_PTR:
-        n = tl.load(n_rows_ptr)
-    else:
-        n = n_rows
-    if i >= n:
+    if i >= row_count(n_rows_ptr, n_rows, COUNT_FROM_PTR):
         return
-    if GATHER:
-        src = (tl.load(src_index_ptr + i) // DIV).to(tl.int64)
-    else:
-        src = i.to(tl.int64)
-    row = src_ptr + src * C
+    row = source_row(src_ptr, src_index_ptr, i, C, GATHER, DIV)
     amax = row_amax(row, C, AMAX_C)
     s = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, 448.0))
     out = q_ptr + i.to(tl.int64) * C

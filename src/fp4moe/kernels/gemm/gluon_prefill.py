@@ -89,6 +89,17 @@ def _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bar, t, b: gl.constexpr, ro
 
 
 @gluon.jit
+def _wait(p, pa, A_E4M3: gl.constexpr):
+    """The tile's sums once every wgmma is done, keeping the A fragment ``pa`` alive until
+    then (W4A8: the wait takes no 8-bit operands; ptxas keeps the registers)."""
+    if A_E4M3:
+        return warpgroup_mma_wait(num_outstanding=0, deps=[p])
+    else:
+        p, _ = warpgroup_mma_wait(num_outstanding=0, deps=(p, pa))
+        return p
+
+
+@gluon.jit
 def prefill_kernel(
     x_desc,  # bf16 [R, K] rows in sorted and unit order as [K/64, R, 64], box [4, BM, 64]
     c_desc,  # uint8 [E * W_ROWS, K/2] codes, box [64, 128] (128-byte swizzle)
@@ -127,6 +138,7 @@ def prefill_kernel(
         W_ROWS: gl.constexpr = N
     NTILES: gl.constexpr = N // TN
 
+    ROW_SCALE: gl.constexpr = A_FP4 or A_E4M3  # a scale a row multiplies the sums
     if A_E4M3:
         XT: gl.constexpr = gl.float8e4nv
         XS: gl.constexpr = X8_SMEM
@@ -195,10 +207,7 @@ def prefill_kernel(
                     else:
                         a = decode_unit(gc, gs, A_L, _TR)
                     if st + u > 0:
-                        if A_E4M3:  # (the wait takes no 8-bit operands)
-                            p = warpgroup_mma_wait(num_outstanding=0, deps=[p])
-                        else:
-                            p, _ = warpgroup_mma_wait(num_outstanding=0, deps=(p, pa))  # noqa: F821
+                        p = _wait(p, pa, A_E4M3)  # noqa: F821
                         if A_E4M3 and u == 0:
                             # W4A8: each stage's (256 K's) FP8 sum (its first wgmma
                             # starts from zero: use_acc off), added to the fp32 sums
@@ -227,10 +236,7 @@ def prefill_kernel(
                         p = warpgroup_mma(a, xb, p, is_async=True)
                     pa = a  # read by the next unit's wait
             # the segment's sum is complete
-            if A_E4M3:
-                p = warpgroup_mma_wait(num_outstanding=0, deps=[p])
-            else:
-                p, _ = warpgroup_mma_wait(num_outstanding=0, deps=(p, pa))
+            p = _wait(p, pa, A_E4M3)
             acc = acc + p
         gl.thread_barrier()  # every wgmma reading the ring is done before the epilogue
 
@@ -240,13 +246,13 @@ def prefill_kernel(
         om = start + gl.arange(0, BM, layout=gl.SliceLayout(0, EL))
         m_ok = om < end
         e64 = e.to(gl.int64)
-        if A_FP4 or A_E4M3:  # the activation row's global (W4A4) or scale (W4A8)
+        if ROW_SCALE:  # the activation row's global (W4A4) or scale (W4A8)
             gx = row_globals(a_global_ptr, sorted_routes_ptr, om, m_ok, TOPK, A_GATHER)
         if GATED:
             on = pid_n * TN + gl.arange(0, TN, layout=gl.SliceLayout(1, EL))
             h = ep.slice(0, TN, dim=0).load(EL) * OUT_SCALE
             hu = ep.slice(TN, TN, dim=0).load(EL) * OUT_SCALE
-            if A_FP4 or A_E4M3:
+            if ROW_SCALE:
                 h = h * gx[None, :]
                 hu = hu * gx[None, :]
             h = h * gl.load(w_global_ptr + e64 * 2)
@@ -255,7 +261,7 @@ def prefill_kernel(
         else:
             on = pid_n * TN + gl.arange(0, TN, layout=gl.SliceLayout(1, EL))
             h = ep.load(EL) * OUT_SCALE
-            if A_FP4 or A_E4M3:
+            if ROW_SCALE:
                 h = h * gx[None, :]
             res = h * gl.load(w_global_ptr + e64)
         y = res.to(gl.bfloat16)

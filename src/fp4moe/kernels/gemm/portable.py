@@ -10,10 +10,11 @@ tile of 64+ weight rows.
 
 The main loop: K in fixed segments of ``SEGMENT`` (1024) elements, each segment's dot
 chain summed from zero and the segment sums added in segment order, acc = ((0 + P_0) +
-P_1) + ...; within a segment K is in the decode's unit order (``decode``). With ``SPLIT``
-one program a segment writes its fp32 partial P_s and the last program of a tile to
-finish sums the partials in segment order: the same operations, so the same bits, as
-the in-register sums. Every kernel family keeps this order, so the bits do not depend on
+P_1) + ...; within a segment K is in the decode's unit order (``decode``). W4A8's
+segments are ``FP8_GROUP`` K (FP8 dot chains from zero, the Gluon prefill kernel's sums).
+With ``SPLIT`` one program a segment writes its fp32 partial P_s and the last program of a
+tile to finish sums the partials in segment order: the same operations, so the same bits,
+as the in-register sums. Every kernel family keeps this order, so the bits do not depend on
 the kernel, the tile or the token count (batch invariance, docs/numerics.md).
 
 Modes of the kernel: ``SPLIT`` (one K segment a program), ``REDUCE_ONLY`` (with SPLIT: a
@@ -170,7 +171,7 @@ def _split_unit(
     OUT_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr, DECODE_ASM: tl.constexpr,
     OUT_FP4: tl.constexpr, SEG_TILES: tl.constexpr, W_DENSE: tl.constexpr,
-    REDUCE_ONLY: tl.constexpr, ORDER: tl.constexpr, A_FP8: tl.constexpr,
+    REDUCE_ONLY: tl.constexpr, ORDER: tl.constexpr,
 ):  # fmt: skip
     """Split K, one unit: K segment ``s_id`` of the tile (row block ``pid_m``, weight rows
     ``pid_n``), a dot chain from zero written as the fp32 partial P_s; the last unit of a
@@ -207,13 +208,11 @@ def _split_unit(
                 acc_g, acc_u = _chunk_tile(
                     kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
                     N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE, ORDER,
-                    A_FP8,
                 )  # fmt: skip
             elif kb < KB:
                 acc_g, acc_u = _chunk_tile(
                     kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
                     N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE, ORDER,
-                    A_FP8,
                 )  # fmt: skip
         tl.store(prow + s_id * stride, acc_g, mask=pmask)
         if GATED:
@@ -237,8 +236,7 @@ def _split_unit(
         _epilogue(
             acc_g, acc_u, e64, offs_m, m_mask, route, src, offs_n, n_mask, pid_n,
             a_global_ptr, w_global_ptr, topk_w_ptr, out_ptr, out_scales_ptr, out_global_ptr,
-            out_table_ptr, N, TOPK, GATED, A_FP4 or A_FP8, FUSED, OUT_FP4, OUT_SCALE, BM, BN,
-            INTERPRET,
+            out_table_ptr, N, TOPK, GATED, A_FP4, FUSED, OUT_FP4, OUT_SCALE, BM, BN, INTERPRET,
         )  # fmt: skip
 
 
@@ -286,7 +284,6 @@ def moe_gemm_kernel(
     ORDER: tl.constexpr,
     BLOCKS_LAST: tl.constexpr,
     A_FP8: tl.constexpr = False,
-    FP8_TILES: tl.constexpr = 1,  # K tiles of an FP8 group (A_FP8)
 ):
     if GROUP_M:
         # One grid axis in groups of GROUP_M tile rows: consecutive programs sweep the
@@ -311,6 +308,7 @@ def moe_gemm_kernel(
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
         return
+    tl.static_assert(not (SPLIT and A_FP8), "W4A8 never splits K")
     if SPLIT:  # one K segment of one tile (0 with REDUCE_ONLY)
         if BLOCKS_LAST:
             s_id = tl.program_id(1)
@@ -322,7 +320,7 @@ def moe_gemm_kernel(
             out_scales_ptr, out_global_ptr, out_table_ptr, block_expert_ptr, block_start_ptr,
             block_end_ptr, part_ptr, cnt_ptr, ws_rows, N, K, TOPK, GATED, A_FP4,
             A_GATHER, FUSED, OUT_SCALE, BM, BN, BK, DOT_DTYPE, INTERPRET, DECODE_ASM, OUT_FP4,
-            SEG_TILES, W_DENSE, REDUCE_ONLY, ORDER, A_FP8,
+            SEG_TILES, W_DENSE, REDUCE_ONLY, ORDER,
         )  # fmt: skip
         return
     e64 = e.to(tl.int64)
@@ -346,36 +344,21 @@ def moe_gemm_kernel(
     REM: tl.constexpr = KB % SEG_TILES
     if not GATED:
         acc_u = acc_g
-    if A_FP8:
-        # W4A8: the FP8 products summed in groups of FP8_GROUP K (a dot chain from zero),
-        # each group added to the fp32 sums in K order (the Gluon prefill kernel's sums)
-        GT: tl.constexpr = FP8_TILES
-        for g in range(0, KB // GT):
-            acc_g, acc_u = _segment(
-                g * GT, GT, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask, N, K, BM,
-                BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE, ORDER, A_FP8,
-            )  # fmt: skip
-        if KB % GT > 0:
-            acc_g, acc_u = _segment(
-                KB // GT * GT, KB % GT, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
-                N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE, ORDER, A_FP8,
-            )  # fmt: skip
-    else:
-        # Full segments, then the REM tiles of a last one: constexpr trip counts and no
-        # branch in the inner loop, which the software pipeliner needs (a `kb < KB` test
-        # there cost 15% to 30% at prefill sizes on the H200).
-        for sg_i in range(0, NFULL):
-            acc_g, acc_u = _segment(
-                sg_i * SEG_TILES, SEG_TILES, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2,
-                m_mask, n_mask, N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
-                W_DENSE, ORDER, A_FP8,
-            )  # fmt: skip
-        if REM > 0:
-            acc_g, acc_u = _segment(
-                NFULL * SEG_TILES, REM, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2,
-                m_mask, n_mask, N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
-                W_DENSE, ORDER, A_FP8,
-            )  # fmt: skip
+    # Full segments, then the REM tiles of a last one: constexpr trip counts and no
+    # branch in the inner loop, which the software pipeliner needs (a `kb < KB` test
+    # there cost 15% to 30% at prefill sizes on the H200).
+    for sg_i in range(0, NFULL):
+        acc_g, acc_u = _segment(
+            sg_i * SEG_TILES, SEG_TILES, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2,
+            m_mask, n_mask, N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
+            W_DENSE, ORDER, A_FP8,
+        )  # fmt: skip
+    if REM > 0:
+        acc_g, acc_u = _segment(
+            NFULL * SEG_TILES, REM, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2,
+            m_mask, n_mask, N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
+            W_DENSE, ORDER, A_FP8,
+        )  # fmt: skip
     _epilogue(
         acc_g, acc_u, e64, offs_m, m_mask, route, src, offs_n, n_mask, pid_n,
         a_global_ptr, w_global_ptr, topk_w_ptr, out_ptr, out_scales_ptr, out_global_ptr,
@@ -446,6 +429,12 @@ def _epilogue(
         tl.store(out_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None], y, mask=mask)
 
 
+def _segment_tiles(bk: int, a_fp8: bool) -> int:
+    """K tiles of a segment (each summed from zero, then added to the running sums):
+    ``SEGMENT`` K, or W4A8's ``FP8_GROUP`` K (its FP8 dot chains) with at least one tile."""
+    return max(FP8_GROUP // bk, 1) if a_fp8 else SEGMENT // bk
+
+
 def portable_gemm(
     a, a_scales, a_global, sorted_routes, topk_w, w_codes, w_scales, w_global, out,
     block_expert, block_start, block_end, *,
@@ -480,7 +469,7 @@ def portable_gemm(
     group_m = 8 if dense else 0  # dense tiles: grouped raster for L2 reuse
     if group_m:
         grid = (grid[0] * grid[1], 1)
-    seg_tiles = SEGMENT // bk
+    seg_tiles = _segment_tiles(bk, a_fp8)
     nseg = -(-(k // bk) // seg_tiles)
     dummy = w_global
     blocks_last = split and not reduce_only and not group_m
@@ -500,7 +489,7 @@ def portable_gemm(
         OUT_SCALE=out_scale, BM=bm, BN=bn, BK=bk, DOT_DTYPE=dot, INTERPRET=interpret,
         DECODE_ASM=decode_asm, OUT_FP4=out_fp4 is not None, SEG_TILES=seg_tiles, SPLIT=split,
         W_DENSE=dense, GROUP_M=group_m, REDUCE_ONLY=reduce_only, ORDER=order,
-        BLOCKS_LAST=blocks_last, A_FP8=a_fp8, FP8_TILES=max(FP8_GROUP // bk, 1),
+        BLOCKS_LAST=blocks_last, A_FP8=a_fp8,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if pdl:
@@ -534,10 +523,9 @@ def compile_sm90(
         OUT_SCALE=8.0 if a_fp8 else 2.0**16 if a_fp4 else 2.0**8, BM=bm, BN=bn, BK=bk,
         DOT_DTYPE=tl.float8e4nv if a_fp8 else tl.bfloat16,
         USE_PDL=pdl, INTERPRET=False, DECODE_ASM=True, OUT_FP4=out_fp4,
-        SEG_TILES=SEGMENT // bk, SPLIT=split, W_DENSE=dense, GROUP_M=8 if dense else 0,
+        SEG_TILES=_segment_tiles(bk, a_fp8), SPLIT=split, W_DENSE=dense, GROUP_M=8 if dense else 0,
         REDUCE_ONLY=reduce_only, ORDER=k_order(k, bk),
         BLOCKS_LAST=split and not reduce_only and not dense, A_FP8=a_fp8,
-        FP8_TILES=max(FP8_GROUP // bk, 1),
     )  # fmt: skip
     return common_compile_sm90(moe_gemm_kernel, ptrs, const, ints=("ws_rows",),
                                num_warps=warps, num_stages=stages)  # fmt: skip
