@@ -35,9 +35,10 @@ DEEPSEEK = [
     (64, "gluon-split", "gluon-split", 8),
     (128, "gluon-whole", "gluon-whole", 16),  # 4 rows: past WHOLE_K_FROM_ROWS
     (256, "gluon-whole", "gluon-whole", 16),
-    (768, "gluon-whole", "gluon-whole", 32),  # 24 rows: past WHOLE_K_WIDE_ROWS
-    (1024, "triton", "triton", 64),  # 32 rows: the portable loop between the regimes
-    (2048, "gluon-prefill", "gluon-prefill", 128),
+    (512, "gluon-whole", "gluon-whole", 16),  # 16 rows: PREFILL_ABOVE_ROWS
+    (768, "gluon-prefill", "gluon-prefill", 64),  # 24 rows: the prefill kernel, 64 rows
+    (1024, "gluon-prefill", "gluon-prefill", 64),
+    (4096, "gluon-prefill", "gluon-prefill", 64),  # 128 rows: PREFILL_NARROW_MAX_ROWS
     (8192, "gluon-prefill", "gluon-prefill", 128),
 ]
 
@@ -57,17 +58,26 @@ def test_deepseek_regimes(t, fc1, fc2, bm):
 
 
 def test_other_presets_regimes():
-    qwen = {t: _plan("qwen3-30b-a3b", t) for t in (1, 256, 8192)}
-    # FC2's K (768) is one segment: the portable kernel, and the decoded weights at prefill
-    assert [qwen[t].fc2.kernel for t in (1, 256, 8192)] == ["triton", "triton", "triton-dense"]
-    assert [qwen[t].fc1.kernel for t in (1, 256, 8192)] == [
-        "gluon-split", "gluon-whole", "gluon-prefill",
+    qwen = {t: _plan("qwen3-30b-a3b", t) for t in (1, 256, 512, 8192)}
+    # FC2's K (768) is one partial segment: the portable kernel up to 16 rows, then the
+    # prefill kernel (which takes a partial last segment)
+    assert [qwen[t].fc2.kernel for t in (1, 256, 512, 8192)] == [
+        "triton", "triton", "gluon-prefill", "gluon-prefill",
     ]  # fmt: skip
-    oss = _plan("gpt-oss-120b-shape", 8192)  # K 2880: no Gluon kernel fits
-    assert (oss.fc1.kernel, oss.fc2.kernel) == ("triton-dense", "triton-dense")
-    mix = _plan("mixtral-8x7b", 112)  # 28 rows, both K >= 4096: whole-K, 32-row tiles
-    assert (mix.fc1.kernel, mix.block_m) == ("gluon-whole", 32)
-    assert _plan("mixtral-8x7b", 128).fc1.kernel == "gluon-prefill"  # PREFILL_ABOVE_ROWS_LONG_K
+    assert [qwen[t].fc1.kernel for t in (1, 256, 512, 8192)] == [
+        "gluon-split", "gluon-whole", "gluon-prefill", "gluon-prefill",
+    ]  # fmt: skip
+    assert [qwen[t].block_m for t in (512, 8192)] == [64, 128]
+    # K 2880: the prefill kernel (scales by pointer loads, 64-row tiles up to 64 rows)
+    oss = {t: _plan("gpt-oss-120b-shape", t) for t in (512, 2048, 4096)}
+    assert oss[512].fc1.kernel == "triton"
+    assert [(oss[t].fc1.kernel, oss[t].fc2.kernel, oss[t].block_m) for t in (2048, 4096)] == [
+        ("gluon-prefill", "gluon-prefill", 64), ("gluon-prefill", "gluon-prefill", 128),
+    ]  # fmt: skip
+    # both K >= 4096: the prefill kernel from 12 rows (PREFILL_ABOVE_ROWS_LONG_K)
+    assert _plan("mixtral-8x7b", 48).fc1.kernel == "gluon-whole"  # 12 rows
+    mix = _plan("mixtral-8x7b", 64)  # 16 rows
+    assert (mix.fc1.kernel, mix.block_m) == ("gluon-prefill", 64)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -141,9 +151,12 @@ def test_pins():
         assert plan.fc1.kernel == plan.fc2.kernel == g
     qwen = _plan("qwen3-30b-a3b", 64, gemm="triton-split")  # FC2's K is one segment
     assert (qwen.fc1.kernel, qwen.fc2.kernel) == ("triton-split", "triton")
-    for g in ("gluon-split", "gluon-whole", "gluon-prefill"):
+    for g in ("gluon-split", "gluon-whole"):
         with pytest.raises(InapplicableOverride, match=g):
             _plan("qwen3-30b-a3b", 64, gemm=g)  # K 768
+    with pytest.raises(InapplicableOverride, match="gluon-prefill"):
+        plan_call(64, 8, 16, 2048, 800, options=Options(gemm="gluon-prefill"), target=H200)
+    for g in ("gluon-split", "gluon-whole", "gluon-prefill"):
         with pytest.raises(InapplicableOverride, match="Gluon"):
             _plan("deepseek-v3-ep8", 64, gemm=g, target=INTERP)
     with pytest.raises(InapplicableOverride, match="static"):
@@ -207,7 +220,7 @@ def test_workspace_bytes():
     fused = workspace_bytes(_plan("deepseek-v3-ep8", t, fused=True))
     rows = workspace_bytes(_plan("deepseek-v3-ep8", t))
     assert fused != rows and min(fused, rows) > t * 8 * i * 2  # FC1's output at least
-    dense = _plan("gpt-oss-120b-shape", 8192)
+    dense = _plan("gpt-oss-120b-shape", 8192, gemm="triton-dense")
     assert workspace_bytes(dense) > 128 * 2 * 2880 * 2880 * 2  # FC1's decoded weights
 
 
@@ -280,9 +293,13 @@ def test_w4a8_pins():
             plan_call(16, 8, 32, 7168, 2048, mode="w4a8", options=Options(gemm=g), target=H200)
     p = plan_call(16, 8, 32, 7168, 2048, mode="w4a8", options=Options(gemm="gluon-prefill"),
                   target=H200)  # fmt: skip
-    assert p.fc1.kernel == p.fc2.kernel == "gluon-prefill" and p.block_m == 128
+    assert p.fc1.kernel == p.fc2.kernel == "gluon-prefill" and p.block_m == 64
+    wide = Tile(128, 128, 64, 8, 3)  # a pinned tile's rows where the prefill kernel has them
+    p = plan_call(16, 8, 32, 7168, 2048, mode="w4a8", target=H200,
+                  options=Options(gemm="gluon-prefill", fc1_tile=wide, fc2_tile=wide))  # fmt: skip
+    assert p.block_m == 128
     with pytest.raises(InapplicableOverride, match="gluon-prefill"):
-        plan_call(16, 4, 32, 2880, 2880, mode="w4a8", options=Options(gemm="gluon-prefill"),
+        plan_call(16, 4, 32, 2880, 2000, mode="w4a8", options=Options(gemm="gluon-prefill"),
                   target=H200)  # fmt: skip
     no_gluon = dataclasses.replace(H200, gluon=False)
     with pytest.raises(InapplicableOverride):

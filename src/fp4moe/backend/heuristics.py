@@ -20,17 +20,20 @@ __all__ = [
     "PREFILL_ABOVE_ROWS",
     "PREFILL_ABOVE_ROWS_LONG_K",
     "PREFILL_LONG_K",
+    "PREFILL_NARROW_MAX_ROWS",
+    "PREFILL_NARROW_MAX_ROWS_SCALE_LOADS",
     "QUANTIZE_AMAX_SELF_MAX_ELEMENTS",
     "SORT_KERNEL_MAX_ROUTES",
     "SPLIT_BELOW_PROGRAMS",
     "SPLIT_MAX_ROUTES_PER_EXPERT",
     "UNKNOWN_VALID_FRACTION",
     "W4A8_PREFILL_ABOVE_ROWS",
-    "W4A8_PREFILL_ABOVE_ROWS_LONG_K",
+    "W4A8_PREFILL_NARROW_MAX_ROWS",
     "WHOLE_K_FROM_ROWS",
     "WHOLE_K_MAX_ROWS",
     "WHOLE_K_WIDE_ROWS",
     "portable_tile",
+    "prefill_rows",
     "split_programs",
     "touched_experts",
     "w4a8_block_k",
@@ -75,14 +78,42 @@ WHOLE_K_MAX_ROWS = 28.0
 # 577; at 19 to 21 rows Kimi-K2 EP8 loses (up to 6%), at 22 every preset measured gains.
 WHOLE_K_WIDE_ROWS = 21.5
 
-# The Gluon prefill kernel (where both GEMMs fit it) from above this many rows: DeepSeek-V3
-# EP8 at 48 / 64 / 96 rows 1105 / 1147 / 1450 -> 952 / 971 / 1083 us, Mixtral-8x7B alike;
-# at 32 rows the shapes part (DeepSeek-V3 loses, 869 -> 938).
-PREFILL_ABOVE_ROWS = 32
+# The Gluon prefill kernel (where both GEMMs fit it) from above this many rows, on 64-row
+# tiles: DeepSeek-V3 EP8 at 24 / 32 rows 751 / 855 -> 607 / 624 us, Qwen3-30B-A3B at 32
+# rows 365 -> 256, the gpt-oss-120b shape at 32 rows 1858 -> 1245; at 16 rows DeepSeek-V3
+# ties (461 -> 456) and Qwen3-30B-A3B (197 -> 230) and gpt-oss (1173 -> 1206) lose.
+PREFILL_ABOVE_ROWS = 16
 # ... or this many where both GEMMs' K is at least PREFILL_LONG_K, whose tiles spread the
-# kernel's fixed cost over more K (Mixtral-8x7B at 32 rows 887 -> 721 us).
-PREFILL_ABOVE_ROWS_LONG_K = 28
+# kernel's fixed cost over more K (Mixtral-8x7B at 16 rows 490 -> 412 us; at 8 rows it
+# loses, 331 -> 486).
+PREFILL_ABOVE_ROWS_LONG_K = 12
 PREFILL_LONG_K = 4096
+# The prefill kernel's tiles are 64 rows, two programs an SM, up to this many rows, else
+# 128 rows, one program an SM (each weight decoded once for 128 rows): at 128 rows
+# DeepSeek-V3 EP8 1369 -> 1295 us, Qwen3-30B-A3B 784 -> 718, Mixtral-8x7B 1251 -> 1076;
+# at 512 rows DeepSeek-V3 loses (4184 -> 4345), at 1024 Mixtral (6514 -> 6759).
+PREFILL_NARROW_MAX_ROWS = 128
+# ... or this many where the scales come by pointer loads (scale rows of K / 16 bytes no
+# multiple of 16, which TMA cannot copy): the gpt-oss-120b shape at 64 rows ties (1941
+# -> 1913 us) and at 128 rows loses (2772 -> 2962).
+PREFILL_NARROW_MAX_ROWS_SCALE_LOADS = 64
+# ... or this many for W4A8: DeepSeek-V3 EP8 at 16 / 32 rows 798 / 973 -> 600 / 782 us,
+# at 64 rows 1030 -> 1076.
+W4A8_PREFILL_NARROW_MAX_ROWS = 32
+
+
+def prefill_rows(rows: float, *, w4a8: bool, scale_loads: bool) -> int:
+    """The prefill kernel's tile rows at ``rows`` expected valid rows an expert (W4A8's
+    FP8 path with ``w4a8``; ``scale_loads``: some GEMM's scales come by pointer loads)."""
+    if w4a8:
+        narrow = W4A8_PREFILL_NARROW_MAX_ROWS
+    elif scale_loads:
+        narrow = PREFILL_NARROW_MAX_ROWS_SCALE_LOADS
+    else:
+        narrow = PREFILL_NARROW_MAX_ROWS
+    return 64 if rows <= narrow else 128
+
+
 # Elsewhere (a shape the prefill kernel does not take, or no Hopper GPU) the weights are
 # decoded to bf16 once a call above this many rows: decoding every expert (1.0 ms for
 # 1.4e9 weights) pays from about 256 rows (Qwen3-30B-A3B at 8192 tokens 3.14 -> 2.14 ms,
@@ -97,12 +128,9 @@ DENSE_ABOVE_ROWS = 192
 GLUON_PDL_MAX_ROUTES = 32
 
 # W4A8 runs on the Gluon prefill kernel's FP8 path (where both GEMMs fit it) above this
-# many rows, else on the portable kernel's FP8 loop (the same bits): DeepSeek-V3 EP8 at 32
-# / 64 rows 917 / 1287 us portable against 969 / 1039 prefill; with both K at least
-# PREFILL_LONG_K from above W4A8_PREFILL_ABOVE_ROWS_LONG_K (Mixtral-8x7B at 16 rows 839
-# -> 769 us).
-W4A8_PREFILL_ABOVE_ROWS = 32
-W4A8_PREFILL_ABOVE_ROWS_LONG_K = 12
+# many rows, else on the portable kernel's FP8 loop (the same bits): DeepSeek-V3 EP8 at 16
+# rows 756 us portable against 600 prefill (64-row tiles), at 8 rows 510 against 581.
+W4A8_PREFILL_ABOVE_ROWS = 12
 
 # Per-tensor W4A4: where the rows to quantize hold at most this many elements, each
 # quantize program takes the amax itself instead of an amax kernel before it (one launch

@@ -105,6 +105,7 @@ def _gemm(
             out_scale=8.0 if e4m3 else out_scale, sm_count=plan.target.sm_count,
             sorted_routes=sort.sorted_routes, topk_w=topk_w, fused=fused,
             a_global=a_global if a_fp4 or e4m3 else None, a_gather=a_gather,
+            block_m=t.block_m,
         )  # fmt: skip
         return
     ws_rows = sort.sorted_routes.shape[0] if g.split or g.kernel == "gluon-whole" else 0

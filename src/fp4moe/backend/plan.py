@@ -16,11 +16,12 @@ import functools
 from dataclasses import dataclass, replace
 
 from ..kernels.gemm.shapes import (
-    PREFILL_ROWS,
+    PREFILL_BLOCKS,
     SEGMENT,
     gluon_decode_fits,
     max_blocks,
     prefill_fits,
+    scale_tma,
 )
 from ..modes import ACT_SCALES, KERNEL_MODES
 from . import heuristics as hx
@@ -207,9 +208,17 @@ class _Rules:
         return (hx.portable_tile(per, self.i, self.h, gated=True, **kw),
                 hx.portable_tile(per, self.h, self.i, gated=False, **kw))  # fmt: skip
 
+    def prefill_tile(self, w4a8: bool = False) -> Tile:
+        """The prefill kernel's tile (its rows by the expected rows an expert)."""
+        loads = not (scale_tma(self.h) and scale_tma(self.i))
+        bm = hx.prefill_rows(self.valid, w4a8=w4a8, scale_loads=loads)
+        return replace(hx.DENSE_TILE, block_m=bm)
+
     def tiles(self, a_fp4: bool, fc1_whole_can: bool, pins) -> tuple[Tile, Tile]:
         interp = self.tgt.interpret
         if pins is None and self.dense() and not interp and self.h % 64 == 0 and self.i % 64 == 0:
+            if self.prefill_both():
+                return self.prefill_tile(), self.prefill_tile()
             return hx.DENSE_TILE, hx.DENSE_TILE
         if pins is not None:
             return pins
@@ -278,10 +287,10 @@ def plan_call(
     split1, split2 = r.splits(t1, t2)
     dense = r.dense()
     gpdl = pdl and r.valid * e <= hx.GLUON_PDL_MAX_ROUTES
-    # the prefill kernel where its shape fits, on the dense path's 128-row tiles
+    # the prefill kernel where its shape fits, on its tiles' rows
     prefill_here = dense and target.gluon
-    fc1_prefill = prefill_here and prefill_fits(i, h, True) and t1.block_m == PREFILL_ROWS
-    fc2_prefill = prefill_here and prefill_fits(h, i, False) and t2.block_m == PREFILL_ROWS
+    fc1_prefill = prefill_here and prefill_fits(i, h, True) and t1.block_m in PREFILL_BLOCKS
+    fc2_prefill = prefill_here and prefill_fits(h, i, False) and t2.block_m in PREFILL_BLOCKS
     fc1_fp4 = static and not fc1_prefill
 
     def family(kk, t, split, prefill, whole_can, out_fp4) -> tuple[str, bool]:
@@ -301,7 +310,7 @@ def plan_call(
                           family(i, t2, split2, fc2_prefill, True, False))  # fmt: skip
     if opt.gemm is not None:
         base = pins if pins is not None else r.portable_tiles(w4a4)
-        k1, t1, t2 = _pin(opt.gemm, r, *base, static)
+        k1, t1, t2 = _pin(opt.gemm, r, *base, static, pinned=pins is not None)
         # a triton-split pin splits each GEMM of more than one segment
         k2, s1, s2 = (
             k1,
@@ -391,15 +400,16 @@ def _plan_w4a8(
         )
     e, h, i, target, valid = r.e, r.h, r.i, r.tgt, r.valid
     fits = r.prefill_both()
+    pre = r.prefill_tile(w4a8=True)
     if opt.gemm == "gluon-prefill":  # refused where the prefill kernel cannot run
-        _pin(opt.gemm, r, hx.DENSE_TILE, hx.DENSE_TILE, False)
-    long_k = min(h, i) >= hx.PREFILL_LONG_K
-    above = hx.W4A8_PREFILL_ABOVE_ROWS_LONG_K if long_k else hx.W4A8_PREFILL_ABOVE_ROWS
+        pins = (opt.fc1_tile, opt.fc2_tile) if opt.fc1_tile is not None else (pre, pre)
+        _, pre, _ = _pin(opt.gemm, r, *pins, False, pinned=opt.fc1_tile is not None)
     prefill = r.routes > 0 and (
-        opt.gemm == "gluon-prefill" or (opt.gemm is None and fits and valid > above)
+        opt.gemm == "gluon-prefill"
+        or (opt.gemm is None and fits and valid > hx.W4A8_PREFILL_ABOVE_ROWS)
     )
     if prefill:
-        t1 = t2 = hx.DENSE_TILE
+        t1 = t2 = pre
     elif opt.fc1_tile is not None:
         t1, t2 = opt.fc1_tile, opt.fc2_tile
         for name, tile, kk in (("fc1_tile", t1, h), ("fc2_tile", t2, i)):
@@ -432,9 +442,12 @@ def _plan_w4a8(
     )  # fmt: skip
 
 
-def _pin(kernel: str, r: _Rules, t1: Tile, t2: Tile, static: bool) -> tuple[str, Tile, Tile]:
+def _pin(kernel: str, r: _Rules, t1: Tile, t2: Tile, static: bool, *,
+         pinned: bool = False) -> tuple[str, Tile, Tile]:  # fmt: skip
     """Both GEMMs on ``kernel`` (``Options.gemm``) with the tiles it takes (from the
-    portable tiles ``t1``, ``t2``); raises ``InapplicableOverride`` where it cannot run."""
+    portable tiles ``t1``, ``t2``; ``pinned``: the caller's ``Options.fc1_tile``, whose
+    rows the prefill kernel keeps where it has tiles of them); raises
+    ``InapplicableOverride`` where it cannot run."""
     tgt = r.tgt
 
     def refuse(why: str):
@@ -444,8 +457,10 @@ def _pin(kernel: str, r: _Rules, t1: Tile, t2: Tile, static: bool) -> tuple[str,
         refuse(f"the Gluon kernels do not run on {tgt.name}")
     if kernel == "gluon-prefill":
         if not (prefill_fits(r.i, r.h, True) and prefill_fits(r.h, r.i, False)):
-            refuse("K must be a multiple of 1024 and the outputs of 64 (FC1) and 128 (FC2)")
-        return kernel, hx.DENSE_TILE, hx.DENSE_TILE
+            refuse("K must be a multiple of 256 and the outputs of 64 (FC1) and 128 (FC2)")
+        bm = t1.block_m if pinned and t1.block_m in PREFILL_BLOCKS else r.prefill_tile().block_m
+        tile = replace(hx.DENSE_TILE, block_m=bm)
+        return kernel, tile, tile
     if kernel == "triton-dense" and not tgt.interpret:
         if r.h % 64 or r.i % 64:
             refuse("the decoded-weights tiles need H and I multiples of 64")

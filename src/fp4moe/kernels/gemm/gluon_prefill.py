@@ -43,20 +43,22 @@ from .gluon_common import (
     SCALE_SMEM,
     UNIT,
     X_SMEM3,
+    code_layout3,
     decode_unit,
     decode_unit_e4m3,
     row_globals,
     smem_unit,
     weight_descriptors,
 )
-from .shapes import PREFILL_ROWS, SEGMENT, prefill_fits
+from .shapes import PREFILL_ROWS, SEGMENT, prefill_fits, scale_tma
 
 __all__ = ["BM", "GROUP", "STAGES", "compile_sm90", "prefill_gemm"]
 
-# Token rows a tile (the wgmma N): the schedule's block_m on this path. 64-row tiles (less
-# padding, each weight decoded twice as often) were 1.6x slower: the decode's issue, not
-# the padded MMA, holds the time.
+# Token rows a tile (the wgmma N), the schedule's block_m on this path: 128, or 64 with
+# two programs an SM (128 registers a thread, 100 KB of shared memory each), whose
+# warpgroups hide each other's decode latency.
 BM = PREFILL_ROWS
+PROGRAMS_PER_SM = {64: 2, 128: 1}
 SK = 256  # K elements a ring stage (four units; one scale box of 16 bytes a row)
 SEG = SEGMENT  # K elements a segment
 STAGES = 2  # ring stages in shared memory: 2 x 82 KB (rows 64 KB, codes 16, scales 2)
@@ -73,19 +75,64 @@ X8_SMEM3 = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=
 
 @gluon.jit
 def _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bar, t, b: gl.constexpr, row0, row1,
-           start, BM: gl.constexpr, XE: gl.constexpr = 2):  # fmt: skip
+           start, BM: gl.constexpr, XE: gl.constexpr, SCALE_TMA: gl.constexpr):  # fmt: skip
     """TMA copies of ring stage ``t`` (K from ``t * 256``) into buffer ``b``, completing
-    on ``bar``: the rows [start, start + BM) of the activation (``XE`` bytes an element),
-    and 64 weight rows from ``row0`` and from ``row1`` (codes and scales)."""
+    on ``bar``: the rows [start, start + BM) of the activation (``XE`` bytes an element)
+    and 64 weight rows' codes from ``row0`` and from ``row1``, and their scales with
+    SCALE_TMA. Past K the copies read zeros."""
     XB: gl.constexpr = _SK // 64 * BM * 64 * XE
-    CB: gl.constexpr = 2 * 64 * (_SK // 2) + 2 * 64 * (_SK // 16)
+    if SCALE_TMA:
+        CB: gl.constexpr = 2 * 64 * (_SK // 2) + 2 * 64 * (_SK // 16)
+    else:  # the scales come by pointer loads (``_stage_scales``)
+        CB: gl.constexpr = 2 * 64 * (_SK // 2)
     mbarrier.expect(bar, XB + CB)
     tma.async_copy_global_to_shared(x_desc, [t * (_SK // 64), start, 0], bar, xdst.index(b))
     tma.async_copy_global_to_shared(c_desc, [row0, t * (_SK // 2)], bar, cbuf.index(2 * b))
     tma.async_copy_global_to_shared(c_desc, [row1, t * (_SK // 2)], bar, cbuf.index(2 * b + 1))
-    tma.async_copy_global_to_shared(s_desc, [row0, t * (_SK // 16)], bar, sbuf.index(2 * b))
-    tma.async_copy_global_to_shared(s_desc, [row1, t * (_SK // 16)], bar,
-                                    sbuf.index(2 * b + 1))  # fmt: skip
+    if SCALE_TMA:
+        tma.async_copy_global_to_shared(s_desc, [row0, t * (_SK // 16)], bar, sbuf.index(2 * b))
+        tma.async_copy_global_to_shared(s_desc, [row1, t * (_SK // 16)], bar,
+                                        sbuf.index(2 * b + 1))  # fmt: skip
+
+
+@gluon.jit
+def _stage_scales(s_ptr, row0, row1, rows_total, t, K: gl.constexpr):
+    """The e4m3 scales of ring stage ``t``'s four units for the tile's 128 weight rows
+    (rows 0-63 from ``row0``, 64-127 from ``row1``) by pointer loads, each [128, 4] in
+    ``smem_unit``'s scale layout; zeros past K and past ``rows_total``. For K whose scale
+    rows (K / 16 bytes) are no multiple of 16 bytes, which TMA cannot copy."""
+    SL: gl.constexpr = gl.SliceLayout(2, code_layout3(_TR))
+    r = gl.arange(0, _TR, layout=gl.SliceLayout(1, SL))
+    q = gl.arange(0, 4, layout=gl.SliceLayout(0, SL))
+    wrow = gl.where(r < 64, row0 + r, row1 + r - 64)
+    base = s_ptr + wrow.to(gl.int64)[:, None] * (K // 16)
+    r_ok = (wrow < rows_total)[:, None]
+    out0 = _unit_scales(base, r_ok, t * 16 + q, K)
+    out1 = _unit_scales(base, r_ok, t * 16 + 4 + q, K)
+    out2 = _unit_scales(base, r_ok, t * 16 + 8 + q, K)
+    out3 = _unit_scales(base, r_ok, t * 16 + 12 + q, K)
+    return out0, out1, out2, out3
+
+
+@gluon.jit
+def _unit_scales(base, r_ok, col, K: gl.constexpr):
+    """One unit's scales (columns ``col`` of the rows at ``base``), zeros where masked."""
+    ok = r_ok & (col < K // 16)[None, :]
+    sc = gl.load(base + col[None, :], mask=ok, other=0)
+    return sc.to(gl.float8e4nv, bitcast=True)
+
+
+@gluon.jit
+def _pick(c0, c1, c2, c3, u: gl.constexpr):
+    """Unit ``u``'s scales of a stage's four."""
+    if u == 0:  # noqa: SIM116 (constexpr branches of a jit function)
+        return c0
+    elif u == 1:
+        return c1
+    elif u == 2:
+        return c2
+    else:
+        return c3
 
 
 @gluon.jit
@@ -100,11 +147,82 @@ def _wait(p, pa, A_E4M3: gl.constexpr):
 
 
 @gluon.jit
+def _segment(acc, s, NST: gl.constexpr, NU: gl.constexpr, tdone, x_desc, c_desc, s_desc,
+             s_ptr, rows_total, xr, xdst, cbuf, sbuf, cview, sview, bars, row0, row1, start,
+             K: gl.constexpr, NB: gl.constexpr, BM: gl.constexpr, XE: gl.constexpr,
+             A_E4M3: gl.constexpr, SCALE_TMA: gl.constexpr, A_L: gl.constexpr,
+             MMA: gl.constexpr):  # fmt: skip
+    """Segment ``s`` of a tile: ``NU`` units in ``NST`` ring stages from stage ``s * 4``
+    (the last segment may hold fewer): its sum from zero, added to ``acc``, which is
+    returned. Each unit is decoded while the last unit's wgmma runs; a stage's buffer is
+    refilled (stage + NB) once the next stage's first unit is decoded. ``tdone``: the
+    tiles the program finished before (the ring's phases). Without SCALE_TMA the scales
+    come by pointer loads a stage ahead (``_stage_scales``)."""
+    UPS: gl.constexpr = _SK // UNIT  # units a stage
+    SPS: gl.constexpr = _SEG // _SK  # stages a whole segment
+    NT: gl.constexpr = (K + _SK - 1) // _SK  # stages a tile
+    p = gl.zeros([_TR, BM], gl.float32, layout=MMA)
+    if not SCALE_TMA:
+        n0, n1, n2, n3 = _stage_scales(s_ptr, row0, row1, rows_total, s * SPS, K)
+    for st in gl.static_range(NST):
+        t = s * SPS + st
+        if not SCALE_TMA:  # this stage's scales, and the next stage's loads in flight
+            c0, c1, c2, c3 = n0, n1, n2, n3
+            if st + 1 < NST:
+                n0, n1, n2, n3 = _stage_scales(s_ptr, row0, row1, rows_total, t + 1, K)
+        # the buffer's uses: (NT - st % NB + NB - 1) // NB a tile, st // NB before this one
+        uses = tdone * ((NT - st % NB + NB - 1) // NB) + s * (SPS // NB) + st // NB
+        mbarrier.wait(bars.index(st % NB), uses & 1)
+        for u in gl.static_range(UPS):
+            if st * UPS + u < NU:
+                gc, gs = smem_unit(cview, sview, st * UPS + u, 0, NB, UPS, _TR)
+                if not SCALE_TMA:
+                    gs = _pick(c0, c1, c2, c3, u)
+                if A_E4M3:
+                    a = decode_unit_e4m3(gc, gs, A_L, _TR)
+                else:
+                    a = decode_unit(gc, gs, A_L, _TR)
+                if st + u > 0:
+                    p = _wait(p, pa, A_E4M3)  # noqa: F821
+                    if A_E4M3 and u == 0:
+                        # W4A8: each stage's (256 K's) FP8 sum (its first wgmma starts
+                        # from zero: use_acc off), added to the fp32 sums
+                        acc = acc + p
+                if u == 0:
+                    # the last stage's wgmmas are done (waited above, or at the end of
+                    # the last segment): refill its buffer with stage t - 1 + NB, this
+                    # unit's decode having overlapped its last wgmma
+                    if st > 0:
+                        if t - 1 + NB < NT:
+                            gl.thread_barrier()
+                            fence_async_shared()
+                            _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf,
+                                   bars.index((st - 1) % NB), t - 1 + NB, (st - 1) % NB,
+                                   row0, row1, start, BM, XE, SCALE_TMA)  # fmt: skip
+                    elif s > 0 and t - 1 + NB < NT:
+                        gl.thread_barrier()
+                        fence_async_shared()
+                        _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf,
+                               bars.index((SPS - 1) % NB), t - 1 + NB, (SPS - 1) % NB, row0,
+                               row1, start, BM, XE, SCALE_TMA)  # fmt: skip
+                xb = xr.slice((st % NB * UPS + u) * BM, BM).permute((1, 0))
+                if A_E4M3:
+                    p = warpgroup_mma(a, xb, p, use_acc=u > 0, is_async=True)
+                else:
+                    p = warpgroup_mma(a, xb, p, is_async=True)
+                pa = a  # read by the next unit's wait
+    # the segment's sum is complete
+    p = _wait(p, pa, A_E4M3)
+    return acc + p
+
+
+@gluon.jit
 def prefill_kernel(
     x_desc,  # bf16 [R, K] rows in sorted and unit order as [K/64, R, 64], box [4, BM, 64]
     c_desc,  # uint8 [E * W_ROWS, K/2] codes, box [64, 128] (128-byte swizzle)
-    s_desc,  # uint8 [E * W_ROWS, K/16] e4m3 scale bits, box [64, 16]
-    block_expert_ptr,  # int32 [blocks]: the tile schedule (block_m 128; valid blocks first)
+    s_desc,  # uint8 [E * W_ROWS, K/16] e4m3 scale bits, box [64, 16] (SCALE_TMA)
+    s_ptr,  # the same scale bits by pointer (without SCALE_TMA)
+    block_expert_ptr,  # int32 [blocks]: the tile schedule (block_m rows; valid blocks first)
     block_start_ptr,
     block_end_ptr,
     valid_blocks_ptr,  # int32 [1]: the schedule's valid blocks
@@ -124,11 +242,15 @@ def prefill_kernel(
     NB: gl.constexpr,  # ring stages
     BM: gl.constexpr,  # token rows a tile (the schedule's block_m; the wgmma N)
     A_E4M3: gl.constexpr = False,  # W4A8: e4m3 rows in the unit order, FP8 wgmma
+    E: gl.constexpr = 1,  # experts (the weight rows' bound)
 ):
     UPS: gl.constexpr = _SK // UNIT  # units a stage
     SPS: gl.constexpr = _SEG // _SK  # stages a segment
-    NT: gl.constexpr = K // _SK  # stages a tile
-    NSEG: gl.constexpr = K // _SEG
+    NT: gl.constexpr = (K + _SK - 1) // _SK  # stages a tile (the last may be partial)
+    NSEG: gl.constexpr = K // _SEG  # whole segments
+    TAIL_U: gl.constexpr = (K % _SEG) // UNIT  # units of a last, partial segment
+    gl.static_assert(K % UNIT == 0, "K is a multiple of a unit")
+    SCALE_TMA: gl.constexpr = (K // 16) % 16 == 0  # scale rows TMA can copy
     gl.static_assert(SPS % NB == 0, "the ring's buffers divide a segment's stages")
     if GATED:
         TN: gl.constexpr = 64  # outputs a tile: gate rows 0-63, up rows 64-127
@@ -136,7 +258,8 @@ def prefill_kernel(
     else:
         TN: gl.constexpr = _TR
         W_ROWS: gl.constexpr = N
-    NTILES: gl.constexpr = N // TN
+    NTILES: gl.constexpr = (N + TN - 1) // TN  # FC2's last tile may pass N (masked)
+    rows_total = E * W_ROWS
 
     ROW_SCALE: gl.constexpr = A_FP4 or A_E4M3  # a scale a row multiplies the sums
     if A_E4M3:
@@ -190,54 +313,20 @@ def prefill_kernel(
         else:
             row0 = e * W_ROWS + pid_n * _TR
             row1 = row0 + 64
-        for st in gl.static_range(NB):
+        for st in gl.static_range(min(NB, NT)):
             _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bars.index(st), st, st, row0,
-                   row1, start, BM, XE)  # fmt: skip
-        base = (w - pid) // nprog * (NT // NB)  # the ring's uses before this tile
+                   row1, start, BM, XE, SCALE_TMA)  # fmt: skip
+        tdone = (w - pid) // nprog  # tiles this program finished before this one
         acc = gl.zeros([_TR, BM], gl.float32, layout=MMA)
         for s in range(NSEG):
-            p = gl.zeros([_TR, BM], gl.float32, layout=MMA)
-            for st in gl.static_range(SPS):
-                t = s * SPS + st
-                mbarrier.wait(bars.index(st % NB), (base + s * (SPS // NB) + st // NB) & 1)
-                for u in gl.static_range(UPS):
-                    gc, gs = smem_unit(cview, sview, st * UPS + u, 0, NB, UPS, _TR)
-                    if A_E4M3:
-                        a = decode_unit_e4m3(gc, gs, A_L, _TR)
-                    else:
-                        a = decode_unit(gc, gs, A_L, _TR)
-                    if st + u > 0:
-                        p = _wait(p, pa, A_E4M3)  # noqa: F821
-                        if A_E4M3 and u == 0:
-                            # W4A8: each stage's (256 K's) FP8 sum (its first wgmma
-                            # starts from zero: use_acc off), added to the fp32 sums
-                            acc = acc + p
-                    if u == 0:
-                        # the last stage's wgmmas are done (waited above, or at the end
-                        # of the last segment): refill its buffer with stage t - 1 + NB,
-                        # this unit's decode having overlapped its last wgmma
-                        if st > 0:
-                            if t - 1 + NB < NT:
-                                gl.thread_barrier()
-                                fence_async_shared()
-                                _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf,
-                                       bars.index((st - 1) % NB), t - 1 + NB, (st - 1) % NB,
-                                       row0, row1, start, BM, XE)  # fmt: skip
-                        elif s > 0 and t - 1 + NB < NT:
-                            gl.thread_barrier()
-                            fence_async_shared()
-                            _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf,
-                                   bars.index((SPS - 1) % NB), t - 1 + NB, (SPS - 1) % NB,
-                                   row0, row1, start, BM, XE)  # fmt: skip
-                    xb = xr.slice((st % NB * UPS + u) * BM, BM).permute((1, 0))
-                    if A_E4M3:
-                        p = warpgroup_mma(a, xb, p, use_acc=u > 0, is_async=True)
-                    else:
-                        p = warpgroup_mma(a, xb, p, is_async=True)
-                    pa = a  # read by the next unit's wait
-            # the segment's sum is complete
-            p = _wait(p, pa, A_E4M3)
-            acc = acc + p
+            acc = _segment(acc, s, SPS, SPS * UPS, tdone, x_desc, c_desc, s_desc, s_ptr,
+                           rows_total, xr, xdst, cbuf, sbuf, cview, sview, bars, row0, row1,
+                           start, K, NB, BM, XE, A_E4M3, SCALE_TMA, A_L, MMA)  # fmt: skip
+        if TAIL_U > 0:  # the last, partial segment (K not a multiple of 1024)
+            acc = _segment(acc, NSEG, (TAIL_U + UPS - 1) // UPS, TAIL_U, tdone, x_desc, c_desc,
+                           s_desc, s_ptr, rows_total, xr, xdst, cbuf, sbuf, cview, sview, bars,
+                           row0, row1, start, K, NB, BM, XE, A_E4M3, SCALE_TMA, A_L,
+                           MMA)  # fmt: skip
         gl.thread_barrier()  # every wgmma reading the ring is done before the epilogue
 
         # ---- epilogue (the portable epilogue's operations): the tile through shared memory
@@ -301,6 +390,7 @@ def prefill_gemm(
     fused: bool = False,
     a_global: torch.Tensor | None = None,
     a_gather: bool = False,
+    block_m: int = BM,
 ) -> None:
     """One grouped GEMM on ``prefill_kernel``.
 
@@ -313,20 +403,23 @@ def prefill_gemm(
         codes, scales: one GEMM's weights, uint8 [E, W_ROWS, K/2] and float8_e4m3fn
             [E, W_ROWS, K/16] (W_ROWS = 2 * n gated, else n).
         w_global: fp32 [E, 2] (gated) or [E]. block_*: ``sort_routes``' schedule with
-            block_m ``BM`` (128), and its ``valid_blocks`` (int32 [1]).
+            ``block_m`` rows a block (64 or 128), and its ``valid_blocks`` (int32 [1]).
         out: bf16 [R, n] rows in sorted order, or with ``fused`` fp32 [T, n] that
             router weight times y of each valid route is added into (``topk_w`` fp32
             [T * topk], ``sorted_routes`` int32 [T * topk]).
         out_scale: the decodes' powers of two to undo (2^8; 2^16 for W4A4; 8 for W4A8).
-        sm_count: the device's SMs (one persistent program each).
+        sm_count: the device's SMs (one persistent program each, two with 64-row
+            blocks).
         a_global: fp32 per row of the activation (W4A4's globals, W4A8's scales), by
             token when ``a_gather`` (the sorted routes' token rows: ``sorted_routes``
             needed).
     """
     k = xs.shape[1]
     if not prefill_fits(n, k, gated):
-        raise ValueError(f"prefill_gemm: needs K % {SEG} == 0 and n % {64 if gated else TR} "
-                         f"== 0, got K {k}, n {n}")  # fmt: skip
+        raise ValueError(f"prefill_gemm: needs K and n multiples of 64, got K {k}, n {n}")
+    if block_m not in PROGRAMS_PER_SM:
+        raise ValueError(f"prefill_gemm: block_m must be one of {sorted(PROGRAMS_PER_SM)}, "
+                         f"got {block_m}")  # fmt: skip
     e4m3 = xs.dtype == torch.float8_e4m3fn
     if xs.dtype not in (torch.bfloat16, torch.float8_e4m3fn) or not xs.is_contiguous():
         raise ValueError(f"prefill_gemm: xs must be contiguous bf16 or e4m3, got {xs.dtype}")
@@ -338,35 +431,42 @@ def prefill_gemm(
         raise ValueError("prefill_gemm: fused needs topk_w")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    c_desc, s_desc = weight_descriptors(codes, scales)
+    if scale_tma(k):
+        c_desc, s_desc = weight_descriptors(codes, scales)
+    else:  # scale rows TMA cannot copy: loaded by pointer (any descriptor fills s_desc)
+        c2 = codes.reshape(-1, k // 2)
+        c_desc = TensorDescriptor.from_tensor(c2, [64, SK // 2], CODE_SMEM)
+        s_desc = TensorDescriptor.from_tensor(c2, [64, 16], SCALE_SMEM)
     x_desc = TensorDescriptor(xs, [k // 64, xs.shape[0], 64], [64, k, 1],
-                              [SK // 64, BM, 64], X8_SMEM3 if e4m3 else X_SMEM3)  # fmt: skip
-    tiles = n // (64 if gated else TR)
-    grid = (max(1, min(sm_count, tiles * block_expert.numel())),)
+                              [SK // 64, block_m, 64], X8_SMEM3 if e4m3 else X_SMEM3)  # fmt: skip
+    tiles = -(-n // (64 if gated else TR))
+    per_sm = PROGRAMS_PER_SM[block_m]
+    grid = (max(1, min(per_sm * sm_count, tiles * block_expert.numel())),)
+    regs = {} if per_sm == 1 else {"maxnreg": 65536 // (per_sm * 256)}
     dummy = w_global
     prefill_kernel[grid](
-        x_desc, c_desc, s_desc, block_expert, block_start, block_end, valid_blocks,
-        sorted_routes if sorted_routes is not None else block_end, w_global,
+        x_desc, c_desc, s_desc, scales.view(torch.uint8), block_expert, block_start, block_end,
+        valid_blocks, sorted_routes if sorted_routes is not None else block_end, w_global,
         topk_w if fused else dummy, a_global if a_global is not None else dummy, out,
         N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=a_gather, FUSED=fused,
-        OUT_SCALE=out_scale, A_FP4=a_global is not None and not e4m3, NB=STAGES, BM=BM,
-        A_E4M3=e4m3, num_warps=8,
+        OUT_SCALE=out_scale, A_FP4=a_global is not None and not e4m3, NB=STAGES, BM=block_m,
+        A_E4M3=e4m3, E=codes.shape[0], num_warps=8, **regs,
     )  # fmt: skip
 
 
 def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: bool = False,
-                 a_e4m3: bool = False):  # fmt: skip
+                 a_e4m3: bool = False, block_m: int = BM):  # fmt: skip
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``)."""
     ptrs = {
-        "block_expert_ptr": "*i32", "block_start_ptr": "*i32", "block_end_ptr": "*i32",
-        "valid_blocks_ptr": "*i32", "sorted_routes_ptr": "*i32", "w_global_ptr": "*fp32",
-        "topk_w_ptr": "*fp32", "a_global_ptr": "*fp32",
+        "s_ptr": "*u8", "block_expert_ptr": "*i32", "block_start_ptr": "*i32",
+        "block_end_ptr": "*i32", "valid_blocks_ptr": "*i32", "sorted_routes_ptr": "*i32",
+        "w_global_ptr": "*fp32", "topk_w_ptr": "*fp32", "a_global_ptr": "*fp32",
         "out_ptr": "*fp32" if fused else "*bf16",
     }  # fmt: skip
     descs = {
-        "x_desc": f"tensordesc<fp8e4nv[{SK // 64}, {BM}, 64],{X8_SMEM3!r}>"
+        "x_desc": f"tensordesc<fp8e4nv[{SK // 64}, {block_m}, 64],{X8_SMEM3!r}>"
         if a_e4m3
-        else f"tensordesc<bf16[{SK // 64}, {BM}, 64],{X_SMEM3!r}>",
+        else f"tensordesc<bf16[{SK // 64}, {block_m}, 64],{X_SMEM3!r}>",
         "c_desc": f"tensordesc<u8[64, {SK // 2}],{CODE_SMEM!r}>",
         "s_desc": f"tensordesc<u8[64, 16],{SCALE_SMEM!r}>",
     }
@@ -380,8 +480,11 @@ def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: boo
         OUT_SCALE=8.0 if a_e4m3 else 2.0**16 if a_fp4 else 2.0**8,
         A_FP4=a_fp4,
         NB=STAGES,
-        BM=BM,
+        BM=block_m,
         A_E4M3=a_e4m3,
+        E=32,
     )
+    per_sm = PROGRAMS_PER_SM[block_m]
+    regs = {} if per_sm == 1 else {"maxnreg": 65536 // (per_sm * 256)}
     return common_compile_sm90(prefill_kernel, ptrs, const, gluon=True, descs=descs,
-                               num_warps=8)  # fmt: skip
+                               num_warps=8, **regs)  # fmt: skip

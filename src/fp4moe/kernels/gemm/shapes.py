@@ -3,10 +3,20 @@ the launchers' input checks and the planner."""
 
 from __future__ import annotations
 
-__all__ = ["FP8_GROUP", "SEGMENT", "gluon_decode_fits", "k_order", "max_blocks", "prefill_fits"]
+__all__ = [
+    "FP8_GROUP",
+    "PREFILL_BLOCKS",
+    "SEGMENT",
+    "gluon_decode_fits",
+    "k_order",
+    "max_blocks",
+    "prefill_fits",
+    "scale_tma",
+]
 
 SEGMENT = 1024  # K elements a segment of the main loop, the same for every kernel family
 PREFILL_ROWS = 128  # token rows a tile of the prefill kernel (its schedule's block_m)
+PREFILL_BLOCKS = (64, PREFILL_ROWS)  # the prefill kernel's tile rows
 # W4A8's accumulation: the FP8 products of each FP8_GROUP K are summed in the tensor cores
 # from zero, and the group sums added to fp32 sums in K order, in every kernel family (a
 # longer chain loses precision in the tensor cores' FP8 accumulator)
@@ -33,12 +43,20 @@ def gluon_decode_fits(k: int, block_m: int, block_k: int, whole: bool = False) -
 
 
 def prefill_fits(n: int, k: int, gated: bool) -> bool:
-    """Whether the Gluon prefill kernel takes a GEMM of ``n`` outputs and K = ``k``: whole
-    1024-K segments, and whole 64-row (gated) or 128-row weight tiles."""
-    return k % SEGMENT == 0 and n % (64 if gated else 128) == 0
+    """Whether the Gluon prefill kernel takes a GEMM of ``n`` outputs and K = ``k``: K in
+    whole 64-element units (the last 1024-K segment and 256-K stage may be partial) and
+    ``n`` in 64-row weight tiles (a GEMM that is not ``gated`` runs 128-row tiles, the
+    last one masked past ``n``)."""
+    return k > 0 and k % 64 == 0 and n > 0 and n % 64 == 0
 
 
 def max_blocks(num_routes: int, num_experts: int, block_m: int) -> int:
     """The row blocks of a call's tile schedule (``sort.sort_routes``): an upper bound of
     sum over experts of cdiv(rows, block_m), known on the host without a sync."""
     return -(-num_routes // block_m) + min(num_experts, num_routes)
+
+
+def scale_tma(k: int) -> bool:
+    """Whether TMA can copy the scale rows of a GEMM of inner size ``k`` (K / 16 bytes, a
+    multiple of 16); the prefill kernel loads them by pointer otherwise."""
+    return (k // 16) % 16 == 0
