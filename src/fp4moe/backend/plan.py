@@ -5,8 +5,8 @@ workspace accounting, expert parallelism, the bench, ``fp4moe plan``).
 Regimes, by the expected valid rows an expert (``Plan.valid_rows``; heuristics.py has the
 thresholds and their measurements): decode (a few rows: K split over many programs, the
 split Gluon kernel with 8-row tiles on Hopper), middle (the whole-K Gluon kernel with 16-
-or 32-row tiles, else the portable loop), prefill (the Gluon prefill kernel with 128-row
-tiles, else the weights decoded to bf16 once a call). Every kernel family computes the
+or 32-row tiles, else the portable loop), prefill (the Gluon prefill kernel with 64- or
+128-row tiles, else the weights decoded to bf16 once a call). Every kernel family computes the
 same sums in the same order, so the bits do not depend on the plan.
 """
 
@@ -457,7 +457,7 @@ def _pin(kernel: str, r: _Rules, t1: Tile, t2: Tile, static: bool, *,
         refuse(f"the Gluon kernels do not run on {tgt.name}")
     if kernel == "gluon-prefill":
         if not (prefill_fits(r.i, r.h, True) and prefill_fits(r.h, r.i, False)):
-            refuse("K must be a multiple of 256 and the outputs of 64 (FC1) and 128 (FC2)")
+            refuse("H and I must be multiples of 64")
         bm = t1.block_m if pinned and t1.block_m in PREFILL_BLOCKS else r.prefill_tile().block_m
         tile = replace(hx.DENSE_TILE, block_m=bm)
         return kernel, tile, tile

@@ -1,6 +1,6 @@
 """The prefill grouped GEMMs in Gluon (Hopper): the weights decoded in registers straight
-into the wgmma A fragment, 128 token rows a tile, the whole K in one program, with the
-portable loop's operands, order and sums (``gluon-prefill``).
+into the wgmma A fragment, 64 or 128 token rows a tile, the whole K in one program, with
+the portable loop's operands, order and sums (``gluon-prefill``).
 
 Decoding every expert's weights to bf16 in HBM once a call and running a bf16 GEMM on
 them (the portable decoded-weights path) costs DeepSeek-V3 EP8 at 8192 tokens 1.07 ms of
@@ -8,15 +8,20 @@ a 3.6 ms call on the H200 (0.79 GB read, 2.8 GB written, 2.8 GB read again). Her
 program decodes its weight tile once for 128 rows, in registers: no decoded weight
 touches HBM (the call takes 2.3 ms).
 
-A program (8 warps, two warpgroups) owns a weight tile of 128 rows and one 128-row block
-of the tile schedule (``sort_routes`` with ``block_m`` 128), persistent over the tiles of
-the valid blocks in a grouped raster (``GROUP`` blocks sweep the weight tiles together, so
+A program (8 warps, two warpgroups) owns a weight tile of 128 rows and one block of the
+tile schedule (``sort_routes`` with ``block_m`` 64 or 128: the wgmma N; with 64 two
+programs share an SM, 128 registers a thread), persistent over the tiles of the valid
+blocks in a grouped raster (``GROUP`` blocks sweep the weight tiles together, so
 their activation rows stay in L2). FC1's 128 rows are 64 gate rows and the 64 up rows of
 the same outputs (warpgroup 0 and 1), FC2's 128 consecutive rows. A ring of ``STAGES``
 stages of 256 K in shared memory holds, per stage, the activation rows (one TMA box [4
-units, 128 rows, 64] of rows already in sorted and unit order, ``dense_rows(order=64)``),
-the codes (two [64, 128-byte] boxes, 128-byte swizzle) and the scales (two [64, 16]
-boxes). Each 64-K unit is decoded (``gluon_common.decode_unit``) while the last unit's
+units, block rows, 64] of rows already in sorted and unit order,
+``dense_rows(order=64)``), the codes (two [64, 128-byte] boxes, 128-byte swizzle) and the
+scales (two [64, 16] boxes; where the scale rows, K / 16 bytes, are no multiple of 16
+bytes, which TMA cannot copy, pointer loads a stage ahead instead). K is a multiple of 64:
+the last segment and its last stage may be partial (the copies read zeros past K and the
+missing units are skipped), and FC2's last weight tile may pass N (its rows masked).
+Each 64-K unit is decoded (``gluon_common.decode_unit``) while the last unit's
 wgmma runs; a stage's buffer is refilled once the next stage's first unit is decoded (that
 decode overlapping the stage's last wgmma). A 1024-K segment's sum starts from zero and
 is added to the tile's running sums in segment order, ((0 + P_0) + P_1) + ...: the same
