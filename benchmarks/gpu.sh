@@ -8,6 +8,10 @@
 #   bash benchmarks/gpu.sh compare BASE [ARGS]   this tree against BASE (a git revision, or a
 #                                                folder holding fp4moe_base): bits and speed
 #   bash benchmarks/gpu.sh ep                    the expert-parallel tests and bench (2 GPUs)
+#   bash benchmarks/gpu.sh peers [PRESET ...]    fp4moe bench beside triton_kernels' MXFP4 MoE
+#                                                (../shared/peers copied to .peers) in one call
+#                                                a preset; the tables in $OUT/peers.md, the
+#                                                files in $OUT/peers.tgz
 #
 # Logs and results go to $OUT (the device tool's folder) or ./gpu-out.
 set -uo pipefail
@@ -65,8 +69,34 @@ ep)
     python3 -m fp4moe bench --ep 2 --preset deepseek-v3-ep8 --num-tokens 1 16 256 1024 \
         --out "$OUT/bench-ep" 2>&1 | tee "$OUT/ep-bench.log" | tail -30
     ;;
+peers)
+    dir="${PEERS_DIR:-.peers}"
+    if [ ! -f "$dir/bench_peers.py" ]; then
+        echo "gpu.sh peers: copy ../shared/peers to $dir (its README says how)" >&2
+        exit 2
+    fi
+    [ $# -eq 0 ] && set -- deepseek-v3-ep8 qwen3-30b-a3b mixtral-8x7b gpt-oss-120b-shape
+    tokens=(1 8 16 64 128 256 512 1024 2048 4096)
+    rc=0
+    for preset in "$@"; do
+        d="$OUT/peers/$preset"
+        mkdir -p "$d"
+        python3 -m fp4moe bench --preset "$preset" --modes w4a16 w4a4-token --no-baseline \
+            --finalize unfused --num-tokens "${tokens[@]}" --iters 10 --rounds 3 --out "$d" \
+            >"$d/bench.log" 2>&1 &&
+            python3 "$dir/bench_peers.py" --preset "$preset" --fp4moe-src src --peers tk-mxfp4 \
+                --num-tokens "${tokens[@]}" --iters 10 --rounds 3 --out "$d/peers.csv" \
+                >"$d/peers.log" 2>&1 &&
+            python3 benchmarks/peers_table.py "$d/bench.json" "$d/peers.csv" |
+            tee -a "$OUT/peers.md" || { echo "gpu.sh peers: $preset failed (logs in peers.tgz)"
+                rc=1
+            }
+    done
+    tar czf "$OUT/peers.tgz" -C "$OUT" peers && rm -rf "$OUT/peers"
+    exit $rc
+    ;;
 *)
-    sed -n '2,12p' "$0"
+    sed -n '2,16p' "$0"
     exit 2
     ;;
 esac
