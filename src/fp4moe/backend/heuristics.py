@@ -69,10 +69,9 @@ GLUON_SPLIT_MAX_ROWS = 4.0
 # tokens 323 -> 301 us, Kimi-K2 EP8 at 192 tokens 396 -> 370).
 WHOLE_K_FROM_ROWS = 3.5
 # GEMMs the portable loop would run unsplit take the whole-K Gluon kernel up to this many
-# rows where the prefill kernel does not take the call (where it does, it runs above
-# PREFILL_ABOVE_ROWS) (DeepSeek-V3 EP8 256 / 512 / 768 tokens 475 / 794 / 844 -> 435 / 581 / 806 us;
+# rows (DeepSeek-V3 EP8 256 / 512 / 768 tokens 475 / 794 / 844 -> 435 / 581 / 806 us;
 # Mixtral-8x7B 64 tokens 545 -> 492); at 32 rows many experts hold two 32-row blocks and
-# it loses.
+# it loses. Where the prefill kernel takes the call it runs from PREFILL_ABOVE_ROWS.
 WHOLE_K_MAX_ROWS = 28.0
 # Above this, the whole-K tiles are 32 rows instead of 16 (each weight decoded once for up
 # to 32 rows): DeepSeek-V3 EP8 896 tokens 847 -> 766 us, Mixtral-8x7B 112 tokens 724 ->

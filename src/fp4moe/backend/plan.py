@@ -6,8 +6,8 @@ Regimes, by the expected valid rows an expert (``Plan.valid_rows``; heuristics.p
 thresholds and their measurements): decode (a few rows: K split over many programs, the
 split Gluon kernel with 8-row tiles on Hopper), middle (the whole-K Gluon kernel with 16-
 or 32-row tiles, else the portable loop), prefill (the Gluon prefill kernel with 64- or
-128-row tiles, else the weights decoded to bf16 once a call). Every kernel family computes the
-same sums in the same order, so the bits do not depend on the plan.
+128-row tiles, else the weights decoded to bf16 once a call). Every kernel family computes
+the same sums in the same order, so the bits do not depend on the plan.
 """
 
 from __future__ import annotations
