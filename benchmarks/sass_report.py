@@ -59,7 +59,7 @@ def compile_gemm(plan, which: str):
         )  # fmt: skip
     if g.kernel == "gluon-prefill":
         return gluon_prefill.compile_sm90(n=n, k=k, gated=gated, fused=fused, a_fp4=a_fp4,
-                                          a_e4m3=e4m3)  # fmt: skip
+                                          a_e4m3=e4m3, block_m=g.tile.block_m)  # fmt: skip
     t = g.tile
     return portable.compile_sm90(
         n=n, k=k, gated=gated, tile=(t.block_m, t.block_n, t.block_k, t.num_warps,
