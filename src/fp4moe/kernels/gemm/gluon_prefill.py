@@ -246,8 +246,9 @@ def prefill_kernel(
     A_FP4: gl.constexpr,
     NB: gl.constexpr,  # ring stages
     BM: gl.constexpr,  # token rows a tile (the schedule's block_m; the wgmma N)
-    A_E4M3: gl.constexpr = False,  # W4A8: e4m3 rows in the unit order, FP8 wgmma
-    E: gl.constexpr = 1,  # experts (the weight rows' bound)
+    A_E4M3: gl.constexpr,  # W4A8: e4m3 rows in the unit order, FP8 wgmma
+    E: gl.constexpr,  # experts (the weight rows' bound)
+    SCALE_TMA: gl.constexpr,  # the scales by TMA, else by pointer (``shapes.scale_tma``)
 ):
     UPS: gl.constexpr = _SK // UNIT  # units a stage
     SPS: gl.constexpr = _SEG // _SK  # stages a segment
@@ -255,7 +256,6 @@ def prefill_kernel(
     NSEG: gl.constexpr = K // _SEG  # whole segments
     TAIL_U: gl.constexpr = (K % _SEG) // UNIT  # units of a last, partial segment
     gl.static_assert(K % UNIT == 0, "K is a multiple of a unit")
-    SCALE_TMA: gl.constexpr = (K // 16) % 16 == 0  # scale rows TMA can copy
     gl.static_assert(SPS % NB == 0, "the ring's buffers divide a segment's stages")
     if GATED:
         TN: gl.constexpr = 64  # outputs a tile: gate rows 0-63, up rows 64-127
@@ -445,9 +445,7 @@ def prefill_gemm(
     x_desc = TensorDescriptor(xs, [k // 64, xs.shape[0], 64], [64, k, 1],
                               [SK // 64, block_m, 64], X8_SMEM3 if e4m3 else X_SMEM3)  # fmt: skip
     tiles = -(-n // (64 if gated else TR))
-    per_sm = PROGRAMS_PER_SM[block_m]
-    grid = (max(1, min(per_sm * sm_count, tiles * block_expert.numel())),)
-    regs = {} if per_sm == 1 else {"maxnreg": 65536 // (per_sm * 256)}
+    grid = (max(1, min(PROGRAMS_PER_SM[block_m] * sm_count, tiles * block_expert.numel())),)
     dummy = w_global
     prefill_kernel[grid](
         x_desc, c_desc, s_desc, scales.view(torch.uint8), block_expert, block_start, block_end,
@@ -455,7 +453,7 @@ def prefill_gemm(
         topk_w if fused else dummy, a_global if a_global is not None else dummy, out,
         N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=a_gather, FUSED=fused,
         OUT_SCALE=out_scale, A_FP4=a_global is not None and not e4m3, NB=STAGES, BM=block_m,
-        A_E4M3=e4m3, E=codes.shape[0], num_warps=8, **regs,
+        A_E4M3=e4m3, E=codes.shape[0], SCALE_TMA=scale_tma(k), **_launch_options(block_m),
     )  # fmt: skip
 
 
@@ -488,8 +486,15 @@ def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: boo
         BM=block_m,
         A_E4M3=a_e4m3,
         E=32,
+        SCALE_TMA=scale_tma(k),
     )
-    per_sm = PROGRAMS_PER_SM[block_m]
-    regs = {} if per_sm == 1 else {"maxnreg": 65536 // (per_sm * 256)}
     return common_compile_sm90(prefill_kernel, ptrs, const, gluon=True, descs=descs,
-                               num_warps=8, **regs)  # fmt: skip
+                               **_launch_options(block_m))  # fmt: skip
+
+
+def _launch_options(block_m: int) -> dict:
+    """The launch's warps, and its register cap where programs share an SM (65536
+    registers an SM over their threads)."""
+    per_sm = PROGRAMS_PER_SM[block_m]
+    cap = {} if per_sm == 1 else {"maxnreg": 65536 // (per_sm * 256)}
+    return {"num_warps": 8, **cap}
