@@ -294,6 +294,12 @@ def test_w4a8_pins():
     p = plan_call(16, 8, 32, 7168, 2048, mode="w4a8", options=Options(gemm="gluon-prefill"),
                   target=H200)  # fmt: skip
     assert p.fc1.kernel == p.fc2.kernel == "gluon-prefill" and p.block_m == 64
+    for t in (1024, 2048):  # the pin alone takes the rows the planner's W4A8 rule gives
+        auto = plan_call(t, 8, 32, 7168, 2048, mode="w4a8", target=H200,
+                         options=Options(valid_fraction=1 / 8))  # fmt: skip
+        pin = plan_call(t, 8, 32, 7168, 2048, mode="w4a8", target=H200,
+                        options=Options(valid_fraction=1 / 8, gemm="gluon-prefill"))  # fmt: skip
+        assert auto.fc1.kernel == "gluon-prefill" and pin.block_m == auto.block_m
     wide = Tile(128, 128, 64, 8, 3)  # a pinned tile's rows where the prefill kernel has them
     p = plan_call(16, 8, 32, 7168, 2048, mode="w4a8", target=H200,
                   options=Options(gemm="gluon-prefill", fc1_tile=wide, fc2_tile=wide))  # fmt: skip

@@ -402,8 +402,9 @@ def _plan_w4a8(
     fits = r.prefill_both()
     pre = r.prefill_tile(w4a8=True)
     if opt.gemm == "gluon-prefill":  # refused where the prefill kernel cannot run
-        pins = (opt.fc1_tile, opt.fc2_tile) if opt.fc1_tile is not None else (pre, pre)
-        _, pre, _ = _pin(opt.gemm, r, *pins, False, pinned=opt.fc1_tile is not None)
+        pinned = opt.fc1_tile is not None
+        tile = opt.fc1_tile if pinned else pre
+        _, pre, _ = _pin(opt.gemm, r, tile, tile, False, pinned=pinned, w4a8=True)
     prefill = r.routes > 0 and (
         opt.gemm == "gluon-prefill"
         or (opt.gemm is None and fits and valid > hx.W4A8_PREFILL_ABOVE_ROWS)
@@ -443,11 +444,11 @@ def _plan_w4a8(
 
 
 def _pin(kernel: str, r: _Rules, t1: Tile, t2: Tile, static: bool, *,
-         pinned: bool = False) -> tuple[str, Tile, Tile]:  # fmt: skip
+         pinned: bool = False, w4a8: bool = False) -> tuple[str, Tile, Tile]:  # fmt: skip
     """Both GEMMs on ``kernel`` (``Options.gemm``) with the tiles it takes (from the
     portable tiles ``t1``, ``t2``; ``pinned``: the caller's ``Options.fc1_tile``, whose
-    rows the prefill kernel keeps where it has tiles of them); raises
-    ``InapplicableOverride`` where it cannot run."""
+    rows the prefill kernel keeps where it has tiles of them, else its rows by the plan's
+    rule, W4A8's with ``w4a8``); raises ``InapplicableOverride`` where it cannot run."""
     tgt = r.tgt
 
     def refuse(why: str):
@@ -458,7 +459,8 @@ def _pin(kernel: str, r: _Rules, t1: Tile, t2: Tile, static: bool, *,
     if kernel == "gluon-prefill":
         if not (prefill_fits(r.i, r.h, True) and prefill_fits(r.h, r.i, False)):
             refuse("H and I must be multiples of 64")
-        bm = t1.block_m if pinned and t1.block_m in PREFILL_BLOCKS else r.prefill_tile().block_m
+        keep = pinned and t1.block_m in PREFILL_BLOCKS
+        bm = t1.block_m if keep else r.prefill_tile(w4a8).block_m
         tile = replace(hx.DENSE_TILE, block_m=bm)
         return kernel, tile, tile
     if kernel == "triton-dense" and not tgt.interpret:
