@@ -218,7 +218,8 @@ class _Rules:
         interp = self.tgt.interpret
         if pins is None and self.dense() and not interp and self.h % 64 == 0 and self.i % 64 == 0:
             if self.prefill_both():
-                return self.prefill_tile(), self.prefill_tile()
+                tile = self.prefill_tile()
+                return tile, tile
             return hx.DENSE_TILE, hx.DENSE_TILE
         if pins is not None:
             return pins
