@@ -101,9 +101,11 @@ def test_sort_invariants(interpret, device, t, k, e, bm, masked, use_kernel):
 
 
 @pytest.mark.kernel
-def test_sort_invariants_many_routes(interpret, device):
-    """2104 routes: 4 a sort program (the kernel's largest batches)."""
-    _sort_invariants(device, 263, 8, 32, 8, 0.3, True)
+@pytest.mark.parametrize("t,k,e,bm", [(263, 8, 32, 8), (1200, 8, 200, 16)])
+def test_sort_invariants_many_routes(interpret, device, t, k, e, bm):
+    """2104 routes (17 sort programs, one histogram step each) and 9600 (two steps of
+    8192 routes, 200 experts)."""
+    _sort_invariants(device, t, k, e, bm, 0.3, True)
 
 
 def _sort_invariants(device, t, k, e, bm, masked, use_kernel):

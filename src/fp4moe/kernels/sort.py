@@ -17,11 +17,12 @@ Given top-k ids [T, K] (negative = masked), produce:
 Two implementations with the same outputs, both without a host sync (capturable in a
 CUDA graph); an expert with no rows gets no block:
 
-- ``sort_routes_kernel``, one Triton launch (the planner takes it up to 4096 routes),
-  instead of the ~35 small torch kernels below, which cost about 70 us in a CUDA graph at
-  1 token and about 90 us at 2048 routes on the H200. Each program places 16 routes (8
-  above 1024 routes, 4 above 2048) and writes as many tile-schedule entries; it
-  histograms all the routes itself, so the programs never wait on each other.
+- ``sort_routes_kernel``, one Triton launch, instead of the ~35 small torch kernels below,
+  which cost about 70 us in a CUDA graph at 1 token and about 90 us at 2048 routes on the
+  H200. Each program places 16 routes (128 above 1024) and writes as many tile-schedule
+  entries; it histograms all the routes itself (in steps of 8192 above 4096 routes), so
+  the programs never wait on each other. Its cost grows as the square of the routes
+  over 128: the planner takes it up to ``SORT_KERNEL_MAX_ROUTES``.
 - torch ops (stable sort, scatter-add, cumsum, searchsorted; no ``nonzero``, ``bincount``
   or ``.item()``) for larger batches, where their cost is small against the GEMMs.
 """
@@ -40,10 +41,17 @@ __all__ = ["RouteSort", "max_blocks", "sort_routes", "sort_routes_reference"]
 
 
 def _chunk(n: int) -> int:
-    """Routes (and schedule entries) a program of ``sort_routes_kernel`` places: 16 up to
-    1024 routes, fewer above, so that a program's rank matrix ([chunk, N] compares) stays
-    at 16K entries."""
-    return 16 if n <= 1024 else 8 if n <= 2048 else 4
+    """Routes (and tile-schedule entries) a program of ``sort_routes_kernel`` places (the
+    stable rank among them is a [chunk, chunk] compare): 16 up to 1024 routes, so that
+    small batches spread over many short programs, 128 above."""
+    return 16 if n <= 1024 else 128
+
+
+def _piece(n: int, chunk: int) -> tuple[int, int]:
+    """(routes a program histograms at a time, warps): the whole batch in one step up to
+    4096 routes, steps of 8192 over 8 warps above."""
+    np2 = triton.next_power_of_2(max(n, 1))
+    return (max(np2, chunk), 4) if np2 <= 4096 else (8192, 8)
 
 
 @dataclass(frozen=True)
@@ -138,10 +146,14 @@ def _sort_routes_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -
 
 
 @triton.jit
-def _gather_small(table, idx, SIZE: tl.constexpr):
-    """table[idx] for a small register vector ``table`` [SIZE] and indices idx [M]."""
-    cols = tl.arange(0, SIZE)
-    return tl.sum(tl.where(cols[None, :] == idx[:, None], table[None, :], 0), axis=1)
+def _take(table, idx, SIZE: tl.constexpr, SELECT: tl.constexpr):
+    """table[idx] for a register vector ``table`` [SIZE] and indices idx [M]: by selects
+    and a sum where [M, SIZE] is small (no shared-memory round trip), else ``tl.gather``."""
+    if SELECT:
+        cols = tl.arange(0, SIZE)
+        return tl.sum(tl.where(cols[None, :] == idx[:, None], table[None, :], 0), axis=1)
+    else:
+        return tl.gather(table, idx, 0)
 
 
 @triton.jit
@@ -162,51 +174,63 @@ def sort_routes_kernel(
     NZ,
     ZPER,  # elements of zero_ptr each program clears
     E: tl.constexpr,
-    EP: tl.constexpr,  # power of two > E (bin E collects masked routes and padding)
-    NP: tl.constexpr,  # power of two >= N
+    EP: tl.constexpr,  # power of two > E (bin E collects masked routes)
     BM: tl.constexpr,
     CHUNK: tl.constexpr,
+    PIECE: tl.constexpr,  # routes histogrammed at a time
+    PIECES: tl.constexpr,  # cdiv(N, PIECE)
     ZB: tl.constexpr,  # power of two >= ZPER
 ):
     """Program p places routes [p*CHUNK, (p+1)*CHUNK) and writes blocks [p*CHUNK, ...).
 
-    Every program histograms all N keys itself (N <= SMALL_ROUTES: cheap), so the
-    programs are independent; program 0 also writes the counts and offsets."""
+    Every program histograms all N keys itself, and apart the keys before its chunk, so
+    the programs never wait on each other; program 0 also writes the counts and offsets.
+    A route's place: its expert's offset, plus the routes of that expert before the chunk,
+    plus those before it within the chunk."""
     pid = tl.program_id(0)
+    SELECT: tl.constexpr = CHUNK * EP <= 4096
     zr = tl.arange(0, ZB)  # this program's share of zero_ptr
     zmask = (zr < ZPER) & (pid * ZPER + zr < NZ)
     tl.store(zero_ptr + pid * ZPER + zr, tl.zeros_like(zr), mask=zmask)
-    r = tl.arange(0, NP)
-    ids = tl.load(ids_ptr + r, mask=r < N, other=-1)
-    key = tl.where(ids < 0, E, ids)
-    counts = tl.histogram(key, EP)
+    first = pid * CHUNK
+    counts = tl.zeros([EP], dtype=tl.int32)
+    before = tl.zeros([EP], dtype=tl.int32)
+    for i in range(PIECES):
+        r = i * PIECE + tl.arange(0, PIECE)
+        ids = tl.load(ids_ptr + r, mask=r < N, other=-1)
+        key = tl.where(ids < 0, E, ids)
+        counts += tl.histogram(key, EP, mask=r < N)
+        before += tl.histogram(key, EP, mask=(r < N) & (r < first))
     offs = tl.cumsum(counts, 0) - counts  # exclusive prefix sum
     ecols = tl.arange(0, EP)
     tl.store(counts_ptr + ecols, counts, mask=(ecols < E) & (pid == 0))
     tl.store(offsets_ptr + ecols, offs, mask=(ecols <= E) & (pid == 0))
 
-    # Stable rank of each route among the routes of its expert: earlier routes, same key.
-    rc = pid * CHUNK + tl.arange(0, CHUNK)
-    idc = tl.load(ids_ptr + rc, mask=rc < N, other=-1)
-    kc = tl.where(idc < 0, E, idc)
-    earlier = (key[None, :] == kc[:, None]) & (r[None, :] < rc[:, None])
-    pos = _gather_small(offs, kc, EP) + tl.sum(earlier.to(tl.int32), axis=1)
+    # Stable rank of each route among the routes of its expert.
+    cc = tl.arange(0, CHUNK)
+    rc = first + cc
     live = rc < N
+    idc = tl.load(ids_ptr + rc, mask=live, other=-1)
+    kc = tl.where(idc < 0, E, idc)
+    earlier = (kc[None, :] == kc[:, None]) & (cc[None, :] < cc[:, None])
+    pos = _take(offs + before, kc, EP, SELECT) + tl.sum(earlier.to(tl.int32), axis=1)
     tl.store(sorted_routes_ptr + pos, rc, mask=live)
     tl.store(route_pos_ptr + rc, pos, mask=live)
     tl.store(sorted_expert_ptr + pos, tl.where(kc < E, kc, 0), mask=live)
 
-    # Tile schedule: expert e owns cdiv(count_e, BM) consecutive blocks.
+    # Tile schedule: expert e owns cdiv(count_e, BM) consecutive blocks; block b's expert
+    # is the number of experts whose blocks all end at or before b.
     nblk = tl.where(ecols < E, (counts + BM - 1) // BM, 0)
     bcum = tl.cumsum(nblk, 0)  # inclusive
     if pid == 0:
         tl.store(valid_blocks_ptr, tl.sum(nblk, 0))
-    b = pid * CHUNK + tl.arange(0, CHUNK)
-    e_of_b = tl.sum(((bcum[None, :] <= b[:, None]) & (ecols[None, :] < E)).to(tl.int32), 1)
+    rel = bcum - first  # block ends relative to this program's first block
+    ends = tl.histogram(rel, CHUNK, mask=(ecols < E) & (rel >= 0) & (rel < CHUNK))
+    e_of_b = tl.sum(((rel < 0) & (ecols < E)).to(tl.int32), 0) + tl.cumsum(ends, 0)
+    b = first + cc
     valid = e_of_b < E
-    first = _gather_small(bcum - nblk, e_of_b, EP)
-    start = _gather_small(offs, e_of_b, EP) + (b - first) * BM
-    stop = _gather_small(offs + counts, e_of_b, EP)
+    start = _take(offs, e_of_b, EP, SELECT) + (b - _take(bcum - nblk, e_of_b, EP, SELECT)) * BM
+    stop = _take(offs + counts, e_of_b, EP, SELECT)
     m = b < NB
     tl.store(block_expert_ptr + b, tl.where(valid, e_of_b, -1), mask=m)
     tl.store(block_start_ptr + b, tl.where(valid, start, 0), mask=m)
@@ -233,6 +257,7 @@ def _sort_routes_triton(
         )
     }  # fmt: skip
     chunk = _chunk(n)
+    piece, warps = _piece(n, chunk)
     grid = triton.cdiv(max(n, nb), chunk)
     nz = 0 if zero is None else zero.numel()
     zper = triton.cdiv(nz, grid)
@@ -241,9 +266,9 @@ def _sort_routes_triton(
         out["expert_counts"], out["expert_offsets"],
         out["block_expert"], out["block_start"], out["block_end"], out["valid_blocks"],
         zero if zero is not None else out["block_end"], n, nb, nz, zper,
-        E=num_experts, EP=triton.next_power_of_2(num_experts + 1),
-        NP=triton.next_power_of_2(n), BM=block_m, CHUNK=chunk,
-        ZB=triton.next_power_of_2(max(zper, 1)), num_warps=4,
+        E=num_experts, EP=triton.next_power_of_2(num_experts + 1), BM=block_m,
+        CHUNK=chunk, PIECE=piece, PIECES=triton.cdiv(n, piece),
+        ZB=triton.next_power_of_2(max(zper, 1)), num_warps=warps,
     )  # fmt: skip
     return RouteSort(block_m=block_m, **out)
 
