@@ -59,18 +59,23 @@ def test_deepseek_regimes(t, fc1, fc2, bm):
 
 def test_other_presets_regimes():
     qwen = {t: _plan("qwen3-30b-a3b", t) for t in (1, 256, 512, 8192)}
-    # FC2's K (768) is one partial segment: the portable kernel up to 16 rows, then the
-    # prefill kernel (which takes a partial last segment)
-    assert [qwen[t].fc2.kernel for t in (1, 256, 512, 8192)] == [
-        "triton", "triton", "gluon-prefill", "gluon-prefill",
+    # FC2's K (768) is one partial segment: the whole-K Gluon kernel on 8-row tiles (beside
+    # FC1's split kernel), the portable loop on 16, then the prefill kernel
+    assert [(qwen[t].fc2.kernel, qwen[t].fc2.tile.block_m) for t in (1, 256, 512, 8192)] == [
+        ("gluon-whole", 8), ("triton", 16), ("gluon-prefill", 64), ("gluon-prefill", 128),
     ]  # fmt: skip
     assert [qwen[t].fc1.kernel for t in (1, 256, 512, 8192)] == [
         "gluon-split", "gluon-whole", "gluon-prefill", "gluon-prefill",
     ]  # fmt: skip
     assert [qwen[t].block_m for t in (512, 8192)] == [64, 128]
-    # K 2880: the prefill kernel (scales by pointer loads, 64-row tiles up to 64 rows)
-    oss = {t: _plan("gpt-oss-120b-shape", t) for t in (512, 2048, 4096)}
-    assert oss[512].fc1.kernel == "triton"
+    # K 2880 (a partial last segment, scales by pointer loads): the Gluon split kernel at
+    # decode sizes, not the whole-K one (the portable loop at 16 rows), then the prefill
+    # kernel (64-row tiles up to 64 rows)
+    oss = {t: _plan("gpt-oss-120b-shape", t) for t in (1, 256, 512, 2048, 4096)}
+    assert [(oss[t].fc1.kernel, oss[t].fc1.segments) for t in (1, 256)] == [
+        ("gluon-split", 3), ("gluon-split", 3),
+    ]  # fmt: skip
+    assert oss[512].fc1.kernel == oss[512].fc2.kernel == "triton"
     assert [(oss[t].fc1.kernel, oss[t].fc2.kernel, oss[t].block_m) for t in (2048, 4096)] == [
         ("gluon-prefill", "gluon-prefill", 64), ("gluon-prefill", "gluon-prefill", 128),
     ]  # fmt: skip
@@ -151,9 +156,15 @@ def test_pins():
         assert plan.fc1.kernel == plan.fc2.kernel == g
     qwen = _plan("qwen3-30b-a3b", 64, gemm="triton-split")  # FC2's K is one segment
     assert (qwen.fc1.kernel, qwen.fc2.kernel) == ("triton-split", "triton")
+    qwen = _plan("qwen3-30b-a3b", 64, gemm="gluon-split")  # FC2's K 768: whole-K
+    assert (qwen.fc1.kernel, qwen.fc2.kernel) == ("gluon-split", "gluon-whole")
+    assert qwen.fc2.tile.block_m == 8 and not qwen.fc2.split
     for g in ("gluon-split", "gluon-whole"):
         with pytest.raises(InapplicableOverride, match=g):
-            _plan("qwen3-30b-a3b", 64, gemm=g)  # K 768
+            plan_call(64, 8, 16, 2048, 800, options=Options(gemm=g), target=H200)  # K 800
+    with pytest.raises(InapplicableOverride, match="static"):  # FC1's K one segment
+        plan_call(64, 8, 16, 1024, 2048, mode="w4a4", act_scale="static",
+                  options=Options(gemm="gluon-split"), target=H200)  # fmt: skip
     with pytest.raises(InapplicableOverride, match="gluon-prefill"):
         plan_call(64, 8, 16, 2048, 800, options=Options(gemm="gluon-prefill"), target=H200)
     for g in ("gluon-split", "gluon-whole", "gluon-prefill"):

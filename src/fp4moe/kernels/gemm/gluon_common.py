@@ -27,6 +27,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 from .decode import CHUNK_DECODE_ASM
+from .shapes import scale_tma
 
 __all__ = [
     "CODE_SMEM",
@@ -38,8 +39,10 @@ __all__ = [
     "code_layout3",
     "decode_unit",
     "decode_unit_e4m3",
+    "pick_unit",
     "row_globals",
     "smem_unit",
+    "stage_scales",
     "stage_x",
     "store_partials",
     "tile_index",
@@ -88,11 +91,15 @@ def code_layout3(rows):
 def weight_descriptors(codes: torch.Tensor, scales: torch.Tensor, rows: int = 64):
     """TMA descriptors of one GEMM's weights: codes uint8 [E, W_ROWS, K/2] as [E * W_ROWS,
     K/2] with [rows, 128-byte] boxes (one 256-K stage, ``CODE_SMEM``), scales e4m3
-    [E, W_ROWS, K/16] as bytes with [rows, 16] boxes."""
+    [E, W_ROWS, K/16] as bytes with [rows, 16] boxes. Where TMA cannot copy the scale
+    rows (``shapes.scale_tma``; the kernels load them by pointer, ``stage_scales``) the
+    second descriptor is one of the codes, never read."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     c2 = codes.reshape(-1, codes.shape[-1])
     s2 = scales.view(torch.uint8).reshape(-1, scales.shape[-1])
+    if not scale_tma(2 * codes.shape[-1]):
+        s2 = c2
     return (TensorDescriptor.from_tensor(c2, [rows, STAGE_K.value // 2], CODE_SMEM),
             TensorDescriptor.from_tensor(s2, [rows, 16], SCALE_SMEM))  # fmt: skip
 
@@ -111,6 +118,47 @@ def smem_unit(cbuf, sbuf, kb: gl.constexpr, w: gl.constexpr, NB: gl.constexpr,
     SL: gl.constexpr = gl.SliceLayout(2, L3)
     sc = sbuf.index(w * NB + (kb // 4) % NB).slice(4 * (kb % 4), 4, dim=1).load(SL)
     return codes, sc.to(gl.float8e4nv, bitcast=True)
+
+
+@gluon.jit
+def stage_scales(s_ptr, row0, row1, rows_total, t, K: gl.constexpr, TR: gl.constexpr):
+    """The e4m3 scales of ring stage ``t``'s four units for a tile of ``TR`` weight rows
+    (64: from ``row0``; 128: rows 0-63 from ``row0``, 64-127 from ``row1``) by pointer
+    loads, each [TR, 4] in ``smem_unit``'s scale layout; zeros past K and past
+    ``rows_total``. For K whose scale rows (K / 16 bytes) are no multiple of 16 bytes,
+    which TMA cannot copy."""
+    SL: gl.constexpr = gl.SliceLayout(2, code_layout3(TR))
+    r = gl.arange(0, TR, layout=gl.SliceLayout(1, SL))
+    q = gl.arange(0, 4, layout=gl.SliceLayout(0, SL))
+    wrow = gl.where(r < 64, row0 + r, row1 + r - 64)
+    base = s_ptr + wrow.to(gl.int64)[:, None] * (K // 16)
+    r_ok = (wrow < rows_total)[:, None]
+    out0 = _unit_scales(base, r_ok, t * 16 + q, K)
+    out1 = _unit_scales(base, r_ok, t * 16 + 4 + q, K)
+    out2 = _unit_scales(base, r_ok, t * 16 + 8 + q, K)
+    out3 = _unit_scales(base, r_ok, t * 16 + 12 + q, K)
+    return out0, out1, out2, out3
+
+
+@gluon.jit
+def _unit_scales(base, r_ok, col, K: gl.constexpr):
+    """One unit's scales (columns ``col`` of the rows at ``base``), zeros where masked."""
+    ok = r_ok & (col < K // 16)[None, :]
+    sc = gl.load(base + col[None, :], mask=ok, other=0)
+    return sc.to(gl.float8e4nv, bitcast=True)
+
+
+@gluon.jit
+def pick_unit(c0, c1, c2, c3, u: gl.constexpr):
+    """Unit ``u``'s scales of a stage's four (``stage_scales``)."""
+    if u == 0:  # noqa: SIM116 (constexpr branches of a jit function)
+        return c0
+    elif u == 1:
+        return c1
+    elif u == 2:
+        return c2
+    else:
+        return c3
 
 
 @gluon.jit
@@ -211,13 +259,17 @@ def _x_rows(sorted_routes_ptr, start, end, TOPK: gl.constexpr, A_GATHER: gl.cons
 def _x_stage(x_ptr, src, m_ok, kbase, K: gl.constexpr, BM: gl.constexpr,
              SK: gl.constexpr, A_UNIT_ORDER: gl.constexpr = False,
              NWARPS: gl.constexpr = 4):  # fmt: skip
-    """Registers of x's rows ``src`` (zeros where not ``m_ok``) at K ``kbase`` .. + SK in
-    the unit order, [SK / 64 * BM, 64] (unit-major); A_UNIT_ORDER: the rows are in the
+    """Registers of x's rows ``src`` (zeros where not ``m_ok`` and past K) at K ``kbase``
+    .. + SK in the unit order, [SK / 64 * BM, 64] (unit-major); A_UNIT_ORDER: the rows are in the
     unit order already. NWARPS: the program's warps (the layout's second dimension)."""
     XM: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, NWARPS // 4], [1, 0])
     NU: gl.constexpr = SK // UNIT
     kk = gl.arange(0, SK, layout=gl.SliceLayout(0, XM))
-    x = gl.load(x_ptr + src[:, None] * K + kbase + kk[None, :], mask=m_ok[:, None], other=0.0)
+    if K % SK == 0:
+        mask = m_ok[:, None]
+    else:  # the last, partial segment: zeros past K
+        mask = m_ok[:, None] & (kbase + kk < K)[None, :]
+    x = gl.load(x_ptr + src[:, None] * K + kbase + kk[None, :], mask=mask, other=0.0)
     if A_UNIT_ORDER:  # [m, unit, 64] -> [unit, m, 64]
         x = gl.permute(gl.reshape(x, [BM, NU, UNIT]), [1, 0, 2])
     else:

@@ -45,14 +45,16 @@ from .gluon_common import (
     STAGE_K,
     UNIT,
     decode_unit,
+    pick_unit,
     row_globals,
     smem_unit,
+    stage_scales,
     stage_x,
     store_partials,
     tile_index,
     weight_descriptors,
 )
-from .shapes import SEGMENT, gluon_decode_fits
+from .shapes import SEGMENT, gluon_decode_fits, scale_tma
 
 __all__ = ["RING_STAGES", "compile_sm90", "split_partials_tma"]
 
@@ -64,15 +66,36 @@ _TR = gl.constexpr(64)  # weight rows a tile (one warpgroup)
 
 @gluon.jit
 def _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row, k0, st: gl.constexpr, w: gl.constexpr,
-                 NB: gl.constexpr):  # fmt: skip
+                 NB: gl.constexpr, SCALE_TMA: gl.constexpr):  # fmt: skip
     """TMA copies of ring stage ``st`` (K from ``k0 + st * 256``) of weight ``w`` (0 gate,
     1 up) into ring buffer ``st % NB``, completing on ``bar``: the stage's codes [64, 128
-    bytes] and its scales [64, 16]."""
+    bytes] and with SCALE_TMA its scales [64, 16]. Past K the copies read zeros."""
     b: gl.constexpr = st % NB
     tma.async_copy_global_to_shared(c_desc, [row, (k0 + st * STAGE_K) // 2], bar,
                                     cbuf.index(w * NB + b))  # fmt: skip
-    tma.async_copy_global_to_shared(s_desc, [row, (k0 + st * STAGE_K) // 16], bar,
-                                    sbuf.index(w * NB + b))  # fmt: skip
+    if SCALE_TMA:
+        tma.async_copy_global_to_shared(s_desc, [row, (k0 + st * STAGE_K) // 16], bar,
+                                        sbuf.index(w * NB + b))  # fmt: skip
+
+
+@gluon.jit
+def _issue(c_desc, s_desc, cbuf, sbuf, bar, row, N: gl.constexpr, k0, st: gl.constexpr,
+           NB: gl.constexpr, GATED: gl.constexpr, SCALE_TMA: gl.constexpr):  # fmt: skip
+    """Ring stage ``st`` of the segment at ``k0``: the expected bytes on ``bar``, then the
+    copies of the gate weight's (rows from ``row``) and with GATED the up weight's (from
+    ``row + N``) stage."""
+    if GATED:
+        NW: gl.constexpr = 2
+    else:
+        NW: gl.constexpr = 1
+    if SCALE_TMA:
+        STAGE_BYTES: gl.constexpr = NW * _TR * (STAGE_K // 2 + 16)
+    else:
+        STAGE_BYTES: gl.constexpr = NW * _TR * (STAGE_K // 2)
+    mbarrier.expect(bar, STAGE_BYTES)
+    _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row, k0, st, 0, NB, SCALE_TMA)
+    if GATED:
+        _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row + N, k0, st, 1, NB, SCALE_TMA)
 
 
 @gluon.jit
@@ -133,7 +156,7 @@ def _last_unit_epilogue(
 ):  # fmt: skip
     """After a unit wrote its partial: the tile's last unit to finish sums the partials
     in segment order from zero, ((0 + P_0) + P_1) + ..., and writes the output (``_tile_out``)."""
-    NSEG: gl.constexpr = K // SEG
+    NSEG: gl.constexpr = (K + SEG - 1) // SEG
     if GATED:
         gn: gl.constexpr = 2 * N
     else:
@@ -197,11 +220,91 @@ def _tile_out(
 
 
 @gluon.jit
+def _segment(
+    x_ptr, sorted_routes_ptr, c_desc, s_desc, s_ptr, rows_total, cbuf, sbuf, bars, xd, row,
+    start, end, kj, nk, hn, phj, NU_S: gl.constexpr, N: gl.constexpr, K: gl.constexpr,
+    TOPK: gl.constexpr, A_GATHER: gl.constexpr, BM: gl.constexpr, SEG: gl.constexpr,
+    NB: gl.constexpr, GATED: gl.constexpr, WHOLE: gl.constexpr, A_UNIT_ORDER: gl.constexpr,
+    SCALE_TMA: gl.constexpr, MMA: gl.constexpr, A_L: gl.constexpr,
+):  # fmt: skip
+    """The sums of one K segment of a tile (from ``kj``, ``NU_S`` units: a last, partial
+    segment holds fewer than SEG / 64) from zero, stage by stage as the copies land, each
+    unit's decode overlapping the last unit's asynchronous wgmma; returns (gate, up) sums
+    [64, BM] in the ``MMA`` layout. The ring's first ``NB`` stages were issued before;
+    ``phj`` is the ring's phase at the segment's start. With WHOLE and ``hn`` the buffers
+    freed last are refilled with the next segment's (at ``nk``) first stages. Without
+    SCALE_TMA the scales come by pointer loads a stage ahead (``stage_scales``)."""
+    UPS: gl.constexpr = STAGE_K // UNIT  # units a stage
+    NS_S: gl.constexpr = (NU_S + UPS - 1) // UPS  # stages of this segment
+    # (32-row tiles: a stage's K at a time)
+    xs = stage_x(x_ptr, sorted_routes_ptr, start, end, kj, K, TOPK, A_GATHER, BM, SEG,
+                 A_UNIT_ORDER, WHOLE, xd, _TR // 16, STAGE_K if BM == 32 else 0)  # fmt: skip
+    if not SCALE_TMA:  # the segment's first stage's scales
+        t0 = kj // STAGE_K
+        ng0, ng1, ng2, ng3 = stage_scales(s_ptr, row, row, rows_total, t0, K, _TR)
+        if GATED:
+            nu0, nu1, nu2, nu3 = stage_scales(s_ptr, row + N, row + N, rows_total, t0, K, _TR)
+    acc_g = gl.zeros([_TR, BM], gl.float32, layout=MMA)
+    acc_u = gl.zeros([_TR, BM], gl.float32, layout=MMA)
+    for kb in gl.static_range(NU_S):
+        if kb % UPS == 0:
+            mbarrier.wait(bars.index((kb // UPS) % NB), ((kb // UPS) // NB + phj) % 2)
+            if not SCALE_TMA:  # this stage's scales, and the next stage's loads in flight
+                cg0, cg1, cg2, cg3 = ng0, ng1, ng2, ng3
+                if GATED:
+                    cu0, cu1, cu2, cu3 = nu0, nu1, nu2, nu3
+                if (kb // UPS) + 1 < NS_S:
+                    tn = kj // STAGE_K + (kb // UPS) + 1
+                    ng0, ng1, ng2, ng3 = stage_scales(s_ptr, row, row, rows_total, tn, K, _TR)
+                    if GATED:
+                        nu0, nu1, nu2, nu3 = stage_scales(s_ptr, row + N, row + N, rows_total,
+                                                          tn, K, _TR)  # fmt: skip
+        xb = xs.slice(kb * BM, BM).permute((1, 0))
+        gc, gs = smem_unit(cbuf, sbuf, kb, 0, NB, UPS, _TR)
+        if not SCALE_TMA:
+            gs = pick_unit(cg0, cg1, cg2, cg3, kb % UPS)
+        wg = decode_unit(gc, gs, A_L, _TR)
+        if kb > 0:  # the last unit's wgmma done: its operand registers are free
+            if GATED:
+                acc_g, acc_u, _, _ = warpgroup_mma_wait(
+                    num_outstanding=0,
+                    deps=(acc_g, acc_u, pg, pu),  # noqa: F821 (last unit's)
+                )
+            else:
+                acc_g, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, pg))  # noqa: F821
+        acc_g = warpgroup_mma(wg, xb, acc_g, is_async=True)
+        pg = wg  # noqa: F841 (read by the next unrolled unit)
+        if GATED:
+            uc, us = smem_unit(cbuf, sbuf, kb, 1, NB, UPS, _TR)
+            if not SCALE_TMA:
+                us = pick_unit(cu0, cu1, cu2, cu3, kb % UPS)
+            wu = decode_unit(uc, us, A_L, _TR)
+            acc_u = warpgroup_mma(wu, xb, acc_u, is_async=True)
+            pu = wu  # noqa: F841
+        # the stage's buffer is read: refill it with stage + NB (ring only)
+        if kb % UPS == UPS - 1 and (kb // UPS) + NB < NS_S:
+            gl.thread_barrier()  # every warp's shared loads of the buffer done
+            fence_async_shared()  # ordered before the TMA writes (async proxy)
+            _issue(c_desc, s_desc, cbuf, sbuf, bars.index((kb // UPS) % NB), row, N, kj,
+                   kb // UPS + NB, NB, GATED, SCALE_TMA)  # fmt: skip
+        elif WHOLE and kb % UPS == UPS - 1:  # noqa: SIM102 (compile time)
+            # the last stages: refill with the next segment's first (stage kb // UPS + NB -
+            # NS_S of it, which maps to this very buffer)
+            if hn:
+                gl.thread_barrier()
+                fence_async_shared()
+                _issue(c_desc, s_desc, cbuf, sbuf, bars.index((kb // UPS) % NB), row, N, nk,
+                       (kb // UPS) + NB - NS_S, NB, GATED, SCALE_TMA)  # fmt: skip
+    return _mma_drain(acc_g, acc_u, GATED)
+
+
+@gluon.jit
 def tma_split_kernel(
     x_ptr,  # bf16 [rows, K]: FC1 the tokens (gathered by route // TOPK), FC2 sorted rows
     sorted_routes_ptr,  # int32 [T*TOPK]
     c_desc,  # TMA descriptor of the uint8 [E * W_ROWS, K/2] codes, [64, 128] boxes
     s_desc,  # TMA descriptor: uint8 [E * W_ROWS, K/16] e4m3 scale bits, [64, 16] boxes
+    s_ptr,  # the same scale bits by pointer (without SCALE_TMA)
     block_expert_ptr,
     block_start_ptr,
     block_end_ptr,
@@ -229,12 +332,21 @@ def tma_split_kernel(
     EARLY_W: gl.constexpr,  # USE_PDL: the first stages' copies before the wait
     WHOLE: gl.constexpr,  # a program takes every K segment of its tile in turn and
     # writes its output (EPILOGUE): no partials, no counter (the grid's segments: 1)
+    E: gl.constexpr,  # experts (the weight rows' bound)
+    SCALE_TMA: gl.constexpr,  # the scales by TMA, else by pointer (``shapes.scale_tma``)
 ):
     pid_n = gl.program_id(0)
     s_id = gl.program_id(1)
     pid_m = gl.program_id(2)
     gl.static_assert(not WHOLE or EPILOGUE, "WHOLE writes its own output")
     gl.static_assert(BM != 32 or WHOLE, "32-row tiles: WHOLE only")
+    NU: gl.constexpr = SEG // UNIT  # units a whole segment
+    NS: gl.constexpr = SEG // STAGE_K  # stages a whole segment
+    NB: gl.constexpr = min(NBUF, NS)  # ring buffers (NS: the whole segment up front)
+    NJF: gl.constexpr = K // SEG  # whole segments
+    TAIL_U: gl.constexpr = (K % SEG) // UNIT  # units of a last, partial segment
+    gl.static_assert(K % UNIT == 0, "K is a multiple of a unit")
+    gl.static_assert(TAIL_U == 0 or NB == 1, "a partial segment needs a ring of one stage")
     if USE_PDL and not EARLY_W:
         _gdc_wait_release()
     # EARLY_W: the schedule was written two kernels back (the kernel before this one waited
@@ -243,123 +355,72 @@ def tma_split_kernel(
     if e >= 0:
         start = gl.load(block_start_ptr + pid_m, cache_modifier=".cg")
         end = gl.load(block_end_ptr + pid_m, cache_modifier=".cg")
-        NU: gl.constexpr = SEG // UNIT
-        UPS: gl.constexpr = STAGE_K // UNIT  # units a stage
-        NS: gl.constexpr = SEG // STAGE_K  # stages a segment
-        NB: gl.constexpr = min(NBUF, NS)  # ring buffers (NS: the whole segment up front)
         if GATED:
-            NW: gl.constexpr = 2
             w_rows = 2 * N
         else:
-            NW: gl.constexpr = 1
             w_rows = N
+        rows_total = E * w_rows
         k0 = s_id * SEG
 
         # ---- the ring's first stages, first (one elected thread issues the copies)
         cbuf, sbuf, bars = _stage_buffers(GATED, NB)
         row = e * w_rows + pid_n * _TR
-        STAGE_BYTES: gl.constexpr = NW * UPS * _TR * 32 + NW * _TR * 16
         for st in gl.static_range(NB):
-            bar = bars.index(st)
-            mbarrier.expect(bar, STAGE_BYTES)
-            _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row, k0, st, 0, NB)
-            if GATED:
-                _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row + N, k0, st, 1, NB)
+            _issue(c_desc, s_desc, cbuf, sbuf, bars.index(st), row, N, k0, st, NB, GATED,
+                   SCALE_TMA)  # fmt: skip
         if USE_PDL and EARLY_W:  # the weights' first stages fly while the last kernel ends
             _gdc_wait_release()
 
-        # ---- decode and multiply, stage by stage as the copies land: one K segment, or
-        # with WHOLE each of K's segments in turn, the ring running on from one to the next
-        # and the segment sums added in order from zero, ((0 + P_0) + P_1) + ..., in
-        # registers (the sums _last_unit_epilogue makes from the partials: the same bits)
+        # ---- decode and multiply: one K segment, or with WHOLE each of K's segments in
+        # turn, the ring running on from one to the next and the segment sums added in
+        # order from zero, ((0 + P_0) + P_1) + ..., in registers (the sums
+        # _last_unit_epilogue makes from the partials: the same bits)
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[_TR // 16, 1], instr_shape=[16, BM, 16]
         )
         A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         if WHOLE:
-            NJ: gl.constexpr = K // SEG
             XW: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
             xw = gl.allocate_shared_memory(gl.bfloat16, [1, NU * BM, UNIT], XW)
-        else:
-            NJ: gl.constexpr = 1
-        tot_g = gl.zeros([_TR, BM], gl.float32, layout=MMA)
-        tot_u = gl.zeros([_TR, BM], gl.float32, layout=MMA)
-        for j in range(NJ):
-            if WHOLE:
+            tot_g = gl.zeros([_TR, BM], gl.float32, layout=MMA)
+            tot_u = gl.zeros([_TR, BM], gl.float32, layout=MMA)
+            for j in range(NJF):
                 kj = k0 + j * SEG
-                phj = (j * (NS // NB)) % 2
-                hn = j + 1 < NJ  # the last stages refilled with the next segment's first
-                nk = kj + SEG
                 if j > 0:
                     gl.thread_barrier()  # every warp's reads of the last segment's rows done
                 # through an opaque zero: else the wgmma descriptors of its 16 unit slices
                 # are computed before the loop and held in registers
-                xd = xw.index(_opaque_zero())
-            else:
-                kj = k0
-                phj = 0
-                hn = False
-                nk = kj
-                xd = 0
-            # (32-row tiles: a stage's K at a time)
-            xs = stage_x(x_ptr, sorted_routes_ptr, start, end, kj, K, TOPK, A_GATHER, BM, SEG,
-                         A_UNIT_ORDER, WHOLE, xd, _TR // 16,
-                         STAGE_K if BM == 32 else 0)  # fmt: skip
-
-            acc_g = gl.zeros([_TR, BM], gl.float32, layout=MMA)
-            acc_u = gl.zeros([_TR, BM], gl.float32, layout=MMA)
-            for kb in gl.static_range(NU):
-                if kb % UPS == 0:
-                    mbarrier.wait(bars.index((kb // UPS) % NB), (kb // UPS // NB + phj) % 2)
-                xb = xs.slice(kb * BM, BM).permute((1, 0))
-                gc, gs = smem_unit(cbuf, sbuf, kb, 0, NB, UPS, _TR)
-                wg = decode_unit(gc, gs, A_L, _TR)
-                if kb > 0:  # the last unit's wgmma done: its operand registers are free
-                    if GATED:
-                        acc_g, acc_u, _, _ = warpgroup_mma_wait(
-                            num_outstanding=0,
-                            deps=(acc_g, acc_u, pg, pu),  # noqa: F821 (last unit's)
-                        )
-                    else:
-                        acc_g, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, pg))  # noqa: F821
-                acc_g = warpgroup_mma(wg, xb, acc_g, is_async=True)
-                pg = wg  # noqa: F841 (read by the next unrolled unit)
-                if GATED:
-                    uc, us = smem_unit(cbuf, sbuf, kb, 1, NB, UPS, _TR)
-                    wu = decode_unit(uc, us, A_L, _TR)
-                    acc_u = warpgroup_mma(wu, xb, acc_u, is_async=True)
-                    pu = wu  # noqa: F841
-                # the stage's buffer is read: refill it with stage + NB (ring only)
-                if kb % UPS == UPS - 1 and kb // UPS + NB < NS:
-                    gl.thread_barrier()  # every warp's shared loads of the buffer done
-                    fence_async_shared()  # ordered before the TMA writes (async proxy)
-                    rb = bars.index((kb // UPS) % NB)
-                    mbarrier.expect(rb, STAGE_BYTES)
-                    _issue_stage(c_desc, s_desc, cbuf, sbuf, rb, row, kj, kb // UPS + NB, 0,
-                                 NB)  # fmt: skip
-                    if GATED:
-                        _issue_stage(c_desc, s_desc, cbuf, sbuf, rb, row + N, kj,
-                                     kb // UPS + NB, 1, NB)  # fmt: skip
-                elif WHOLE and kb % UPS == UPS - 1:  # noqa: SIM102 (compile time)
-                    # the last stages: refill with the next segment's first (stage
-                    # kb // UPS + NB - NS of it, which maps to this very buffer)
-                    if hn:
-                        gl.thread_barrier()
-                        fence_async_shared()
-                        rb = bars.index((kb // UPS) % NB)
-                        st2: gl.constexpr = kb // UPS + NB - NS
-                        mbarrier.expect(rb, STAGE_BYTES)
-                        _issue_stage(c_desc, s_desc, cbuf, sbuf, rb, row, nk, st2, 0, NB)
-                        if GATED:
-                            _issue_stage(c_desc, s_desc, cbuf, sbuf, rb, row + N, nk, st2, 1,
-                                         NB)  # fmt: skip
-            acc_g, acc_u = _mma_drain(acc_g, acc_u, GATED)
-            if WHOLE:
+                acc_g, acc_u = _segment(
+                    x_ptr, sorted_routes_ptr, c_desc, s_desc, s_ptr, rows_total, cbuf, sbuf,
+                    bars, xw.index(_opaque_zero()), row, start, end, kj, kj + SEG,
+                    (j + 1 < NJF) or (TAIL_U > 0), (j * (NS // NB)) % 2, NU, N, K, TOPK,
+                    A_GATHER, BM, SEG, NB, GATED, WHOLE, A_UNIT_ORDER, SCALE_TMA, MMA, A_L,
+                )  # fmt: skip
                 tot_g = tot_g + acc_g
                 tot_u = tot_u + acc_u
-            else:
-                tot_g = acc_g
-                tot_u = acc_u
+            if TAIL_U > 0:  # the last, partial segment
+                if NJF > 0:
+                    gl.thread_barrier()
+                acc_g, acc_u = _segment(
+                    x_ptr, sorted_routes_ptr, c_desc, s_desc, s_ptr, rows_total, cbuf, sbuf,
+                    bars, xw.index(_opaque_zero()), row, start, end, k0 + NJF * SEG, 0, False,
+                    (NJF * (NS // NB)) % 2, TAIL_U, N, K, TOPK, A_GATHER, BM, SEG, NB, GATED,
+                    WHOLE, A_UNIT_ORDER, SCALE_TMA, MMA, A_L,
+                )  # fmt: skip
+                tot_g = tot_g + acc_g
+                tot_u = tot_u + acc_u
+        elif TAIL_U > 0 and s_id == NJF:  # split K: the last, partial segment
+            tot_g, tot_u = _segment(
+                x_ptr, sorted_routes_ptr, c_desc, s_desc, s_ptr, rows_total, cbuf, sbuf, bars,
+                0, row, start, end, k0, k0, False, 0, TAIL_U, N, K, TOPK, A_GATHER, BM, SEG, NB,
+                GATED, WHOLE, A_UNIT_ORDER, SCALE_TMA, MMA, A_L,
+            )  # fmt: skip
+        else:  # split K: a whole segment
+            tot_g, tot_u = _segment(
+                x_ptr, sorted_routes_ptr, c_desc, s_desc, s_ptr, rows_total, cbuf, sbuf, bars,
+                0, row, start, end, k0, k0, False, 0, NU, N, K, TOPK, A_GATHER, BM, SEG, NB,
+                GATED, WHOLE, A_UNIT_ORDER, SCALE_TMA, MMA, A_L,
+            )  # fmt: skip
         for b in gl.static_range(NB):
             mbarrier.invalidate(bars.index(b))
 
@@ -397,7 +458,7 @@ def split_partials_tma(
             K/16] (W_ROWS = 2 n gated, else n).
         block_expert, block_start, block_end: the tile schedule of ``sort_routes`` with
             ``block_m`` rows a tile (8 or 16; 32 with ``whole``).
-        part: fp32 [K / 1024, ws_rows, (2 if gated) * n], every valid row's segment
+        part: fp32 [cdiv(K, 1024), ws_rows, (2 if gated) * n], every valid row's segment
             partials (split K); None with ``whole``.
         out: the output, written by the kernel (the last unit of each tile, or each whole-K
             program): bf16 rows [ws_rows, n] in sorted order, or with ``fused`` fp32
@@ -413,9 +474,10 @@ def split_partials_tma(
     """
     k = x.shape[1]
     if not gluon_decode_fits(k, block_m, UNIT.value, whole):
-        raise ValueError(f"split_partials_tma: needs K a multiple of {SEGMENT} above it and "
+        raise ValueError(f"split_partials_tma: needs K a multiple of {UNIT.value} and "
                          "block_m 8 or 16 (or 32 with whole)")  # fmt: skip
-    tiles, blocks, segs = triton.cdiv(n, _TR.value), block_expert.numel(), k // SEGMENT
+    tiles, blocks = triton.cdiv(n, _TR.value), block_expert.numel()
+    segs = triton.cdiv(k, SEGMENT)
     epilogue = out is not None
     short = not whole and (counters is None or counters.numel() < tiles * blocks)
     if epilogue and (short or w_global is None or (fused and topk_w is None)):
@@ -432,25 +494,29 @@ def split_partials_tma(
     c_desc, s_desc = weight_descriptors(codes, scales)
     dummy = part
     tma_split_kernel[(tiles, segs, blocks)](
-        x, sorted_routes, c_desc, s_desc, block_expert, block_start, block_end, part,
+        x, sorted_routes, c_desc, s_desc, scales.view(torch.uint8), block_expert, block_start,
+        block_end, part,
         counters if epilogue else dummy, w_global if epilogue else dummy,
         topk_w if fused else dummy, out if epilogue else dummy,
         a_global if a_global is not None else dummy, ws_rows,
         N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=gather, BM=block_m, SEG=SEGMENT,
         NBUF=RING_STAGES, EPILOGUE=epilogue, FUSED=fused and epilogue, OUT_SCALE=out_scale,
         A_UNIT_ORDER=a_unit_order, A_FP4=a_global is not None and epilogue, USE_PDL=pdl,
-        EARLY_W=pdl and early_weights, WHOLE=whole, num_warps=4, launch_pdl=pdl,
+        EARLY_W=pdl and early_weights, WHOLE=whole, E=codes.shape[0], SCALE_TMA=scale_tma(k),
+        num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
 
 
 def compile_sm90(*, n: int, k: int, gated: bool, block_m: int, epilogue: bool = True,
                  fused: bool = False, a_fp4: bool = False, pdl: bool = True,
-                 early_weights: bool = False, whole: bool = False):  # fmt: skip
+                 early_weights: bool = False, whole: bool = False,
+                 experts: int = 32):  # fmt: skip
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
     layout conversions are asserted trivial at compile time. Returns the compiled kernel."""
     ptrs = {
         "x_ptr": "*bf16", "sorted_routes_ptr": "*i32", "block_expert_ptr": "*i32",
-        "block_start_ptr": "*i32", "block_end_ptr": "*i32", "part_ptr": "*fp32",
+        "s_ptr": "*u8", "block_start_ptr": "*i32", "block_end_ptr": "*i32",
+        "part_ptr": "*fp32",
         "cnt_ptr": "*i32", "w_global_ptr": "*fp32", "topk_w_ptr": "*fp32",
         "out_ptr": "*fp32" if fused else "*bf16", "a_global_ptr": "*fp32",
     }  # fmt: skip
@@ -461,6 +527,7 @@ def compile_sm90(*, n: int, k: int, gated: bool, block_m: int, epilogue: bool = 
     const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated, BM=block_m, SEG=SEGMENT,
                  NBUF=RING_STAGES, EPILOGUE=epilogue or whole, FUSED=fused,
                  OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_UNIT_ORDER=a_fp4, A_FP4=a_fp4,
-                 USE_PDL=pdl, EARLY_W=pdl and early_weights, WHOLE=whole)  # fmt: skip
+                 USE_PDL=pdl, EARLY_W=pdl and early_weights, WHOLE=whole, E=experts,
+                 SCALE_TMA=scale_tma(k))  # fmt: skip
     return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows",), gluon=True,
                                descs=descs, num_warps=4, launch_pdl=pdl)  # fmt: skip

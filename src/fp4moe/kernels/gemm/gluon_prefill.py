@@ -48,11 +48,12 @@ from .gluon_common import (
     SCALE_SMEM,
     UNIT,
     X_SMEM3,
-    code_layout3,
     decode_unit,
     decode_unit_e4m3,
+    pick_unit,
     row_globals,
     smem_unit,
+    stage_scales,
     weight_descriptors,
 )
 from .shapes import PREFILL_ROWS, SEGMENT, prefill_fits, scale_tma
@@ -88,7 +89,7 @@ def _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bar, t, b: gl.constexpr, ro
     XB: gl.constexpr = _SK // 64 * BM * 64 * XE
     if SCALE_TMA:
         CB: gl.constexpr = 2 * 64 * (_SK // 2) + 2 * 64 * (_SK // 16)
-    else:  # the scales come by pointer loads (``_stage_scales``)
+    else:  # the scales come by pointer loads (``stage_scales``)
         CB: gl.constexpr = 2 * 64 * (_SK // 2)
     mbarrier.expect(bar, XB + CB)
     tma.async_copy_global_to_shared(x_desc, [t * (_SK // 64), start, 0], bar, xdst.index(b))
@@ -98,46 +99,6 @@ def _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bar, t, b: gl.constexpr, ro
         tma.async_copy_global_to_shared(s_desc, [row0, t * (_SK // 16)], bar, sbuf.index(2 * b))
         tma.async_copy_global_to_shared(s_desc, [row1, t * (_SK // 16)], bar,
                                         sbuf.index(2 * b + 1))  # fmt: skip
-
-
-@gluon.jit
-def _stage_scales(s_ptr, row0, row1, rows_total, t, K: gl.constexpr):
-    """The e4m3 scales of ring stage ``t``'s four units for the tile's 128 weight rows
-    (rows 0-63 from ``row0``, 64-127 from ``row1``) by pointer loads, each [128, 4] in
-    ``smem_unit``'s scale layout; zeros past K and past ``rows_total``. For K whose scale
-    rows (K / 16 bytes) are no multiple of 16 bytes, which TMA cannot copy."""
-    SL: gl.constexpr = gl.SliceLayout(2, code_layout3(_TR))
-    r = gl.arange(0, _TR, layout=gl.SliceLayout(1, SL))
-    q = gl.arange(0, 4, layout=gl.SliceLayout(0, SL))
-    wrow = gl.where(r < 64, row0 + r, row1 + r - 64)
-    base = s_ptr + wrow.to(gl.int64)[:, None] * (K // 16)
-    r_ok = (wrow < rows_total)[:, None]
-    out0 = _unit_scales(base, r_ok, t * 16 + q, K)
-    out1 = _unit_scales(base, r_ok, t * 16 + 4 + q, K)
-    out2 = _unit_scales(base, r_ok, t * 16 + 8 + q, K)
-    out3 = _unit_scales(base, r_ok, t * 16 + 12 + q, K)
-    return out0, out1, out2, out3
-
-
-@gluon.jit
-def _unit_scales(base, r_ok, col, K: gl.constexpr):
-    """One unit's scales (columns ``col`` of the rows at ``base``), zeros where masked."""
-    ok = r_ok & (col < K // 16)[None, :]
-    sc = gl.load(base + col[None, :], mask=ok, other=0)
-    return sc.to(gl.float8e4nv, bitcast=True)
-
-
-@gluon.jit
-def _pick(c0, c1, c2, c3, u: gl.constexpr):
-    """Unit ``u``'s scales of a stage's four."""
-    if u == 0:  # noqa: SIM116 (constexpr branches of a jit function)
-        return c0
-    elif u == 1:
-        return c1
-    elif u == 2:
-        return c2
-    else:
-        return c3
 
 
 @gluon.jit
@@ -162,19 +123,19 @@ def _segment(acc, s, NST: gl.constexpr, NU: gl.constexpr, tdone, x_desc, c_desc,
     returned. Each unit is decoded while the last unit's wgmma runs; a stage's buffer is
     refilled (stage + NB) once the next stage's first unit is decoded. ``tdone``: the
     tiles the program finished before (the ring's phases). Without SCALE_TMA the scales
-    come by pointer loads a stage ahead (``_stage_scales``)."""
+    come by pointer loads a stage ahead (``gluon_common.stage_scales``)."""
     UPS: gl.constexpr = _SK // UNIT  # units a stage
     SPS: gl.constexpr = _SEG // _SK  # stages a whole segment
     NT: gl.constexpr = (K + _SK - 1) // _SK  # stages a tile
     p = gl.zeros([_TR, BM], gl.float32, layout=MMA)
     if not SCALE_TMA:
-        n0, n1, n2, n3 = _stage_scales(s_ptr, row0, row1, rows_total, s * SPS, K)
+        n0, n1, n2, n3 = stage_scales(s_ptr, row0, row1, rows_total, s * SPS, K, _TR)
     for st in gl.static_range(NST):
         t = s * SPS + st
         if not SCALE_TMA:  # this stage's scales, and the next stage's loads in flight
             c0, c1, c2, c3 = n0, n1, n2, n3
             if st + 1 < NST:
-                n0, n1, n2, n3 = _stage_scales(s_ptr, row0, row1, rows_total, t + 1, K)
+                n0, n1, n2, n3 = stage_scales(s_ptr, row0, row1, rows_total, t + 1, K, _TR)
         # the buffer's uses: (NT - st % NB + NB - 1) // NB a tile, st // NB before this one
         uses = tdone * ((NT - st % NB + NB - 1) // NB) + s * (SPS // NB) + st // NB
         mbarrier.wait(bars.index(st % NB), uses & 1)
@@ -182,7 +143,7 @@ def _segment(acc, s, NST: gl.constexpr, NU: gl.constexpr, tdone, x_desc, c_desc,
             if st * UPS + u < NU:
                 gc, gs = smem_unit(cview, sview, st * UPS + u, 0, NB, UPS, _TR)
                 if not SCALE_TMA:
-                    gs = _pick(c0, c1, c2, c3, u)
+                    gs = pick_unit(c0, c1, c2, c3, u)
                 if A_E4M3:
                     a = decode_unit_e4m3(gc, gs, A_L, _TR)
                 else:
@@ -436,12 +397,7 @@ def prefill_gemm(
         raise ValueError("prefill_gemm: fused needs topk_w")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    if scale_tma(k):
-        c_desc, s_desc = weight_descriptors(codes, scales)
-    else:  # scale rows TMA cannot copy: loaded by pointer (any descriptor fills s_desc)
-        c2 = codes.reshape(-1, k // 2)
-        c_desc = TensorDescriptor.from_tensor(c2, [64, SK // 2], CODE_SMEM)
-        s_desc = TensorDescriptor.from_tensor(c2, [64, 16], SCALE_SMEM)
+    c_desc, s_desc = weight_descriptors(codes, scales)
     x_desc = TensorDescriptor(xs, [k // 64, xs.shape[0], 64], [64, k, 1],
                               [SK // 64, block_m, 64], X8_SMEM3 if e4m3 else X_SMEM3)  # fmt: skip
     tiles = -(-n // (64 if gated else TR))

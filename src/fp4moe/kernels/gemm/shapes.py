@@ -32,11 +32,11 @@ def k_order(k: int, block_k: int) -> int:
 
 def gluon_decode_fits(k: int, block_m: int, block_k: int, whole: bool = False) -> bool:
     """Whether the Gluon decode kernel (``gluon_decode``) takes a GEMM of inner size ``k``
-    on tiles of ``block_m`` token rows: more than one whole 1024-K segment in the unit
-    order, and 8 or 16 rows a tile (or 32 whole-K)."""
+    on tiles of ``block_m`` token rows: K in whole 64-element units in the unit order (the
+    last 1024-K segment may be partial), and 8 or 16 rows a tile (or 32 whole-K)."""
     return (
-        k > SEGMENT
-        and k % SEGMENT == 0
+        k > 0
+        and k % 64 == 0
         and k_order(k, block_k) == 64
         and block_m in ((8, 16, 32) if whole else (8, 16))
     )
@@ -58,5 +58,5 @@ def max_blocks(num_routes: int, num_experts: int, block_m: int) -> int:
 
 def scale_tma(k: int) -> bool:
     """Whether TMA can copy the scale rows of a GEMM of inner size ``k`` (K / 16 bytes, a
-    multiple of 16); the prefill kernel loads them by pointer otherwise."""
+    multiple of 16); the Gluon kernels load them by pointer otherwise."""
     return (k // 16) % 16 == 0
