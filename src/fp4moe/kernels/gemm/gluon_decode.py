@@ -7,7 +7,10 @@ stage a copy: codes as [64 rows, 128 bytes] with a 128-byte swizzle, scales as [
 into a ring of ``RING_STAGES`` stages, each with its own mbarrier; the activation tile is
 staged while they fly; the codes go from shared memory straight into the wgmma register
 fragment's layout (``gluon_common.code_layout``) and are decoded there, each unit's decode
-overlapping the last unit's asynchronous wgmma.
+overlapping the last unit's asynchronous wgmma. K is a multiple of 64: the last segment
+may be partial (its copies read zeros past K, its missing units are skipped at compile
+time); where TMA cannot copy the scale rows (K / 16 bytes, no multiple of 16) they come by
+pointer loads a stage ahead (``gluon_common.stage_scales``).
 
 Two forms (``split_partials_tma``):
 
