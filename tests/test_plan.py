@@ -85,6 +85,21 @@ def test_other_presets_regimes():
     assert (mix.fc1.kernel, mix.block_m) == ("gluon-prefill", 64)
 
 
+@pytest.mark.parametrize("h,i", [(256, 128), (2048, 768), (2880, 2880), (1024, 4096),
+                                 (768, 1024), (7168, 2048), (4096, 14336)])  # fmt: skip
+def test_portable_never_on_8_row_tiles(h, i):
+    """8-row tiles are the Gluon kernels' alone (the portable kernel's Triton dot gives
+    other bits there): wherever the plan takes them, both GEMMs run a Gluon kernel, in
+    every mode, at decode and middle sizes."""
+    for mode in MODES.values():
+        for t in (1, 4, 16, 64, 256):
+            for e, k in ((8, 2), (128, 8)):
+                p = plan_call(t, k, e, h, i, mode=mode[0], act_scale=mode[1], target=H200)
+                if p.block_m == 8:
+                    assert {p.fc1.kernel, p.fc2.kernel} <= {"gluon-split", "gluon-whole"}, (
+                        h, i, mode, t, e, p.fc1.kernel, p.fc2.kernel)  # fmt: skip
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("fused", [False, True])
 def test_w4a4_steps(mode, fused):

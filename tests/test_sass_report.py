@@ -21,7 +21,7 @@ def test_sass_report_reads_the_planned_kernels():
     rows = [line.split() for line in out.stdout.splitlines()]
     assert rows[0][:4] == ["tokens", "mode", "gemm", "kernel"]
     fc1, fc2 = rows[1], rows[2]
-    assert fc1[3] == "gluon-split" and fc2[3] == "triton"  # FC2's K (768): one segment
+    assert fc1[3] == "gluon-split" and fc2[3] == "gluon-whole"  # FC2: K 768, one segment
     for r in (fc1, fc2):
         regs, stack, mma, lop3 = int(r[-9]), int(r[-8]), int(r[-5]), int(r[-4])
         assert 32 <= regs <= 255 and stack == 0 and mma > 0 and lop3 > 0, r

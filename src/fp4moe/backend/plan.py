@@ -155,6 +155,15 @@ class _Rules:
     def gluon_fits(self, k: int, t: Tile, whole: bool = False) -> bool:
         return self.tgt.gluon and gluon_decode_fits(k, t.block_m, t.block_k, whole)
 
+    def gluon8(self, k: int, t: Tile, whole_can: bool) -> bool:
+        """A GEMM of inner size ``k`` runs a Gluon kernel on 8-row tiles: split K, or for
+        one segment whole-K (``whole_can``: its epilogue can). The portable kernel must
+        never run 8-row tiles: its Triton dot there gives other bits."""
+        t8 = replace(t, block_m=8)
+        if k > SEGMENT:
+            return self.gluon_fits(k, t8)
+        return whole_can and self.whole(False, False, k, t8)
+
     def whole(self, split: bool, dense: bool, k: int, t: Tile) -> bool:
         """The GEMM (not split, not dense) runs as the whole-K Gluon kernel, where TMA
         copies its scales (with pointer-loaded scales the gpt-oss shape at 16 rows lost
@@ -231,8 +240,8 @@ class _Rules:
         if pins is not None:
             return pins
         t1, t2 = self.portable_tiles(a_fp4)
-        if (self.gluon_split(fc1_whole_can) and self.gluon_fits(self.h, t1)
-                and self.gluon_fits(self.i, t2)):  # fmt: skip
+        if (self.gluon_split(fc1_whole_can) and self.gluon8(self.h, t1, fc1_whole_can)
+                and self.gluon8(self.i, t2, True)):  # fmt: skip
             # the split Gluon kernel's 8-row tiles: half the activation staging of 16
             return replace(t1, block_m=8), replace(t2, block_m=8)
         if any(self.whole(False, False, k, replace(t, block_m=16))
