@@ -93,6 +93,15 @@ def resource_usage(compiled) -> dict[str, int]:
 
 
 @triton.jit
+def pdl_wait_release(USE_PDL: tl.constexpr):
+    """Programmatic dependent launch (``launch``): wait for the preceding kernel's writes,
+    then let the next kernel's programs start; nothing when USE_PDL is off."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def to_bf16(x, INTERPRET: tl.constexpr):
     """fp32 to bf16, round to nearest even. Triton 3.6's interpreter truncates this cast,
     so under the interpreter the rounding is done on the bits first (finite values)."""

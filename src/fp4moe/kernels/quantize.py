@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import empty, interpreting, launch, nibble_to_f16, to_e4m3
+from .common import empty, interpreting, launch, nibble_to_f16, pdl_wait_release, to_e4m3
 
 __all__ = [
     "MODE_AMAX_SELF",
@@ -156,9 +156,7 @@ def amax_rows_kernel(
     ``amax_ptr``. (One row a program made one atomic on the same address a row: 8192 of
     them for an 8192-token x.)"""
     p = tl.program_id(0)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait_release(USE_PDL)
     n = row_count(n_rows_ptr, n_rows, COUNT_FROM_PTR)
     if p * ROWS >= n:
         return
@@ -207,9 +205,7 @@ def quantize_rows_kernel(
     unit order), the operand of the Gluon GEMMs with no decode launch."""
     FAST_DIV_MODES: tl.constexpr = MODE == 0 or MODE == 3 or MODE == 4
     i = tl.program_id(0)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait_release(USE_PDL)
     if i >= row_count(n_rows_ptr, n_rows, COUNT_FROM_PTR):
         return
     row = source_row(src_ptr, src_index_ptr, i, C, GATHER, DIV)

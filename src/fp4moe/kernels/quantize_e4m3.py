@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import empty, interpreting, launch, to_e4m3
+from .common import empty, interpreting, launch, pdl_wait_release, to_e4m3
 from .quantize import row_amax, row_count, source_row
 
 __all__ = ["e4m3_rows", "e4m3_rows_kernel", "unit_order"]
@@ -59,9 +59,7 @@ def e4m3_rows_kernel(
     INTERPRET: tl.constexpr,
 ):
     i = tl.program_id(0)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait_release(USE_PDL)
     if i >= row_count(n_rows_ptr, n_rows, COUNT_FROM_PTR):
         return
     row = source_row(src_ptr, src_index_ptr, i, C, GATHER, DIV)

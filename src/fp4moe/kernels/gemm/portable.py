@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import order_rows, to_bf16, to_e4m3
+from ..common import order_rows, pdl_wait_release, to_bf16, to_e4m3
 from ..quantize import encode_e2m1
 from .decode import decode_e4m3, decode_permuted
 from .shapes import FP8_GROUP, SEGMENT, k_order
@@ -302,9 +302,7 @@ def moe_gemm_kernel(
             pid_m = tl.program_id(2)
         else:
             pid_m = tl.program_id(1)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait_release(USE_PDL)
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
         return
