@@ -12,6 +12,7 @@ import torch
 import fp4moe
 from fp4moe import InapplicableOverride, Options, Tile
 from fp4moe.backend.launch import moe_triton
+from fp4moe.kernels import sort as sort_module
 from fp4moe.kernels.finalize import finalize_rows
 from fp4moe.kernels.gemm.operands import (
     chunk_order,
@@ -102,9 +103,12 @@ def test_sort_invariants(interpret, device, t, k, e, bm, masked, use_kernel):
 
 @pytest.mark.kernel
 @pytest.mark.parametrize("t,k,e,bm", [(263, 8, 32, 8), (1200, 8, 200, 16)])
-def test_sort_invariants_many_routes(interpret, device, t, k, e, bm):
+@pytest.mark.parametrize("passes", [1, 2])
+def test_sort_invariants_many_routes(interpret, device, monkeypatch, t, k, e, bm, passes):
     """2104 routes (17 sort programs, one histogram step each) and 9600 (two steps of
-    8192 routes, 200 experts)."""
+    8192 routes, 200 experts), in one launch and in two (the steps' histograms first)."""
+    if passes == 2:
+        monkeypatch.setattr(sort_module, "ONE_PASS_MAX_ROUTES", 0)
     _sort_invariants(device, t, k, e, bm, 0.3, True)
 
 

@@ -17,14 +17,16 @@ Given top-k ids [T, K] (negative = masked), produce:
 Two implementations with the same outputs, both without a host sync (capturable in a
 CUDA graph); an expert with no rows gets no block:
 
-- ``sort_routes_kernel``, one Triton launch, instead of the ~35 small torch kernels below,
-  which cost about 70 us in a CUDA graph at 1 token and about 90 us at 2048 routes on the
-  H200. Each program places 16 routes (128 above 1024) and writes as many tile-schedule
-  entries; it histograms all the routes itself (in steps of 8192 above 4096 routes), so
-  the programs never wait on each other. Its cost grows as the square of the routes
-  over 128: the planner takes it up to ``SORT_KERNEL_MAX_ROUTES``.
+- ``sort_routes_kernel``, one Triton launch (two for large batches), instead of the ~35
+  small torch kernels below, which cost about 70 us in a CUDA graph at 1 token and about
+  90 us at 2048 routes on the H200. Each program places 16 routes (128 above 1024) and
+  writes as many tile-schedule entries. Up to ``ONE_PASS_MAX_ROUTES`` it histograms all
+  the routes itself (in steps of 8192 above 4096 routes), so the programs never wait on
+  each other; above, a first launch (``sort_counts_kernel``) histograms each step of 8192
+  routes once, and each program sums those rows and histograms only the routes of its
+  own step before its chunk, so the cost grows about linearly with the routes.
 - torch ops (stable sort, scatter-add, cumsum, searchsorted; no ``nonzero``, ``bincount``
-  or ``.item()``) for larger batches, where their cost is small against the GEMMs.
+  or ``.item()``): off CUDA and above the largest batch the kernel was measured at.
 """
 
 from __future__ import annotations
@@ -37,7 +39,13 @@ import triton.language as tl
 
 from .gemm.shapes import max_blocks
 
-__all__ = ["RouteSort", "max_blocks", "sort_routes", "sort_routes_reference"]
+__all__ = ["ONE_PASS_MAX_ROUTES", "RouteSort", "max_blocks", "sort_routes", "sort_routes_reference"]
+
+# Above this many routes the sort takes two launches (``sort_counts_kernel`` first): on the
+# H200 at 8192 routes one launch takes 7.5 / 11.1 us against two's 10.4 / 14.1, at 16384
+# 10.0 / 17.2 against 10.5 / 14.5, at 32768 25.1 / 58.2 against 14.5 / 19.8 (DeepSeek-V3
+# EP8 / Qwen3-30B-A3B routes).
+ONE_PASS_MAX_ROUTES = 8192
 
 
 def _chunk(n: int) -> int:
@@ -157,6 +165,24 @@ def _take(table, idx, SIZE: tl.constexpr, SELECT: tl.constexpr):
 
 
 @triton.jit
+def sort_counts_kernel(
+    ids_ptr,  # int32 [N]
+    piece_counts_ptr,  # int32 [cdiv(N, PIECE), EP]
+    N,
+    E: tl.constexpr,
+    EP: tl.constexpr,
+    PIECE: tl.constexpr,
+):
+    """Program p writes the histogram of routes [p*PIECE, (p+1)*PIECE) by expert (bin E:
+    the masked routes): the first of the two-pass sort's launches."""
+    pid = tl.program_id(0)
+    r = pid * PIECE + tl.arange(0, PIECE)
+    ids = tl.load(ids_ptr + r, mask=r < N, other=-1)
+    key = tl.where(ids < 0, E, ids)
+    tl.store(piece_counts_ptr + pid * EP + tl.arange(0, EP), tl.histogram(key, EP, mask=r < N))
+
+
+@triton.jit
 def sort_routes_kernel(
     ids_ptr,  # int32 [N]
     sorted_routes_ptr,
@@ -169,6 +195,7 @@ def sort_routes_kernel(
     block_end_ptr,  # int32 [NB]
     valid_blocks_ptr,  # int32 [1]
     zero_ptr,  # int32 [NZ]: set to 0
+    piece_counts_ptr,  # int32 [PIECES, EP]: each step's histogram (TWO_PASS)
     N,
     NB,
     NZ,
@@ -180,11 +207,14 @@ def sort_routes_kernel(
     PIECE: tl.constexpr,  # routes histogrammed at a time
     PIECES: tl.constexpr,  # cdiv(N, PIECE)
     ZB: tl.constexpr,  # power of two >= ZPER
+    TWO_PASS: tl.constexpr,  # the steps' histograms in piece_counts_ptr already
 ):
     """Program p places routes [p*CHUNK, (p+1)*CHUNK) and writes blocks [p*CHUNK, ...).
 
-    Every program histograms all N keys itself, and apart the keys before its chunk, so
-    the programs never wait on each other; program 0 also writes the counts and offsets.
+    Every program histograms all N keys, and apart the keys before its chunk: itself, so
+    the programs never wait on each other, or (TWO_PASS) from the steps' histograms plus
+    the keys of its own step before its chunk. Program 0 also writes the counts and
+    offsets.
     A route's place: its expert's offset, plus the routes of that expert before the chunk,
     plus those before it within the chunk."""
     pid = tl.program_id(0)
@@ -193,16 +223,27 @@ def sort_routes_kernel(
     zmask = (zr < ZPER) & (pid * ZPER + zr < NZ)
     tl.store(zero_ptr + pid * ZPER + zr, tl.zeros_like(zr), mask=zmask)
     first = pid * CHUNK
+    ecols = tl.arange(0, EP)
     counts = tl.zeros([EP], dtype=tl.int32)
     before = tl.zeros([EP], dtype=tl.int32)
-    for i in range(PIECES):
-        r = i * PIECE + tl.arange(0, PIECE)
-        ids = tl.load(ids_ptr + r, mask=r < N, other=-1)
+    if TWO_PASS:
+        step = first // PIECE
+        for i in range(PIECES):
+            row = tl.load(piece_counts_ptr + i * EP + ecols)
+            counts += row
+            before += tl.where(i < step, row, 0)
+        r = step * PIECE + tl.arange(0, PIECE)
+        ids = tl.load(ids_ptr + r, mask=(r < N) & (r < first), other=-1)
         key = tl.where(ids < 0, E, ids)
-        counts += tl.histogram(key, EP, mask=r < N)
         before += tl.histogram(key, EP, mask=(r < N) & (r < first))
+    else:
+        for i in range(PIECES):
+            r = i * PIECE + tl.arange(0, PIECE)
+            ids = tl.load(ids_ptr + r, mask=r < N, other=-1)
+            key = tl.where(ids < 0, E, ids)
+            counts += tl.histogram(key, EP, mask=r < N)
+            before += tl.histogram(key, EP, mask=(r < N) & (r < first))
     offs = tl.cumsum(counts, 0) - counts  # exclusive prefix sum
-    ecols = tl.arange(0, EP)
     tl.store(counts_ptr + ecols, counts, mask=(ecols < E) & (pid == 0))
     tl.store(offsets_ptr + ecols, offs, mask=(ecols <= E) & (pid == 0))
 
@@ -258,17 +299,25 @@ def _sort_routes_triton(
     }  # fmt: skip
     chunk = _chunk(n)
     piece, warps = _piece(n, chunk)
+    pieces = triton.cdiv(n, piece)
+    ep = triton.next_power_of_2(num_experts + 1)
+    ids = topk_ids.contiguous()
+    two_pass = n > ONE_PASS_MAX_ROUTES
+    piece_counts = out["block_end"]  # never read in one pass
+    if two_pass:
+        piece_counts = torch.empty(pieces, ep, dtype=i32, device=dev)
+        sort_counts_kernel[(pieces,)](ids, piece_counts, n, E=num_experts, EP=ep, PIECE=piece,
+                                      num_warps=warps)  # fmt: skip
     grid = triton.cdiv(max(n, nb), chunk)
     nz = 0 if zero is None else zero.numel()
     zper = triton.cdiv(nz, grid)
     sort_routes_kernel[(grid,)](
-        topk_ids.contiguous(), out["sorted_routes"], out["route_pos"], out["sorted_expert"],
+        ids, out["sorted_routes"], out["route_pos"], out["sorted_expert"],
         out["expert_counts"], out["expert_offsets"],
         out["block_expert"], out["block_start"], out["block_end"], out["valid_blocks"],
-        zero if zero is not None else out["block_end"], n, nb, nz, zper,
-        E=num_experts, EP=triton.next_power_of_2(num_experts + 1), BM=block_m,
-        CHUNK=chunk, PIECE=piece, PIECES=triton.cdiv(n, piece),
-        ZB=triton.next_power_of_2(max(zper, 1)), num_warps=warps,
+        zero if zero is not None else out["block_end"], piece_counts, n, nb, nz, zper,
+        E=num_experts, EP=ep, BM=block_m, CHUNK=chunk, PIECE=piece, PIECES=pieces,
+        ZB=triton.next_power_of_2(max(zper, 1)), TWO_PASS=two_pass, num_warps=warps,
     )  # fmt: skip
     return RouteSort(block_m=block_m, **out)
 
