@@ -31,4 +31,4 @@ def test_readme_example_runs(capsys):
     scope: dict = {}
     exec(compile(runnable[0], "README.md", "exec"), scope)
     assert scope["decode"].shape == scope["prefill"].shape == scope["x"].shape
-    assert "FC1: bf16 input -> triton" in capsys.readouterr().out  # an H200's kernels
+    assert "FC1: bf16 input -> gluon-whole" in capsys.readouterr().out  # an H200's kernels

@@ -11,7 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fp4moe.experts import PreparedExperts, load_experts, prepare_experts
+from fp4moe.experts import PreparedExperts, align_scale_rows, load_experts, prepare_experts
+from fp4moe.kernels.gemm.shapes import scale_rows_tma
 from fp4moe.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from testing import random_moe_weights, rel_err
 
@@ -63,7 +64,7 @@ def test_prepare_shapes_and_dtypes(experts):
     assert sorted(tensors) == sorted(expected)
     for k, (shape, dtype) in expected.items():
         assert tuple(tensors[k].shape) == shape and tensors[k].dtype == dtype, k
-        assert tensors[k].is_contiguous(), k
+        assert tensors[k].is_contiguous() or k.endswith("_scales"), k  # rows 16-byte aligned
     assert experts.a13_scale is None and experts.a2_scale is None
     assert (experts.num_experts, experts.hidden_size, experts.intermediate_size) == (E, H, I)
     assert experts.device.type == "cpu"
@@ -149,6 +150,41 @@ def test_linear_round_trip_bit_exact(experts, static_experts, static):
     before = ex.w13_codes.clone()
     lin["w13_codes"].fill_(0)
     assert torch.equal(ex.w13_codes, before)
+
+
+def test_scale_rows_aligned_in_memory(experts):
+    """Block-scale rows lie 16 bytes apart in memory (K/16 = 4 and 2 here), the bytes between
+    them zero; the linear form and the saved file are contiguous; aligned tensors pass
+    through construction uncopied, the caller's contiguous ones are left as they were."""
+    for name, c in (("w13_scales", H // 16), ("w2_scales", I // 16)):
+        t = getattr(experts, name)
+        assert t.stride() == (t.shape[1] * 16, 16, 1) and t.shape[2] == c, name
+        assert scale_rows_tma(t)
+        pad = torch.as_strided(t.view(torch.uint8), (t.shape[0], t.shape[1], 16), t.stride())
+        assert bool((pad[:, :, c:] == 0).all()), name
+    lin = experts.to_linear()
+    assert all(v.is_contiguous() for v in lin.values())
+    kept = lin["w13_scales"].clone()
+    again = PreparedExperts.from_linear(lin)
+    assert torch.equal(bits(lin["w13_scales"]), bits(kept))  # the caller's tensor unchanged
+    assert again.w13_scales.stride(1) == 16 and torch.equal(bits(again.w13_scales), bits(kept))
+    same = PreparedExperts(**experts.tensors())
+    assert same.w13_scales is experts.w13_scales and same.w2_scales is experts.w2_scales
+    raw = PreparedExperts(**lin, validate=False)  # the custom op's rebuild: no copy
+    assert raw.w13_scales is lin["w13_scales"]
+
+
+def test_align_scale_rows():
+    s = torch.arange(2 * 3 * 20, dtype=torch.uint8).reshape(2, 3, 20).view(F8)
+    a = align_scale_rows(s)
+    assert a.shape == s.shape and a.stride() == (96, 32, 1) and torch.equal(bits(a), bits(s))
+    assert align_scale_rows(a) is a
+    wide = torch.zeros(2, 3, 32, dtype=torch.uint8).view(F8)
+    assert align_scale_rows(wide) is wide  # 32 bytes a row already
+    assert not scale_rows_tma(wide[:, :, 1:17])  # rows start off 16 bytes
+    assert scale_rows_tma(align_scale_rows(wide[:, :, 1:17]))
+    with pytest.raises(ValueError, match="scales"):
+        align_scale_rows(s[0])
 
 
 def test_from_linear_refusals(experts):

@@ -11,6 +11,7 @@ import torch
 
 import fp4moe
 from fp4moe import InapplicableOverride, Options, Tile
+from fp4moe.backend import experts_scales_tma
 from fp4moe.backend.launch import moe_triton
 from fp4moe.kernels import sort as sort_module
 from fp4moe.kernels.finalize import finalize_rows
@@ -223,6 +224,32 @@ def test_portable_families_same_bits(interpret, device, mode, t, k, masked, one)
     fused = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=True,
                        options=Options(gemm="triton-split", poison=True))  # fmt: skip
     _check(fused, ids, x, w, experts, mode)
+
+
+def _contiguous_scales(experts):
+    """``experts`` with contiguous block scales (rows K/16 bytes apart, as the linear form
+    holds them), rebuilt without ``align_scale_rows`` (``validate=False``)."""
+    t = experts.tensors()
+    for f in ("w13_scales", "w2_scales"):
+        t[f] = t[f].contiguous()
+    return fp4moe.PreparedExperts(**t, validate=False)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("mode", MODES[:3], ids=_mode_id)
+def test_scale_row_layouts_same_bits(interpret, device, mode):
+    """Block scales aligned in memory (rows 80 and 16 bytes apart) or contiguous (68 and 2):
+    every portable family gives the same bits."""
+    if device != "cpu":
+        pytest.skip("interpreter case; the GPU runs test_scale_row_layouts_same_bits_gpu")
+    experts, x, ids, w = _case(6, 2, 2, 1088, 32, 0.3, None, device)
+    flat = _contiguous_scales(experts)
+    assert experts.w13_scales.stride(1) == 80 and flat.w13_scales.stride(1) == 68
+    m, sc = mode
+    for g in PORTABLE:
+        opt = Options(gemm=g, poison=True)
+        out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=opt)
+        assert torch.equal(moe_triton(x, ids, w, flat, mode=m, act_scale=sc, options=opt), out), g
 
 
 @pytest.mark.kernel
@@ -537,6 +564,41 @@ def test_families_same_bits_gpu(gpu_experts, shape, t, mode, case):
         assert ran == ["gluon-prefill", None, "gluon-prefill@64"], ran
     else:
         assert "gluon-split" in ran and ("gluon-whole" in ran or sc == "static"), ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["gpt-oss-like", "readme"])
+@pytest.mark.parametrize("t", [1, 40, 300])
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_scale_row_layouts_same_bits_gpu(gpu_experts, shape, t, mode):
+    """Scale rows of 180 bytes (K 2880) or of 8 and 16 (the README's H 256, I 128), aligned in
+    memory (TMA copies them) and contiguous (pointer loads): every kernel family and the
+    planner give the portable kernel's bits on both."""
+    if shape == "readme":
+        e, h, k, e_total = 8, 256, 2, 8
+        experts = _experts(e, h, 128, seed=5, device="cuda")
+    else:
+        e, h, _i, k, e_total = GPU_SHAPES[shape]
+        experts = gpu_experts(shape)
+    flat = _contiguous_scales(experts)
+    assert experts_scales_tma(experts) and not experts_scales_tma(flat)
+    x = _x(t, h, seed=t + 3, device="cuda")
+    ids, w = _gpu_routes(t, k, e, e_total, seed=t + 3)
+    m, sc = mode
+    base = moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                      options=Options(gemm="triton", poison=True))  # fmt: skip
+    _check(base, ids, x, w, experts, mode)
+    ran = set()
+    for g in [*PORTABLE, *GLUON, None]:
+        for name, ex in (("aligned", experts), ("contiguous", flat)):
+            opt = Options(gemm=g, poison=True)
+            try:
+                out = moe_triton(x, ids, w, ex, mode=m, act_scale=sc, options=opt)
+            except InapplicableOverride:
+                continue
+            ran.add(g)
+            assert torch.equal(out, base), (g, name)
+    assert "gluon-whole" in ran or m == "w4a8" or sc == "static", ran
 
 
 @pytest.mark.gpu

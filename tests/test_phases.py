@@ -590,6 +590,8 @@ def test_layer_moves_with_the_module(experts, gate):
     moved = layer.to("meta")
     assert moved is layer and layer.experts.device.type == "meta"
     assert all(t.device.type == "meta" for t in _expert_tensors(layer.experts).values())
+    for f in ("w13_scales", "w2_scales"):  # rows still 16 bytes apart (a move copies them)
+        assert getattr(layer, f).stride(1) == 16 == getattr(experts, f).stride(1), f
     assert layer.gate_weight.device.type == "meta"
     assert experts.device.type == "cpu"  # the caller's object is not changed
     layer.to_empty(device="cpu")

@@ -68,21 +68,53 @@ def test_other_presets_regimes():
         "gluon-split", "gluon-whole", "gluon-prefill", "gluon-prefill",
     ]  # fmt: skip
     assert [qwen[t].block_m for t in (512, 8192)] == [64, 128]
-    # K 2880 (a partial last segment, scales by pointer loads): the Gluon split kernel at
-    # decode sizes, not the whole-K one (the portable loop at 16 rows), then the prefill
-    # kernel (64-row tiles up to 64 rows)
-    oss = {t: _plan("gpt-oss-120b-shape", t) for t in (1, 256, 512, 2048, 4096)}
-    assert [(oss[t].fc1.kernel, oss[t].fc1.segments) for t in (1, 256)] == [
-        ("gluon-split", 3), ("gluon-split", 3),
+    # K 2880 (a partial last segment; scale rows of 180 bytes, padded in memory for TMA):
+    # the Gluon split kernel up to 4 rows, whole-K at 8 and 16 (every route valid), then the
+    # prefill kernel (64-row tiles up to 128 rows)
+    oss = {t: _plan("gpt-oss-120b-shape", t) for t in (1, 128, 256, 512, 2048, 4096, 8192)}
+    assert [(oss[t].fc1.kernel, oss[t].fc1.segments, oss[t].block_m) for t in (1, 128)] == [
+        ("gluon-split", 3, 8), ("gluon-split", 3, 8),
     ]  # fmt: skip
-    assert oss[512].fc1.kernel == oss[512].fc2.kernel == "triton"
+    for t in (256, 512):
+        assert (oss[t].fc1.kernel, oss[t].fc2.kernel, oss[t].block_m) == (
+            "gluon-whole", "gluon-whole", 16)  # fmt: skip
     assert [(oss[t].fc1.kernel, oss[t].fc2.kernel, oss[t].block_m) for t in (2048, 4096)] == [
-        ("gluon-prefill", "gluon-prefill", 64), ("gluon-prefill", "gluon-prefill", 128),
+        ("gluon-prefill", "gluon-prefill", 64), ("gluon-prefill", "gluon-prefill", 64),
     ]  # fmt: skip
+    assert oss[8192].block_m == 128
+    # static W4A4 (FC1 writes NVFP4: no whole-K FC1) keeps split K at 8 rows
+    static = _plan("gpt-oss-120b-shape", 256, "w4a4-static")
+    assert (static.fc1.kernel, static.fc2.kernel) == ("gluon-split", "gluon-split")
+    # Mixtral-8x7B at 8 rows: whole-K; Qwen3-30B-A3B's FC2 (one segment) cannot at 16 rows
+    assert _plan("mixtral-8x7b", 32).fc1.kernel == "gluon-whole"
+    assert _plan("mixtral-8x7b", 16).fc1.kernel == "gluon-split"  # 4 rows
+    assert _plan("qwen3-30b-a3b", 128).fc1.kernel == "gluon-split"
     # both K >= 4096: the prefill kernel from 12 rows (PREFILL_ABOVE_ROWS_LONG_K)
     assert _plan("mixtral-8x7b", 48).fc1.kernel == "gluon-whole"  # 12 rows
     mix = _plan("mixtral-8x7b", 64)  # 16 rows
     assert (mix.fc1.kernel, mix.block_m) == ("gluon-prefill", 64)
+
+
+def test_contiguous_scale_rows_regimes():
+    """Scale rows TMA cannot copy (contiguous rows of 180 bytes, ``scales_tma=False``): the
+    whole-K kernel is not taken (the portable loop at 16 rows), and the prefill kernel's
+    64-row tiles only up to 64 rows."""
+    p = PRESETS["gpt-oss-120b-shape"]
+
+    def plan(t):
+        return plan_call(t, p.top_k, p.local_experts, p.hidden, p.inter, target=H200,
+                         options=Options(valid_fraction=1.0), scales_tma=False)  # fmt: skip
+
+    assert plan(1).fc1.kernel == "gluon-split"
+    assert (plan(256).fc1.kernel, plan(256).block_m) == ("gluon-split", 16)
+    assert plan(512).fc1.kernel == plan(512).fc2.kernel == "triton"
+    assert (plan(2048).block_m, plan(4096).block_m) == (64, 128)
+    # shapes whose contiguous rows TMA copies plan alike either way
+    q = PRESETS["deepseek-v3-ep8"]
+    for t in (1, 128, 1024):
+        a, b = (plan_call(t, q.top_k, q.local_experts, q.hidden, q.inter, target=H200,
+                          scales_tma=v) for v in (True, False))  # fmt: skip
+        assert a == b
 
 
 @pytest.mark.parametrize("h,i", [(256, 128), (2048, 768), (2880, 2880), (1024, 4096),

@@ -612,9 +612,11 @@ def modelopt_expert_tensors(
 
     Keys ``{prefix}.{e}.{p}.weight`` uint8 [N, K/2], ``.weight_scale`` e4m3 [N, K/16],
     ``.weight_scale_2`` fp32 [] and, with static activation scales, ``.input_scale`` fp32 []
-    (views of ``a13_scale`` for gate and up, of ``a2_scale`` for down). The views of one
-    expert tensor share its storage: writers that refuse shared storage (safetensors)
-    need copies, as :func:`save_modelopt_experts` makes.
+    (views of ``a13_scale`` for gate and up, of ``a2_scale`` for down). Every entry is
+    contiguous: where the experts hold block scales with padded rows
+    (``experts.align_scale_rows``, K/16 not a multiple of 16) the scale entries are
+    contiguous copies. The views of one expert tensor share its storage: writers that
+    refuse shared storage (safetensors) need copies, as :func:`save_modelopt_experts` makes.
     """
     if not isinstance(experts, PreparedExperts):
         raise TypeError(f"experts: expected a PreparedExperts, got {type(experts).__name__}")
@@ -623,7 +625,7 @@ def modelopt_expert_tensors(
     for e, name, codes, scales, g, a in _projections(experts, names):
         base = f"{prefix}.{e}.{name}"
         out[f"{base}.weight"] = codes
-        out[f"{base}.weight_scale"] = scales
+        out[f"{base}.weight_scale"] = scales.contiguous()
         out[f"{base}.weight_scale_2"] = g
         if a is not None:
             out[f"{base}.input_scale"] = a

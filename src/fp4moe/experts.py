@@ -15,6 +15,11 @@ logical form of numerics section 3, row-major and contiguous:
 The Triton kernels read this layout directly (the reduction axis is contiguous, so one
 tile row of 256 weights is one 128-byte line of codes plus 16 bytes of scales; gate and
 up tiles come from two row pointers of the same expert), so no mode needs a second copy.
+
+In memory the rows of a block-scale tensor lie a multiple of 16 bytes apart
+(:func:`align_scale_rows`: where K/16 is not a multiple of 16, each row is followed by
+zero bytes outside the tensor's view), so that TMA can copy them; the kernels read either
+that or the contiguous form, and files hold the contiguous form.
 """
 
 from __future__ import annotations
@@ -26,12 +31,14 @@ from typing import ClassVar
 
 import torch
 
+from .kernels.gemm.shapes import scale_rows_tma
 from .nvfp4 import NVFP4Tensor, dequantize_blocks, global_from_amax, quantize_blocks
 
 __all__ = [
     "LAYOUT_NAME",
     "LAYOUT_VERSION",
     "PreparedExperts",
+    "align_scale_rows",
     "check_block_scales",
     "load_experts",
     "prepare_experts",
@@ -55,9 +62,11 @@ class PreparedExperts:
     modifies these tensors.
 
     Construction checks shapes, dtypes and devices (and that static activation scales are
-    finite and positive); every loader also runs :func:`check_block_scales`.
-    ``validate=False`` skips the checks for tensors already checked (the custom op rebuilds
-    the object from its tensors on every call, where a check would cost a host sync).
+    finite and positive) and lays the block scales out with :func:`align_scale_rows` (a
+    copy where their rows are not 16-byte aligned in memory; the caller's tensors are never
+    changed); every loader also runs :func:`check_block_scales`. ``validate=False`` skips
+    both for tensors already checked (the custom op rebuilds the object from its tensors on
+    every call, where a check would cost a host sync).
     """
 
     w13_codes: torch.Tensor
@@ -77,6 +86,8 @@ class PreparedExperts:
     def __post_init__(self, validate: bool) -> None:
         if validate:
             _validate_linear(self.tensors())
+            self.w13_scales = align_scale_rows(self.w13_scales)
+            self.w2_scales = align_scale_rows(self.w2_scales)
 
     # ------------------------------------------------------------------ shape facts
     @property
@@ -129,9 +140,12 @@ class PreparedExperts:
         """The logical (linear) form of numerics section 3 as new tensors, keyed by field name.
 
         Lossless: ``PreparedExperts.from_linear(e.to_linear())`` is bit-identical to ``e``.
-        In layout version 1 the physical layout is the linear one, so this is a copy.
+        In layout version 1 the physical layout is the linear one, so this is a contiguous
+        copy.
         """
-        return {k: v.clone() for k, v in self.tensors().items()}
+        return {
+            k: v.clone(memory_format=torch.contiguous_format) for k, v in self.tensors().items()
+        }
 
     @classmethod
     def from_linear(cls, tensors: dict[str, torch.Tensor]) -> PreparedExperts:
@@ -173,6 +187,26 @@ class PreparedExperts:
             f"I={self.intermediate_size}, layout={LAYOUT_NAME}-v{LAYOUT_VERSION}, "
             f"{self.nbytes() / 2**20:.1f} MiB, {static}, device={self.device})"
         )
+
+
+def align_scale_rows(scales: torch.Tensor) -> torch.Tensor:
+    """Block scales [E, N, K/16] whose rows lie a multiple of 16 bytes apart in memory.
+
+    ``scales`` itself when its rows already do (evenly over the experts, from a 16-byte
+    aligned start: one 2-D view [E * N, K/16] with such a row stride); else a new tensor of
+    the same shape, dtype, device and values whose row stride is K/16 rounded up to a
+    multiple of 16, the bytes between rows zero. TMA (the Gluon kernels' copies) needs
+    that stride; every kernel reads either form.
+    """
+    if scales.dim() != 3:
+        raise ValueError(f"scales: expected [E, N, K/16], got shape {tuple(scales.shape)}")
+    if scales.numel() == 0 or scale_rows_tma(scales):
+        return scales
+    e, n, c = scales.shape
+    width = -(-c // 16) * 16
+    buf = torch.zeros(e, n, width, dtype=torch.uint8, device=scales.device)
+    buf[:, :, :c] = scales.view(torch.uint8)
+    return buf[:, :, :c].view(scales.dtype)
 
 
 def _expected_shapes(e: int, h: int, i: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

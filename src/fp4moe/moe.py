@@ -211,7 +211,7 @@ def plan(
         the frozen ``fp4moe.Plan`` (per GEMM: kernel family, tile, K split; the sort,
         quantize and finalize choices).
     """
-    from .backend import H200, plan_call, target_for
+    from .backend import H200, experts_scales_tma, plan_call, target_for
 
     if not isinstance(experts, PreparedExperts):
         raise TypeError(f"experts: expected PreparedExperts, got {type(experts).__name__}")
@@ -226,4 +226,5 @@ def plan(
         num_tokens, top_k, experts.num_experts, experts.hidden_size,
         experts.intermediate_size, mode=mode, act_scale=act_scale,
         fused_finalize=fused_finalize, options=options or Options(), target=target,
+        scales_tma=experts_scales_tma(experts),
     )  # fmt: skip

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .backend.options import Options
-from .experts import PreparedExperts
+from .experts import PreparedExperts, align_scale_rows
 from .modes import MODE_NAMES, mode_name, resolve_mode
 from .moe import BACKENDS, moe
 from .ops import EXPERT_FIELDS
@@ -379,7 +379,8 @@ class MoELayer(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         # Expert buffers follow device moves only: fn may also change floating dtypes
-        # (module.to(torch.bfloat16)), which would ruin e4m3 scales and fp32 globals.
+        # (module.to(torch.bfloat16)), which would ruin e4m3 scales and fp32 globals; the
+        # block scales keep their rows 16-byte aligned in memory (``align_scale_rows``).
         held = {f: self._buffers.pop(f) for f in EXPERT_FIELDS if f in self._buffers}
         try:
             super()._apply(fn, recurse)
@@ -388,7 +389,10 @@ class MoELayer(nn.Module):
         for f, t in held.items():
             if t is not None:
                 new = fn(t)
-                self._buffers[f] = new if new.dtype == t.dtype else t.to(new.device)
+                new = new if new.dtype == t.dtype else t.to(new.device)
+                if f.endswith("_scales") and new is not t:  # a move made them contiguous
+                    new = align_scale_rows(new)
+                self._buffers[f] = new
         return self
 
     def route(self, x2d: torch.Tensor, router_logits: torch.Tensor | None = None):

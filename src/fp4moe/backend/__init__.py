@@ -3,7 +3,7 @@ heuristics, and the device facts it reads. Importing it imports no Triton kernel
 
 from .device import H200, Target, target_for
 from .options import KERNELS, InapplicableOverride, Options, Tile
-from .plan import GemmPlan, Plan, explain, plan_call, workspace_bytes
+from .plan import GemmPlan, Plan, experts_scales_tma, explain, plan_call, workspace_bytes
 
 __all__ = [
     "H200",
@@ -14,6 +14,7 @@ __all__ = [
     "Plan",
     "Target",
     "Tile",
+    "experts_scales_tma",
     "explain",
     "plan_call",
     "target_for",

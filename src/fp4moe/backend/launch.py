@@ -33,7 +33,7 @@ from ..kernels.quantize_e4m3 import e4m3_rows
 from ..kernels.sort import RouteSort, sort_routes
 from .device import target_for
 from .options import Options
-from .plan import GemmPlan, Plan, plan_call
+from .plan import GemmPlan, Plan, experts_scales_tma, plan_call
 
 __all__ = ["expert_gemms", "moe_triton", "plan_for", "zero_buffer"]
 
@@ -50,6 +50,7 @@ def plan_for(
         experts.intermediate_size, mode=mode, act_scale=act_scale,
         fused_finalize=fused_finalize, options=options or Options(),
         target=target_for(x.device), dispatched=dispatched, amax_all_reduce=amax_all_reduce,
+        scales_tma=experts_scales_tma(experts),
     )  # fmt: skip
 
 

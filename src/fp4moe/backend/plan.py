@@ -21,6 +21,7 @@ from ..kernels.gemm.shapes import (
     gluon_decode_fits,
     max_blocks,
     prefill_fits,
+    scale_rows_tma,
     scale_tma,
 )
 from ..modes import ACT_SCALES, KERNEL_MODES
@@ -28,7 +29,7 @@ from . import heuristics as hx
 from .device import Target
 from .options import InapplicableOverride, Options, Tile
 
-__all__ = ["GemmPlan", "Plan", "explain", "plan_call", "workspace_bytes"]
+__all__ = ["GemmPlan", "Plan", "experts_scales_tma", "explain", "plan_call", "workspace_bytes"]
 
 _GLUON_TILE_N = 64  # weight rows a Gluon decode-kernel tile (its counters' tiles)
 
@@ -131,12 +132,31 @@ class Plan:
 class _Rules:
     """The planner's decisions for one call shape (the expected valid rows, the device)."""
 
-    def __init__(self, routes: int, e: int, h: int, i: int, frac: float, tgt: Target):
+    def __init__(self, routes: int, e: int, h: int, i: int, frac: float, tgt: Target,
+                 scales_tma: bool = True):  # fmt: skip
         self.routes, self.e, self.h, self.i, self.tgt = routes, e, h, i, tgt
         self.valid = routes * frac / e if e > 0 else 0.0
+        self.scales_tma = scales_tma
 
-    def split_all(self) -> bool:
-        return self.routes / self.e <= hx.SPLIT_MAX_ROUTES_PER_EXPERT
+    def scale_tma(self, k: int) -> bool:
+        """TMA copies the weight scales of the GEMM of inner size ``k``: rows padded in
+        memory (``scales_tma``, as ``PreparedExperts`` lays them), or contiguous rows of a
+        multiple of 16 bytes."""
+        return self.scales_tma or scale_tma(k)
+
+    def split_all(self, fc1_whole_can: bool = True) -> bool:
+        """Both GEMMs split K: at most SPLIT_MAX_ROUTES_PER_EXPERT routes an expert, but
+        above GLUON_SPLIT_MAX_ROWS valid rows not where both GEMMs can run whole-K
+        (``fc1_whole_can``: FC1's epilogue can). At 8 rows, every route valid, whole-K
+        on 16-row tiles won: the gpt-oss shape at 256 tokens 786 against 858 us split,
+        Mixtral-8x7B at 32 tokens 332 against 346; at 4 rows split K did (the gpt-oss
+        shape at 128 tokens 697 against 741)."""
+        if self.routes / self.e > hx.SPLIT_MAX_ROUTES_PER_EXPERT:
+            return False
+        if self.valid <= hx.GLUON_SPLIT_MAX_ROWS or not fc1_whole_can or self.dense():
+            return True
+        t = Tile(16, 64, 128)
+        return not all(self.whole(False, False, k, t) for k in (self.h, self.i))
 
     def dense(self) -> bool:
         """Prefill sizes: the prefill kernel (Hopper, both GEMMs fit) or decoded weights."""
@@ -173,14 +193,14 @@ class _Rules:
         tokens on 8)."""
         if split or dense or self.e <= 0 or self.valid > hx.WHOLE_K_MAX_ROWS:
             return False
-        if not scale_tma(k) or (k <= SEGMENT and t.block_m > 8):
+        if not self.scale_tma(k) or (k <= SEGMENT and t.block_m > 8):
             return False
         return self.gluon_fits(k, t, whole=True)
 
-    def splits(self, t1: Tile, t2: Tile) -> tuple[bool, bool]:
+    def splits(self, t1: Tile, t2: Tile, fc1_whole_can: bool = True) -> tuple[bool, bool]:
         """Whether each GEMM splits K: both at decode sizes, both on the Gluon split
         kernel's 8-row tiles, else a GEMM of too few expected programs."""
-        if self.split_all():
+        if self.split_all(fc1_whole_can):
             return True, True
         if t1.block_m == 8 and t2.block_m == 8 and self.gluon_split(None):
             return True, True
@@ -226,7 +246,7 @@ class _Rules:
 
     def prefill_tile(self, w4a8: bool = False) -> Tile:
         """The prefill kernel's tile (its rows by the expected rows an expert)."""
-        loads = not (scale_tma(self.h) and scale_tma(self.i))
+        loads = not (self.scale_tma(self.h) and self.scale_tma(self.i))
         bm = hx.prefill_rows(self.valid, w4a8=w4a8, scale_loads=loads)
         return replace(hx.DENSE_TILE, block_m=bm)
 
@@ -255,6 +275,12 @@ def _amax_self(elements: int, reduced: bool) -> bool:
     return not reduced and elements <= hx.QUANTIZE_AMAX_SELF_MAX_ELEMENTS
 
 
+def experts_scales_tma(experts) -> bool:
+    """Whether TMA can copy the rows of both weight-scale tensors of ``experts``
+    (``PreparedExperts``): ``plan_call``'s ``scales_tma``."""
+    return scale_rows_tma(experts.w13_scales) and scale_rows_tma(experts.w2_scales)
+
+
 @functools.lru_cache(maxsize=4096)
 def plan_call(
     num_tokens: int,
@@ -270,6 +296,7 @@ def plan_call(
     target: Target,
     dispatched: bool = False,
     amax_all_reduce: bool = False,
+    scales_tma: bool = True,
 ) -> Plan:
     """The plan of one call of ``num_tokens`` tokens with ``top_k`` routes each over
     ``num_experts`` local experts of hidden size ``hidden`` and intermediate size
@@ -278,8 +305,11 @@ def plan_call(
     ``dispatched``: expert parallelism's expert side: every row is one valid route
     (top_k 1) and W4A4 rows arrive quantized with per-row globals (no fused finalize);
     ``amax_all_reduce``: the per-tensor amax of FC2's input is all-reduced over the ranks
-    (an amax kernel, never the quantize kernel's own). Raises ``InapplicableOverride``
-    when a kernel pinned in ``options.gemm`` cannot serve a GEMM of this call."""
+    (an amax kernel, never the quantize kernel's own); ``scales_tma``: TMA can copy both
+    weight-scale tensors' rows (``PreparedExperts`` pads them so in memory; False: the
+    scales are contiguous rows, TMA-copyable only where K / 16 is a multiple of 16).
+    Raises ``InapplicableOverride`` when a kernel pinned in ``options.gemm`` cannot serve
+    a GEMM of this call."""
     opt = options or Options()
     if mode not in KERNEL_MODES:
         raise ValueError(f"mode: expected one of {KERNEL_MODES}, got {mode!r}")
@@ -288,7 +318,7 @@ def plan_call(
     t, k, e, h, i = num_tokens, top_k, num_experts, hidden, inter
     routes = t * k
     frac = hx.UNKNOWN_VALID_FRACTION if opt.valid_fraction is None else opt.valid_fraction
-    r = _Rules(routes, e, h, i, frac, target)
+    r = _Rules(routes, e, h, i, frac, target, scales_tma)
     pdl = not target.interpret and (target.pdl if opt.pdl is None else opt.pdl)
     sort = "triton" if target.sort_kernel and 0 < routes <= hx.SORT_KERNEL_MAX_ROUTES else "torch"
     if mode == "w4a8":
@@ -301,7 +331,7 @@ def plan_call(
     # FC1 writes bf16 where it may run whole-K (static W4A4's FC1 writes NVFP4)
     fc1_whole_can = not static
     t1, t2 = r.tiles(w4a4, fc1_whole_can, pins)
-    split1, split2 = r.splits(t1, t2)
+    split1, split2 = r.splits(t1, t2, fc1_whole_can)
     dense = r.dense()
     gpdl = pdl and r.valid * e <= hx.GLUON_PDL_MAX_ROUTES
     # the prefill kernel where its shape fits, on its tiles' rows

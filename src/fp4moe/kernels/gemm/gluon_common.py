@@ -27,7 +27,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 from .decode import CHUNK_DECODE_ASM
-from .shapes import scale_tma
+from .shapes import scale_rows_tma
 
 __all__ = [
     "CODE_SMEM",
@@ -91,17 +91,23 @@ def code_layout3(rows):
 def weight_descriptors(codes: torch.Tensor, scales: torch.Tensor, rows: int = 64):
     """TMA descriptors of one GEMM's weights: codes uint8 [E, W_ROWS, K/2] as [E * W_ROWS,
     K/2] with [rows, 128-byte] boxes (one 256-K stage, ``CODE_SMEM``), scales e4m3
-    [E, W_ROWS, K/16] as bytes with [rows, 16] boxes. Where TMA cannot copy the scale
-    rows (``shapes.scale_tma``; the kernels load them by pointer, ``stage_scales``) the
-    second descriptor is one of the codes, never read."""
+    [E, W_ROWS, K/16] as bytes with [rows, 16] boxes.
+
+    Returns (code descriptor, scale descriptor, scale bytes, scales by TMA). Where TMA
+    cannot copy the scale rows (``shapes.scale_rows_tma``; the kernels load them by
+    pointer, ``stage_scales``) the scale descriptor is one of the codes, never read, and
+    the scale bytes are contiguous [E, W_ROWS, K/16] (a copy if ``scales`` was not)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     c2 = codes.reshape(-1, codes.shape[-1])
-    s2 = scales.view(torch.uint8).reshape(-1, scales.shape[-1])
-    if not scale_tma(2 * codes.shape[-1]):
-        s2 = c2
+    tma = scale_rows_tma(scales)
+    s8 = scales.view(torch.uint8)
+    if tma:
+        s2 = s8.reshape(-1, s8.shape[-1])
+    else:
+        s2, s8 = c2, s8.contiguous()
     return (TensorDescriptor.from_tensor(c2, [rows, STAGE_K.value // 2], CODE_SMEM),
-            TensorDescriptor.from_tensor(s2, [rows, 16], SCALE_SMEM))  # fmt: skip
+            TensorDescriptor.from_tensor(s2, [rows, 16], SCALE_SMEM), s8, tma)  # fmt: skip
 
 
 @gluon.jit

@@ -42,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..common import compile_sm90 as common_compile_sm90
+from . import shapes
 from .gluon_common import (
     CODE_SMEM,
     SCALE_SMEM,
@@ -57,7 +58,7 @@ from .gluon_common import (
     tile_index,
     weight_descriptors,
 )
-from .shapes import SEGMENT, gluon_decode_fits, scale_tma
+from .shapes import SEGMENT, gluon_decode_fits
 
 __all__ = ["RING_STAGES", "compile_sm90", "split_partials_tma"]
 
@@ -336,7 +337,7 @@ def tma_split_kernel(
     WHOLE: gl.constexpr,  # a program takes every K segment of its tile in turn and
     # writes its output (EPILOGUE): no partials, no counter (the grid's segments: 1)
     E: gl.constexpr,  # experts (the weight rows' bound)
-    SCALE_TMA: gl.constexpr,  # the scales by TMA, else by pointer (``shapes.scale_tma``)
+    SCALE_TMA: gl.constexpr,  # the scales by TMA, else by pointer (``shapes.scale_rows_tma``)
 ):
     pid_n = gl.program_id(0)
     s_id = gl.program_id(1)
@@ -494,10 +495,10 @@ def split_partials_tma(
         counters = counters if counters is not None else w_global
     elif part is None:
         raise ValueError("split_partials_tma: part (the fp32 partials) is needed unless whole")
-    c_desc, s_desc = weight_descriptors(codes, scales)
+    c_desc, s_desc, s_bytes, s_tma = weight_descriptors(codes, scales)
     dummy = part
     tma_split_kernel[(tiles, segs, blocks)](
-        x, sorted_routes, c_desc, s_desc, scales.view(torch.uint8), block_expert, block_start,
+        x, sorted_routes, c_desc, s_desc, s_bytes, block_expert, block_start,
         block_end, part,
         counters if epilogue else dummy, w_global if epilogue else dummy,
         topk_w if fused else dummy, out if epilogue else dummy,
@@ -505,7 +506,7 @@ def split_partials_tma(
         N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=gather, BM=block_m, SEG=SEGMENT,
         NBUF=RING_STAGES, EPILOGUE=epilogue, FUSED=fused and epilogue, OUT_SCALE=out_scale,
         A_UNIT_ORDER=a_unit_order, A_FP4=a_global is not None and epilogue, USE_PDL=pdl,
-        EARLY_W=pdl and early_weights, WHOLE=whole, E=codes.shape[0], SCALE_TMA=scale_tma(k),
+        EARLY_W=pdl and early_weights, WHOLE=whole, E=codes.shape[0], SCALE_TMA=s_tma,
         num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
 
@@ -513,9 +514,11 @@ def split_partials_tma(
 def compile_sm90(*, n: int, k: int, gated: bool, block_m: int, epilogue: bool = True,
                  fused: bool = False, a_fp4: bool = False, pdl: bool = True,
                  early_weights: bool = False, whole: bool = False,
-                 experts: int = 32):  # fmt: skip
+                 experts: int = 32, scale_tma: bool | None = None):  # fmt: skip
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
-    layout conversions are asserted trivial at compile time. Returns the compiled kernel."""
+    layout conversions are asserted trivial at compile time. ``scale_tma``: the scales by
+    TMA (None: as contiguous rows of K / 16 bytes allow, ``shapes.scale_tma``). Returns
+    the compiled kernel."""
     ptrs = {
         "x_ptr": "*bf16", "sorted_routes_ptr": "*i32", "block_expert_ptr": "*i32",
         "s_ptr": "*u8", "block_start_ptr": "*i32", "block_end_ptr": "*i32",
@@ -531,6 +534,6 @@ def compile_sm90(*, n: int, k: int, gated: bool, block_m: int, epilogue: bool = 
                  NBUF=RING_STAGES, EPILOGUE=epilogue or whole, FUSED=fused,
                  OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_UNIT_ORDER=a_fp4, A_FP4=a_fp4,
                  USE_PDL=pdl, EARLY_W=pdl and early_weights, WHOLE=whole, E=experts,
-                 SCALE_TMA=scale_tma(k))  # fmt: skip
+                 SCALE_TMA=shapes.scale_tma(k) if scale_tma is None else scale_tma)  # fmt: skip
     return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows",), gluon=True,
                                descs=descs, num_warps=4, launch_pdl=pdl)  # fmt: skip

@@ -43,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..common import compile_sm90 as common_compile_sm90
+from . import shapes
 from .gluon_common import (
     CODE_SMEM,
     SCALE_SMEM,
@@ -56,7 +57,7 @@ from .gluon_common import (
     stage_scales,
     weight_descriptors,
 )
-from .shapes import PREFILL_ROWS, SEGMENT, prefill_fits, scale_tma
+from .shapes import PREFILL_ROWS, SEGMENT, prefill_fits
 
 __all__ = ["BM", "GROUP", "STAGES", "compile_sm90", "prefill_gemm"]
 
@@ -209,7 +210,7 @@ def prefill_kernel(
     BM: gl.constexpr,  # token rows a tile (the schedule's block_m; the wgmma N)
     A_E4M3: gl.constexpr,  # W4A8: e4m3 rows in the unit order, FP8 wgmma
     E: gl.constexpr,  # experts (the weight rows' bound)
-    SCALE_TMA: gl.constexpr,  # the scales by TMA, else by pointer (``shapes.scale_tma``)
+    SCALE_TMA: gl.constexpr,  # the scales by TMA, else by pointer (``shapes.scale_rows_tma``)
 ):
     UPS: gl.constexpr = _SK // UNIT  # units a stage
     SPS: gl.constexpr = _SEG // _SK  # stages a segment
@@ -397,25 +398,28 @@ def prefill_gemm(
         raise ValueError("prefill_gemm: fused needs topk_w")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    c_desc, s_desc = weight_descriptors(codes, scales)
+    c_desc, s_desc, s_bytes, s_tma = weight_descriptors(codes, scales)
     x_desc = TensorDescriptor(xs, [k // 64, xs.shape[0], 64], [64, k, 1],
                               [SK // 64, block_m, 64], X8_SMEM3 if e4m3 else X_SMEM3)  # fmt: skip
     tiles = -(-n // (64 if gated else TR))
     grid = (max(1, min(PROGRAMS_PER_SM[block_m] * sm_count, tiles * block_expert.numel())),)
     dummy = w_global
     prefill_kernel[grid](
-        x_desc, c_desc, s_desc, scales.view(torch.uint8), block_expert, block_start, block_end,
+        x_desc, c_desc, s_desc, s_bytes, block_expert, block_start, block_end,
         valid_blocks, sorted_routes if sorted_routes is not None else block_end, w_global,
         topk_w if fused else dummy, a_global if a_global is not None else dummy, out,
         N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=a_gather, FUSED=fused,
         OUT_SCALE=out_scale, A_FP4=a_global is not None and not e4m3, NB=STAGES, BM=block_m,
-        A_E4M3=e4m3, E=codes.shape[0], SCALE_TMA=scale_tma(k), **_launch_options(block_m),
+        A_E4M3=e4m3, E=codes.shape[0], SCALE_TMA=s_tma, **_launch_options(block_m),
     )  # fmt: skip
 
 
 def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: bool = False,
-                 a_e4m3: bool = False, block_m: int = BM):  # fmt: skip
-    """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``)."""
+                 a_e4m3: bool = False, block_m: int = BM,
+                 scale_tma: bool | None = None):  # fmt: skip
+    """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``);
+    ``scale_tma``: the scales by TMA (None: as contiguous rows of K / 16 bytes allow,
+    ``shapes.scale_tma``)."""
     ptrs = {
         "s_ptr": "*u8", "block_expert_ptr": "*i32", "block_start_ptr": "*i32",
         "block_end_ptr": "*i32", "valid_blocks_ptr": "*i32", "sorted_routes_ptr": "*i32",
@@ -442,7 +446,7 @@ def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: boo
         BM=block_m,
         A_E4M3=a_e4m3,
         E=32,
-        SCALE_TMA=scale_tma(k),
+        SCALE_TMA=shapes.scale_tma(k) if scale_tma is None else scale_tma,
     )
     return common_compile_sm90(prefill_kernel, ptrs, const, gluon=True, descs=descs,
                                **_launch_options(block_m))  # fmt: skip

@@ -109,7 +109,7 @@ def dense_weights_reference(
 @triton.jit
 def dense_rows_kernel(
     src_ptr,  # uint8 [R, K/2] (FP4) or bf16 [R, K]
-    scales_ptr,  # float8_e4m3fn [R, K/16] (FP4)
+    scales_ptr,  # float8_e4m3fn [R, K/16] (FP4), rows S_ROW bytes apart
     count_ptr,  # int32 [1]: rows past it are left unwritten (HAS_COUNT)
     out_ptr,  # DOT_DTYPE [R, K], chunk order
     index_ptr,  # int32 [R]: output row r is source row index[r] // DIV (GATHER)
@@ -121,6 +121,7 @@ def dense_rows_kernel(
     HAS_COUNT: tl.constexpr,
     DECODE_ASM: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    S_ROW: tl.constexpr,  # bytes between scale rows (FP4)
     ORDER: tl.constexpr = 32,
     GATHER: tl.constexpr = False,
     DIV: tl.constexpr = 1,
@@ -142,7 +143,7 @@ def dense_rows_kernel(
         codes = tl.load(src_ptr + r64[:, None] * (K // 2) + cq[None, :], mask=rmask[:, None],
                         other=0)  # fmt: skip
         scales = tl.load(
-            scales_ptr + r64[:, None] * (K // 16) + cs[None, :], mask=rmask[:, None], other=0.0
+            scales_ptr + r64[:, None] * S_ROW + cs[None, :], mask=rmask[:, None], other=0.0
         )
         v = decode_permuted(codes, scales, BR, BK, DECODE_ASM, DOT_DTYPE, ORDER)
     else:  # bf16 values, only reordered: the GEMM's register permutation, done once
@@ -166,8 +167,8 @@ def dense_rows(
     ``dense_weights``, or bf16 rows put in chunk order (``chunk_order``), values unchanged.
 
     Args:
-        src: uint8 [R, K/2] NVFP4 codes (with ``scales`` float8_e4m3fn [R, K/16]) or bf16
-            [R, K]. K a multiple of 32.
+        src: uint8 [R, K/2] NVFP4 codes (with ``scales`` float8_e4m3fn [R, K/16], rows any
+            number of bytes apart) or bf16 [R, K]. K a multiple of 32.
         count: int32 device tensor of one element, or None: only the first ``count`` rows
             are written (routes in sorted order: the rest are masked routes, which the GEMM
             never loads); read on the device, so no host synchronization.
@@ -225,11 +226,14 @@ def dense_rows(
     if r_out and r:
         br, bk, warps = decode_tile(k, interp)
         src = src.contiguous()
+        if fp4 and scales.stride(1) != 1:
+            scales = scales.contiguous()
         dense_rows_kernel[(triton.cdiv(r_out, br), k // bk)](
-            src, scales.contiguous() if fp4 else src, count if count is not None else src, out,
+            src, scales if fp4 else src, count if count is not None else src, out,
             index if index is not None else src, r_out, K=k, BR=br, BK=bk, FP4=fp4,
             HAS_COUNT=count is not None, DECODE_ASM=fp4 and not interp,
             DOT_DTYPE=tl.float32 if interp else tl.bfloat16, ORDER=order,
-            GATHER=index is not None, DIV=div, num_warps=warps,
+            GATHER=index is not None, DIV=div, S_ROW=scales.stride(0) if fp4 else 0,
+            num_warps=warps,
         )  # fmt: skip
     return out

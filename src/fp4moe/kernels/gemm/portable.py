@@ -41,16 +41,17 @@ __all__ = ["moe_gemm_kernel", "portable_gemm"]
 @triton.jit
 def _chunk_ptrs(a_ptr, a_scales_ptr, w_codes_ptr, w_scales_ptr, row_g, src,
                 K: tl.constexpr, BK: tl.constexpr, A_FP4: tl.constexpr,
-                W_DENSE: tl.constexpr = False):  # fmt: skip
+                W_DENSE: tl.constexpr, W_SROW: tl.constexpr):  # fmt: skip
     """Pointers of the first K tile for ``_chunk_tile``: weight codes and scales of the
-    rows ``row_g`` (W_DENSE: rows of decoded weights, ``operands.dense_weights``);
+    rows ``row_g`` (scale rows ``W_SROW`` bytes apart; W_DENSE: rows of decoded weights,
+    ``operands.dense_weights``);
     activation codes and scales (W4A4) or bf16 rows (W4A16) of ``src`` (W_DENSE: rows of
     the activation operand already in the loop's order, decoded for W4A4)."""
     if W_DENSE:
         cw2 = w_codes_ptr + row_g[:, None] * K + tl.arange(0, BK)[None, :]
     else:
         cw2 = w_codes_ptr + row_g[:, None] * (K // 2) + tl.arange(0, BK // 2)[None, :]
-    sw2 = w_scales_ptr + row_g[:, None] * (K // 16) + tl.arange(0, BK // 16)[None, :]
+    sw2 = w_scales_ptr + row_g[:, None] * W_SROW + tl.arange(0, BK // 16)[None, :]
     if A_FP4 and not W_DENSE:
         ca2 = a_ptr + src[:, None] * (K // 2) + tl.arange(0, BK // 2)[None, :]
         sa2 = a_scales_ptr + src[:, None] * (K // 16) + tl.arange(0, BK // 16)[None, :]
@@ -67,7 +68,8 @@ def _chunk_tile(
     kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
     N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     GATED: tl.constexpr, A_FP4: tl.constexpr, DECODE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    W_DENSE: tl.constexpr = False, ORDER: tl.constexpr = 32, A_FP8: tl.constexpr = False,
+    W_SROW: tl.constexpr, W_DENSE: tl.constexpr = False, ORDER: tl.constexpr = 32,
+    A_FP8: tl.constexpr = False,
 ):  # fmt: skip
     """One K tile of the main loop: load, decode, dot. W_DENSE: both operand tiles are
     loaded already decoded and in the loop's order (the values ``decode_permuted`` and the
@@ -75,7 +77,7 @@ def _chunk_tile(
     (W4A8): e4m3 rows (stored in the unit order where ORDER is 64) and e4m3 weights in
     the same order, one FP8 dot (the caller chains them in groups of FP8_GROUP K)."""
     KH: tl.constexpr = K // 2
-    KS: tl.constexpr = K // 16
+    KS: tl.constexpr = W_SROW  # the up rows' scales: N rows of W_SROW bytes on
     if A_FP8:
         x8 = tl.trans(tl.load(xp2 + kb * BK, mask=m_mask[:, None], other=0.0).to(DOT_DTYPE))
         cg = tl.load(cw2 + kb * (BK // 2), mask=n_mask[:, None], other=0)
@@ -119,7 +121,7 @@ def _segment(
     first, NT: tl.constexpr, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
     N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     GATED: tl.constexpr, A_FP4: tl.constexpr, DECODE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    W_DENSE: tl.constexpr, ORDER: tl.constexpr, A_FP8: tl.constexpr,
+    W_DENSE: tl.constexpr, ORDER: tl.constexpr, A_FP8: tl.constexpr, W_SROW: tl.constexpr,
 ):  # fmt: skip
     """One K segment in registers: NT tiles from tile ``first`` summed from zero (a
     constexpr trip count and no branch, which the software pipeliner needs), then added
@@ -129,7 +131,8 @@ def _segment(
     for j in range(0, NT):
         pg, pu = _chunk_tile(
             first + j, pg, pu, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
-            N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE, ORDER, A_FP8,
+            N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_SROW, W_DENSE, ORDER,
+            A_FP8,
         )  # fmt: skip
     acc_g = acc_g + pg
     if GATED:
@@ -171,7 +174,7 @@ def _split_unit(
     OUT_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr, DECODE_ASM: tl.constexpr,
     OUT_FP4: tl.constexpr, SEG_TILES: tl.constexpr, W_DENSE: tl.constexpr,
-    REDUCE_ONLY: tl.constexpr, ORDER: tl.constexpr,
+    REDUCE_ONLY: tl.constexpr, ORDER: tl.constexpr, W_SROW: tl.constexpr,
 ):  # fmt: skip
     """Split K, one unit: K segment ``s_id`` of the tile (row block ``pid_m``, weight rows
     ``pid_n``), a dot chain from zero written as the fp32 partial P_s; the last unit of a
@@ -198,7 +201,7 @@ def _split_unit(
     if not REDUCE_ONLY:
         cw2, sw2, xp2, ca2, sa2 = _chunk_ptrs(
             a_ptr, a_scales_ptr, w_codes_ptr, w_scales_ptr, e64 * gn + offs_n, src, K, BK,
-            A_FP4, W_DENSE,
+            A_FP4, W_DENSE, W_SROW,
         )  # fmt: skip
         acc_g = tl.zeros((BN, BM), dtype=tl.float32)
         acc_u = tl.zeros((BN, BM), dtype=tl.float32)
@@ -207,12 +210,14 @@ def _split_unit(
             if REM == 0:  # noqa: SIM114 (a constexpr: no runtime bound check when full)
                 acc_g, acc_u = _chunk_tile(
                     kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
-                    N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE, ORDER,
+                    N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_SROW, W_DENSE,
+                    ORDER,
                 )  # fmt: skip
             elif kb < KB:
                 acc_g, acc_u = _chunk_tile(
                     kb, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2, m_mask, n_mask,
-                    N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_DENSE, ORDER,
+                    N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE, W_SROW, W_DENSE,
+                    ORDER,
                 )  # fmt: skip
         tl.store(prow + s_id * stride, acc_g, mask=pmask)
         if GATED:
@@ -248,7 +253,7 @@ def moe_gemm_kernel(
     sorted_routes_ptr,  # int32 [T*K]: sorted position -> flat route t*TOPK + k
     topk_w_ptr,  # fp32 [T*TOPK] (FUSED)
     w_codes_ptr,  # uint8 [E, W_ROWS, K/2]; W_DENSE: decoded [E, W_ROWS, K] (DOT_DTYPE)
-    w_scales_ptr,  # e4m3 [E, W_ROWS, K/16]
+    w_scales_ptr,  # e4m3 [E, W_ROWS, K/16], rows W_SROW bytes apart
     w_global_ptr,  # fp32 [E, W_GLOBALS]
     out_ptr,  # bf16 [rows, N] (sorted order), fp32 [T, N] (FUSED) or codes [rows, N/2] (OUT_FP4)
     out_scales_ptr,  # e4m3 [rows, N/16] (OUT_FP4)
@@ -283,6 +288,7 @@ def moe_gemm_kernel(
     REDUCE_ONLY: tl.constexpr,
     ORDER: tl.constexpr,
     BLOCKS_LAST: tl.constexpr,
+    W_SROW: tl.constexpr,  # bytes between weight scale rows (K / 16, or padded)
     A_FP8: tl.constexpr = False,
 ):
     if GROUP_M:
@@ -318,7 +324,7 @@ def moe_gemm_kernel(
             out_scales_ptr, out_global_ptr, out_table_ptr, block_expert_ptr, block_start_ptr,
             block_end_ptr, part_ptr, cnt_ptr, ws_rows, N, K, TOPK, GATED, A_FP4,
             A_GATHER, FUSED, OUT_SCALE, BM, BN, BK, DOT_DTYPE, INTERPRET, DECODE_ASM, OUT_FP4,
-            SEG_TILES, W_DENSE, REDUCE_ONLY, ORDER,
+            SEG_TILES, W_DENSE, REDUCE_ONLY, ORDER, W_SROW,
         )  # fmt: skip
         return
     e64 = e.to(tl.int64)
@@ -335,7 +341,17 @@ def moe_gemm_kernel(
     acc_g = tl.zeros((BN, BM), dtype=tl.float32)
     acc_u = tl.zeros((BN, BM), dtype=tl.float32)  # (not GATED: unused)
     cw2, sw2, xp2, ca2, sa2 = _chunk_ptrs(
-        a_ptr, a_scales_ptr, w_codes_ptr, w_scales_ptr, row_g, src, K, BK, A_FP4, W_DENSE
+        a_ptr,
+        a_scales_ptr,
+        w_codes_ptr,
+        w_scales_ptr,
+        row_g,
+        src,
+        K,
+        BK,
+        A_FP4,
+        W_DENSE,
+        W_SROW,
     )
     KB: tl.constexpr = K // BK
     NFULL: tl.constexpr = KB // SEG_TILES  # full segments, then REM tiles in a last one
@@ -349,13 +365,13 @@ def moe_gemm_kernel(
         acc_g, acc_u = _segment(
             sg_i * SEG_TILES, SEG_TILES, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2,
             m_mask, n_mask, N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
-            W_DENSE, ORDER, A_FP8,
+            W_DENSE, ORDER, A_FP8, W_SROW,
         )  # fmt: skip
     if REM > 0:
         acc_g, acc_u = _segment(
             NFULL * SEG_TILES, REM, acc_g, acc_u, cw2, sw2, xp2, ca2, sa2,
             m_mask, n_mask, N, K, BM, BN, BK, GATED, A_FP4, DECODE_ASM, DOT_DTYPE,
-            W_DENSE, ORDER, A_FP8,
+            W_DENSE, ORDER, A_FP8, W_SROW,
         )  # fmt: skip
     _epilogue(
         acc_g, acc_u, e64, offs_m, m_mask, route, src, offs_n, n_mask, pid_n,
@@ -433,6 +449,17 @@ def _segment_tiles(bk: int, a_fp8: bool) -> int:
     return max(FP8_GROUP // bk, 1) if a_fp8 else SEGMENT // bk
 
 
+def _scale_rows(w_scales: torch.Tensor) -> torch.Tensor:
+    """Weight scales [E, W_ROWS, K/16] as one row-strided view (rows any number of bytes
+    apart, the experts' rows evenly: ``experts.align_scale_rows``), else a contiguous
+    copy."""
+    e, n, _ = w_scales.shape
+    st = w_scales.stride()
+    if st[2] == 1 and (e == 1 or st[0] == n * st[1]):
+        return w_scales
+    return w_scales.contiguous()
+
+
 def portable_gemm(
     a, a_scales, a_global, sorted_routes, topk_w, w_codes, w_scales, w_global, out,
     block_expert, block_start, block_end, *,
@@ -457,6 +484,7 @@ def portable_gemm(
     bm, bn, bk, warps, stages = tile
     a_fp4 = a_scales is not None
     a_fp8 = a.dtype == torch.float8_e4m3fn
+    w_scales = _scale_rows(w_scales)
     order = k_order(k, bk)
     decode_asm = not interpret
     dot = tl.float32 if interpret else tl.float8e4nv if a_fp8 else tl.bfloat16
@@ -487,7 +515,7 @@ def portable_gemm(
         OUT_SCALE=out_scale, BM=bm, BN=bn, BK=bk, DOT_DTYPE=dot, INTERPRET=interpret,
         DECODE_ASM=decode_asm, OUT_FP4=out_fp4 is not None, SEG_TILES=seg_tiles, SPLIT=split,
         W_DENSE=dense, GROUP_M=group_m, REDUCE_ONLY=reduce_only, ORDER=order,
-        BLOCKS_LAST=blocks_last, A_FP8=a_fp8,
+        BLOCKS_LAST=blocks_last, W_SROW=w_scales.stride(1), A_FP8=a_fp8,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if pdl:
@@ -523,7 +551,7 @@ def compile_sm90(
         USE_PDL=pdl, INTERPRET=False, DECODE_ASM=True, OUT_FP4=out_fp4,
         SEG_TILES=_segment_tiles(bk, a_fp8), SPLIT=split, W_DENSE=dense, GROUP_M=8 if dense else 0,
         REDUCE_ONLY=reduce_only, ORDER=k_order(k, bk),
-        BLOCKS_LAST=split and not reduce_only and not dense, A_FP8=a_fp8,
+        BLOCKS_LAST=split and not reduce_only and not dense, W_SROW=k // 16, A_FP8=a_fp8,
     )  # fmt: skip
     return common_compile_sm90(moe_gemm_kernel, ptrs, const, ints=("ws_rows",),
                                num_warps=warps, num_stages=stages)  # fmt: skip

@@ -11,6 +11,7 @@ __all__ = [
     "k_order",
     "max_blocks",
     "prefill_fits",
+    "scale_rows_tma",
     "scale_tma",
 ]
 
@@ -57,6 +58,19 @@ def max_blocks(num_routes: int, num_experts: int, block_m: int) -> int:
 
 
 def scale_tma(k: int) -> bool:
-    """Whether TMA can copy the scale rows of a GEMM of inner size ``k`` (K / 16 bytes, a
-    multiple of 16); the Gluon kernels load them by pointer otherwise."""
+    """Whether TMA can copy contiguous scale rows of a GEMM of inner size ``k`` (K / 16
+    bytes, a multiple of 16). ``PreparedExperts`` pads the others in memory
+    (``experts.align_scale_rows``); ``scale_rows_tma`` tells of a tensor."""
     return (k // 16) % 16 == 0
+
+
+def scale_rows_tma(scales) -> bool:
+    """Whether TMA can copy the rows of weight scales [E, N, K/16] (a torch tensor): one 2-D
+    view [E * N, K/16] whose rows lie a multiple of 16 bytes apart from a 16-byte aligned
+    start (``experts.align_scale_rows``; torch's allocations start aligned, so the view's
+    offset into its storage tells). The Gluon kernels load other scales by pointer,
+    contiguous."""
+    e, n, _ = scales.shape
+    st = scales.stride()
+    return (st[2] == 1 and st[1] % 16 == 0 and (e == 1 or st[0] == n * st[1])
+            and scales.storage_offset() % 16 == 0)  # fmt: skip
