@@ -412,7 +412,7 @@ from fp4moe.kernels.gemm import gluon_decode, gluon_prefill
 from fp4moe.kernels.common import resource_usage
 # the stack bytes each kernel may spill: none, but a few at the 64-row prefill tiles' 128
 # registers (two programs an SM; measured faster than one spill-free program an SM), and
-# more where the scales come by pointer loads a stage ahead (K 2880)
+# more at K 2880 (a partial stage; most where the scales come by pointer loads)
 for spill, c in (
     *((0, c) for c in (
     gluon_decode.compile_sm90(n=2048, k=7168, gated=True, block_m=8),
@@ -425,6 +425,10 @@ for spill, c in (
     gluon_decode.compile_sm90(n=2880, k=2880, gated=True, block_m=16),
     gluon_decode.compile_sm90(n=2880, k=2880, gated=False, block_m=32, whole=True),
     gluon_decode.compile_sm90(n=2048, k=768, gated=False, block_m=8, whole=True),
+    # the same scale rows padded in memory (TMA), and K 128: less than one stage
+    gluon_decode.compile_sm90(n=2880, k=2880, gated=True, block_m=8, scale_tma=True),
+    gluon_decode.compile_sm90(n=256, k=128, gated=False, block_m=8, whole=True,
+                              scale_tma=True),
     gluon_prefill.compile_sm90(n=2048, k=7168, gated=True),
     gluon_prefill.compile_sm90(n=7168, k=2048, gated=False, fused=True, a_fp4=True),
     )),
@@ -433,6 +437,7 @@ for spill, c in (
     (32, gluon_prefill.compile_sm90(n=7168, k=2048, gated=False, block_m=64)),
     (32, gluon_prefill.compile_sm90(n=2048, k=768, gated=False, block_m=64, a_e4m3=True)),
     (256, gluon_prefill.compile_sm90(n=2880, k=2880, gated=True, block_m=64)),
+    (104, gluon_prefill.compile_sm90(n=2880, k=2880, gated=True, block_m=64, scale_tma=True)),
 ):
     ptx = c.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
