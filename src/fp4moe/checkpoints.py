@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .experts import PreparedExperts, validate_block_scales
+from .experts import PreparedExperts, empty_block_scales, validate_block_scales
 
 __all__ = [
     "CHECKPOINT_FORMATS",
@@ -475,9 +475,9 @@ def load_checkpoint_experts(
             )
         n = stop - start
         w13_codes = torch.empty((n, 2 * i, h // 2), dtype=torch.uint8, device=target)
-        w13_scales = torch.empty((n, 2 * i, h // 16), dtype=torch.float8_e4m3fn, device=target)
+        w13_scales = empty_block_scales(n, 2 * i, h // 16, device=target)  # rows aligned
         w2_codes = torch.empty((n, h, i // 2), dtype=torch.uint8, device=target)
-        w2_scales = torch.empty((n, h, i // 16), dtype=torch.float8_e4m3fn, device=target)
+        w2_scales = empty_block_scales(n, h, i // 16, device=target)
         w13_global = torch.empty((n, 2), dtype=torch.float32)
         w2_global = torch.empty((n,), dtype=torch.float32)
         a13 = torch.empty((n,), dtype=torch.float32)

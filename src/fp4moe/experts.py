@@ -40,6 +40,7 @@ __all__ = [
     "PreparedExperts",
     "align_scale_rows",
     "check_block_scales",
+    "empty_block_scales",
     "load_experts",
     "prepare_experts",
     "validate_block_scales",
@@ -107,7 +108,9 @@ class PreparedExperts:
         return self.w13_codes.device
 
     def nbytes(self) -> int:
-        """Bytes of all expert tensors (codes, block scales, global and activation scales)."""
+        """Bytes of all expert tensors (codes, block scales, global and activation scales):
+        their elements, as a file holds them (the zero bytes that pad block-scale rows in
+        memory, ``align_scale_rows``, are not counted)."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -189,6 +192,14 @@ class PreparedExperts:
         )
 
 
+def empty_block_scales(e: int, n: int, cols: int, device=None) -> torch.Tensor:
+    """Block scales e4m3 [e, n, cols] laid out as :func:`align_scale_rows` returns them,
+    each row's padding zero and its values zero (to fill before use)."""
+    width = -(-cols // 16) * 16
+    buf = torch.zeros(e, n, width, dtype=torch.uint8, device=device)
+    return buf[:, :, :cols].view(torch.float8_e4m3fn)
+
+
 def align_scale_rows(scales: torch.Tensor) -> torch.Tensor:
     """Block scales [E, N, K/16] whose rows lie a multiple of 16 bytes apart in memory.
 
@@ -202,11 +213,9 @@ def align_scale_rows(scales: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"scales: expected [E, N, K/16], got shape {tuple(scales.shape)}")
     if scales.numel() == 0 or scale_rows_tma(scales):
         return scales
-    e, n, c = scales.shape
-    width = -(-c // 16) * 16
-    buf = torch.zeros(e, n, width, dtype=torch.uint8, device=scales.device)
-    buf[:, :, :c] = scales.view(torch.uint8)
-    return buf[:, :, :c].view(scales.dtype)
+    out = empty_block_scales(*scales.shape, device=scales.device)
+    out.view(torch.uint8).copy_(scales.view(torch.uint8))
+    return out.view(scales.dtype)
 
 
 def _expected_shapes(e: int, h: int, i: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
