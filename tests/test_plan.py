@@ -106,6 +106,8 @@ def test_contiguous_scale_rows_regimes():
                          options=Options(valid_fraction=1.0), scales_tma=False)  # fmt: skip
 
     assert plan(1).fc1.kernel == "gluon-split"
+    assert plan(1).scale_loads and "pointer loads" in explain(plan(1))
+    assert not plan(512).scale_loads  # the portable loop reads any row stride
     assert (plan(256).fc1.kernel, plan(256).block_m) == ("gluon-split", 16)
     assert plan(512).fc1.kernel == plan(512).fc2.kernel == "triton"
     assert (plan(2048).block_m, plan(4096).block_m) == (64, 128)

@@ -81,8 +81,10 @@ class Plan:
     activation is made ("bf16"; W4A4: "per-row", "per-tensor" (amax in the quantize
     kernel), "per-tensor+amax" (an amax kernel first), "static", "fc1-epilogue" (FC1
     writes NVFP4 itself), "dispatched" (quantized by the sending rank)). sort: "triton"
-    (one launch) or "torch". finalize: "deterministic" or "atomic". zero_words: int32
-    words the sort kernel zeroes (the tile counters, then the per-tensor amax slots)."""
+    (the kernel) or "torch". finalize: "deterministic" or "atomic". zero_words: int32
+    words the sort kernel zeroes (the tile counters, then the per-tensor amax slots).
+    scale_loads: a Gluon GEMM loads its weight scales by pointer, their rows not 16-byte
+    aligned in memory (``plan_call(scales_tma=False)``)."""
 
     num_tokens: int
     top_k: int
@@ -105,6 +107,7 @@ class Plan:
     fc2_amax_slot: bool
     fc1_amax_slot: bool
     target: Target
+    scale_loads: bool = False  # a Gluon GEMM loads its weight scales by pointer (not TMA)
 
     @property
     def routes(self) -> int:
@@ -275,6 +278,12 @@ def _amax_self(elements: int, reduced: bool) -> bool:
     return not reduced and elements <= hx.QUANTIZE_AMAX_SELF_MAX_ELEMENTS
 
 
+def _scale_loads(r: _Rules, fc1: GemmPlan, fc2: GemmPlan) -> bool:
+    """A Gluon GEMM of the plan loads its weight scales by pointer."""
+    return any(g.kernel.startswith("gluon") and not r.scale_tma(k)
+               for g, k in ((fc1, r.h), (fc2, r.i)))  # fmt: skip
+
+
 def experts_scales_tma(experts) -> bool:
     """Whether TMA can copy the rows of both weight-scale tensors of ``experts``
     (``PreparedExperts``): ``plan_call``'s ``scales_tma``."""
@@ -432,6 +441,7 @@ def plan_call(
         finalize="atomic" if fused else "deterministic", pdl=pdl,
         fc2_amax_slot=fc2_input == "per-tensor+amax",
         fc1_amax_slot=fc1_input == "per-tensor+amax", target=target,
+        scale_loads=_scale_loads(r, fc1, fc2),
     )  # fmt: skip
 
 
@@ -481,15 +491,16 @@ def _plan_w4a8(
         return GemmPlan(kernel, tile, -(-kk // SEGMENT), False, epilogue, operand,
                         pdl=pdl and not prefill)  # fmt: skip
 
+    fc1 = gemm(h, t1, "bf16", "gather" if prefill else "e4m3")
+    fc2 = gemm(i, t2, "atomic" if fused else "bf16", "e4m3")
     return Plan(
         num_tokens=t, top_k=k, num_experts=e, hidden=h, inter=i, mode="w4a8",
         act_scale="per_token", fused_finalize=fused, dispatched=dispatched, valid_rows=valid,
         block_m=t1.block_m, sort=sort,
         fc1_input="dispatched" if dispatched else "e4m3-gather" if prefill else "e4m3-row",
-        fc2_input="e4m3-row", fc1=gemm(h, t1, "bf16", "gather" if prefill else "e4m3"),
-        fc2=gemm(i, t2, "atomic" if fused else "bf16", "e4m3"),
+        fc2_input="e4m3-row", fc1=fc1, fc2=fc2,
         finalize="atomic" if fused else "deterministic", pdl=pdl, fc2_amax_slot=False,
-        fc1_amax_slot=False, target=target,
+        fc1_amax_slot=False, target=target, scale_loads=_scale_loads(r, fc1, fc2),
     )  # fmt: skip
 
 
@@ -544,6 +555,9 @@ def explain(plan: Plan) -> str:
         f"  FC1: {p.fc1_input} input -> {p.fc1.describe()}",
         f"  FC2: {p.fc2_input} input -> {p.fc2.describe()}",
     ]
+    if p.scale_loads:
+        lines.append("  weight scales by pointer loads: rows not 16-byte aligned in memory "
+                     "(PreparedExperts aligns them: experts.align_scale_rows)")  # fmt: skip
     return "\n".join(lines)
 
 
