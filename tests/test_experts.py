@@ -174,6 +174,20 @@ def test_scale_rows_aligned_in_memory(experts):
     assert raw.w13_scales is lin["w13_scales"]
 
 
+def test_construction_lays_tensors_out_contiguous(experts):
+    """Strided codes and globals (a transposed copy's view) are taken as contiguous copies
+    with the same values; the kernels read rows densely."""
+    t = experts.tensors()
+    odd = {k: v.transpose(-1, -2).contiguous().transpose(-1, -2) if v.dim() == 3 else v
+           for k, v in t.items()}  # fmt: skip
+    assert not odd["w13_codes"].is_contiguous()
+    built = PreparedExperts(**odd)
+    assert built.w13_codes.is_contiguous() and built.w2_codes.is_contiguous()
+    assert scale_rows_tma(built.w13_scales) and scale_rows_tma(built.w2_scales)
+    assert_same_experts(built, experts)
+    assert not odd["w13_codes"].is_contiguous()  # the caller's tensor as it was
+
+
 def test_align_scale_rows():
     s = torch.arange(2 * 3 * 20, dtype=torch.uint8).reshape(2, 3, 20).view(F8)
     a = align_scale_rows(s)

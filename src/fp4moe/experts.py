@@ -63,11 +63,11 @@ class PreparedExperts:
     modifies these tensors.
 
     Construction checks shapes, dtypes and devices (and that static activation scales are
-    finite and positive) and lays the block scales out with :func:`align_scale_rows` (a
-    copy where their rows are not 16-byte aligned in memory; the caller's tensors are never
-    changed); every loader also runs :func:`check_block_scales`. ``validate=False`` skips
-    both for tensors already checked (the custom op rebuilds the object from its tensors on
-    every call, where a check would cost a host sync).
+    finite and positive) and lays the tensors out as the kernels read them: contiguous,
+    the block scales by :func:`align_scale_rows` (a copy where a tensor is not so; the
+    caller's tensors are never changed); every loader also runs :func:`check_block_scales`.
+    ``validate=False`` skips both for tensors already checked (the custom op rebuilds the
+    object from its tensors on every call, where a check would cost a host sync).
     """
 
     w13_codes: torch.Tensor
@@ -87,6 +87,10 @@ class PreparedExperts:
     def __post_init__(self, validate: bool) -> None:
         if validate:
             _validate_linear(self.tensors())
+            for f in ("w13_codes", "w13_global", "w2_codes", "w2_global", "a13_scale", "a2_scale"):
+                t = getattr(self, f)
+                if t is not None and not t.is_contiguous():  # the kernels read rows densely
+                    setattr(self, f, t.contiguous())
             self.w13_scales = align_scale_rows(self.w13_scales)
             self.w2_scales = align_scale_rows(self.w2_scales)
 
