@@ -6,6 +6,10 @@ compare them with each other bitwise."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -145,6 +149,17 @@ def _sort_invariants(device, t, k, e, bm, masked, use_kernel):
         for f, v in vars(other).items():
             if isinstance(v, torch.Tensor):
                 assert torch.equal(v, getattr(s, f)), f
+
+
+def test_sort_bench_tool_needs_a_gpu():
+    """benchmarks/sort_bench.py (the sort thresholds' measurement) imports and parses its
+    arguments here; it times on a GPU only."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine runs the tool itself")
+    tool = Path(__file__).resolve().parents[1] / "benchmarks" / "sort_bench.py"
+    run = subprocess.run([sys.executable, str(tool), "--routes", "64"], capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 1 and "needs a CUDA GPU" in run.stderr, run.stderr[-2000:]
 
 
 def test_sort_zero_bad_input():
