@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu.sh bench [BENCH ARGS]    fp4moe bench (default: the README's table)
 #   bash benchmarks/gpu.sh compare BASE [ARGS]   this tree against BASE (a git revision, or a
 #                                                folder holding fp4moe_base): bits and speed
+#   bash benchmarks/gpu.sh sort [ARGS]           the route sort alone (benchmarks/sort_bench.py)
 #   bash benchmarks/gpu.sh ep                    the expert-parallel tests and bench (2 GPUs)
 #   bash benchmarks/gpu.sh peers [PRESET ...]    fp4moe bench beside triton_kernels' MXFP4 MoE
 #                                                (../shared/peers copied to .peers) in one call
@@ -63,6 +64,9 @@ compare)
     python3 benchmarks/compare_versions.py "${src[@]}" --out "$OUT/compare" "$@" 2>&1 |
         tee "$OUT/compare.log" | tail -80
     ;;
+sort)
+    python3 benchmarks/sort_bench.py "$@" 2>&1 | tee "$OUT/sort.log"
+    ;;
 ep)
     python3 -m pytest -m gpu --device cuda -q -p no:cacheprovider tests/test_distributed.py \
         tests/test_bench_ep.py 2>&1 | tee "$OUT/ep-tests.log" | tail -20
@@ -96,7 +100,7 @@ peers)
     exit $rc
     ;;
 *)
-    sed -n '2,16p' "$0"
+    sed -n '2,17p' "$0"
     exit 2
     ;;
 esac
