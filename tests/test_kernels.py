@@ -251,17 +251,22 @@ def _contiguous_scales(experts):
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("mode", MODES[:3], ids=_mode_id)
-def test_scale_row_layouts_same_bits(interpret, device, mode):
-    """Block scales aligned in memory (rows 80 and 16 bytes apart) or contiguous (68 and 2):
-    every portable family gives the same bits."""
+@pytest.mark.parametrize(
+    "mode,h,families",
+    [(MODES[0], 1088, PORTABLE), (MODES[4], 160, PORTABLE[:1])],
+    ids=["w4a16", "w4a8"],
+)
+def test_scale_row_layouts_same_bits(interpret, device, mode, h, families):
+    """Block scales aligned in memory (rows of H/16 = 68 or 10 bytes 80 or 16 apart, of
+    I/16 = 2 bytes 16 apart) or contiguous: the same bits from every portable family
+    (W4A16's decode, split K over two segments, decoded weights) and W4A8's e4m3 decode."""
     if device != "cpu":
         pytest.skip("interpreter case; the GPU runs test_scale_row_layouts_same_bits_gpu")
-    experts, x, ids, w = _case(6, 2, 2, 1088, 32, 0.3, None, device)
+    experts, x, ids, w = _case(6, 2, 2, h, 32, 0.3, None, device)
     flat = _contiguous_scales(experts)
-    assert experts.w13_scales.stride(1) == 80 and flat.w13_scales.stride(1) == 68
+    assert experts.w13_scales.stride(1) % 16 == 0 and flat.w13_scales.stride(1) == h // 16
     m, sc = mode
-    for g in PORTABLE:
+    for g in families:
         opt = Options(gemm=g, poison=True)
         out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=opt)
         assert torch.equal(moe_triton(x, ids, w, flat, mode=m, act_scale=sc, options=opt), out), g
