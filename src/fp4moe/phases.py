@@ -462,7 +462,7 @@ class MoELayer(nn.Module):
         one call (Triton backend) for the decode phase at ``decode_max_tokens`` tokens and
         for the prefill phase at ``num_tokens`` (default 4096) tokens (the plans of the
         experts' CUDA device; an H200's where they are elsewhere)."""
-        from .backend import H200, plan_call, target_for, workspace_bytes
+        from .backend import H200, experts_scales_tma, plan_call, target_for, workspace_bytes
 
         ex = self.experts
         e, h, i = ex.num_experts, ex.hidden_size, ex.intermediate_size
@@ -477,6 +477,7 @@ class MoELayer(nn.Module):
             plan = plan_call(
                 t, self.router.top_k, e, h, i, mode=cfg.mode, act_scale=cfg.act_scale,
                 fused_finalize=cfg.fused_finalize, options=self.triton_options, target=target,
+                scales_tma=experts_scales_tma(ex),
             )  # fmt: skip
             return workspace_bytes(plan)
 
