@@ -210,6 +210,15 @@ def test_moe_triton_matches_reference(interpret, device, mode, fused, t, k, e, h
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+def _contiguous_scales(experts):
+    """``experts`` with contiguous block scales (rows K/16 bytes apart, as the linear form
+    holds them), rebuilt without ``align_scale_rows`` (``validate=False``)."""
+    t = experts.tensors()
+    for f in ("w13_scales", "w2_scales"):
+        t[f] = t[f].contiguous()
+    return fp4moe.PreparedExperts(**t, validate=False)
+
+
 # K = 1088: two 1024-element segments of FC1, the second a 64-element tail
 SPLIT_CASES = [
     pytest.param(1, 2, 0.0, None, id="T1"),
@@ -239,37 +248,28 @@ def test_portable_families_same_bits(interpret, device, mode, t, k, masked, one)
     fused = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=True,
                        options=Options(gemm="triton-split", poison=True))  # fmt: skip
     _check(fused, ids, x, w, experts, mode)
-
-
-def _contiguous_scales(experts):
-    """``experts`` with contiguous block scales (rows K/16 bytes apart, as the linear form
-    holds them), rebuilt without ``align_scale_rows`` (``validate=False``)."""
-    t = experts.tensors()
-    for f in ("w13_scales", "w2_scales"):
-        t[f] = t[f].contiguous()
-    return fp4moe.PreparedExperts(**t, validate=False)
+    if t == 6 and m == "w4a16":  # block scales contiguous, not aligned: the same bits
+        flat = _contiguous_scales(experts)  # (the unsplit loop: test_scale_row_layouts_...)
+        assert experts.w13_scales.stride(1) == 80 and flat.w13_scales.stride(1) == 68
+        for g in PORTABLE[1:]:
+            out = moe_triton(x, ids, w, flat, mode=m, act_scale=sc,
+                             options=Options(gemm=g, poison=True))  # fmt: skip
+            assert torch.equal(out, outs["triton"]), g
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize(
-    "mode,h,families",
-    [(MODES[0], 1088, PORTABLE), (MODES[4], 160, PORTABLE[:1])],
-    ids=["w4a16", "w4a8"],
-)
-def test_scale_row_layouts_same_bits(interpret, device, mode, h, families):
-    """Block scales aligned in memory (rows of H/16 = 68 or 10 bytes 80 or 16 apart, of
-    I/16 = 2 bytes 16 apart) or contiguous: the same bits from every portable family
-    (W4A16's decode, split K over two segments, decoded weights) and W4A8's e4m3 decode."""
+def test_scale_row_layouts_same_bits(interpret, device):
+    """W4A8's e4m3 decode with block scales aligned in memory (rows of H/16 = 10 and I/16 = 2
+    bytes 16 apart) and contiguous: the same bits (W4A16's families:
+    ``test_portable_families_same_bits``)."""
     if device != "cpu":
         pytest.skip("interpreter case; the GPU runs test_scale_row_layouts_same_bits_gpu")
-    experts, x, ids, w = _case(6, 2, 2, h, 32, 0.3, None, device)
+    experts, x, ids, w = _case(6, 2, 2, 160, 32, 0.3, None, device)
     flat = _contiguous_scales(experts)
-    assert experts.w13_scales.stride(1) % 16 == 0 and flat.w13_scales.stride(1) == h // 16
-    m, sc = mode
-    for g in families:
-        opt = Options(gemm=g, poison=True)
-        out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=opt)
-        assert torch.equal(moe_triton(x, ids, w, flat, mode=m, act_scale=sc, options=opt), out), g
+    assert experts.w13_scales.stride(1) == 16 and flat.w13_scales.stride(1) == 10
+    opt = Options(gemm="triton", poison=True)
+    out = moe_triton(x, ids, w, experts, mode="w4a8", options=opt)
+    assert torch.equal(moe_triton(x, ids, w, flat, mode="w4a8", options=opt), out)
 
 
 @pytest.mark.kernel
