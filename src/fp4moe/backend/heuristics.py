@@ -44,12 +44,13 @@ __all__ = [
 # over 8 ranks) must not switch to a regime where it would lose.
 UNKNOWN_VALID_FRACTION = 1 / 6
 
-# The route sort runs as the Triton kernel up to this many routes (T * top-k), instead of
-# the ~35 torch launches: in a CUDA graph on the H200 (as ``benchmarks/sort_bench.py`` times), 5
-# against 72 us at 8 routes, 7.5 against 154 at 8192, 14.5 / 19.8 against 164 / 156 at
-# 32768, 77 / 98 against 339 / 247 at 262144 (DeepSeek-V3 EP8 / Qwen3-30B-A3B). Above 8192
-# routes it takes two launches (``sort.ONE_PASS_MAX_ROUTES``) and grows about linearly;
-# past the largest size measured, the torch sort.
+# The route sort runs as the Triton kernel up to this many routes (T * top-k), instead
+# of the ~35 torch launches: in a CUDA graph on the H200 (as
+# ``benchmarks/sort_bench.py`` times), 5 against 72 us at 8 routes, 7.5 against 154 at
+# 8192, 14.5 / 19.8 against 164 / 156 at 32768, 77 / 98 against 339 / 247 at 262144
+# (DeepSeek-V3 EP8 / Qwen3-30B-A3B). Above 8192 routes it takes two launches
+# (``sort.ONE_PASS_MAX_ROUTES``) and grows about linearly; past the largest size
+# measured, the torch sort.
 SORT_KERNEL_MAX_ROUTES = 262144
 
 # Split K of both GEMMs while the call's routes (all of them, masked or not) an expert are

@@ -32,6 +32,7 @@ from .options import InapplicableOverride, Options, Tile
 __all__ = ["GemmPlan", "Plan", "experts_scales_tma", "explain", "plan_call", "workspace_bytes"]
 
 _GLUON_TILE_N = 64  # weight rows a Gluon decode-kernel tile (its counters' tiles)
+_WHOLE_TILE = Tile(16, 64, 128)  # the whole-K kernel's 16-row tiles, as the rules ask of them
 
 
 @dataclass(frozen=True)
@@ -158,8 +159,7 @@ class _Rules:
             return False
         if self.valid <= hx.GLUON_SPLIT_MAX_ROWS or not fc1_whole_can or self.dense():
             return True
-        t = Tile(16, 64, 128)
-        return not all(self.whole(False, False, k, t) for k in (self.h, self.i))
+        return not self.whole_can_both()
 
     def dense(self) -> bool:
         """Prefill sizes: the prefill kernel (Hopper, both GEMMs fit) or decoded weights."""
@@ -222,14 +222,17 @@ class _Rules:
                 out.append(k > SEGMENT and programs < hx.SPLIT_BELOW_PROGRAMS)
         return out[0], out[1]
 
+    def whole_can_both(self) -> bool:
+        """Both GEMMs can run whole-K on 16-row tiles (their shapes, scales and rows)."""
+        return all(self.whole(False, False, k, _WHOLE_TILE) for k in (self.h, self.i))
+
     def whole_both(self) -> bool:
         """Both GEMMs would run whole-K at 16-row tiles."""
         if self.split_all() or self.dense():
             return False
-        t = Tile(16, 64, 128)
-        if any(self.splits(t, t)):
+        if any(self.splits(_WHOLE_TILE, _WHOLE_TILE)):
             return False
-        return all(self.whole(False, False, k, t) for k in (self.h, self.i))
+        return self.whole_can_both()
 
     def gluon_split(self, fc1_whole_can: bool | None) -> bool:
         """The split GEMMs may run as the Gluon split kernel (8-row tiles): up to

@@ -42,9 +42,9 @@ from .gemm.shapes import max_blocks
 __all__ = ["ONE_PASS_MAX_ROUTES", "RouteSort", "max_blocks", "sort_routes", "sort_routes_reference"]
 
 # Above this many routes the sort takes two launches (``sort_counts_kernel`` first): on
-# the H200 (as ``benchmarks/sort_bench.py`` times) at 8192 routes one launch takes 7.5 / 11.1 us
-# against two's 10.4 / 14.1, at 16384 10.0 / 17.2 against 10.5 / 14.5, at 32768 25.1 /
-# 58.2 against 14.5 / 19.8 (DeepSeek-V3 EP8 / Qwen3-30B-A3B routes).
+# the H200 (as ``benchmarks/sort_bench.py`` times) at 8192 routes one launch takes 7.5 /
+# 11.1 us against two's 10.4 / 14.1, at 16384 10.0 / 17.2 against 10.5 / 14.5, at 32768
+# 25.1 / 58.2 against 14.5 / 19.8 (DeepSeek-V3 EP8 / Qwen3-30B-A3B routes).
 ONE_PASS_MAX_ROUTES = 8192
 
 

@@ -33,7 +33,7 @@ import triton.language as tl
 from ..common import order_rows, pdl_wait_release, to_bf16, to_e4m3
 from ..quantize import encode_e2m1
 from .decode import decode_e4m3, decode_permuted
-from .shapes import FP8_GROUP, SEGMENT, k_order
+from .shapes import FP8_GROUP, SEGMENT, k_order, scale_rows_2d
 
 __all__ = ["moe_gemm_kernel", "portable_gemm"]
 
@@ -341,18 +341,9 @@ def moe_gemm_kernel(
     acc_g = tl.zeros((BN, BM), dtype=tl.float32)
     acc_u = tl.zeros((BN, BM), dtype=tl.float32)  # (not GATED: unused)
     cw2, sw2, xp2, ca2, sa2 = _chunk_ptrs(
-        a_ptr,
-        a_scales_ptr,
-        w_codes_ptr,
-        w_scales_ptr,
-        row_g,
-        src,
-        K,
-        BK,
-        A_FP4,
-        W_DENSE,
+        a_ptr, a_scales_ptr, w_codes_ptr, w_scales_ptr, row_g, src, K, BK, A_FP4, W_DENSE,
         W_SROW,
-    )
+    )  # fmt: skip
     KB: tl.constexpr = K // BK
     NFULL: tl.constexpr = KB // SEG_TILES  # full segments, then REM tiles in a last one
     REM: tl.constexpr = KB % SEG_TILES
@@ -449,17 +440,6 @@ def _segment_tiles(bk: int, a_fp8: bool) -> int:
     return max(FP8_GROUP // bk, 1) if a_fp8 else SEGMENT // bk
 
 
-def _scale_rows(w_scales: torch.Tensor) -> torch.Tensor:
-    """Weight scales [E, W_ROWS, K/16] as one row-strided view (rows any number of bytes
-    apart, the experts' rows evenly: ``experts.align_scale_rows``), else a contiguous
-    copy."""
-    e, n, _ = w_scales.shape
-    st = w_scales.stride()
-    if st[2] == 1 and (e == 1 or st[0] == n * st[1]):
-        return w_scales
-    return w_scales.contiguous()
-
-
 def portable_gemm(
     a, a_scales, a_global, sorted_routes, topk_w, w_codes, w_scales, w_global, out,
     block_expert, block_start, block_end, *,
@@ -484,7 +464,8 @@ def portable_gemm(
     bm, bn, bk, warps, stages = tile
     a_fp4 = a_scales is not None
     a_fp8 = a.dtype == torch.float8_e4m3fn
-    w_scales = _scale_rows(w_scales)
+    if not scale_rows_2d(w_scales):  # rows any number of bytes apart, else a copy
+        w_scales = w_scales.contiguous()
     order = k_order(k, bk)
     decode_asm = not interpret
     dot = tl.float32 if interpret else tl.float8e4nv if a_fp8 else tl.bfloat16

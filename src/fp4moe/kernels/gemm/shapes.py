@@ -11,6 +11,7 @@ __all__ = [
     "k_order",
     "max_blocks",
     "prefill_fits",
+    "scale_rows_2d",
     "scale_rows_tma",
     "scale_tma",
 ]
@@ -64,13 +65,19 @@ def scale_tma(k: int) -> bool:
     return (k // 16) % 16 == 0
 
 
+def scale_rows_2d(scales) -> bool:
+    """Whether weight scales [E, N, K/16] (a torch tensor) are one 2-D view [E * N, K/16]
+    with contiguous rows, any number of bytes apart: what the portable kernels read."""
+    e, n, _ = scales.shape
+    st = scales.stride()
+    return st[2] == 1 and (e == 1 or st[0] == n * st[1])
+
+
 def scale_rows_tma(scales) -> bool:
     """Whether TMA can copy the rows of weight scales [E, N, K/16] (a torch tensor): one 2-D
     view [E * N, K/16] whose rows lie a multiple of 16 bytes apart from a 16-byte aligned
     start (``experts.align_scale_rows``; torch's allocations start aligned, so the view's
     offset into its storage tells). The Gluon kernels load other scales by pointer,
     contiguous."""
-    e, n, _ = scales.shape
-    st = scales.stride()
-    return (st[2] == 1 and st[1] % 16 == 0 and (e == 1 or st[0] == n * st[1])
+    return (scale_rows_2d(scales) and scales.stride(1) % 16 == 0
             and scales.storage_offset() % 16 == 0)  # fmt: skip
