@@ -131,8 +131,8 @@ def stage_scales(s_ptr, row0, row1, rows_total, t, K: gl.constexpr, TR: gl.const
     """The e4m3 scales of ring stage ``t``'s four units for a tile of ``TR`` weight rows
     (64: from ``row0``; 128: rows 0-63 from ``row0``, 64-127 from ``row1``) by pointer
     loads, each [TR, 4] in ``smem_unit``'s scale layout; zeros past K and past
-    ``rows_total``. For K whose scale rows (K / 16 bytes) are no multiple of 16 bytes,
-    which TMA cannot copy."""
+    ``rows_total``. For scales TMA cannot copy (``shapes.scale_rows_tma``), contiguous:
+    rows K / 16 bytes apart (``weight_descriptors`` hands them so)."""
     SL: gl.constexpr = gl.SliceLayout(2, code_layout3(TR))
     r = gl.arange(0, TR, layout=gl.SliceLayout(1, SL))
     q = gl.arange(0, 4, layout=gl.SliceLayout(0, SL))
@@ -266,8 +266,9 @@ def _x_stage(x_ptr, src, m_ok, kbase, K: gl.constexpr, BM: gl.constexpr,
              SK: gl.constexpr, A_UNIT_ORDER: gl.constexpr = False,
              NWARPS: gl.constexpr = 4):  # fmt: skip
     """Registers of x's rows ``src`` (zeros where not ``m_ok`` and past K) at K ``kbase``
-    .. + SK in the unit order, [SK / 64 * BM, 64] (unit-major); A_UNIT_ORDER: the rows are in the
-    unit order already. NWARPS: the program's warps (the layout's second dimension)."""
+    .. + SK in the unit order, [SK / 64 * BM, 64] (unit-major); A_UNIT_ORDER: the rows are
+    in the unit order already. NWARPS: the program's warps (the layout's second
+    dimension)."""
     XM: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, NWARPS // 4], [1, 0])
     NU: gl.constexpr = SK // UNIT
     kk = gl.arange(0, SK, layout=gl.SliceLayout(0, XM))
