@@ -9,8 +9,9 @@ staged while they fly; the codes go from shared memory straight into the wgmma r
 fragment's layout (``gluon_common.code_layout``) and are decoded there, each unit's decode
 overlapping the last unit's asynchronous wgmma. K is a multiple of 64: the last segment
 may be partial (its copies read zeros past K, its missing units are skipped at compile
-time); where TMA cannot copy the scale rows (K / 16 bytes, no multiple of 16) they come by
-pointer loads a stage ahead (``gluon_common.stage_scales``).
+time); scales TMA cannot copy (``shapes.scale_rows_tma``: contiguous rows of K / 16
+bytes, no multiple of 16, which ``PreparedExperts`` pads in memory) come by pointer loads
+a stage ahead (``gluon_common.stage_scales``).
 
 Two forms (``split_partials_tma``):
 

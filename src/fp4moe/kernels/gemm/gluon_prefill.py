@@ -17,8 +17,8 @@ the same outputs (warpgroup 0 and 1), FC2's 128 consecutive rows. A ring of ``ST
 stages of 256 K in shared memory holds, per stage, the activation rows (one TMA box [4
 units, block rows, 64] of rows already in sorted and unit order,
 ``dense_rows(order=64)``), the codes (two [64, 128-byte] boxes, 128-byte swizzle) and the
-scales (two [64, 16] boxes; where the scale rows, K / 16 bytes, are no multiple of 16
-bytes, which TMA cannot copy, pointer loads a stage ahead instead). K is a multiple of 64:
+scales (two [64, 16] boxes; pointer loads a stage ahead instead where TMA cannot copy
+them, ``shapes.scale_rows_tma``). K is a multiple of 64:
 the last segment and its last stage may be partial (the copies read zeros past K and the
 missing units are skipped), and FC2's last weight tile may pass N (its rows masked).
 Each 64-K unit is decoded (``gluon_common.decode_unit``) while the last unit's
