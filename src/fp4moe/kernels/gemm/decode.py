@@ -5,8 +5,9 @@ Decoded values carry a factor 2^-8 (each GEMM's epilogue undoes it on the fp32
 accumulator), so that e2m1 times an e4m3 scale is exact in bf16 (at most 6 significant
 bits, 2^-18 to 10.5).
 
-Inline-PTX decode (GPU), 8 code bytes a call, to bf16 two per register: the two low (or
-high) nibbles of adjacent bytes go to the halves of t, and one multiply places each
+Inline-PTX decode (GPU), 8 code bytes a call (4 for half a unit), to bf16 two per
+register: the two low (or high) nibbles of adjacent bytes go to the halves of t, and one
+multiply places each
 nibble's 3 magnitude bits at bf16 bits 8..6 and its sign at bit 15:
 ((t & 0x000F000F) * 0x1040) & 0x81C081C0 (shifts by 6 and 12 whose fields do not overlap;
 0x00F000F0 and 0x104 for high nibbles). That bf16 is e2m1 * 2^-126 exactly (its exponent
@@ -37,20 +38,32 @@ import triton.language as tl
 
 from ..common import nibble_to_f16, order_rows, round_e4m3
 
-__all__ = ["CHUNK_DECODE_ASM", "decode_e4m3", "decode_lohi", "decode_permuted"]
+__all__ = ["CHUNK_DECODE_ASM", "HALF_DECODE_ASM", "decode_e4m3", "decode_lohi", "decode_permuted"]
 
-CHUNK_DECODE_ASM = tl.constexpr(
-    "{\n.reg .b32 t, u, z;\nmov.b32 z, 0x80008000;\n"
-    + "".join(
-        f"prmt.b32 t, ${8 + j // 2}, 0, {'0x4342' if j % 2 else '0x4140'};\n"
-        f"and.b32 u, t, 0x000F000F;\nmul.lo.u32 u, u, 0x1040;\nand.b32 u, u, 0x81C081C0;\n"
-        f"fma.rn.bf16x2 ${j}, u, ${10 + j}, z;\n"
-        f"and.b32 u, t, 0x00F000F0;\nmul.lo.u32 u, u, 0x104;\nand.b32 u, u, 0x81C081C0;\n"
-        f"fma.rn.bf16x2 ${4 + j}, u, ${10 + j}, z;\n"
-        for j in range(4)
+
+def _decode_asm(words: int) -> str:
+    """The inline-PTX decode of ``words`` 32-bit words of codes (4 bytes each): outputs
+    the low-nibble registers, then the high-nibble ones, then the inputs: the code words
+    and one bf16x2 scale register a byte pair."""
+    n = 2 * words  # byte pairs: output registers a nibble half
+    return (
+        "{\n.reg .b32 t, u, z;\nmov.b32 z, 0x80008000;\n"
+        + "".join(
+            f"prmt.b32 t, ${2 * n + j // 2}, 0, {'0x4342' if j % 2 else '0x4140'};\n"
+            f"and.b32 u, t, 0x000F000F;\nmul.lo.u32 u, u, 0x1040;\nand.b32 u, u, 0x81C081C0;\n"
+            f"fma.rn.bf16x2 ${j}, u, ${2 * n + words + j}, z;\n"
+            f"and.b32 u, t, 0x00F000F0;\nmul.lo.u32 u, u, 0x104;\nand.b32 u, u, 0x81C081C0;\n"
+            f"fma.rn.bf16x2 ${n + j}, u, ${2 * n + words + j}, z;\n"
+            for j in range(n)
+        )
+        + "}"
     )
-    + "}"
-)
+
+
+# 8 code bytes a call (outputs lo $0-$3, hi $4-$7; codes $8-$9; scales $10-$13), and 4
+# (half a unit's k16 steps: lo $0-$1, hi $2-$3; codes $4; scales $5-$6)
+CHUNK_DECODE_ASM = tl.constexpr(_decode_asm(2))
+HALF_DECODE_ASM = tl.constexpr(_decode_asm(1))
 
 
 @triton.jit

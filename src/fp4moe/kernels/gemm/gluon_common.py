@@ -26,7 +26,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-from .decode import CHUNK_DECODE_ASM
+from .decode import CHUNK_DECODE_ASM, HALF_DECODE_ASM
 from .shapes import scale_rows_tma
 
 __all__ = [
@@ -37,11 +37,13 @@ __all__ = [
     "X_SMEM3",
     "code_layout",
     "code_layout3",
+    "decode_half",
     "decode_unit",
     "decode_unit_e4m3",
     "pick_unit",
     "row_globals",
     "smem_unit",
+    "split_unit",
     "stage_scales",
     "stage_x",
     "store_partials",
@@ -167,34 +169,104 @@ def pick_unit(c0, c1, c2, c3, u: gl.constexpr):
         return c3
 
 
+@gluon.constexpr_function
+def half_code_layout(rows):
+    """A half unit's codes ([rows, 16 bytes]): ``code_layout(rows)`` without its byte bit 2,
+    4 consecutive bytes a register (bytes 8 q + 4 h .. 8 q + 4 h + 3 of half h)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]],
+        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16 << w, 0] for w in range(rows.bit_length() - 5)],
+        block_bases=[],
+        shape=[rows, 16],
+    )
+
+
+@gluon.constexpr_function
+def half_code_layout3(rows):
+    """``half_code_layout(rows)`` as [rows, 4 blocks (q), 4 bytes]."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16 << w, 0, 0] for w in range(rows.bit_length() - 5)],
+        block_bases=[],
+        shape=[rows, 4, 4],
+    )
+
+
 @gluon.jit
-def _decode_halves(codes, sc, TR: gl.constexpr):
-    """A unit's 8 code bytes a thread and row with their scales (bf16 times 2^118) to 8
-    low-nibble and 8 high-nibble values times 2^-8, bf16, joined: [TR, 32 bytes (q, s, a),
-    2 (b)] in ``code_layout(TR)``."""
-    CL: gl.constexpr = code_layout(TR)
-    sb = (sc.to(gl.float32) * 3.32306998946229e35).to(gl.bfloat16)
+def _scales_bf16(sc):
+    """e4m3 block scales as bf16 times 2^118 (exact), as the decode asm multiplies."""
+    return (sc.to(gl.float32) * 3.32306998946229e35).to(gl.bfloat16)
+
+
+@gluon.jit
+def _decode_nibbles(codes, sb, TR: gl.constexpr):
+    """B code bytes a thread, block and row ([TR, 4 blocks, B]: B 8, a unit in
+    ``code_layout3(TR)``, or 4, half a unit in ``half_code_layout3(TR)``) with their
+    scales (``_scales_bf16``, [TR, 4]) to B low-nibble and B high-nibble values times
+    2^-8, bf16, joined: [TR, 4 B bytes (q, s, a), 2 (b)]."""
+    B: gl.constexpr = codes.shape[2]
     sb, codes = gl.broadcast(gl.expand_dims(sb, 2), codes)
-    codes = gl.convert_layout(gl.reshape(codes, [TR, 32]), CL, assert_trivial=True)
-    sb = gl.convert_layout(gl.reshape(sb, [TR, 32]), CL, assert_trivial=True)
-    lo, hi = gl.inline_asm_elementwise(
-        CHUNK_DECODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
-        [codes, sb], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=8,
-    )  # fmt: skip
+    if B == 8:
+        CL: gl.constexpr = code_layout(TR)
+    else:
+        CL: gl.constexpr = half_code_layout(TR)
+    codes = gl.convert_layout(gl.reshape(codes, [TR, 4 * B]), CL, assert_trivial=True)
+    sb = gl.convert_layout(gl.reshape(sb, [TR, 4 * B]), CL, assert_trivial=True)
+    if B == 8:
+        lo, hi = gl.inline_asm_elementwise(
+            CHUNK_DECODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
+            [codes, sb], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=8,
+        )  # fmt: skip
+    else:
+        lo, hi = gl.inline_asm_elementwise(
+            HALF_DECODE_ASM, "=r,=r,=r,=r,r,r,r",
+            [codes, sb], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4,
+        )  # fmt: skip
     return gl.join(lo, hi)
+
+
+@gluon.jit
+def _unit_order(w, A_L: gl.constexpr, TR: gl.constexpr):
+    """``_decode_nibbles``' values [TR, 4 B, 2] to the A fragment ``A_L`` of [TR, 8 B] in
+    the unit order: byte 8 q + 2 s + a, nibble b holds element 16 q + 4 s + 2 a + b, at
+    position 16 s + 8 b + 2 q + a (s < B / 2: the k16 steps of a unit, or of a half)."""
+    S: gl.constexpr = w.shape[1] // 8
+    w = gl.reshape(w, [TR, 4, S, 2, 2])  # [row, q, s, a, b]
+    w = gl.permute(w, [0, 2, 4, 1, 3])  # [row, s, b, q, a]
+    w = gl.reshape(w, [TR, 16 * S])
+    return gl.convert_layout(w, A_L, assert_trivial=True)
 
 
 @gluon.jit
 def decode_unit(codes, sc, A_L: gl.constexpr, TR: gl.constexpr = 64):
     """Decode one unit ([TR rows, 64 K]; TR 64, or 128 with 8 warps) of weights into the
     wgmma A fragment ``A_L``: the portable loop's decode (the same operations and bits)."""
-    # byte 8 q + 2 s + a, nibble b holds element 16 q + 4 s + 2 a + b, at position
-    # 16 s + 8 b + 2 q + a of the unit order
-    w = _decode_halves(codes, sc, TR)  # [TR, 32 bytes (q, s, a), 2 (b)]
-    w = gl.reshape(w, [TR, 4, 4, 2, 2])  # [row, q, s, a, b]
-    w = gl.permute(w, [0, 2, 4, 1, 3])  # [row, s, b, q, a]
-    w = gl.reshape(w, [TR, UNIT])
-    return gl.convert_layout(w, A_L, assert_trivial=True)
+    return _unit_order(_decode_nibbles(codes, _scales_bf16(sc), TR), A_L, TR)
+
+
+@gluon.jit
+def split_unit(codes, sc):
+    """A unit's codes ([TR, 4, 8], ``smem_unit``) as its two halves [TR, 4, 4] (bytes 0-3
+    and 4-7 of each block: k16 steps 0-1 and 2-3 of the unit order), and its scales as
+    ``decode_half`` takes them ([TR, 4])."""
+    TR: gl.constexpr = codes.shape[0]
+    H3: gl.constexpr = half_code_layout3(TR)
+    c = gl.permute(gl.reshape(codes, [TR, 4, 2, 4]), [0, 1, 3, 2])
+    c0, c1 = gl.split(c)
+    c0 = gl.convert_layout(c0, H3, assert_trivial=True)
+    c1 = gl.convert_layout(c1, H3, assert_trivial=True)
+    sb = gl.convert_layout(_scales_bf16(sc), gl.SliceLayout(2, H3), assert_trivial=True)
+    return c0, c1, sb
+
+
+@gluon.jit
+def decode_half(codes, sb, A_L: gl.constexpr, TR: gl.constexpr = 64):
+    """Decode half a unit ([TR rows, 32 K]: k16 steps 0-1 or 2-3 of the unit order, from
+    ``split_unit``) into the wgmma A fragment ``A_L``: ``decode_unit``'s operations and
+    values for those steps."""
+    return _unit_order(_decode_nibbles(codes, sb, TR), A_L, TR)
 
 
 @gluon.jit
@@ -204,7 +276,7 @@ def decode_unit_e4m3(codes, sc, A_L: gl.constexpr, TR: gl.constexpr = 64):
     times 32 (exact), rounded to nearest even by the hardware's conversion, in W4A8's unit
     order (position 16 s + 4 q + 2 a + b holds element 16 q + 4 s + 2 a + b), where each
     thread's 16 decoded values of a row are its fragment bytes."""
-    w = _decode_halves(codes, sc, TR)  # [TR, 32 bytes (q, s, a), 2 (b)]
+    w = _decode_nibbles(codes, _scales_bf16(sc), TR)  # [TR, 32 bytes (q, s, a), 2 (b)]
     w = (w.to(gl.float32) * 32.0).to(gl.float8e4nv)
     w = gl.reshape(w, [TR, 4, 4, 2, 2])  # [row, q, s, a, b]
     w = gl.permute(w, [0, 2, 1, 3, 4])  # [row, s, q, a, b]

@@ -21,9 +21,13 @@ scales (two [64, 16] boxes; pointer loads a stage ahead instead where TMA cannot
 them, ``shapes.scale_rows_tma``). K is a multiple of 64:
 the last segment and its last stage may be partial (the copies read zeros past K and the
 missing units are skipped), and FC2's last weight tile may pass N (its rows masked).
-Each 64-K unit is decoded (``gluon_common.decode_unit``) while the last unit's
-wgmma runs; a stage's buffer is refilled once the next stage's first unit is decoded (that
-decode overlapping the stage's last wgmma). A 1024-K segment's sum starts from zero and
+On 128-row tiles each half of a 64-K unit (two k16 steps, ``gluon_common.decode_half``)
+is one wgmma group, and the wait before a half's decode leaves the last group in flight:
+the decode runs beside it and the tensor cores' queue never drains (two half fragments
+live). On 64-row tiles each unit is decoded whole (``decode_unit``) and its
+wgmmas wait for the last unit's: at 128 registers a thread ptxas places that wait before
+the decode, and the SM's other three warpgroups fill the gap. A stage's buffer is
+refilled once every wgmma reading it is done. A 1024-K segment's sum starts from zero and
 is added to the tile's running sums in segment order, ((0 + P_0) + P_1) + ...: the same
 bits as the portable loop. The epilogue (the portable epilogue's operations) goes through
 shared memory, where gate and up of one output meet.
@@ -49,11 +53,13 @@ from .gluon_common import (
     SCALE_SMEM,
     UNIT,
     X_SMEM3,
+    decode_half,
     decode_unit,
     decode_unit_e4m3,
     pick_unit,
     row_globals,
     smem_unit,
+    split_unit,
     stage_scales,
     weight_descriptors,
 )
@@ -103,6 +109,28 @@ def _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bar, t, b: gl.constexpr, ro
 
 
 @gluon.jit
+def _refill_last(s, st: gl.constexpr, t, x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bars,
+                 row0, row1, start, NT: gl.constexpr, NB: gl.constexpr, BM: gl.constexpr,
+                 XE: gl.constexpr, SCALE_TMA: gl.constexpr):  # fmt: skip
+    """At stage ``t`` (stage ``st`` of segment ``s``), once every wgmma reading the stage
+    before it is done: refill that stage's buffer with stage t - 1 + NB, if the tile has
+    it (the first stage of segment 0 has no stage before it)."""
+    SPS: gl.constexpr = _SEG // _SK
+    if st > 0:
+        if t - 1 + NB < NT:
+            gl.thread_barrier()
+            fence_async_shared()
+            _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bars.index((st - 1) % NB),
+                   t - 1 + NB, (st - 1) % NB, row0, row1, start, BM, XE,
+                   SCALE_TMA)  # fmt: skip
+    elif s > 0 and t - 1 + NB < NT:
+        gl.thread_barrier()
+        fence_async_shared()
+        _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bars.index((SPS - 1) % NB),
+               t - 1 + NB, (SPS - 1) % NB, row0, row1, start, BM, XE, SCALE_TMA)  # fmt: skip
+
+
+@gluon.jit
 def _wait(p, pa, A_E4M3: gl.constexpr):
     """The tile's sums once every wgmma is done, keeping the A fragment ``pa`` alive until
     then (W4A8: the wait takes no 8-bit operands; ptxas keeps the registers)."""
@@ -118,13 +146,18 @@ def _segment(acc, s, NST: gl.constexpr, NU: gl.constexpr, tdone, x_desc, c_desc,
              s_ptr, rows_total, xr, xdst, cbuf, sbuf, cview, sview, bars, row0, row1, start,
              K: gl.constexpr, NB: gl.constexpr, BM: gl.constexpr, XE: gl.constexpr,
              A_E4M3: gl.constexpr, SCALE_TMA: gl.constexpr, A_L: gl.constexpr,
-             MMA: gl.constexpr):  # fmt: skip
+             MMA: gl.constexpr, HALF: gl.constexpr):  # fmt: skip
     """Segment ``s`` of a tile: ``NU`` units in ``NST`` ring stages from stage ``s * 4``
     (the last segment may hold fewer): its sum from zero, added to ``acc``, which is
-    returned. Each unit is decoded while the last unit's wgmma runs; a stage's buffer is
-    refilled (stage + NB) once the next stage's first unit is decoded. ``tdone``: the
-    tiles the program finished before (the ring's phases). Without SCALE_TMA the scales
-    come by pointer loads a stage ahead (``gluon_common.stage_scales``)."""
+    returned. ``tdone``: the tiles the program finished before (the ring's phases).
+    Without SCALE_TMA the scales come by pointer loads a stage ahead
+    (``gluon_common.stage_scales``). A stage's buffer is refilled (stage + NB) at the next
+    stage's first unit, once the wgmmas reading it are done.
+
+    Each unit's wgmmas wait for the last unit's; with HALF (bf16 rows) each half unit's
+    two k16 steps are one wgmma group instead, and before a half is decoded the group
+    before the last is waited for: the decode runs while the last group's wgmmas do, two
+    half fragments live. The same wgmmas in the same order either way: the same bits."""
     UPS: gl.constexpr = _SK // UNIT  # units a stage
     SPS: gl.constexpr = _SEG // _SK  # stages a whole segment
     NT: gl.constexpr = (K + _SK - 1) // _SK  # stages a tile
@@ -145,39 +178,44 @@ def _segment(acc, s, NST: gl.constexpr, NU: gl.constexpr, tdone, x_desc, c_desc,
                 gc, gs = smem_unit(cview, sview, st * UPS + u, 0, NB, UPS, _TR)
                 if not SCALE_TMA:
                     gs = pick_unit(c0, c1, c2, c3, u)
-                if A_E4M3:
+                xb = xr.slice((st % NB * UPS + u) * BM, BM).permute((1, 0))
+                if HALF:
+                    h0, h1, sb = split_unit(gc, gs)
+                    for h in gl.static_range(2):
+                        if st + u + h > 0:  # the group before the last is done
+                            p, _ = warpgroup_mma_wait(num_outstanding=1, deps=(p, pa))  # noqa: F821
+                        if h == 0:
+                            a = decode_half(h0, sb, A_L, _TR)
+                        else:
+                            a = decode_half(h1, sb, A_L, _TR)
+                        if u == 0 and h == 1:  # every group of the last stage is done
+                            _refill_last(s, st, t, x_desc, c_desc, s_desc, xdst, cbuf,
+                                         sbuf, bars, row0, row1, start, NT, NB, BM, XE,
+                                         SCALE_TMA)  # fmt: skip
+                        p = warpgroup_mma(a, xb.slice(32 * h, 32, dim=0), p, is_async=True)
+                        pa = a
+                elif A_E4M3:
                     a = decode_unit_e4m3(gc, gs, A_L, _TR)
                 else:
                     a = decode_unit(gc, gs, A_L, _TR)
-                if st + u > 0:
-                    p = _wait(p, pa, A_E4M3)  # noqa: F821
-                    if A_E4M3 and u == 0:
-                        # W4A8: each stage's (256 K's) FP8 sum (its first wgmma starts
-                        # from zero: use_acc off), added to the fp32 sums
-                        acc = acc + p
-                if u == 0:
-                    # the last stage's wgmmas are done (waited above, or at the end of
-                    # the last segment): refill its buffer with stage t - 1 + NB, this
-                    # unit's decode having overlapped its last wgmma
-                    if st > 0:
-                        if t - 1 + NB < NT:
-                            gl.thread_barrier()
-                            fence_async_shared()
-                            _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf,
-                                   bars.index((st - 1) % NB), t - 1 + NB, (st - 1) % NB,
-                                   row0, row1, start, BM, XE, SCALE_TMA)  # fmt: skip
-                    elif s > 0 and t - 1 + NB < NT:
-                        gl.thread_barrier()
-                        fence_async_shared()
-                        _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf,
-                               bars.index((SPS - 1) % NB), t - 1 + NB, (SPS - 1) % NB, row0,
-                               row1, start, BM, XE, SCALE_TMA)  # fmt: skip
-                xb = xr.slice((st % NB * UPS + u) * BM, BM).permute((1, 0))
-                if A_E4M3:
-                    p = warpgroup_mma(a, xb, p, use_acc=u > 0, is_async=True)
-                else:
-                    p = warpgroup_mma(a, xb, p, is_async=True)
-                pa = a  # read by the next unit's wait
+                if not HALF:
+                    if st + u > 0:
+                        p = _wait(p, pa, A_E4M3)
+                        if A_E4M3 and u == 0:
+                            # W4A8: each stage's (256 K's) FP8 sum (its first wgmma starts
+                            # from zero: use_acc off), added to the fp32 sums
+                            acc = acc + p
+                    if u == 0:
+                        # the last stage's wgmmas are done (waited above, or at the end
+                        # of the last segment)
+                        _refill_last(s, st, t, x_desc, c_desc, s_desc, xdst, cbuf, sbuf,
+                                     bars, row0, row1, start, NT, NB, BM, XE,
+                                     SCALE_TMA)  # fmt: skip
+                    if A_E4M3:
+                        p = warpgroup_mma(a, xb, p, use_acc=u > 0, is_async=True)
+                    else:
+                        p = warpgroup_mma(a, xb, p, is_async=True)
+                    pa = a  # read by the next unit's wait
     # the segment's sum is complete
     p = _wait(p, pa, A_E4M3)
     return acc + p
@@ -215,6 +253,9 @@ def prefill_kernel(
     UPS: gl.constexpr = _SK // UNIT  # units a stage
     SPS: gl.constexpr = _SEG // _SK  # stages a segment
     NT: gl.constexpr = (K + _SK - 1) // _SK  # stages a tile (the last may be partial)
+    # half units where the registers allow two half fragments beside the sums (128-row
+    # tiles, one program an SM; bf16 rows)
+    HALF_UNITS: gl.constexpr = BM == 128 and not A_E4M3
     NSEG: gl.constexpr = K // _SEG  # whole segments
     TAIL_U: gl.constexpr = (K % _SEG) // UNIT  # units of a last, partial segment
     gl.static_assert(K % UNIT == 0, "K is a multiple of a unit")
@@ -288,12 +329,13 @@ def prefill_kernel(
         for s in range(NSEG):
             acc = _segment(acc, s, SPS, SPS * UPS, tdone, x_desc, c_desc, s_desc, s_ptr,
                            rows_total, xr, xdst, cbuf, sbuf, cview, sview, bars, row0, row1,
-                           start, K, NB, BM, XE, A_E4M3, SCALE_TMA, A_L, MMA)  # fmt: skip
+                           start, K, NB, BM, XE, A_E4M3, SCALE_TMA, A_L, MMA,
+                           HALF_UNITS)  # fmt: skip
         if TAIL_U > 0:  # the last, partial segment (K not a multiple of 1024)
             acc = _segment(acc, NSEG, (TAIL_U + UPS - 1) // UPS, TAIL_U, tdone, x_desc, c_desc,
                            s_desc, s_ptr, rows_total, xr, xdst, cbuf, sbuf, cview, sview, bars,
-                           row0, row1, start, K, NB, BM, XE, A_E4M3, SCALE_TMA, A_L,
-                           MMA)  # fmt: skip
+                           row0, row1, start, K, NB, BM, XE, A_E4M3, SCALE_TMA, A_L, MMA,
+                           HALF_UNITS)  # fmt: skip
         gl.thread_barrier()  # every wgmma reading the ring is done before the epilogue
 
         # ---- epilogue (the portable epilogue's operations): the tile through shared memory
