@@ -6,8 +6,11 @@ integer instructions of the NVFP4 decode.
     python3 benchmarks/sass_report.py --preset deepseek-v3-ep8 --num-tokens 1 256 1024 8192
     python3 benchmarks/sass_report.py --preset qwen3-30b-a3b --modes w4a4-static --dump fc1
 
-The decode's cost shows in LOP3/PRMT/IMAD against HGMMA or HMMA; a change to a kernel
+The decode's cost shows in LOP3/PRMT/IMAD against HGMMA, QGMMA or HMMA; a change to a kernel
 should leave the default kernels' counts as they were unless it means to change them.
+``ovl%``: of a wgmma kernel's decode instructions (PRMT), the percent the SASS places
+while a wgmma is in flight; 0 where each decode waits for the last wgmma (the 64-row
+prefill tiles at 128 registers), "-" for kernels without wgmma.
 """
 
 from __future__ import annotations
@@ -78,8 +81,28 @@ def report(compiled) -> dict:
     res = resource_usage(compiled)
     base = lambda name: sum(v for o, v in ops.items() if o.split(".")[0] == name)
     return dict(regs=res["REG"], stack=res.get("STACK", 0), shared=compiled.metadata.shared,
-                sass=len(ins), mma=base("HGMMA") + base("HMMA"), lop3=base("LOP3"),
-                prmt=base("PRMT"), imad=base("IMAD"), bar=base("BAR"))  # fmt: skip
+                sass=len(ins), mma=base("HGMMA") + base("QGMMA") + base("HMMA"), lop3=base("LOP3"),
+                prmt=base("PRMT"), imad=base("IMAD"), bar=base("BAR"),
+                overlap=decode_overlap(ins))  # fmt: skip
+
+
+def decode_overlap(ins: list[str]) -> int | None:
+    """The percent of the PRMT instructions placed, in program order, after a wgmma
+    (HGMMA, or QGMMA for FP8) and before the wait that drains it (``WARPGROUP.DEPBAR.LE
+    gsb0, 0x0``): decode issued while a wgmma runs. None without wgmma."""
+    pending, over, total = False, 0, 0
+    for i in ins:
+        op = i.split()[1] if i.startswith("@") else i.split()[0]
+        if op.startswith(("HGMMA", "QGMMA")):
+            pending = True
+        elif op.startswith("WARPGROUP.DEPBAR") and i.endswith("0x0"):
+            pending = False
+        elif op.startswith("PRMT"):
+            total += 1
+            over += pending
+    if not any("GMMA." in i for i in ins):
+        return None
+    return round(100 * over / total) if total else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     p = PRESETS[a.preset]
     cols = ["tokens", "mode", "gemm", "kernel", "regs", "stack", "shared", "sass", "mma",
-            "lop3", "prmt", "imad", "bar"]  # fmt: skip
+            "lop3", "prmt", "imad", "bar", "ovl%"]  # fmt: skip
     print(" ".join(f"{c:>8s}" if c != "kernel" else f"{c:34s}" for c in cols))
     for mode in a.modes:
         m, sc = MODES[mode]
@@ -106,9 +129,10 @@ def main(argv: list[str] | None = None) -> int:
             for which in ("fc1", "fc2"):
                 compiled = compile_gemm(plan, which)
                 r = report(compiled)
+                r["ovl%"] = "-" if r["overlap"] is None else r["overlap"]
                 desc = getattr(plan, which).describe()
                 print(f"{t:8d} {mode:>8s} {which:>8s} {desc:34s} "
-                      + " ".join(f"{r[c]:8d}" for c in cols[4:]), flush=True)  # fmt: skip
+                      + " ".join(f"{r[c]:>8}" for c in cols[4:]), flush=True)  # fmt: skip
                 if a.dump == which:
                     print("\n".join(sass(compiled)))
     return 0

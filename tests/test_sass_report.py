@@ -23,5 +23,7 @@ def test_sass_report_reads_the_planned_kernels():
     fc1, fc2 = rows[1], rows[2]
     assert fc1[3] == "gluon-split" and fc2[3] == "gluon-whole"  # FC2: K 768, one segment
     for r in (fc1, fc2):
-        regs, stack, mma, lop3 = int(r[-9]), int(r[-8]), int(r[-5]), int(r[-4])
+        regs, stack, mma, lop3 = int(r[-10]), int(r[-9]), int(r[-6]), int(r[-5])
         assert 32 <= regs <= 255 and stack == 0 and mma > 0 and lop3 > 0, r
+        # the decode kernels decode the next unit while the last unit's wgmmas run
+        assert 25 <= int(r[-1]) <= 100, r
