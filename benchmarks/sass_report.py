@@ -77,7 +77,7 @@ def report(compiled) -> dict:
     from fp4moe.kernels.common import resource_usage
 
     ins = sass(compiled)
-    ops = Counter(i.split()[1] if i.startswith("@") else i.split()[0] for i in ins)
+    ops = Counter(_opcode(i) for i in ins)
     res = resource_usage(compiled)
     base = lambda name: sum(v for o, v in ops.items() if o.split(".")[0] == name)
     return dict(regs=res["REG"], stack=res.get("STACK", 0), shared=compiled.metadata.shared,
@@ -90,19 +90,24 @@ def decode_overlap(ins: list[str]) -> int | None:
     """The percent of the PRMT instructions placed, in program order, after a wgmma
     (HGMMA, or QGMMA for FP8) and before the wait that drains it (``WARPGROUP.DEPBAR.LE
     gsb0, 0x0``): decode issued while a wgmma runs. None without wgmma."""
-    pending, over, total = False, 0, 0
+    wgmma, pending, over, total = False, False, 0, 0
     for i in ins:
-        op = i.split()[1] if i.startswith("@") else i.split()[0]
+        op = _opcode(i)
         if op.startswith(("HGMMA", "QGMMA")):
-            pending = True
+            wgmma = pending = True
         elif op.startswith("WARPGROUP.DEPBAR") and i.endswith("0x0"):
             pending = False
         elif op.startswith("PRMT"):
             total += 1
             over += pending
-    if not any("GMMA." in i for i in ins):
+    if not wgmma:
         return None
     return round(100 * over / total) if total else 0
+
+
+def _opcode(ins: str) -> str:
+    """An instruction's opcode with its modifiers (past a predicate)."""
+    return ins.split()[1] if ins.startswith("@") else ins.split()[0]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -466,8 +466,9 @@ for spill, c in (
     assert ".local" not in ptx and res["STACK"] <= spill and res["REG"] <= 255, res
     if spill:  # two programs an SM fit: 128 registers, half the shared memory
         assert res["REG"] <= 128 and c.metadata.shared <= 113 * 1024, res
-    elif c.name == "prefill_kernel" and c.metadata.num_warps == 8 and "e4nv" not in ptx:
-        # 128-row tiles: half units, one wgmma group left in flight while the next decodes
+    elif c.name == "prefill_kernel":
+        # the 128-row bf16 tiles: half units, one wgmma group in flight while the next
+        # decodes
         assert "wgmma.wait_group.sync.aligned 1;" in ptx
 print("ok")
 """

@@ -7,8 +7,7 @@ bits, 2^-18 to 10.5).
 
 Inline-PTX decode (GPU), 8 code bytes a call (4 for half a unit), to bf16 two per
 register: the two low (or high) nibbles of adjacent bytes go to the halves of t, and one
-multiply places each
-nibble's 3 magnitude bits at bf16 bits 8..6 and its sign at bit 15:
+multiply places each nibble's 3 magnitude bits at bf16 bits 8..6 and its sign at bit 15:
 ((t & 0x000F000F) * 0x1040) & 0x81C081C0 (shifts by 6 and 12 whose fields do not overlap;
 0x00F000F0 and 0x104 for high nibbles). That bf16 is e2m1 * 2^-126 exactly (its exponent
 field is the e2m1 exponent, so the subnormal 0.5 is right too). One fma by the block

@@ -63,30 +63,33 @@ X_SMEM3 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank
 
 
 @gluon.constexpr_function
-def code_layout(rows):
+def code_layout(rows, nbytes=8):
     """The codes of one unit ([rows, 32 bytes], rows 64 with 4 warps or 128 with 8):
     registers hold 8 consecutive bytes of a row (bytes 8 q .. 8 q + 7: elements 16 q ..
     16 q + 15, one scale block) and of the row 8 below; lane 4 i + q holds row i; warp w
-    rows 16 w .. 16 w + 15, as the wgmma fragment of the program's warpgroups."""
+    rows 16 w .. 16 w + 15, as the wgmma fragment of the program's warpgroups. With
+    ``nbytes`` 4, half a unit ([rows, 16 bytes]): 4 bytes of each block, the same threads."""
+    bits = nbytes.bit_length() - 1
     return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
-        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+        reg_bases=[[0, 1 << b] for b in range(bits)] + [[8, 0]],
+        lane_bases=[[0, nbytes], [0, 2 * nbytes], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[16 << w, 0] for w in range(rows.bit_length() - 5)],
         block_bases=[],
-        shape=[rows, 32],
+        shape=[rows, 4 * nbytes],
     )
 
 
 @gluon.constexpr_function
-def code_layout3(rows):
-    """``code_layout(rows)`` as [rows, 4 blocks (q), 8 bytes], whose slice along the bytes
-    is the layout of the unit's [rows, 4] scales (one scale a thread and row)."""
+def code_layout3(rows, nbytes=8):
+    """``code_layout(rows, nbytes)`` as [rows, 4 blocks (q), nbytes], whose slice along
+    the bytes is the layout of the unit's [rows, 4] scales (one scale a thread and row)."""
+    bits = nbytes.bit_length() - 1
     return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]],
+        reg_bases=[[0, 0, 1 << b] for b in range(bits)] + [[8, 0, 0]],
         lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
         warp_bases=[[16 << w, 0, 0] for w in range(rows.bit_length() - 5)],
         block_bases=[],
-        shape=[rows, 4, 8],
+        shape=[rows, 4, nbytes],
     )
 
 
@@ -169,31 +172,6 @@ def pick_unit(c0, c1, c2, c3, u: gl.constexpr):
         return c3
 
 
-@gluon.constexpr_function
-def half_code_layout(rows):
-    """A half unit's codes ([rows, 16 bytes]): ``code_layout(rows)`` without its byte bit 2,
-    4 consecutive bytes a register (bytes 8 q + 4 h .. 8 q + 4 h + 3 of half h)."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [8, 0]],
-        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16 << w, 0] for w in range(rows.bit_length() - 5)],
-        block_bases=[],
-        shape=[rows, 16],
-    )
-
-
-@gluon.constexpr_function
-def half_code_layout3(rows):
-    """``half_code_layout(rows)`` as [rows, 4 blocks (q), 4 bytes]."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]],
-        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[[16 << w, 0, 0] for w in range(rows.bit_length() - 5)],
-        block_bases=[],
-        shape=[rows, 4, 4],
-    )
-
-
 @gluon.jit
 def _scales_bf16(sc):
     """e4m3 block scales as bf16 times 2^118 (exact), as the decode asm multiplies."""
@@ -203,15 +181,12 @@ def _scales_bf16(sc):
 @gluon.jit
 def _decode_nibbles(codes, sb, TR: gl.constexpr):
     """B code bytes a thread, block and row ([TR, 4 blocks, B]: B 8, a unit in
-    ``code_layout3(TR)``, or 4, half a unit in ``half_code_layout3(TR)``) with their
+    ``code_layout3(TR)``, or 4, half a unit in ``code_layout3(TR, 4)``) with their
     scales (``_scales_bf16``, [TR, 4]) to B low-nibble and B high-nibble values times
     2^-8, bf16, joined: [TR, 4 B bytes (q, s, a), 2 (b)]."""
     B: gl.constexpr = codes.shape[2]
+    CL: gl.constexpr = code_layout(TR, B)
     sb, codes = gl.broadcast(gl.expand_dims(sb, 2), codes)
-    if B == 8:
-        CL: gl.constexpr = code_layout(TR)
-    else:
-        CL: gl.constexpr = half_code_layout(TR)
     codes = gl.convert_layout(gl.reshape(codes, [TR, 4 * B]), CL, assert_trivial=True)
     sb = gl.convert_layout(gl.reshape(sb, [TR, 4 * B]), CL, assert_trivial=True)
     if B == 8:
@@ -252,7 +227,7 @@ def split_unit(codes, sc):
     and 4-7 of each block: k16 steps 0-1 and 2-3 of the unit order), and its scales as
     ``decode_half`` takes them ([TR, 4])."""
     TR: gl.constexpr = codes.shape[0]
-    H3: gl.constexpr = half_code_layout3(TR)
+    H3: gl.constexpr = code_layout3(TR, 4)
     c = gl.permute(gl.reshape(codes, [TR, 4, 2, 4]), [0, 1, 3, 2])
     c0, c1 = gl.split(c)
     c0 = gl.convert_layout(c0, H3, assert_trivial=True)

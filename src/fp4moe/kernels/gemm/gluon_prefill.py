@@ -194,11 +194,11 @@ def _segment(acc, s, NST: gl.constexpr, NU: gl.constexpr, tdone, x_desc, c_desc,
                                          SCALE_TMA)  # fmt: skip
                         p = warpgroup_mma(a, xb.slice(32 * h, 32, dim=0), p, is_async=True)
                         pa = a
-                elif A_E4M3:
-                    a = decode_unit_e4m3(gc, gs, A_L, _TR)
                 else:
-                    a = decode_unit(gc, gs, A_L, _TR)
-                if not HALF:
+                    if A_E4M3:
+                        a = decode_unit_e4m3(gc, gs, A_L, _TR)
+                    else:
+                        a = decode_unit(gc, gs, A_L, _TR)
                     if st + u > 0:
                         p = _wait(p, pa, A_E4M3)
                         if A_E4M3 and u == 0:
