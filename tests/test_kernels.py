@@ -563,9 +563,10 @@ def test_moe_gpu_shapes(gpu_experts, shape, t, mode, fused):
 @pytest.mark.parametrize("mode", MODES, ids=_mode_id)
 @pytest.mark.parametrize("case", ["masked", "one-expert", "all-masked"])
 def test_families_same_bits_gpu(gpu_experts, shape, t, mode, case):
-    """Every kernel family that can serve the shape (pinned with ``Options.gemm``) gives
-    the bits of the portable kernel, deterministic finalize, at decode (1), middle (40)
-    and prefill-like (300) sizes and the edge routes; fused finalize within tolerance."""
+    """Every kernel family that can serve the shape (pinned with ``Options.gemm``, the
+    prefill kernel at both its tile rows) gives the bits of the portable kernel,
+    deterministic finalize, at decode (1), middle (40) and prefill-like (300) sizes and the
+    edge routes; fused finalize within tolerance."""
     e, h, _i, k, e_total = GPU_SHAPES[shape]
     experts = gpu_experts(shape)
     x = _x(t, h, seed=t + 7, device="cuda")
@@ -576,9 +577,11 @@ def test_families_same_bits_gpu(gpu_experts, shape, t, mode, case):
                       options=Options(gemm="triton", poison=True))  # fmt: skip
     _check(base, ids, x, w, experts, mode)
     ran = []
-    narrow = Tile(64, 128, 64, 8, 3)  # the prefill kernel's 64-row tiles
+    # the prefill kernel's 64-row tiles (what it takes at these sizes unpinned) and its
+    # 128-row tiles (half units)
+    narrow, wide = Tile(64, 128, 64, 8, 3), Tile(128, 128, 64, 8, 3)
     for g, tile in [*((g, None) for g in [*PORTABLE[1:], *GLUON, None]),
-                    ("gluon-prefill", narrow)]:  # fmt: skip
+                    ("gluon-prefill", narrow), ("gluon-prefill", wide)]:  # fmt: skip
         opt = Options(gemm=g, poison=True, fc1_tile=tile, fc2_tile=tile)
         try:
             out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=opt)
@@ -589,9 +592,9 @@ def test_families_same_bits_gpu(gpu_experts, shape, t, mode, case):
         fused = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=True,
                            options=opt)  # fmt: skip
         _check(fused, ids, x, w, experts, mode)
-    assert "gluon-prefill" in ran and "gluon-prefill@64" in ran, ran
+    assert {"gluon-prefill", "gluon-prefill@64", "gluon-prefill@128"} <= set(ran), ran
     if m == "w4a8":  # the portable kernel's FP8 loop and the prefill kernel's FP8 path
-        assert ran == ["gluon-prefill", None, "gluon-prefill@64"], ran
+        assert ran == ["gluon-prefill", None, "gluon-prefill@64", "gluon-prefill@128"], ran
     else:
         assert "gluon-split" in ran and ("gluon-whole" in ran or sc == "static"), ran
 
