@@ -12,7 +12,8 @@ reference.
 ``--kernels`` prints the GPU time of each kernel (torch.profiler, averaged over the
 calls); ``--graph`` profiles replays of one CUDA graph of the call, ``--timeline`` prints
 the last call's kernels in time. Options as ``fp4moe bench`` sets them
-(``valid_fraction`` from the preset); ``--gemm`` pins both GEMMs' kernel family.
+(``valid_fraction`` from the preset); ``--gemm`` pins both GEMMs' kernel family
+(``KERNEL@ROWS`` also the tiles' rows).
 """
 
 import argparse
@@ -20,12 +21,20 @@ import dataclasses
 
 import torch
 
-from fp4moe import Options, explain, moe
+from fp4moe import Options, Tile, explain, moe
 from fp4moe.backend import KERNELS
 from fp4moe.bench import make_routes, random_experts
 from fp4moe.modes import TOLERANCE
 from fp4moe.presets import MODES, PRESETS
 from fp4moe.reference import moe_reference
+
+
+def _pin(v: str) -> str:
+    kernel, at, bm = v.partition("@")
+    if kernel not in KERNELS or (at and not bm.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected one of {KERNELS}, optionally @ROWS: {v!r}")
+    return v
+
 
 p = argparse.ArgumentParser()
 p.add_argument("--preset", default="deepseek-v3-ep8", choices=sorted(PRESETS))
@@ -33,7 +42,9 @@ p.add_argument("--tokens", type=int, default=16)
 p.add_argument("--local-experts", type=int, default=None, help="override the preset's")
 p.add_argument("--mode", default="w4a16", choices=sorted(MODES))
 p.add_argument("--fused", action="store_true")
-p.add_argument("--gemm", default=None, choices=KERNELS, help="pin both GEMMs' kernel family")
+p.add_argument("--gemm", default=None, type=_pin,
+               help=f"pin both GEMMs' kernel family ({', '.join(KERNELS)}), optionally @ROWS "
+               "(the tiles' rows, e.g. gluon-prefill@128)")  # fmt: skip
 p.add_argument("--calls", type=int, default=1)
 p.add_argument("--check", action="store_true", help="check the output against the reference")
 p.add_argument("--kernels", action="store_true", help="print each kernel's GPU time")
@@ -51,7 +62,10 @@ ex = random_experts(pr)
 x = torch.randn(a.tokens, pr.hidden, device="cuda").to(torch.bfloat16)
 ids, w = make_routes(pr, a.tokens, a.tokens, "cuda")
 m, sc = MODES[a.mode]
-opt = Options(valid_fraction=pr.local_experts / pr.experts, gemm=a.gemm, poison=a.check)
+kernel, _, rows = (a.gemm or "").partition("@")
+tile = Tile(int(rows), 128, 64, 8, 3) if rows else None
+opt = Options(valid_fraction=pr.local_experts / pr.experts, gemm=kernel or None, poison=a.check,
+              fc1_tile=tile, fc2_tile=tile)  # fmt: skip
 import fp4moe  # noqa: E402
 
 print(explain(fp4moe.plan(ex, a.tokens, pr.top_k, mode=m, act_scale=sc, fused_finalize=a.fused,
