@@ -47,6 +47,14 @@ memcheck)
         echo "   exit $r" | tee -a "$OUT/memcheck.log"
         [ $r -ne 0 ] && rc=1
     done
+    # the prefill kernel on both tile rows (80 rows an expert: one launch exits at once)
+    echo "== memcheck gluon-prefill w4a16, 64 and 128-row launches" | tee -a "$OUT/memcheck.log"
+    compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python3 benchmarks/profile_call.py --preset deepseek-v3-ep8 --tokens 2560 \
+        --local-experts 4 --gemm gluon-prefill --mode w4a16 --check >>"$OUT/memcheck.log" 2>&1
+    r=$?
+    echo "   exit $r" | tee -a "$OUT/memcheck.log"
+    [ $r -ne 0 ] && rc=1
     grep -E "ERROR SUMMARY|rel err" "$OUT/memcheck.log"
     exit $rc
     ;;

@@ -16,6 +16,7 @@ import torch
 import fp4moe
 from fp4moe import InapplicableOverride, Options, Tile
 from fp4moe.backend import experts_scales_tma
+from fp4moe.backend import heuristics as hx
 from fp4moe.backend.launch import moe_triton
 from fp4moe.kernels import sort as sort_module
 from fp4moe.kernels.finalize import finalize_rows
@@ -25,7 +26,7 @@ from fp4moe.kernels.gemm.operands import (
     dense_weights,
     dense_weights_reference,
 )
-from fp4moe.kernels.sort import sort_routes, sort_routes_reference
+from fp4moe.kernels.sort import TileSchedule, sort_routes, sort_routes_reference
 from fp4moe.reference import finalize_reference, moe_reference, route_rows_reference
 from testing import TOL, rel_err
 
@@ -103,7 +104,8 @@ def _check(out, ids, x, w, experts, mode):
 @pytest.mark.parametrize("masked", [0.0, 0.3, 1.0], ids=["none", "some", "all"])
 @pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "triton"])
 def test_sort_invariants(interpret, device, t, k, e, bm, masked, use_kernel):
-    _sort_invariants(device, t, k, e, bm, masked, use_kernel)
+    # the wide schedule (2 * bm rows a block) beside the first where some routes are masked
+    _sort_invariants(device, t, k, e, bm, masked, use_kernel, wide=masked == 0.3)
 
 
 @pytest.mark.kernel
@@ -114,15 +116,40 @@ def test_sort_invariants_many_routes(interpret, device, monkeypatch, t, k, e, bm
     8192 routes, 200 experts), in one launch and in two (the steps' histograms first)."""
     if passes == 2:
         monkeypatch.setattr(sort_module, "ONE_PASS_MAX_ROUTES", 0)
-    _sort_invariants(device, t, k, e, bm, 0.3, True)
+    _sort_invariants(device, t, k, e, bm, 0.3, True, wide=True)
 
 
-def _sort_invariants(device, t, k, e, bm, masked, use_kernel):
+def _cpu(obj):
+    """A copy of a RouteSort or TileSchedule with its tensors on the CPU."""
+
+    def cpu(v):
+        if isinstance(v, torch.Tensor):
+            return v.cpu()
+        return _cpu(v) if isinstance(v, TileSchedule) else v
+
+    return type(obj)(**{f: cpu(v) for f, v in vars(obj).items()})
+
+
+def _schedule_is(sched, ids, e, bm):
+    """``sched`` (a TileSchedule or RouteSort) holds the reference's tiles of ``bm`` rows."""
+    ref = sort_routes_reference(ids, e, bm)["tiles"]
+    tiles = [
+        (int(a), int(b), int(c))
+        for a, b, c in zip(sched.block_expert, sched.block_start, sched.block_end)
+        if int(a) >= 0
+    ]
+    assert tiles == ref
+    assert all(int(a) == -1 for a in sched.block_expert[len(tiles) :])
+    assert sched.valid_blocks.tolist() == [len(tiles)]
+    assert sched.block_m == bm
+
+
+def _sort_invariants(device, t, k, e, bm, masked, use_kernel, wide=False):
     ids, _ = _routes(t, k, e, seed=t + k, device=device, masked=masked)
     zero = torch.full((1000,), 7, dtype=torch.int32, device=device)  # split-K counters
-    s = sort_routes(ids, e, bm, use_kernel=use_kernel, zero=zero)
+    s = sort_routes(ids, e, bm, use_kernel=use_kernel, zero=zero, wide=wide)
     assert bool((zero == 0).all())
-    s = type(s)(**{f: (v.cpu() if isinstance(v, torch.Tensor) else v) for f, v in vars(s).items()})
+    s = _cpu(s)
     ids = ids.cpu()
     ref = sort_routes_reference(ids, e, bm)
     n_valid = ref["n_valid"]
@@ -133,22 +160,20 @@ def _sort_invariants(device, t, k, e, bm, masked, use_kernel):
         assert int(s.expert_counts[ex]) == len(ref["rows"][ex])
     flat = torch.arange(t * k, dtype=torch.int32)  # the inverse permutation
     assert torch.equal(s.sorted_routes[s.route_pos.long()], flat)
-    tiles = [
-        (int(a), int(b), int(c))
-        for a, b, c in zip(s.block_expert, s.block_start, s.block_end)
-        if int(a) >= 0
-    ]
-    assert tiles == ref["tiles"]
-    assert all(int(a) == -1 for a in s.block_expert[len(tiles) :])
-    assert s.valid_blocks.tolist() == [len(tiles)]
+    _schedule_is(s, ids, e, bm)
+    if wide:
+        _schedule_is(s.wide, ids, e, 2 * bm)
+    else:
+        assert s.wide is None
     sorted_ids = ids.reshape(-1)[s.sorted_routes.long()]
     assert torch.equal(s.sorted_expert[:n_valid], sorted_ids[:n_valid])
     assert bool((s.sorted_expert[n_valid:] == 0).all())
     if use_kernel:  # both implementations agree field by field
-        other = sort_routes(ids, e, bm, use_kernel=False)
-        for f, v in vars(other).items():
-            if isinstance(v, torch.Tensor):
-                assert torch.equal(v, getattr(s, f)), f
+        other = sort_routes(ids, e, bm, use_kernel=False, wide=wide)
+        for a, b in ((other, s), (other.wide, s.wide)) if wide else ((other, s),):
+            for f, v in vars(a).items():
+                if isinstance(v, torch.Tensor):
+                    assert torch.equal(v, getattr(b, f)), f
 
 
 def test_sort_bench_tool_needs_a_gpu():
@@ -160,6 +185,22 @@ def test_sort_bench_tool_needs_a_gpu():
     run = subprocess.run([sys.executable, str(tool), "--routes", "64"], capture_output=True,
                          text=True, timeout=120)  # fmt: skip
     assert run.returncode == 1 and "needs a CUDA GPU" in run.stderr, run.stderr[-2000:]
+
+
+def test_prefill_gemm_other_valid_needs_a_cost():
+    """A launch beside the other tile rows' (``other_valid``) needs the cost that decides
+    between them; the error names both arguments before anything runs."""
+    from fp4moe.kernels.gemm.gluon_prefill import prefill_gemm
+
+    i32 = torch.int32
+    xs = torch.zeros(64, 128, dtype=torch.bfloat16)
+    codes = torch.zeros(1, 64, 64, dtype=torch.uint8)
+    scales = torch.zeros(1, 64, 8, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    one = torch.zeros(1, dtype=i32)
+    with pytest.raises(ValueError, match="other_valid needs wide_cost"):
+        prefill_gemm(xs, codes, scales, torch.ones(1), one, one, one, one,
+                     torch.zeros(64, 64, dtype=torch.bfloat16), n=64, topk=1, gated=False,
+                     out_scale=256.0, sm_count=1, block_m=64, other_valid=one)  # fmt: skip
 
 
 def test_sort_zero_bad_input():
@@ -449,13 +490,13 @@ for spill, c in (
     gluon_decode.compile_sm90(n=2880, k=2880, gated=True, block_m=8, scale_tma=True),
     gluon_decode.compile_sm90(n=256, k=128, gated=False, block_m=8, whole=True,
                               scale_tma=True),
-    gluon_prefill.compile_sm90(n=2048, k=7168, gated=True),
+    gluon_prefill.compile_sm90(n=2048, k=7168, gated=True, wide_cost=1.74),
     gluon_prefill.compile_sm90(n=7168, k=2048, gated=False, fused=True, a_fp4=True),
     gluon_prefill.compile_sm90(n=2880, k=2880, gated=False, scale_tma=False),
     )),
     # 64-row tiles, two programs an SM (128 registers); K 768: one partial segment;
     # K 2880: a partial stage and the scales by pointer loads
-    (32, gluon_prefill.compile_sm90(n=7168, k=2048, gated=False, block_m=64)),
+    (32, gluon_prefill.compile_sm90(n=7168, k=2048, gated=False, block_m=64, wide_cost=1.74)),
     (32, gluon_prefill.compile_sm90(n=2048, k=768, gated=False, block_m=64, a_e4m3=True)),
     (256, gluon_prefill.compile_sm90(n=2880, k=2880, gated=True, block_m=64)),
     (104, gluon_prefill.compile_sm90(n=2880, k=2880, gated=True, block_m=64, scale_tma=True)),
@@ -597,6 +638,47 @@ def test_families_same_bits_gpu(gpu_experts, shape, t, mode, case):
         assert ran == ["gluon-prefill", None, "gluon-prefill@64", "gluon-prefill@128"], ran
     else:
         assert "gluon-split" in ran and ("gluon-whole" in ran or sc == "static"), ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(GPU_SHAPES))
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+@pytest.mark.parametrize("case", ["even", "uneven", "one-expert", "all-masked"])
+def test_prefill_wide_gpu(gpu_experts, shape, mode, case):
+    """At 80 expected rows an expert the planner launches the prefill kernel on 64-row and
+    128-row tiles and the routes' tile counts pick one on the device (W4A8: 64-row tiles
+    only): even routes pick 128 rows, uneven ones (half the experts at about a third of the
+    rows) and all-masked ones 64, one expert's 2000-odd rows 128. The planner's output has
+    the bits of both tile rows pinned and the portable kernel's, and its fused finalize is
+    within tolerance of the reference (both launches adding would double it)."""
+    e, h, _i, k, e_total = GPU_SHAPES[shape]
+    t = 80 * e_total // k
+    experts = gpu_experts(shape)
+    x = _x(t, h, seed=t, device="cuda")
+    ids, w = _gpu_routes(t, k, e, e_total, seed=t + 5)
+    if case == "uneven":  # the first half of the experts keep a third of their routes
+        g = torch.Generator(device="cuda").manual_seed(1)
+        drop = (ids < e // 2) & (torch.rand(ids.shape, device="cuda", generator=g) < 2 / 3)
+        ids = torch.where(drop, -1, ids).to(torch.int32)
+    ids = _edge_routes(ids, case)
+    counts = torch.bincount(ids[ids >= 0].long(), minlength=e)
+    tiles = [int((-(-counts // bm)).sum()) for bm in (64, 128)]
+    wide = hx.WIDE_TILE_COST * tiles[1] < tiles[0]
+    assert wide == (case in ("even", "one-expert")), tiles
+    m, sc = mode
+    opt = Options(poison=True, valid_fraction=e / e_total)
+    plan = fp4moe.plan(experts, t, k, mode=m, act_scale=sc, options=opt)
+    assert plan.fc1.kernel == "gluon-prefill" and plan.fc1.wide == (m != "w4a8"), plan
+    out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=opt)
+    _check(out, ids, x, w, experts, mode)
+    for g, bm in (("triton", None), ("gluon-prefill", 64), ("gluon-prefill", 128)):
+        tile = None if bm is None else Tile(bm, 128, 64, 8, 3)
+        pin = Options(gemm=g, poison=True, fc1_tile=tile, fc2_tile=tile)
+        assert torch.equal(out, moe_triton(x, ids, w, experts, mode=m, act_scale=sc,
+                                           options=pin)), (g, bm)  # fmt: skip
+    fused = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=True,
+                       options=opt)  # fmt: skip
+    _check(fused, ids, x, w, experts, mode)
 
 
 @pytest.mark.gpu

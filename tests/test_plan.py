@@ -28,25 +28,28 @@ def _plan(preset: str, t: int, mode: str = "w4a16", *, target=H200, fused=False,
                      fused_finalize=fused, options=Options(**opt), target=target)  # fmt: skip
 
 
-# The H200 plans of DeepSeek-V3 EP8 W4A16: (tokens, FC1 kernel, FC2 kernel, block_m)
+# The H200 plans of DeepSeek-V3 EP8 W4A16: (tokens, FC1 kernel, FC2 kernel, block_m, wide)
 DEEPSEEK = [
-    (1, "gluon-split", "gluon-split", 8),
-    (16, "gluon-split", "gluon-split", 8),
-    (64, "gluon-split", "gluon-split", 8),
-    (128, "gluon-whole", "gluon-whole", 16),  # 4 rows: past WHOLE_K_FROM_ROWS
-    (256, "gluon-whole", "gluon-whole", 16),
-    (512, "gluon-whole", "gluon-whole", 16),  # 16 rows: PREFILL_ABOVE_ROWS
-    (768, "gluon-prefill", "gluon-prefill", 64),  # 24 rows: the prefill kernel, 64 rows
-    (1024, "gluon-prefill", "gluon-prefill", 64),
-    (4096, "gluon-prefill", "gluon-prefill", 64),  # 128 rows: PREFILL_NARROW_MAX_ROWS
-    (8192, "gluon-prefill", "gluon-prefill", 128),
+    (1, "gluon-split", "gluon-split", 8, False),
+    (16, "gluon-split", "gluon-split", 8, False),
+    (64, "gluon-split", "gluon-split", 8, False),
+    (128, "gluon-whole", "gluon-whole", 16, False),  # 4 rows: past WHOLE_K_FROM_ROWS
+    (256, "gluon-whole", "gluon-whole", 16, False),
+    (512, "gluon-whole", "gluon-whole", 16, False),  # 16 rows: PREFILL_ABOVE_ROWS
+    (768, "gluon-prefill", "gluon-prefill", 64, False),  # 24 rows: the prefill kernel
+    (1536, "gluon-prefill", "gluon-prefill", 64, False),  # 48 rows: PREFILL_WIDE_FROM_ROWS
+    (2048, "gluon-prefill", "gluon-prefill", 64, True),  # 64 or 128 rows, the routes choose
+    (8192, "gluon-prefill", "gluon-prefill", 64, True),
 ]
 
 
-@pytest.mark.parametrize("t,fc1,fc2,bm", DEEPSEEK)
-def test_deepseek_regimes(t, fc1, fc2, bm):
+@pytest.mark.parametrize("t,fc1,fc2,bm,wide", DEEPSEEK)
+def test_deepseek_regimes(t, fc1, fc2, bm, wide):
     plan = _plan("deepseek-v3-ep8", t)
     assert (plan.fc1.kernel, plan.fc2.kernel, plan.block_m) == (fc1, fc2, bm)
+    assert plan.fc1.wide == plan.fc2.wide == wide
+    assert ("64 or 128 rows" in plan.fc1.describe()) == wide
+    assert ("tiles of 64 or 128 rows (the fewer by cost" in explain(plan)) == wide
     assert plan.valid_rows == pytest.approx(t * 8 / 8 / 32)
     assert plan.sort == ("triton" if t * 8 <= hx.SORT_KERNEL_MAX_ROUTES else "torch")
     assert plan.pdl and plan.finalize == "deterministic"
@@ -60,17 +63,19 @@ def test_deepseek_regimes(t, fc1, fc2, bm):
 def test_other_presets_regimes():
     qwen = {t: _plan("qwen3-30b-a3b", t) for t in (1, 256, 512, 8192)}
     # FC2's K (768) is one partial segment: the whole-K Gluon kernel on 8-row tiles (beside
-    # FC1's split kernel), the portable loop on 16, then the prefill kernel
+    # FC1's split kernel), the portable loop on 16, then the prefill kernel (on 64-row
+    # tiles, and from 48 rows on 64 or 128, the routes choosing)
     assert [(qwen[t].fc2.kernel, qwen[t].fc2.tile.block_m) for t in (1, 256, 512, 8192)] == [
-        ("gluon-whole", 8), ("triton", 16), ("gluon-prefill", 64), ("gluon-prefill", 128),
+        ("gluon-whole", 8), ("triton", 16), ("gluon-prefill", 64), ("gluon-prefill", 64),
     ]  # fmt: skip
+    assert [qwen[t].fc2.wide for t in (512, 8192)] == [False, True]
     assert [qwen[t].fc1.kernel for t in (1, 256, 512, 8192)] == [
         "gluon-split", "gluon-whole", "gluon-prefill", "gluon-prefill",
     ]  # fmt: skip
-    assert [qwen[t].block_m for t in (512, 8192)] == [64, 128]
+    assert [qwen[t].block_m for t in (512, 8192)] == [64, 64]
     # K 2880 (a partial last segment; scale rows of 180 bytes, padded in memory for TMA):
     # the Gluon split kernel up to 4 rows, whole-K at 8 and 16 (every route valid), then the
-    # prefill kernel (64-row tiles up to 128 rows)
+    # prefill kernel (64-row tiles, from 48 rows 64 or 128 by the routes)
     oss = {t: _plan("gpt-oss-120b-shape", t) for t in (1, 128, 256, 512, 2048, 4096, 8192)}
     assert [(oss[t].fc1.kernel, oss[t].fc1.segments, oss[t].block_m) for t in (1, 128)] == [
         ("gluon-split", 3, 8), ("gluon-split", 3, 8),
@@ -81,7 +86,7 @@ def test_other_presets_regimes():
     assert [(oss[t].fc1.kernel, oss[t].fc2.kernel, oss[t].block_m) for t in (2048, 4096)] == [
         ("gluon-prefill", "gluon-prefill", 64), ("gluon-prefill", "gluon-prefill", 64),
     ]  # fmt: skip
-    assert oss[8192].block_m == 128
+    assert (oss[8192].block_m, oss[2048].fc1.wide, oss[8192].fc2.wide) == (64, True, True)
     # static W4A4 (FC1 writes NVFP4: no whole-K FC1) keeps split K at 8 rows
     static = _plan("gpt-oss-120b-shape", 256, "w4a4-static")
     assert (static.fc1.kernel, static.fc2.kernel) == ("gluon-split", "gluon-split")

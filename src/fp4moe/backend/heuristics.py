@@ -20,8 +20,8 @@ __all__ = [
     "PREFILL_ABOVE_ROWS",
     "PREFILL_ABOVE_ROWS_LONG_K",
     "PREFILL_LONG_K",
-    "PREFILL_NARROW_MAX_ROWS",
     "PREFILL_NARROW_MAX_ROWS_SCALE_LOADS",
+    "PREFILL_WIDE_FROM_ROWS",
     "QUANTIZE_AMAX_SELF_MAX_ELEMENTS",
     "SORT_KERNEL_MAX_ROUTES",
     "SPLIT_BELOW_PROGRAMS",
@@ -32,8 +32,10 @@ __all__ = [
     "WHOLE_K_FROM_ROWS",
     "WHOLE_K_MAX_ROWS",
     "WHOLE_K_WIDE_ROWS",
+    "WIDE_TILE_COST",
     "portable_tile",
     "prefill_rows",
+    "prefill_wide",
     "split_programs",
     "touched_experts",
     "w4a8_block_k",
@@ -92,30 +94,45 @@ PREFILL_ABOVE_ROWS = 16
 # loses, 331 -> 486).
 PREFILL_ABOVE_ROWS_LONG_K = 12
 PREFILL_LONG_K = 4096
-# The prefill kernel's tiles are 64 rows, two programs an SM, up to this many rows, else
-# 128 rows, one program an SM (each weight decoded once for 128 rows): at 128 rows
-# DeepSeek-V3 EP8 1369 -> 1295 us, Qwen3-30B-A3B 784 -> 718, Mixtral-8x7B 1251 -> 1076;
-# at 512 rows DeepSeek-V3 loses (4184 -> 4345), at 1024 Mixtral (6514 -> 6759).
-PREFILL_NARROW_MAX_ROWS = 128
-# ... or this many where the scales come by pointer loads (scale rows of K / 16 bytes no
-# multiple of 16, which TMA cannot copy): the gpt-oss-120b shape at 64 rows ties (1941
-# -> 1913 us) and at 128 rows loses (2772 -> 2962).
+# The prefill kernel's tiles are 64 rows (two programs an SM) or 128 (one program an SM,
+# each weight decoded once for 128 rows). Above this many rows both launch and the call's
+# routes choose on the device (``prefill_wide``): the 128-row tiles run where
+# WIDE_TILE_COST times their count is below the 64-row tiles' count, the other launch's
+# programs exit at once (3 to 6 us a call). The cost of a 128-row tile in 64-row ones,
+# fit on the H200 to 40 points of five presets at 48 to 272 rows (``benchmarks/sweep.py
+# --gemm gluon-prefill@64 gluon-prefill@128``, each point's tiles counted from its
+# routes): 1.74 picks within 4% of the faster at every point but Qwen3-30B-A3B at 3072
+# tokens (7.5%); 1.8 and 1.7 miss five and two points. Even routes take 128-row tiles at
+# 80 to 112 rows (Mixtral-8x7B 320 / 384 tokens 761 / 806 -> 689 / 699 us); DeepSeek-V3
+# EP8's uneven ones (10 to 146 rows an expert at 2560 tokens) 64. Below this many rows
+# the 128-row tiles are seldom fewer by that much.
+PREFILL_WIDE_FROM_ROWS = 48
+WIDE_TILE_COST = 1.74
+# Where the scales come by pointer loads (scale rows of K / 16 bytes no multiple of 16,
+# which TMA cannot copy) the tiles are 64 rows up to this many rows, else 128, one launch:
+# the gpt-oss-120b shape at 64 rows ties (1941 -> 1913 us), at 128 rows loses (2772 ->
+# 2962).
 PREFILL_NARROW_MAX_ROWS_SCALE_LOADS = 64
-# ... or this many for W4A8: DeepSeek-V3 EP8 at 16 / 32 rows 798 / 973 -> 600 / 782 us,
-# at 64 rows 1030 -> 1076.
+# ... and W4A8's (the FP8 path, no half units) up to this many: DeepSeek-V3 EP8 at 16 /
+# 32 rows 798 / 973 -> 600 / 782 us, at 64 rows 1030 -> 1076.
 W4A8_PREFILL_NARROW_MAX_ROWS = 32
 
 
 def prefill_rows(rows: float, *, w4a8: bool, scale_loads: bool) -> int:
     """The prefill kernel's tile rows at ``rows`` expected valid rows an expert (W4A8's
-    FP8 path with ``w4a8``; ``scale_loads``: some GEMM's scales come by pointer loads)."""
+    FP8 path with ``w4a8``; ``scale_loads``: some GEMM's scales come by pointer loads):
+    where ``prefill_wide``, the narrow tiles' (the sort's ``block_m``)."""
     if w4a8:
-        narrow = W4A8_PREFILL_NARROW_MAX_ROWS
-    elif scale_loads:
-        narrow = PREFILL_NARROW_MAX_ROWS_SCALE_LOADS
-    else:
-        narrow = PREFILL_NARROW_MAX_ROWS
-    return 64 if rows <= narrow else 128
+        return 64 if rows <= W4A8_PREFILL_NARROW_MAX_ROWS else 128
+    if scale_loads:
+        return 64 if rows <= PREFILL_NARROW_MAX_ROWS_SCALE_LOADS else 128
+    return 64
+
+
+def prefill_wide(rows: float, *, w4a8: bool, scale_loads: bool) -> bool:
+    """Whether the prefill kernel launches on 64-row and on 128-row tiles, the call's
+    routes choosing (``WIDE_TILE_COST``), at ``rows`` expected valid rows an expert."""
+    return not (w4a8 or scale_loads) and rows > PREFILL_WIDE_FROM_ROWS
 
 
 # Elsewhere (a shape the prefill kernel does not take, or no Hopper GPU) the weights are

@@ -31,6 +31,7 @@ from ..kernels.quantize import (
 )
 from ..kernels.quantize_e4m3 import e4m3_rows
 from ..kernels.sort import RouteSort, sort_routes
+from . import heuristics as hx
 from .device import target_for
 from .options import Options
 from .plan import GemmPlan, Plan, experts_scales_tma, plan_call
@@ -100,14 +101,20 @@ def _gemm(
             xs = dense_rows(a, a_scales, count=n_valid, poison=poison, order=64,
                             index=sort.sorted_routes if a_gather else None,
                             div=topk if a_gather else 1)  # fmt: skip
-        prefill_gemm(
-            xs, w_codes, w_scales, w_global, sort.block_expert, sort.block_start,
-            sort.block_end, sort.valid_blocks, out, n=n, topk=topk, gated=gated,
-            out_scale=8.0 if e4m3 else out_scale, sm_count=plan.target.sm_count,
-            sorted_routes=sort.sorted_routes, topk_w=topk_w, fused=fused,
-            a_global=a_global if a_fp4 or e4m3 else None, a_gather=a_gather,
-            block_m=t.block_m,
-        )  # fmt: skip
+        narrow = (sort.block_expert, sort.block_start, sort.block_end, sort.valid_blocks)
+        runs = [(narrow, t.block_m, None)]
+        if g.wide:  # both tile rows launch; the routes' tile counts pick one on the device
+            w = sort.wide
+            wide = (w.block_expert, w.block_start, w.block_end, w.valid_blocks)
+            runs = [(narrow, t.block_m, w.valid_blocks), (wide, w.block_m, sort.valid_blocks)]
+        for schedule, bm, other in runs:
+            prefill_gemm(
+                xs, w_codes, w_scales, w_global, *schedule, out, n=n, topk=topk, gated=gated,
+                out_scale=8.0 if e4m3 else out_scale, sm_count=plan.target.sm_count,
+                sorted_routes=sort.sorted_routes, topk_w=topk_w, fused=fused,
+                a_global=a_global if a_fp4 or e4m3 else None, a_gather=a_gather, block_m=bm,
+                other_valid=other, wide_cost=hx.WIDE_TILE_COST,
+            )  # fmt: skip
         return
     ws_rows = sort.sorted_routes.shape[0] if g.split or g.kernel == "gluon-whole" else 0
     common = dict(n=n, k=k, topk=topk, gated=gated, fused=fused, pdl=plan.pdl, tile=tile,
@@ -296,7 +303,8 @@ def moe_triton(
     # The fused finalize's fp32 accumulator is zeroed before the sort, so that no memset
     # sits between two PDL launches.
     fused = torch.zeros(t, h, dtype=torch.float32, device=dev) if plan.fused_finalize else None
-    sort = sort_routes(ids, e, plan.block_m, use_kernel=plan.sort == "triton", zero=zero)
+    sort = sort_routes(ids, e, plan.block_m, use_kernel=plan.sort == "triton", zero=zero,
+                       wide=plan.fc1.wide or plan.fc2.wide)  # fmt: skip
     n_valid = sort.expert_offsets[e:]  # device scalar: rows in sorted order
 
     # FC1 input

@@ -63,11 +63,14 @@ class GemmPlan:
     pdl: bool
     early_weights: bool = False
     counters: int = 0
+    wide: bool = False  # gluon-prefill: also on 2 * block_m-row tiles, the routes choosing
 
     def describe(self) -> str:
         """One line: kernel, tile rows, K split, epilogue."""
         t = self.tile
-        if self.kernel.startswith("gluon-"):
+        if self.wide:
+            shape = f"{t.block_m} or {2 * t.block_m} rows by the routes"
+        elif self.kernel.startswith("gluon-"):
             shape = f"{t.block_m} rows"
         else:
             shape = f"{t.block_m}x{t.block_n}x{t.block_k}"
@@ -251,10 +254,19 @@ class _Rules:
                 hx.portable_tile(per, self.h, self.i, gated=False, **kw))  # fmt: skip
 
     def prefill_tile(self, w4a8: bool = False) -> Tile:
-        """The prefill kernel's tile (its rows by the expected rows an expert)."""
-        loads = not (self.scale_tma(self.h) and self.scale_tma(self.i))
-        bm = hx.prefill_rows(self.valid, w4a8=w4a8, scale_loads=loads)
+        """The prefill kernel's tile (its rows by the expected rows an expert; where
+        ``prefill_wide``, the narrow tiles')."""
+        bm = hx.prefill_rows(self.valid, w4a8=w4a8, scale_loads=self.scale_loads_both())
         return replace(hx.DENSE_TILE, block_m=bm)
+
+    def prefill_wide(self) -> bool:
+        """Whether the prefill kernel runs on 64-row and 128-row tiles, the call's routes
+        choosing (bf16 rows)."""
+        return hx.prefill_wide(self.valid, w4a8=False, scale_loads=self.scale_loads_both())
+
+    def scale_loads_both(self) -> bool:
+        """Some GEMM's scale rows are not TMA-copyable (the prefill kernel loads them)."""
+        return not (self.scale_tma(self.h) and self.scale_tma(self.i))
 
     def tiles(self, a_fp4: bool, fc1_whole_can: bool, pins) -> tuple[Tile, Tile]:
         interp = self.tgt.interpret
@@ -392,10 +404,11 @@ def plan_call(
         elif split and kernel != "gluon-split":
             counters = -(-n // t.block_n) * nb
         decode_family = kernel in ("gluon-split", "gluon-whole")
+        wide = kernel == "gluon-prefill" and pins is None and r.prefill_wide()
         return GemmPlan(kernel, t, -(-kk // SEGMENT), split, epilogue, operand,
                         pdl=gpdl if decode_family else pdl and kernel != "gluon-prefill",
-                        early_weights=decode_family and gpdl and early,
-                        counters=counters)  # fmt: skip
+                        early_weights=decode_family and gpdl and early, counters=counters,
+                        wide=wide)  # fmt: skip
 
     def operand(kernel: str, quantize_decodes: bool, plain: str) -> str:
         """How a GEMM's activation rows reach ``kernel`` (``GemmPlan.operand``): W4A4 rows
@@ -548,12 +561,15 @@ def _pin(kernel: str, r: _Rules, t1: Tile, t2: Tile, static: bool, *,
 def explain(plan: Plan) -> str:
     """A few lines saying which kernels a call runs and why (the regime's rows)."""
     p = plan
+    rows = f"{p.block_m} rows"
+    if p.fc1.wide or p.fc2.wide:
+        rows = f"{p.block_m} or {2 * p.block_m} rows (the fewer by cost, counted on the device)"
     lines = [
         f"{p.num_tokens} tokens x top-{p.top_k} over {p.num_experts} experts (H {p.hidden}, "
         f"I {p.inter}), {p.mode}"
         + (f" {p.act_scale}" if p.mode == "w4a4" else "")
         + f", {p.finalize} finalize, on {p.target.name}",
-        f"  expected valid rows an expert {p.valid_rows:.2f}; tiles of {p.block_m} rows; "
+        f"  expected valid rows an expert {p.valid_rows:.2f}; tiles of {rows}; "
         f"sort: {p.sort}; PDL {'on' if p.pdl else 'off'}",
         f"  FC1: {p.fc1_input} input -> {p.fc1.describe()}",
         f"  FC2: {p.fc2_input} input -> {p.fc2.describe()}",
@@ -576,6 +592,8 @@ def workspace_bytes(plan: Plan) -> int:
     t, h, i, e = p.num_tokens, p.hidden, p.inter, p.num_experts
     n = t * p.top_k
     nb = max_blocks(n, e, p.block_m)
+    if p.fc1.wide or p.fc2.wide:  # the schedule of 128-row tiles beside it
+        nb += max_blocks(n, e, 2 * p.block_m) + 1
     common = 4 * (3 * n + 2 * e + 1 + 3 * nb)  # the sort's outputs (int32)
     w4a4 = p.mode == "w4a4"
     nvfp4_row = lambda c: c // 2 + c // 16 + 4  # codes, scales, global

@@ -13,6 +13,9 @@ Given top-k ids [T, K] (negative = masked), produce:
   sum_e cdiv(count_e, block_m), so the grid size is known on the host without a sync.
   The valid blocks come first; ``valid_blocks`` int32 [1] counts them (the prefill
   kernel's persistent programs stop there).
+- with ``wide``, the same rows also in blocks of ``2 * block_m`` (``RouteSort.wide``): the
+  prefill kernel's wide tiles, launched beside the narrow ones, run whichever schedule
+  has the fewer tiles by their cost (``gluon_prefill``).
 
 Two implementations with the same outputs, both without a host sync (capturable in a
 CUDA graph); an expert with no rows gets no block:
@@ -39,7 +42,14 @@ import triton.language as tl
 
 from .gemm.shapes import max_blocks
 
-__all__ = ["ONE_PASS_MAX_ROUTES", "RouteSort", "max_blocks", "sort_routes", "sort_routes_reference"]
+__all__ = [
+    "ONE_PASS_MAX_ROUTES",
+    "RouteSort",
+    "TileSchedule",
+    "max_blocks",
+    "sort_routes",
+    "sort_routes_reference",
+]
 
 # Above this many routes the sort takes two launches (``sort_counts_kernel`` first): on
 # the H200 (as ``benchmarks/sort_bench.py`` times) at 8192 routes one launch takes 7.5 /
@@ -63,6 +73,19 @@ def _piece(n: int, chunk: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
+class TileSchedule:
+    """Blocks of ``block_m`` sorted rows: block b covers rows [start, end) of one expert
+    (int32 [max_blocks] each; unused blocks have expert -1), the valid blocks first and
+    ``valid_blocks`` (int32 [1]) counting them."""
+
+    block_expert: torch.Tensor
+    block_start: torch.Tensor
+    block_end: torch.Tensor
+    valid_blocks: torch.Tensor
+    block_m: int
+
+
+@dataclass(frozen=True)
 class RouteSort:
     sorted_routes: torch.Tensor
     route_pos: torch.Tensor
@@ -74,6 +97,7 @@ class RouteSort:
     sorted_expert: torch.Tensor  # int32 [T*K]: expert of each sorted row (0 past n_valid)
     valid_blocks: torch.Tensor  # int32 [1]: blocks with rows (they come first)
     block_m: int
+    wide: TileSchedule | None = None  # the same rows in blocks of 2 * block_m (``wide``)
 
     @property
     def num_blocks(self) -> int:
@@ -87,12 +111,14 @@ def sort_routes(
     *,
     use_kernel: bool,
     zero: torch.Tensor | None = None,
+    wide: bool = False,
 ) -> RouteSort:
     """Sort routes by expert and build the tile schedule (see module docstring).
 
     Args:
         topk_ids: int32 [T, K], ids in [-inf, E); ids >= E are the caller's to reject.
-        num_experts: E. block_m: rows per GEMM tile.
+        num_experts: E. block_m: rows per GEMM tile. wide: also the schedule of
+            ``2 * block_m`` rows a block (``RouteSort.wide``).
         use_kernel: the Triton kernel (on CUDA or in the interpreter; needs at least one
             route) or torch ops (any device); the planner chooses (``Plan.sort``).
         zero: int32 [.] set to 0 on the way (the split GEMMs' tile counters, amax slots):
@@ -107,13 +133,38 @@ def sort_routes(
             f"{zero.dtype} on {zero.device}"
         )
     if use_kernel and topk_ids.numel():
-        return _sort_routes_triton(topk_ids, num_experts, block_m, zero)
+        return _sort_routes_triton(topk_ids, num_experts, block_m, zero, wide)
     if zero is not None:
         zero.zero_()
-    return _sort_routes_torch(topk_ids, num_experts, block_m)
+    return _sort_routes_torch(topk_ids, num_experts, block_m, wide)
 
 
-def _sort_routes_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> RouteSort:
+def _schedule_torch(counts: torch.Tensor, offsets: torch.Tensor, nb: int,
+                    block_m: int) -> TileSchedule:  # fmt: skip
+    """The tile schedule of ``block_m`` rows a block (``nb`` entries) from the experts'
+    row counts and offsets (int64)."""
+    num_experts = counts.numel()
+    blocks_e = (counts + block_m - 1) // block_m
+    cum = torch.cumsum(blocks_e, 0)
+    b = torch.arange(nb, device=counts.device)
+    e_of_b = torch.searchsorted(cum, b, right=True)  # E where b is past the last block
+    valid = e_of_b < num_experts
+    e_c = e_of_b.clamp(max=num_experts - 1)
+    local = b - (cum - blocks_e)[e_c]
+    start = offsets[e_c] + local * block_m
+    end = torch.minimum(start + block_m, offsets[e_c + 1])
+    i32 = torch.int32
+    return TileSchedule(
+        block_expert=torch.where(valid, e_of_b, -1).to(i32),
+        block_start=torch.where(valid, start, 0).to(i32),
+        block_end=torch.where(valid, end, 0).to(i32),
+        valid_blocks=cum[-1:].to(i32),
+        block_m=block_m,
+    )
+
+
+def _sort_routes_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                       wide: bool) -> RouteSort:  # fmt: skip
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     n = flat.numel()
@@ -127,16 +178,8 @@ def _sort_routes_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -
     route_pos = torch.empty(n, dtype=torch.int64, device=dev)
     route_pos[perm] = torch.arange(n, device=dev)
 
-    nb = max_blocks(n, num_experts, block_m)
-    blocks_e = (counts + block_m - 1) // block_m
-    cum = torch.cumsum(blocks_e, 0)
-    b = torch.arange(nb, device=dev)
-    e_of_b = torch.searchsorted(cum, b, right=True)  # E where b is past the last block
-    valid = e_of_b < num_experts
-    e_c = e_of_b.clamp(max=num_experts - 1)
-    local = b - (cum - blocks_e)[e_c]
-    start = offsets[e_c] + local * block_m
-    end = torch.minimum(start + block_m, offsets[e_c + 1])
+    sched = _schedule_torch(counts, offsets, max_blocks(n, num_experts, block_m), block_m)
+    w = 2 * block_m
     i32 = torch.int32
     sorted_key = key[perm]
     return RouteSort(
@@ -144,12 +187,9 @@ def _sort_routes_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -
         route_pos=route_pos.to(i32),
         expert_counts=counts.to(i32),
         expert_offsets=offsets.to(i32),
-        block_expert=torch.where(valid, e_of_b, -1).to(i32),
-        block_start=torch.where(valid, start, 0).to(i32),
-        block_end=torch.where(valid, end, 0).to(i32),
         sorted_expert=torch.where(sorted_key < num_experts, sorted_key, 0).to(i32),
-        valid_blocks=cum[-1:].to(i32),
-        block_m=block_m,
+        wide=_schedule_torch(counts, offsets, max_blocks(n, num_experts, w), w) if wide else None,
+        **vars(sched),
     )
 
 
@@ -194,22 +234,29 @@ def sort_routes_kernel(
     block_start_ptr,
     block_end_ptr,  # int32 [NB]
     valid_blocks_ptr,  # int32 [1]
+    block_expert2_ptr,  # the schedule of BM2 rows a block (BM2 > 0)
+    block_start2_ptr,
+    block_end2_ptr,  # int32 [NB2]
+    valid_blocks2_ptr,  # int32 [1]
     zero_ptr,  # int32 [NZ]: set to 0
     piece_counts_ptr,  # int32 [PIECES, EP]: each step's histogram (TWO_PASS)
     N,
     NB,
+    NB2,
     NZ,
     ZPER,  # elements of zero_ptr each program clears
     E: tl.constexpr,
     EP: tl.constexpr,  # power of two > E (bin E collects masked routes)
     BM: tl.constexpr,
+    BM2: tl.constexpr,  # a second schedule's rows a block (0: none)
     CHUNK: tl.constexpr,
     PIECE: tl.constexpr,  # routes histogrammed at a time
     PIECES: tl.constexpr,  # cdiv(N, PIECE)
     ZB: tl.constexpr,  # power of two >= ZPER
     TWO_PASS: tl.constexpr,  # the steps' histograms in piece_counts_ptr already
 ):
-    """Program p places routes [p*CHUNK, (p+1)*CHUNK) and writes blocks [p*CHUNK, ...).
+    """Program p places routes [p*CHUNK, (p+1)*CHUNK) and writes blocks [p*CHUNK, ...)
+    (of each schedule).
 
     Every program histograms all N keys, and apart the keys before its chunk: itself, so
     the programs never wait on each other, or (TWO_PASS) from the steps' histograms plus
@@ -259,8 +306,22 @@ def sort_routes_kernel(
     tl.store(route_pos_ptr + rc, pos, mask=live)
     tl.store(sorted_expert_ptr + pos, tl.where(kc < E, kc, 0), mask=live)
 
-    # Tile schedule: expert e owns cdiv(count_e, BM) consecutive blocks; block b's expert
-    # is the number of experts whose blocks all end at or before b.
+    _schedule(counts, offs, first, pid, block_expert_ptr, block_start_ptr, block_end_ptr,
+              valid_blocks_ptr, NB, E, EP, BM, CHUNK, SELECT)  # fmt: skip
+    if BM2 > 0:
+        _schedule(counts, offs, first, pid, block_expert2_ptr, block_start2_ptr,
+                  block_end2_ptr, valid_blocks2_ptr, NB2, E, EP, BM2, CHUNK, SELECT)  # fmt: skip
+
+
+@triton.jit
+def _schedule(counts, offs, first, pid, block_expert_ptr, block_start_ptr, block_end_ptr,
+              valid_blocks_ptr, NB, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
+              CHUNK: tl.constexpr, SELECT: tl.constexpr):  # fmt: skip
+    """Tile-schedule entries [first, first + CHUNK) of BM rows a block: expert e owns
+    cdiv(count_e, BM) consecutive blocks; block b's expert is the number of experts whose
+    blocks all end at or before b. Program 0 writes the valid blocks' count."""
+    ecols = tl.arange(0, EP)
+    cc = tl.arange(0, CHUNK)
     nblk = tl.where(ecols < E, (counts + BM - 1) // BM, 0)
     bcum = tl.cumsum(nblk, 0)  # inclusive
     if pid == 0:
@@ -283,6 +344,7 @@ def _sort_routes_triton(
     num_experts: int,
     block_m: int,
     zero: torch.Tensor | None = None,
+    wide: bool = False,
 ) -> RouteSort:
     dev = topk_ids.device
     n = topk_ids.numel()
@@ -297,6 +359,9 @@ def _sort_routes_triton(
             ("valid_blocks", 1),
         )
     }  # fmt: skip
+    bm2 = 2 * block_m if wide else 0
+    nb2 = max_blocks(n, num_experts, bm2) if wide else 0
+    w = [torch.empty(size, dtype=i32, device=dev) for size in (nb2, nb2, nb2, 1)]
     chunk = _chunk(n)
     piece, warps = _piece(n, chunk)
     pieces = triton.cdiv(n, piece)
@@ -314,12 +379,12 @@ def _sort_routes_triton(
     sort_routes_kernel[(grid,)](
         ids, out["sorted_routes"], out["route_pos"], out["sorted_expert"],
         out["expert_counts"], out["expert_offsets"],
-        out["block_expert"], out["block_start"], out["block_end"], out["valid_blocks"],
-        zero if zero is not None else out["block_end"], piece_counts, n, nb, nz, zper,
-        E=num_experts, EP=ep, BM=block_m, CHUNK=chunk, PIECE=piece, PIECES=pieces,
+        out["block_expert"], out["block_start"], out["block_end"], out["valid_blocks"], *w,
+        zero if zero is not None else out["block_end"], piece_counts, n, nb, nb2, nz, zper,
+        E=num_experts, EP=ep, BM=block_m, BM2=bm2, CHUNK=chunk, PIECE=piece, PIECES=pieces,
         ZB=triton.next_power_of_2(max(zper, 1)), TWO_PASS=two_pass, num_warps=warps,
     )  # fmt: skip
-    return RouteSort(block_m=block_m, **out)
+    return RouteSort(block_m=block_m, wide=TileSchedule(*w, bm2) if wide else None, **out)
 
 
 def sort_routes_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> dict:
