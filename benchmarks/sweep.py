@@ -8,7 +8,8 @@ Each configuration (the planner's, then each ``Options.gemm`` pin that applies; 
 ``KERNEL@ROWS`` also pins the tiles' rows, e.g. ``gluon-prefill@64``) is checked against
 the planner's output bit for bit, then all are timed interleaved in rounds as ``fp4moe
 bench`` times them (CUDA-graph replays). Output: a table (us, and each pin's time over the
-planner's) and ``sweep.json`` in --out; the exit status is 1 when any pin's bits differ.
+planner's; each token count's row tiles of 64 and 128 rows) and ``sweep.json`` in --out;
+the exit status is 1 when any pin's bits differ.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     for t in a.num_tokens:
         x = torch.randn(t, p.hidden, device="cuda").to(torch.bfloat16)
         ids, w = make_routes(p, t, t, "cuda")
+        tiles = route_tiles(ids, p.local_experts)
+        print(f"{t:6d} tiles: {tiles[64]} of 64 rows, {tiles[128]} of 128", flush=True)
         calls = {}
         for mode in a.modes:
             m, sc = MODES[mode]
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                 calls[mode, g or "planner"] = call
         us = time_interleaved(calls, graph=True, warmup=3, iters=a.iters, rounds=a.rounds)
         for (mode, g), v in us.items():
-            rows.append(dict(tokens=t, mode=mode, gemm=g, us=v,
+            rows.append(dict(tokens=t, mode=mode, gemm=g, us=v, tiles=tiles,
                              over_planner=v / us[mode, "planner"]))  # fmt: skip
         for r in rows[-len(us) :]:
             print(f"{r['tokens']:6d} {r['mode']:12s} {r['gemm']:14s} {r['us']:10.1f} "
@@ -87,6 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(a.out, "sweep.json"), "w") as f:
         json.dump({"preset": a.preset, "fused": a.fused, "rows": rows}, f, indent=1)
     return 1 if differ else 0
+
+
+def route_tiles(ids: torch.Tensor, experts: int) -> dict:
+    """{rows: tiles}: the row tiles of 64 and of 128 rows the valid routes of ``ids`` (int32
+    [T, K], negative masked) need over ``experts`` experts (``benchmarks/fit_wide_cost.py``
+    fits the prefill kernel's tile cost to them)."""
+    counts = torch.bincount(ids[ids >= 0].long().flatten(), minlength=experts)
+    return {bm: int((-(-counts // bm)).sum()) for bm in (64, 128)}
 
 
 def _pin_arg(v: str) -> str:

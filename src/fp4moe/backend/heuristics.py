@@ -100,12 +100,13 @@ PREFILL_LONG_K = 4096
 # WIDE_TILE_COST times their count is below the 64-row tiles' count, the other launch's
 # programs exit at once (3 to 6 us a call). The cost of a 128-row tile in 64-row ones,
 # fit on the H200 to 40 points of five presets at 48 to 272 rows (``benchmarks/sweep.py
-# --gemm gluon-prefill@64 gluon-prefill@128``, each point's tiles counted from its
-# routes): 1.74 picks within 4% of the faster at every point but Qwen3-30B-A3B at 3072
-# tokens (7.5%); 1.8 and 1.7 miss five and two points. Even routes take 128-row tiles at
-# 80 to 112 rows (Mixtral-8x7B 320 / 384 tokens 761 / 806 -> 689 / 699 us); DeepSeek-V3
-# EP8's uneven ones (10 to 146 rows an expert at 2560 tokens) 64. Below this many rows
-# the 128-row tiles are seldom fewer by that much.
+# --gemm gluon-prefill@64 gluon-prefill@128``, then ``benchmarks/fit_wide_cost.py``):
+# 1.74 picks within 4% of the faster tile rows at every point (more than 1.5% off at two,
+# the gpt-oss-120b shape at 4096 / 6144 tokens, 3.9% / 3.1%); 1.8 and 1.7 miss five and
+# two points, by up to 6% and 7.5%. Even routes take 128-row tiles at 80 to 112 rows
+# (Mixtral-8x7B 320 / 384 tokens 761 / 806 -> 689 / 699 us); DeepSeek-V3 EP8's uneven
+# ones (10 to 146 rows an expert at 2560 tokens) 64. Below this many rows the 128-row
+# tiles are seldom fewer by that much.
 PREFILL_WIDE_FROM_ROWS = 48
 WIDE_TILE_COST = 1.74
 # Where the scales come by pointer loads (scale rows of K / 16 bytes no multiple of 16,
