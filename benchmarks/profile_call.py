@@ -21,20 +21,13 @@ import dataclasses
 
 import torch
 
-from fp4moe import Options, Tile, explain, moe
+from fp4moe import explain, moe
 from fp4moe.backend import KERNELS
 from fp4moe.bench import make_routes, random_experts
 from fp4moe.modes import TOLERANCE
 from fp4moe.presets import MODES, PRESETS
 from fp4moe.reference import moe_reference
-
-
-def _pin(v: str) -> str:
-    kernel, at, bm = v.partition("@")
-    if kernel not in KERNELS or (at and not bm.isdigit()):
-        raise argparse.ArgumentTypeError(f"expected one of {KERNELS}, optionally @ROWS: {v!r}")
-    return v
-
+from pins import pin_arg, pin_options
 
 p = argparse.ArgumentParser()
 p.add_argument("--preset", default="deepseek-v3-ep8", choices=sorted(PRESETS))
@@ -42,7 +35,7 @@ p.add_argument("--tokens", type=int, default=16)
 p.add_argument("--local-experts", type=int, default=None, help="override the preset's")
 p.add_argument("--mode", default="w4a16", choices=sorted(MODES))
 p.add_argument("--fused", action="store_true")
-p.add_argument("--gemm", default=None, type=_pin,
+p.add_argument("--gemm", default=None, type=pin_arg,
                help=f"pin both GEMMs' kernel family ({', '.join(KERNELS)}), optionally @ROWS "
                "(the tiles' rows, e.g. gluon-prefill@128)")  # fmt: skip
 p.add_argument("--calls", type=int, default=1)
@@ -62,10 +55,7 @@ ex = random_experts(pr)
 x = torch.randn(a.tokens, pr.hidden, device="cuda").to(torch.bfloat16)
 ids, w = make_routes(pr, a.tokens, a.tokens, "cuda")
 m, sc = MODES[a.mode]
-kernel, _, rows = (a.gemm or "").partition("@")
-tile = Tile(int(rows), 128, 64, 8, 3) if rows else None
-opt = Options(valid_fraction=pr.local_experts / pr.experts, gemm=kernel or None, poison=a.check,
-              fc1_tile=tile, fc2_tile=tile)  # fmt: skip
+opt = pin_options(a.gemm, valid_fraction=pr.local_experts / pr.experts, poison=a.check)
 import fp4moe  # noqa: E402
 
 print(explain(fp4moe.plan(ex, a.tokens, pr.top_k, mode=m, act_scale=sc, fused_finalize=a.fused,

@@ -21,11 +21,12 @@ import sys
 
 import torch
 
-from fp4moe import InapplicableOverride, Options, Tile
+from fp4moe import InapplicableOverride, Options
 from fp4moe.backend import KERNELS
 from fp4moe.backend.launch import moe_triton
 from fp4moe.bench import make_routes, random_experts, time_interleaved
 from fp4moe.presets import MODES, PRESETS
+from pins import pin_arg, pin_options
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="deepseek-v3-ep8", choices=sorted(PRESETS))
     ap.add_argument("--num-tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
     ap.add_argument("--modes", nargs="+", default=["w4a16"], choices=sorted(MODES))
-    ap.add_argument("--gemm", nargs="+", default=list(KERNELS), type=_pin_arg,
+    ap.add_argument("--gemm", nargs="+", default=list(KERNELS), type=pin_arg,
                     help=f"pins: {', '.join(KERNELS)}, each optionally @ROWS")  # fmt: skip
     ap.add_argument("--fused", action="store_true", help="the fused finalize")
     ap.add_argument("--iters", type=int, default=20)
@@ -61,12 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             kw = dict(mode=m, act_scale=sc, fused_finalize=a.fused)
             base = moe_triton(x, ids, w, experts, options=Options(valid_fraction=frac), **kw)
             for g in (None, *a.gemm):
-                opt = Options(valid_fraction=frac)
-                if g is not None:
-                    kernel, _, bm = g.partition("@")
-                    tile = Tile(int(bm), 128, 64, 8, 3) if bm else None
-                    opt = Options(valid_fraction=frac, gemm=kernel, fc1_tile=tile,
-                                  fc2_tile=tile)  # fmt: skip
+                opt = pin_options(g, valid_fraction=frac)
                 try:
                     out = moe_triton(x, ids, w, experts, options=opt, **kw)
                 except InapplicableOverride:
@@ -98,13 +94,6 @@ def route_tiles(ids: torch.Tensor, experts: int) -> dict:
     fits the prefill kernel's tile cost to them)."""
     counts = torch.bincount(ids[ids >= 0].long().flatten(), minlength=experts)
     return {bm: int((-(-counts // bm)).sum()) for bm in (64, 128)}
-
-
-def _pin_arg(v: str) -> str:
-    kernel, at, bm = v.partition("@")
-    if kernel not in KERNELS or (at and not bm.isdigit()):
-        raise argparse.ArgumentTypeError(f"expected one of {KERNELS}, optionally @ROWS: {v!r}")
-    return v
 
 
 if __name__ == "__main__":
