@@ -19,6 +19,8 @@ import argparse
 import json
 import sys
 
+from fp4moe.backend.heuristics import wide_tiles_cheaper
+
 PINS = ("gluon-prefill@64", "gluon-prefill@128")
 
 
@@ -40,7 +42,7 @@ def points(docs: list[dict]) -> list[dict]:
 
 def loss(pt: dict, cost: float) -> float:
     """The time ``cost`` picks at ``pt`` over the faster pin's, less 1."""
-    wide = cost * pt["tiles"][128] < pt["tiles"][64]
+    wide = wide_tiles_cheaper(pt["tiles"][64], pt["tiles"][128], cost)
     return pt["us"][128 if wide else 64] / min(pt["us"].values()) - 1.0
 
 

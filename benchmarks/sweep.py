@@ -25,6 +25,7 @@ from fp4moe import InapplicableOverride, Options
 from fp4moe.backend import KERNELS
 from fp4moe.backend.launch import moe_triton
 from fp4moe.bench import make_routes, random_experts, time_interleaved
+from fp4moe.kernels.sort import sort_routes
 from fp4moe.presets import MODES, PRESETS
 from pins import pin_arg, pin_options
 
@@ -54,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     for t in a.num_tokens:
         x = torch.randn(t, p.hidden, device="cuda").to(torch.bfloat16)
         ids, w = make_routes(p, t, t, "cuda")
-        tiles = route_tiles(ids, p.local_experts)
+        # the row tiles of 64 and 128 rows the routes need (fit_wide_cost.py reads them)
+        sort = sort_routes(ids, p.local_experts, 64, use_kernel=False, wide=True)
+        tiles = {64: int(sort.valid_blocks), 128: int(sort.wide.valid_blocks)}
         print(f"{t:6d} tiles: {tiles[64]} of 64 rows, {tiles[128]} of 128", flush=True)
         calls = {}
         for mode in a.modes:
@@ -86,14 +89,6 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(a.out, "sweep.json"), "w") as f:
         json.dump({"preset": a.preset, "fused": a.fused, "rows": rows}, f, indent=1)
     return 1 if differ else 0
-
-
-def route_tiles(ids: torch.Tensor, experts: int) -> dict:
-    """{rows: tiles}: the row tiles of 64 and of 128 rows the valid routes of ``ids`` (int32
-    [T, K], negative masked) need over ``experts`` experts (``benchmarks/fit_wide_cost.py``
-    fits the prefill kernel's tile cost to them)."""
-    counts = torch.bincount(ids[ids >= 0].long().flatten(), minlength=experts)
-    return {bm: int((-(-counts // bm)).sum()) for bm in (64, 128)}
 
 
 if __name__ == "__main__":

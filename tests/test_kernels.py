@@ -661,10 +661,9 @@ def test_prefill_wide_gpu(gpu_experts, shape, mode, case):
         drop = (ids < e // 2) & (torch.rand(ids.shape, device="cuda", generator=g) < 2 / 3)
         ids = torch.where(drop, -1, ids).to(torch.int32)
     ids = _edge_routes(ids, case)
-    counts = torch.bincount(ids[ids >= 0].long(), minlength=e)
-    tiles = [int((-(-counts // bm)).sum()) for bm in (64, 128)]
-    wide = hx.WIDE_TILE_COST * tiles[1] < tiles[0]
-    assert wide == (case in ("even", "one-expert")), tiles
+    sort = sort_routes(ids, e, 64, use_kernel=False, wide=True)
+    tiles = int(sort.valid_blocks), int(sort.wide.valid_blocks)
+    assert hx.wide_tiles_cheaper(*tiles) == (case in ("even", "one-expert")), tiles
     m, sc = mode
     opt = Options(poison=True, valid_fraction=e / e_total)
     plan = fp4moe.plan(experts, t, k, mode=m, act_scale=sc, options=opt)

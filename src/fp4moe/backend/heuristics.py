@@ -40,6 +40,7 @@ __all__ = [
     "touched_experts",
     "w4a8_block_k",
     "w4a8_tile",
+    "wide_tiles_cheaper",
 ]
 
 # Options.valid_fraction when not given: a call masking 7 of 8 routes (expert parallelism
@@ -128,6 +129,13 @@ def prefill_rows(rows: float, *, w4a8: bool, scale_loads: bool) -> int:
     if scale_loads:
         return 64 if rows <= PREFILL_NARROW_MAX_ROWS_SCALE_LOADS else 128
     return 64
+
+
+def wide_tiles_cheaper(narrow: int, wide: int, cost: float = WIDE_TILE_COST) -> bool:
+    """Whether a call's ``wide`` 128-row tiles cost less than its ``narrow`` 64-row tiles
+    (the counts of its routes' two tile schedules): the choice the prefill kernel's two
+    launches make on the device (``gluon_prefill.prefill_gemm``'s ``wide_cost``)."""
+    return cost * wide < narrow
 
 
 def prefill_wide(rows: float, *, w4a8: bool, scale_loads: bool) -> bool:
