@@ -131,7 +131,7 @@ def _cpu(obj):
 
 
 def _schedule_is(sched, ids, e, bm):
-    """``sched`` (a TileSchedule or RouteSort) holds the reference's tiles of ``bm`` rows."""
+    """``sched`` (a TileSchedule) holds the reference's tiles of ``bm`` rows."""
     ref = sort_routes_reference(ids, e, bm)["tiles"]
     tiles = [
         (int(a), int(b), int(c))
@@ -160,7 +160,7 @@ def _sort_invariants(device, t, k, e, bm, masked, use_kernel, wide=False):
         assert int(s.expert_counts[ex]) == len(ref["rows"][ex])
     flat = torch.arange(t * k, dtype=torch.int32)  # the inverse permutation
     assert torch.equal(s.sorted_routes[s.route_pos.long()], flat)
-    _schedule_is(s, ids, e, bm)
+    _schedule_is(s.schedule, ids, e, bm)
     if wide:
         _schedule_is(s.wide, ids, e, 2 * bm)
     else:

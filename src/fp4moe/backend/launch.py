@@ -101,19 +101,17 @@ def _gemm(
             xs = dense_rows(a, a_scales, count=n_valid, poison=poison, order=64,
                             index=sort.sorted_routes if a_gather else None,
                             div=topk if a_gather else 1)  # fmt: skip
-        narrow = (sort.block_expert, sort.block_start, sort.block_end, sort.valid_blocks)
-        runs = [(narrow, t.block_m, None)]
+        runs = [(sort.schedule, None)]
         if g.wide:  # both tile rows launch; the routes' tile counts pick one on the device
-            w = sort.wide
-            wide = (w.block_expert, w.block_start, w.block_end, w.valid_blocks)
-            runs = [(narrow, t.block_m, w.valid_blocks), (wide, w.block_m, sort.valid_blocks)]
-        for schedule, bm, other in runs:
+            runs = [(sort.schedule, sort.wide.valid_blocks), (sort.wide, sort.valid_blocks)]
+        for s, other in runs:
             prefill_gemm(
-                xs, w_codes, w_scales, w_global, *schedule, out, n=n, topk=topk, gated=gated,
+                xs, w_codes, w_scales, w_global, s.block_expert, s.block_start, s.block_end,
+                s.valid_blocks, out, n=n, topk=topk, gated=gated,
                 out_scale=8.0 if e4m3 else out_scale, sm_count=plan.target.sm_count,
                 sorted_routes=sort.sorted_routes, topk_w=topk_w, fused=fused,
-                a_global=a_global if a_fp4 or e4m3 else None, a_gather=a_gather, block_m=bm,
-                other_valid=other, wide_cost=hx.WIDE_TILE_COST,
+                a_global=a_global if a_fp4 or e4m3 else None, a_gather=a_gather,
+                block_m=s.block_m, other_valid=other, wide_cost=hx.WIDE_TILE_COST,
             )  # fmt: skip
         return
     ws_rows = sort.sorted_routes.shape[0] if g.split or g.kernel == "gluon-whole" else 0

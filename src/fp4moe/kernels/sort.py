@@ -103,6 +103,12 @@ class RouteSort:
     def num_blocks(self) -> int:
         return self.block_expert.numel()
 
+    @property
+    def schedule(self) -> TileSchedule:
+        """The tile schedule of ``block_m`` rows a block (these fields as one)."""
+        return TileSchedule(self.block_expert, self.block_start, self.block_end,
+                            self.valid_blocks, self.block_m)  # fmt: skip
+
 
 def sort_routes(
     topk_ids: torch.Tensor,
