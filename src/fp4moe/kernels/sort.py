@@ -367,7 +367,9 @@ def _sort_routes_triton(
     }  # fmt: skip
     bm2 = 2 * block_m if wide else 0
     nb2 = max_blocks(n, num_experts, bm2) if wide else 0
-    w = [torch.empty(size, dtype=i32, device=dev) for size in (nb2, nb2, nb2, 1)]
+    w = [out["block_end"]] * 4  # the wide schedule's outputs: never written with BM2 0
+    if wide:
+        w = [torch.empty(size, dtype=i32, device=dev) for size in (nb2, nb2, nb2, 1)]
     chunk = _chunk(n)
     piece, warps = _piece(n, chunk)
     pieces = triton.cdiv(n, piece)
