@@ -471,8 +471,9 @@ def test_dense_weights_bad_input():
 _COMPILE = """
 from fp4moe.kernels.gemm import gluon_decode, gluon_prefill
 from fp4moe.kernels.common import resource_usage
-# the stack bytes each kernel may spill: none, but a few at the 64-row prefill tiles' 128
-# registers (two programs an SM; measured faster than one spill-free program an SM), and
+# the stack bytes each kernel may spill: none, but a few at the 32 and 64-row prefill
+# tiles' 128 registers (two programs an SM; measured faster than one spill-free program an
+# SM), and
 # more at K 2880 (a partial stage; most where the scales come by pointer loads)
 for spill, c in (
     *((0, c) for c in (
@@ -500,6 +501,11 @@ for spill, c in (
     (32, gluon_prefill.compile_sm90(n=2048, k=768, gated=False, block_m=64, a_e4m3=True)),
     (256, gluon_prefill.compile_sm90(n=2880, k=2880, gated=True, block_m=64)),
     (104, gluon_prefill.compile_sm90(n=2880, k=2880, gated=True, block_m=64, scale_tma=True)),
+    # 32-row tiles, two programs an SM (as the 64-row ones)
+    (8, gluon_prefill.compile_sm90(n=7168, k=2048, gated=False, block_m=32, fused=True,
+                                   a_fp4=True)),
+    (8, gluon_prefill.compile_sm90(n=2048, k=768, gated=False, block_m=32)),
+    (96, gluon_prefill.compile_sm90(n=2880, k=2880, gated=True, block_m=32, scale_tma=True)),
 ):
     ptx = c.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
@@ -577,7 +583,7 @@ def test_edge_routes():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(GPU_SHAPES))
-@pytest.mark.parametrize("t", [0, 1, 3, 64, 1000, 8192])
+@pytest.mark.parametrize("t", [0, 1, 3, 64, 512, 1000, 8192])
 @pytest.mark.parametrize("mode", MODES, ids=_mode_id)
 @pytest.mark.parametrize("fused", [False, True], ids=["deterministic", "fused"])
 def test_moe_gpu_shapes(gpu_experts, shape, t, mode, fused):
@@ -605,7 +611,7 @@ def test_moe_gpu_shapes(gpu_experts, shape, t, mode, fused):
 @pytest.mark.parametrize("case", ["masked", "one-expert", "all-masked"])
 def test_families_same_bits_gpu(gpu_experts, shape, t, mode, case):
     """Every kernel family that can serve the shape (pinned with ``Options.gemm``, the
-    prefill kernel at both its tile rows) gives the bits of the portable kernel,
+    prefill kernel at each of its tile rows) gives the bits of the portable kernel,
     deterministic finalize, at decode (1), middle (40) and prefill-like (300) sizes and the
     edge routes; fused finalize within tolerance."""
     e, h, _i, k, e_total = GPU_SHAPES[shape]
@@ -618,11 +624,9 @@ def test_families_same_bits_gpu(gpu_experts, shape, t, mode, case):
                       options=Options(gemm="triton", poison=True))  # fmt: skip
     _check(base, ids, x, w, experts, mode)
     ran = []
-    # the prefill kernel's 64-row tiles (what it takes at these sizes unpinned) and its
-    # 128-row tiles (half units)
-    narrow, wide = Tile(64, 128, 64, 8, 3), Tile(128, 128, 64, 8, 3)
-    for g, tile in [*((g, None) for g in [*PORTABLE[1:], *GLUON, None]),
-                    ("gluon-prefill", narrow), ("gluon-prefill", wide)]:  # fmt: skip
+    # the prefill kernel's 32-row, 64-row and 128-row tiles (half units)
+    pins = [("gluon-prefill", Tile(bm, 128, 64, 8, 3)) for bm in (32, 64, 128)]
+    for g, tile in [*((g, None) for g in [*PORTABLE[1:], *GLUON, None]), *pins]:
         opt = Options(gemm=g, poison=True, fc1_tile=tile, fc2_tile=tile)
         try:
             out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=opt)
@@ -633,9 +637,10 @@ def test_families_same_bits_gpu(gpu_experts, shape, t, mode, case):
         fused = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=True,
                            options=opt)  # fmt: skip
         _check(fused, ids, x, w, experts, mode)
-    assert {"gluon-prefill", "gluon-prefill@64", "gluon-prefill@128"} <= set(ran), ran
+    prefill = ["gluon-prefill@32", "gluon-prefill@64", "gluon-prefill@128"]
+    assert {"gluon-prefill", *prefill} <= set(ran), ran
     if m == "w4a8":  # the portable kernel's FP8 loop and the prefill kernel's FP8 path
-        assert ran == ["gluon-prefill", None, "gluon-prefill@64", "gluon-prefill@128"], ran
+        assert ran == ["gluon-prefill", None, *prefill], ran
     else:
         assert "gluon-split" in ran and ("gluon-whole" in ran or sc == "static"), ran
 

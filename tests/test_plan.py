@@ -35,8 +35,10 @@ DEEPSEEK = [
     (64, "gluon-split", "gluon-split", 8, False),
     (128, "gluon-whole", "gluon-whole", 16, False),  # 4 rows: past WHOLE_K_FROM_ROWS
     (256, "gluon-whole", "gluon-whole", 16, False),
-    (512, "gluon-whole", "gluon-whole", 16, False),  # 16 rows: PREFILL_ABOVE_ROWS
-    (768, "gluon-prefill", "gluon-prefill", 64, False),  # 24 rows: the prefill kernel
+    (384, "gluon-whole", "gluon-whole", 16, False),  # 12 rows: PREFILL_ABOVE_ROWS
+    (512, "gluon-prefill", "gluon-prefill", 32, False),  # 16 rows: the prefill kernel
+    (768, "gluon-prefill", "gluon-prefill", 32, False),  # 24 rows: PREFILL_32_MAX_ROWS
+    (1024, "gluon-prefill", "gluon-prefill", 64, False),  # 32 rows
     (1536, "gluon-prefill", "gluon-prefill", 64, False),  # 48 rows: PREFILL_WIDE_FROM_ROWS
     (2048, "gluon-prefill", "gluon-prefill", 64, True),  # 64 or 128 rows, the routes choose
     (8192, "gluon-prefill", "gluon-prefill", 64, True),
@@ -61,28 +63,33 @@ def test_deepseek_regimes(t, fc1, fc2, bm, wide):
 
 
 def test_other_presets_regimes():
-    qwen = {t: _plan("qwen3-30b-a3b", t) for t in (1, 256, 512, 8192)}
+    ts = (1, 192, 256, 512, 8192)
+    qwen = {t: _plan("qwen3-30b-a3b", t) for t in ts}
     # FC2's K (768) is one partial segment: the whole-K Gluon kernel on 8-row tiles (beside
-    # FC1's split kernel), the portable loop on 16, then the prefill kernel (on 64-row
-    # tiles, and from 48 rows on 64 or 128, the routes choosing)
-    assert [(qwen[t].fc2.kernel, qwen[t].fc2.tile.block_m) for t in (1, 256, 512, 8192)] == [
-        ("gluon-whole", 8), ("triton", 16), ("gluon-prefill", 64), ("gluon-prefill", 64),
+    # FC1's split kernel), the portable loop on 16, then the prefill kernel (on 32-row
+    # tiles up to 24 rows, then 64, and from 48 rows on 64 or 128, the routes choosing)
+    assert [(qwen[t].fc2.kernel, qwen[t].fc2.tile.block_m) for t in ts] == [
+        ("gluon-whole", 8), ("triton", 16), ("gluon-prefill", 32), ("gluon-prefill", 64),
+        ("gluon-prefill", 64),
     ]  # fmt: skip
-    assert [qwen[t].fc2.wide for t in (512, 8192)] == [False, True]
-    assert [qwen[t].fc1.kernel for t in (1, 256, 512, 8192)] == [
-        "gluon-split", "gluon-whole", "gluon-prefill", "gluon-prefill",
+    assert [qwen[t].fc2.wide for t in (256, 512, 8192)] == [False, False, True]
+    assert [qwen[t].fc1.kernel for t in ts] == [
+        "gluon-split", "gluon-whole", "gluon-prefill", "gluon-prefill", "gluon-prefill",
     ]  # fmt: skip
-    assert [qwen[t].block_m for t in (512, 8192)] == [64, 64]
+    assert [qwen[t].block_m for t in (256, 512, 8192)] == [32, 64, 64]
     # K 2880 (a partial last segment; scale rows of 180 bytes, padded in memory for TMA):
-    # the Gluon split kernel up to 4 rows, whole-K at 8 and 16 (every route valid), then the
-    # prefill kernel (64-row tiles, from 48 rows 64 or 128 by the routes)
-    oss = {t: _plan("gpt-oss-120b-shape", t) for t in (1, 128, 256, 512, 2048, 4096, 8192)}
+    # the Gluon split kernel up to 4 rows, whole-K at 8 and 12 (every route valid), then the
+    # prefill kernel (32-row tiles up to 24 rows, 64 above, from 48 rows 64 or 128 by the
+    # routes)
+    oss = {t: _plan("gpt-oss-120b-shape", t) for t in (1, 128, 256, 384, 512, 2048, 4096, 8192)}
     assert [(oss[t].fc1.kernel, oss[t].fc1.segments, oss[t].block_m) for t in (1, 128)] == [
         ("gluon-split", 3, 8), ("gluon-split", 3, 8),
     ]  # fmt: skip
-    for t in (256, 512):
+    for t in (256, 384):
         assert (oss[t].fc1.kernel, oss[t].fc2.kernel, oss[t].block_m) == (
             "gluon-whole", "gluon-whole", 16)  # fmt: skip
+    assert (oss[512].fc1.kernel, oss[512].fc2.kernel, oss[512].block_m) == (
+        "gluon-prefill", "gluon-prefill", 32)  # fmt: skip
     assert [(oss[t].fc1.kernel, oss[t].fc2.kernel, oss[t].block_m) for t in (2048, 4096)] == [
         ("gluon-prefill", "gluon-prefill", 64), ("gluon-prefill", "gluon-prefill", 64),
     ]  # fmt: skip
@@ -94,10 +101,11 @@ def test_other_presets_regimes():
     assert _plan("mixtral-8x7b", 32).fc1.kernel == "gluon-whole"
     assert _plan("mixtral-8x7b", 16).fc1.kernel == "gluon-split"  # 4 rows
     assert _plan("qwen3-30b-a3b", 128).fc1.kernel == "gluon-split"
-    # both K >= 4096: the prefill kernel from 12 rows (PREFILL_ABOVE_ROWS_LONG_K)
+    # the prefill kernel above 12 rows (PREFILL_ABOVE_ROWS), 32-row tiles up to 24
     assert _plan("mixtral-8x7b", 48).fc1.kernel == "gluon-whole"  # 12 rows
-    mix = _plan("mixtral-8x7b", 64)  # 16 rows
-    assert (mix.fc1.kernel, mix.block_m) == ("gluon-prefill", 64)
+    for t, bm in ((64, 32), (96, 32), (128, 64)):  # 16, 24, 32 rows
+        mix = _plan("mixtral-8x7b", t)
+        assert (mix.fc1.kernel, mix.fc2.kernel, mix.block_m) == ("gluon-prefill",) * 2 + (bm,)
 
 
 def test_contiguous_scale_rows_regimes():

@@ -17,9 +17,9 @@ __all__ = [
     "DENSE_TILE",
     "GLUON_PDL_MAX_ROUTES",
     "GLUON_SPLIT_MAX_ROWS",
+    "PREFILL_32_MAX_ROWS",
     "PREFILL_ABOVE_ROWS",
-    "PREFILL_ABOVE_ROWS_LONG_K",
-    "PREFILL_LONG_K",
+    "PREFILL_ABOVE_ROWS_SCALE_LOADS",
     "PREFILL_NARROW_MAX_ROWS_SCALE_LOADS",
     "PREFILL_WIDE_FROM_ROWS",
     "QUANTIZE_AMAX_SELF_MAX_ELEMENTS",
@@ -85,22 +85,28 @@ WHOLE_K_MAX_ROWS = 28.0
 # 577; at 19 to 21 rows Kimi-K2 EP8 loses (up to 6%), at 22 every preset measured gains.
 WHOLE_K_WIDE_ROWS = 21.5
 
-# The Gluon prefill kernel (where both GEMMs fit it) from above this many rows, on 64-row
-# tiles: DeepSeek-V3 EP8 at 24 / 32 rows 751 / 855 -> 607 / 624 us, Qwen3-30B-A3B at 32
-# rows 365 -> 256, the gpt-oss-120b shape at 32 rows 1858 -> 1245; at 16 rows DeepSeek-V3
-# ties (461 -> 456) and Qwen3-30B-A3B (197 -> 230) and gpt-oss (1173 -> 1206) lose.
-PREFILL_ABOVE_ROWS = 16
-# ... or this many where both GEMMs' K is at least PREFILL_LONG_K, whose tiles spread the
-# kernel's fixed cost over more K (Mixtral-8x7B at 16 rows 490 -> 412 us; at 8 rows it
-# loses, 331 -> 486).
-PREFILL_ABOVE_ROWS_LONG_K = 12
-PREFILL_LONG_K = 4096
-# The prefill kernel's tiles are 64 rows (two programs an SM) or 128 (one program an SM,
-# each weight decoded once for 128 rows). Above this many rows both launch and the call's
-# routes choose on the device (``prefill_wide``): the 128-row tiles run where
-# WIDE_TILE_COST times their count is below the 64-row tiles' count, the other launch's
-# programs exit at once (3 to 6 us a call). The cost of a 128-row tile in 64-row ones,
-# fit on the H200 to 40 points of five presets at 48 to 272 rows (``benchmarks/sweep.py
+# The Gluon prefill kernel (where both GEMMs fit it) from above this many rows, on 32-row
+# tiles (two programs an SM, as the 64-row ones) up to PREFILL_32_MAX_ROWS. Against the
+# whole-K kernels and the portable loop (Mixtral-8x7B: 64-row tiles) at 16 rows:
+# DeepSeek-V3 EP8 451 -> 363 us, Qwen3-30B-A3B 198 -> 187, Mixtral-8x7B 414 -> 335, the
+# gpt-oss-120b shape 1074 -> 781; at 12 rows DeepSeek-V3 gains (371 -> 357), Mixtral ties
+# and Qwen3 loses (165 -> 187); at 8 rows every preset but gpt-oss loses (3% to 14%).
+PREFILL_ABOVE_ROWS = 12
+# 32-row tiles up to this many rows, 64-row tiles above: at 20 rows 32-row tiles gain 18%
+# to 24% over the 64-row ones or whole-K (DeepSeek-V3 EP8 640 tokens 451 -> 369 us), at 24
+# rows DeepSeek-V3 and Mixtral tie and Qwen3 and gpt-oss gain 16% / 19%, at 32 rows every
+# preset loses 6% to 34% (Mixtral at 128 tokens 417 -> 558).
+PREFILL_32_MAX_ROWS = 24
+# Where the scales come by pointer loads (not measured on 32-row tiles) the prefill kernel
+# starts above this many rows instead, on 64-row tiles: at 16 rows DeepSeek-V3 EP8 ties
+# (461 -> 456 us), Qwen3-30B-A3B (197 -> 230) and gpt-oss (1173 -> 1206) lose.
+PREFILL_ABOVE_ROWS_SCALE_LOADS = 16
+# Above that the prefill kernel's tiles are 64 rows (two programs an SM) or 128 (one
+# program an SM, each weight decoded once for 128 rows). Above this many rows both launch
+# and the call's routes choose on the device (``prefill_wide``): the 128-row tiles run
+# where WIDE_TILE_COST times their count is below the 64-row tiles' count, the other
+# launch's programs exit at once (3 to 6 us a call). The cost of a 128-row tile in 64-row
+# ones, fit on the H200 to 40 points of five presets at 48 to 272 rows (``benchmarks/sweep.py
 # --gemm gluon-prefill@64 gluon-prefill@128``, then ``benchmarks/fit_wide_cost.py``):
 # 1.74 picks within 4% of the faster tile rows at every point (more than 1.5% off at two,
 # the gpt-oss-120b shape at 4096 / 6144 tokens, 3.9% / 3.1%); 1.8 and 1.7 miss five and
@@ -128,7 +134,7 @@ def prefill_rows(rows: float, *, w4a8: bool, scale_loads: bool) -> int:
         return 64 if rows <= W4A8_PREFILL_NARROW_MAX_ROWS else 128
     if scale_loads:
         return 64 if rows <= PREFILL_NARROW_MAX_ROWS_SCALE_LOADS else 128
-    return 64
+    return 32 if rows <= PREFILL_32_MAX_ROWS else 64
 
 
 def wide_tiles_cheaper(narrow: int, wide: int, cost: float = WIDE_TILE_COST) -> bool:

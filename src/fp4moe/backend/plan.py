@@ -170,8 +170,8 @@ class _Rules:
             return False
         if self.valid > hx.DENSE_ABOVE_ROWS:
             return True
-        long_k = min(self.h, self.i) >= hx.PREFILL_LONG_K
-        above = hx.PREFILL_ABOVE_ROWS_LONG_K if long_k else hx.PREFILL_ABOVE_ROWS
+        loads = self.scale_loads_both()
+        above = hx.PREFILL_ABOVE_ROWS_SCALE_LOADS if loads else hx.PREFILL_ABOVE_ROWS
         return self.valid > above and self.prefill_both()
 
     def prefill_both(self) -> bool:

@@ -1,5 +1,5 @@
 """The prefill grouped GEMMs in Gluon (Hopper): the weights decoded in registers straight
-into the wgmma A fragment, 64 or 128 token rows a tile, the whole K in one program, with
+into the wgmma A fragment, 32, 64 or 128 token rows a tile, the whole K in one program, with
 the portable loop's operands, order and sums (``gluon-prefill``).
 
 Decoding every expert's weights to bf16 in HBM once a call and running a bf16 GEMM on
@@ -9,8 +9,8 @@ program decodes its weight tile once for 128 rows, in registers: no decoded weig
 touches HBM (the call takes 2.3 ms).
 
 A program (8 warps, two warpgroups) owns a weight tile of 128 rows and one block of the
-tile schedule (``sort_routes`` with ``block_m`` 64 or 128: the wgmma N; with 64 two
-programs share an SM, 128 registers a thread), persistent over the tiles of the valid
+tile schedule (``sort_routes`` with ``block_m`` 32, 64 or 128: the wgmma N; with 32 or 64
+two programs share an SM, 128 registers a thread), persistent over the tiles of the valid
 blocks in a grouped raster (``GROUP`` blocks sweep the weight tiles together, so
 their activation rows stay in L2). Launched on both tile rows (``other_valid``), each
 launch reads the other schedule's block count and its programs exit at once unless its
@@ -27,7 +27,7 @@ missing units are skipped), and FC2's last weight tile may pass N (its rows mask
 On 128-row tiles each half of a 64-K unit (two k16 steps, ``gluon_common.decode_half``)
 is one wgmma group, and the wait before a half's decode leaves the last group in flight:
 the decode runs beside it and the tensor cores' queue never drains (two half fragments
-live). On 64-row tiles each unit is decoded whole (``decode_unit``) and its
+live). On 32 and 64-row tiles each unit is decoded whole (``decode_unit``) and its
 wgmmas wait for the last unit's: at 128 registers a thread ptxas places that wait before
 the decode, and the SM's other three warpgroups fill the gap. A stage's buffer is
 refilled once every wgmma reading it is done. A 1024-K segment's sum starts from zero and
@@ -70,11 +70,11 @@ from .shapes import PREFILL_ROWS, SEGMENT, prefill_fits
 
 __all__ = ["BM", "GROUP", "STAGES", "compile_sm90", "prefill_gemm"]
 
-# Token rows a tile (the wgmma N), the schedule's block_m on this path: 128, or 64 with
-# two programs an SM (128 registers a thread, 100 KB of shared memory each), whose
-# warpgroups hide each other's decode latency.
+# Token rows a tile (the wgmma N), the schedule's block_m on this path: 128, or 64 or 32
+# with two programs an SM (128 registers a thread, 100 or 68 KB of shared memory each),
+# whose warpgroups hide each other's decode latency.
 BM = PREFILL_ROWS
-PROGRAMS_PER_SM = {64: 2, 128: 1}
+PROGRAMS_PER_SM = {32: 2, 64: 2, 128: 1}
 SK = 256  # K elements a ring stage (four units; one scale box of 16 bytes a row)
 SEG = SEGMENT  # K elements a segment
 STAGES = 2  # ring stages in shared memory: 2 x 82 KB (rows 64 KB, codes 16, scales 2)
@@ -426,13 +426,13 @@ def prefill_gemm(
         codes, scales: one GEMM's weights, uint8 [E, W_ROWS, K/2] and float8_e4m3fn
             [E, W_ROWS, K/16] (W_ROWS = 2 * n gated, else n).
         w_global: fp32 [E, 2] (gated) or [E]. block_*: ``sort_routes``' schedule with
-            ``block_m`` rows a block (64 or 128), and its ``valid_blocks`` (int32 [1]).
+            ``block_m`` rows a block (32, 64 or 128), and its ``valid_blocks`` (int32 [1]).
         out: bf16 [R, n] rows in sorted order, or with ``fused`` fp32 [T, n] that
             router weight times y of each valid route is added into (``topk_w`` fp32
             [T * topk], ``sorted_routes`` int32 [T * topk]).
         out_scale: the decodes' powers of two to undo (2^8; 2^16 for W4A4; 8 for W4A8).
-        sm_count: the device's SMs (one persistent program each, two with 64-row
-            blocks).
+        sm_count: the device's SMs (one persistent program each, two with 32 or
+            64-row blocks).
         a_global: fp32 per row of the activation (W4A4's globals, W4A8's scales), by
             token when ``a_gather`` (the sorted routes' token rows: ``sorted_routes``
             needed).

@@ -18,7 +18,7 @@ __all__ = [
 
 SEGMENT = 1024  # K elements a segment of the main loop, the same for every kernel family
 PREFILL_ROWS = 128  # token rows a tile of the prefill kernel (its schedule's block_m)
-PREFILL_BLOCKS = (64, PREFILL_ROWS)  # the prefill kernel's tile rows
+PREFILL_BLOCKS = (32, 64, PREFILL_ROWS)  # the prefill kernel's tile rows
 # W4A8's accumulation: the FP8 products of each FP8_GROUP K are summed in the tensor cores
 # from zero, and the group sums added to fp32 sums in K order, in every kernel family (a
 # longer chain loses precision in the tensor cores' FP8 accumulator)
