@@ -118,6 +118,12 @@ class Plan:
         return self.num_tokens * self.top_k
 
     @property
+    def wide_sort(self) -> bool:
+        """The sort also writes the schedule of 2 * block_m rows a block (a GEMM on both
+        tile rows, ``GemmPlan.wide``)."""
+        return self.fc1.wide or self.fc2.wide
+
+    @property
     def zero_words(self) -> int:
         return self.fc1.counters + self.fc2.counters + self.fc2_amax_slot + self.fc1_amax_slot
 
@@ -562,7 +568,7 @@ def explain(plan: Plan) -> str:
     """A few lines saying which kernels a call runs and why (the regime's rows)."""
     p = plan
     rows = f"{p.block_m} rows"
-    if p.fc1.wide or p.fc2.wide:
+    if p.wide_sort:
         rows = f"{p.block_m} or {2 * p.block_m} rows (the fewer by cost, counted on the device)"
     lines = [
         f"{p.num_tokens} tokens x top-{p.top_k} over {p.num_experts} experts (H {p.hidden}, "
@@ -592,7 +598,7 @@ def workspace_bytes(plan: Plan) -> int:
     t, h, i, e = p.num_tokens, p.hidden, p.inter, p.num_experts
     n = t * p.top_k
     nb = max_blocks(n, e, p.block_m)
-    if p.fc1.wide or p.fc2.wide:  # the schedule of 128-row tiles beside it
+    if p.wide_sort:  # the schedule of 128-row tiles beside it
         nb += max_blocks(n, e, 2 * p.block_m) + 1
     common = 4 * (3 * n + 2 * e + 1 + 3 * nb)  # the sort's outputs (int32)
     w4a4 = p.mode == "w4a4"
