@@ -189,7 +189,8 @@ def test_sort_bench_tool_needs_a_gpu():
 
 def test_prefill_gemm_other_valid_needs_a_cost():
     """A launch beside the other tile rows' (``other_valid``) needs the cost that decides
-    between them; the error names both arguments before anything runs."""
+    between them, and tiles of 64 or 128 rows (the pair the kernel tells apart); the errors
+    name the arguments before anything runs."""
     from fp4moe.kernels.gemm.gluon_prefill import prefill_gemm
 
     i32 = torch.int32
@@ -201,6 +202,11 @@ def test_prefill_gemm_other_valid_needs_a_cost():
         prefill_gemm(xs, codes, scales, torch.ones(1), one, one, one, one,
                      torch.zeros(64, 64, dtype=torch.bfloat16), n=64, topk=1, gated=False,
                      out_scale=256.0, sm_count=1, block_m=64, other_valid=one)  # fmt: skip
+    with pytest.raises(ValueError, match="other_valid pairs 64-row and 128-row tiles"):
+        prefill_gemm(xs, codes, scales, torch.ones(1), one, one, one, one,
+                     torch.zeros(64, 64, dtype=torch.bfloat16), n=64, topk=1, gated=False,
+                     out_scale=256.0, sm_count=1, block_m=32, other_valid=one,
+                     wide_cost=1.74)  # fmt: skip
 
 
 def test_sort_zero_bad_input():

@@ -450,6 +450,10 @@ def prefill_gemm(
                          f"got {block_m}")  # fmt: skip
     if other_valid is not None and not wide_cost > 0:
         raise ValueError(f"prefill_gemm: other_valid needs wide_cost > 0, got {wide_cost}")
+    if other_valid is not None and block_m not in (64, 128):
+        # the kernel takes 128 rows for the wide launch and any other for the narrow one
+        raise ValueError(f"prefill_gemm: other_valid pairs 64-row and 128-row tiles, got "
+                         f"block_m {block_m}")  # fmt: skip
     e4m3 = xs.dtype == torch.float8_e4m3fn
     if xs.dtype not in (torch.bfloat16, torch.float8_e4m3fn) or not xs.is_contiguous():
         raise ValueError(f"prefill_gemm: xs must be contiguous bf16 or e4m3, got {xs.dtype}")
