@@ -104,6 +104,8 @@ def _gemm(
         runs = [(sort.schedule, None)]
         if g.wide:  # both tile rows launch; the routes' tile counts pick one on the device
             runs = [(sort.schedule, sort.wide.valid_blocks), (sort.wide, sort.valid_blocks)]
+        if g.mixed:  # each expert's rows in its own tile rows: one launch a tile rows
+            runs = [(s, None) for s in sort.mixed]
         for s, other in runs:
             prefill_gemm(
                 xs, w_codes, w_scales, w_global, s.block_expert, s.block_start, s.block_end,
@@ -302,7 +304,8 @@ def moe_triton(
     # sits between two PDL launches.
     fused = torch.zeros(t, h, dtype=torch.float32, device=dev) if plan.fused_finalize else None
     sort = sort_routes(ids, e, plan.block_m, use_kernel=plan.sort == "triton", zero=zero,
-                       wide=plan.wide_sort)  # fmt: skip
+                       wide=plan.wide_sort,
+                       mixed=plan.fc1.mixed or plan.fc2.mixed)  # fmt: skip
     n_valid = sort.expert_offsets[e:]  # device scalar: rows in sorted order
 
     # FC1 input

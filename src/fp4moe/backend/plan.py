@@ -13,6 +13,7 @@ the same sums in the same order, so the bits do not depend on the plan.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, replace
 
 from ..kernels.gemm.shapes import (
@@ -28,6 +29,8 @@ from ..modes import ACT_SCALES, KERNEL_MODES
 from . import heuristics as hx
 from .device import Target
 from .options import InapplicableOverride, Options, Tile
+
+_MIXED = os.environ.get("FP4MOE_MIXED_TILES") == "1"  # experiment: per-expert tile rows
 
 __all__ = ["GemmPlan", "Plan", "experts_scales_tma", "explain", "plan_call", "workspace_bytes"]
 
@@ -64,11 +67,14 @@ class GemmPlan:
     early_weights: bool = False
     counters: int = 0
     wide: bool = False  # gluon-prefill: also on 2 * block_m-row tiles, the routes choosing
+    mixed: bool = False  # gluon-prefill: each expert's rows in 128, then 64 or 32-row tiles
 
     def describe(self) -> str:
         """One line: kernel, tile rows, K split, epilogue."""
         t = self.tile
-        if self.wide:
+        if self.mixed:
+            shape = "32, 64 and 128 rows by each expert's routes"
+        elif self.wide:
             shape = f"{t.block_m} or {2 * t.block_m} rows by the routes"
         elif self.kernel.startswith("gluon-"):
             shape = f"{t.block_m} rows"
@@ -411,10 +417,13 @@ def plan_call(
             counters = -(-n // t.block_n) * nb
         decode_family = kernel in ("gluon-split", "gluon-whole")
         wide = kernel == "gluon-prefill" and pins is None and r.prefill_wide()
+        mixed = (_MIXED and kernel == "gluon-prefill" and pins is None
+                 and not r.scale_loads_both())  # fmt: skip
+        wide = wide and not mixed
         return GemmPlan(kernel, t, -(-kk // SEGMENT), split, epilogue, operand,
                         pdl=gpdl if decode_family else pdl and kernel != "gluon-prefill",
                         early_weights=decode_family and gpdl and early, counters=counters,
-                        wide=wide)  # fmt: skip
+                        wide=wide, mixed=mixed)  # fmt: skip
 
     def operand(kernel: str, quantize_decodes: bool, plain: str) -> str:
         """How a GEMM's activation rows reach ``kernel`` (``GemmPlan.operand``): W4A4 rows

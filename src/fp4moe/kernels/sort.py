@@ -56,6 +56,10 @@ __all__ = [
 # 11.1 us against two's 10.4 / 14.1, at 16384 10.0 / 17.2 against 10.5 / 14.5, at 32768
 # 25.1 / 58.2 against 14.5 / 19.8 (DeepSeek-V3 EP8 / Qwen3-30B-A3B routes).
 ONE_PASS_MAX_ROUTES = 8192
+# mixed schedules: each expert's rows in blocks of 128 (first), then its remainder in
+# blocks of 64 or of 32, whichever set of its blocks costs least (a block's cost below)
+MIXED_ROWS = (128, 64, 32)
+MIXED_COST = (1.74, 1.0, 0.85)
 
 
 def _chunk(n: int) -> int:
@@ -98,6 +102,7 @@ class RouteSort:
     valid_blocks: torch.Tensor  # int32 [1]: blocks with rows (they come first)
     block_m: int
     wide: TileSchedule | None = None  # the same rows in blocks of 2 * block_m (``wide``)
+    mixed: tuple[TileSchedule, ...] | None = None  # each expert's rows split over MIXED_ROWS
 
     @property
     def num_blocks(self) -> int:
@@ -118,6 +123,7 @@ def sort_routes(
     use_kernel: bool,
     zero: torch.Tensor | None = None,
     wide: bool = False,
+    mixed: bool = False,
 ) -> RouteSort:
     """Sort routes by expert and build the tile schedule (see module docstring).
 
@@ -139,10 +145,30 @@ def sort_routes(
             f"{zero.dtype} on {zero.device}"
         )
     if use_kernel and topk_ids.numel():
-        return _sort_routes_triton(topk_ids, num_experts, block_m, zero, wide)
+        return _sort_routes_triton(topk_ids, num_experts, block_m, zero, wide, mixed)
     if zero is not None:
         zero.zero_()
-    return _sort_routes_torch(topk_ids, num_experts, block_m, wide)
+    return _sort_routes_torch(topk_ids, num_experts, block_m, wide, mixed)
+
+
+def _mixed_split_torch(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each expert's rows in MIXED_ROWS' blocks: (rows in 128-row blocks, rows in 64-row
+    blocks, rows in 32-row blocks), int64 [E] each, by the least summed block cost."""
+    (b0, b1, b2), (c0, c1, c2) = MIXED_ROWS, MIXED_COST
+    best = None
+    for q in (torch.zeros_like(counts), counts // b0, counts // b0 + 1):
+        big = torch.minimum(counts, q * b0)
+        rem = counts - big
+        for mid in (True, False):
+            cost = q * c0 + (((rem + b1 - 1) // b1) * c1 if mid else ((rem + b2 - 1) // b2) * c2)
+            none = torch.zeros_like(rem)
+            cand = (cost, big, rem if mid else none, none if mid else rem)
+            if best is None:
+                best = cand
+            else:
+                take = cand[0] < best[0]
+                best = tuple(torch.where(take, a, b) for a, b in zip(cand, best))
+    return best[1], best[2], best[3]
 
 
 def _schedule_torch(counts: torch.Tensor, offsets: torch.Tensor, nb: int,
@@ -169,8 +195,26 @@ def _schedule_torch(counts: torch.Tensor, offsets: torch.Tensor, nb: int,
     )
 
 
+def _schedule_rows_torch(counts: torch.Tensor, starts: torch.Tensor, nb: int,
+                         block_m: int) -> TileSchedule:  # fmt: skip
+    """The tile schedule of ``block_m`` rows a block over each expert's ``counts`` rows
+    from its row ``starts`` (int64 [E])."""
+    offsets = torch.cat([starts, starts[-1:]])
+    s = _schedule_torch(counts, offsets, nb, block_m)
+    e = s.block_expert.long().clamp(min=0)
+    valid = s.block_expert >= 0
+    blocks_e = (counts + block_m - 1) // block_m
+    first_b = torch.cumsum(blocks_e, 0) - blocks_e
+    local = torch.arange(nb, device=counts.device) - first_b[e]
+    start = starts[e] + local * block_m
+    end = torch.minimum(start + block_m, starts[e] + counts[e])
+    i32 = torch.int32
+    return TileSchedule(s.block_expert, torch.where(valid, start, 0).to(i32),
+                        torch.where(valid, end, 0).to(i32), s.valid_blocks, block_m)  # fmt: skip
+
+
 def _sort_routes_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
-                       wide: bool) -> RouteSort:  # fmt: skip
+                       wide: bool, mixed: bool = False) -> RouteSort:  # fmt: skip
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     n = flat.numel()
@@ -188,7 +232,16 @@ def _sort_routes_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     w = 2 * block_m
     i32 = torch.int32
     sorted_key = key[perm]
+    mix = None
+    if mixed:
+        big, mid, small = _mixed_split_torch(counts)
+        starts = (offsets[:-1], offsets[:-1] + big, offsets[:-1] + big)
+        mix = []
+        for rows, c, st in zip(MIXED_ROWS, (big, mid, small), starts):
+            mix.append(_schedule_rows_torch(c, st, max_blocks(n, num_experts, rows), rows))
+        mix = tuple(mix)
     return RouteSort(
+        mixed=mix,
         sorted_routes=perm.to(i32),
         route_pos=route_pos.to(i32),
         expert_counts=counts.to(i32),
@@ -246,9 +299,12 @@ def sort_routes_kernel(
     valid_blocks2_ptr,  # int32 [1]
     zero_ptr,  # int32 [NZ]: set to 0
     piece_counts_ptr,  # int32 [PIECES, EP]: each step's histogram (TWO_PASS)
+    mix_ptr,  # int32 [3, 3, NBM]: the mixed schedules' expert, start, end (MIXED)
+    mix_valid_ptr,  # int32 [3]
     N,
     NB,
     NB2,
+    NBM,
     NZ,
     ZPER,  # elements of zero_ptr each program clears
     E: tl.constexpr,
@@ -260,6 +316,10 @@ def sort_routes_kernel(
     PIECES: tl.constexpr,  # cdiv(N, PIECE)
     ZB: tl.constexpr,  # power of two >= ZPER
     TWO_PASS: tl.constexpr,  # the steps' histograms in piece_counts_ptr already
+    MIXED: tl.constexpr,  # also each expert's rows in blocks of 128, then 64 or 32
+    C0: tl.constexpr = 1.74,
+    C1: tl.constexpr = 1.0,
+    C2: tl.constexpr = 0.85,
 ):
     """Program p places routes [p*CHUNK, (p+1)*CHUNK) and writes blocks [p*CHUNK, ...)
     (of each schedule).
@@ -317,6 +377,44 @@ def sort_routes_kernel(
     if BM2 > 0:
         _schedule(counts, offs, first, pid, block_expert2_ptr, block_start2_ptr,
                   block_end2_ptr, valid_blocks2_ptr, NB2, E, EP, BM2, CHUNK, SELECT)  # fmt: skip
+    if MIXED:
+        big, mid, small = _mixed_split(counts, C0, C1, C2)
+        _schedule(big, offs, first, pid, mix_ptr, mix_ptr + NBM, mix_ptr + 2 * NBM,
+                  mix_valid_ptr, NBM, E, EP, 128, CHUNK, SELECT)  # fmt: skip
+        _schedule(mid, offs + big, first, pid, mix_ptr + 3 * NBM, mix_ptr + 4 * NBM,
+                  mix_ptr + 5 * NBM, mix_valid_ptr + 1, NBM, E, EP, 64, CHUNK, SELECT)  # fmt: skip
+        _schedule(small, offs + big, first, pid, mix_ptr + 6 * NBM, mix_ptr + 7 * NBM,
+                  mix_ptr + 8 * NBM, mix_valid_ptr + 2, NBM, E, EP, 32, CHUNK, SELECT)  # fmt: skip
+
+
+@triton.jit
+def _mixed_split(counts, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr):
+    """Each expert's rows in blocks of 128 (first), then the rest in blocks of 64 or of
+    32: (rows in each), the least summed block cost (``_mixed_split_torch``'s twin)."""
+    best_cost = tl.full(counts.shape, 3.0e38, tl.float32)
+    big = tl.zeros_like(counts)
+    mid = tl.zeros_like(counts)
+    small = tl.zeros_like(counts)
+    for opt in tl.static_range(3):
+        if opt == 0:
+            q = tl.zeros_like(counts)
+        elif opt == 1:
+            q = counts // 128
+        else:
+            q = counts // 128 + 1
+        b = tl.minimum(counts, q * 128)
+        rem = counts - b
+        for m in tl.static_range(2):
+            if m == 0:
+                cost = q.to(tl.float32) * C0 + ((rem + 63) // 64).to(tl.float32) * C1
+            else:
+                cost = q.to(tl.float32) * C0 + ((rem + 31) // 32).to(tl.float32) * C2
+            take = cost < best_cost
+            best_cost = tl.where(take, cost, best_cost)
+            big = tl.where(take, b, big)
+            mid = tl.where(take, rem if m == 0 else 0, mid)
+            small = tl.where(take, rem if m == 1 else 0, small)
+    return big, mid, small
 
 
 @triton.jit
@@ -351,6 +449,7 @@ def _sort_routes_triton(
     block_m: int,
     zero: torch.Tensor | None = None,
     wide: bool = False,
+    mixed: bool = False,
 ) -> RouteSort:
     dev = topk_ids.device
     n = topk_ids.numel()
@@ -381,18 +480,31 @@ def _sort_routes_triton(
         piece_counts = torch.empty(pieces, ep, dtype=i32, device=dev)
         sort_counts_kernel[(pieces,)](ids, piece_counts, n, E=num_experts, EP=ep, PIECE=piece,
                                       num_warps=warps)  # fmt: skip
-    grid = triton.cdiv(max(n, nb), chunk)
+    nbm = max_blocks(n, num_experts, MIXED_ROWS[-1]) if mixed else 0
+    mix, mix_valid = out["block_end"], out["block_end"]  # never written without mixed
+    if mixed:
+        mix = torch.empty(9 * nbm, dtype=i32, device=dev)
+        mix_valid = torch.empty(3, dtype=i32, device=dev)
+    grid = triton.cdiv(max(n, nb, nb2, nbm), chunk)
     nz = 0 if zero is None else zero.numel()
     zper = triton.cdiv(nz, grid)
     sort_routes_kernel[(grid,)](
         ids, out["sorted_routes"], out["route_pos"], out["sorted_expert"],
         out["expert_counts"], out["expert_offsets"],
         out["block_expert"], out["block_start"], out["block_end"], out["valid_blocks"], *w,
-        zero if zero is not None else out["block_end"], piece_counts, n, nb, nb2, nz, zper,
+        zero if zero is not None else out["block_end"], piece_counts, mix, mix_valid, n, nb,
+        nb2, nbm, nz, zper,
         E=num_experts, EP=ep, BM=block_m, BM2=bm2, CHUNK=chunk, PIECE=piece, PIECES=pieces,
-        ZB=triton.next_power_of_2(max(zper, 1)), TWO_PASS=two_pass, num_warps=warps,
+        ZB=triton.next_power_of_2(max(zper, 1)), TWO_PASS=two_pass, MIXED=mixed,
+        C0=MIXED_COST[0], C1=MIXED_COST[1], C2=MIXED_COST[2], num_warps=warps,
     )  # fmt: skip
-    return RouteSort(block_m=block_m, wide=TileSchedule(*w, bm2) if wide else None, **out)
+    mixed_s = None
+    if mixed:
+        v = mix.view(3, 3, nbm)
+        mixed_s = tuple(TileSchedule(v[i, 0], v[i, 1], v[i, 2], mix_valid[i:i + 1], rows)
+                        for i, rows in enumerate(MIXED_ROWS))  # fmt: skip
+    return RouteSort(block_m=block_m, wide=TileSchedule(*w, bm2) if wide else None,
+                     mixed=mixed_s, **out)  # fmt: skip
 
 
 def sort_routes_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> dict:
