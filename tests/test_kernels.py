@@ -16,7 +16,6 @@ import torch
 import fp4moe
 from fp4moe import InapplicableOverride, Options, Tile
 from fp4moe.backend import experts_scales_tma
-from fp4moe.backend import heuristics as hx
 from fp4moe.backend.launch import moe_triton
 from fp4moe.kernels import sort as sort_module
 from fp4moe.kernels.finalize import finalize_rows
@@ -119,12 +118,68 @@ def test_sort_invariants_many_routes(interpret, device, monkeypatch, t, k, e, bm
     _sort_invariants(device, t, k, e, bm, 0.3, True, wide=True)
 
 
+def _mixed_rows(c: int) -> tuple[int, int, int]:
+    """Brute force: an expert's ``c`` rows in blocks of 128 first, then the rest in blocks
+    of 64 or of 32, the least summed cost (sort.MIXED_COST; ties to the earlier option)."""
+    (b0, b1, b2), (c0, c1, c2) = sort_module.MIXED_ROWS, sort_module.MIXED_COST
+    best = None
+    for q in (0, c // b0, c // b0 + 1):
+        big = min(c, q * b0)
+        rem = c - big
+        for cost, split in ((q * c0 + -(-rem // b1) * c1, (big, rem, 0)),
+                            (q * c0 + -(-rem // b2) * c2, (big, 0, rem))):  # fmt: skip
+            if best is None or cost < best[0]:
+                best = (cost, split)
+    return best[1]
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("t,k,e,masked", [(1, 8, 32, 0.0), (40, 8, 32, 0.5), (300, 8, 16, 0.3),
+                                          (600, 2, 8, 0.0), (2000, 4, 8, 0.1)])  # fmt: skip
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_sort_mixed(interpret, device, t, k, e, masked, use_kernel):
+    """``sort_routes(mixed=True)``: each expert's rows once over the three schedules, in
+    order, its 128-row blocks first, split by the least block cost; the kernel's and the
+    torch sort's schedules equal."""
+    ids, _ = _routes(t, k, e, seed=t + k, device=device, masked=masked)
+    if t == 2000:  # one expert with many rows
+        ids[:, 0] = 3
+    s = _cpu(sort_routes(ids, e, 32, use_kernel=use_kernel, mixed=True))
+    if use_kernel:
+        ref = _cpu(sort_routes(ids, e, 32, use_kernel=False, mixed=True))
+        for a, b in zip(s.mixed, ref.mixed):
+            nv = int(b.valid_blocks)
+            assert int(a.valid_blocks) == nv
+            for f in ("block_expert", "block_start", "block_end"):
+                assert torch.equal(getattr(a, f)[:nv], getattr(b, f)[:nv]), f
+    counts, offs = s.expert_counts.tolist(), s.expert_offsets.tolist()
+    rows = {x: [] for x in range(e)}
+    assert [m.block_m for m in s.mixed] == list(sort_module.MIXED_ROWS)
+    for j, m in enumerate(s.mixed):
+        nv = int(m.valid_blocks)
+        assert bool((m.block_expert[nv:] == -1).all())
+        for x, a, b in zip(m.block_expert[:nv].tolist(), m.block_start[:nv].tolist(),
+                           m.block_end[:nv].tolist()):  # fmt: skip
+            assert 0 < b - a <= m.block_m
+            rows[x].append((a, b, j))
+    for x in range(e):
+        spans = sorted(rows[x])
+        per = [sum(b - a for a, b, j in spans if j == i) for i in range(3)]
+        assert tuple(per) == _mixed_rows(counts[x]), (x, counts[x], per)
+        assert [j for _, _, j in spans] == sorted(j for _, _, j in spans)  # 128-row first
+        if spans:
+            assert spans[0][0] == offs[x] and spans[-1][1] == offs[x + 1]
+            assert all(spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1))
+
+
 def _cpu(obj):
     """A copy of a RouteSort or TileSchedule with its tensors on the CPU."""
 
     def cpu(v):
         if isinstance(v, torch.Tensor):
             return v.cpu()
+        if isinstance(v, tuple):
+            return tuple(cpu(x) for x in v)
         return _cpu(v) if isinstance(v, TileSchedule) else v
 
     return type(obj)(**{f: cpu(v) for f, v in vars(obj).items()})
@@ -654,16 +709,17 @@ def test_families_same_bits_gpu(gpu_experts, shape, t, mode, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(GPU_SHAPES))
 @pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+@pytest.mark.parametrize("rows", [20, 80])
 @pytest.mark.parametrize("case", ["even", "uneven", "one-expert", "all-masked"])
-def test_prefill_wide_gpu(gpu_experts, shape, mode, case):
-    """At 80 expected rows an expert the planner launches the prefill kernel on 64-row and
-    128-row tiles and the routes' tile counts pick one on the device (W4A8: 64-row tiles
-    only): even routes pick 128 rows, uneven ones (half the experts at about a third of the
-    rows) and all-masked ones 64, one expert's 2000-odd rows 128. The planner's output has
-    the bits of both tile rows pinned and the portable kernel's, and its fused finalize is
-    within tolerance of the reference (both launches adding would double it)."""
+def test_prefill_mixed_gpu(gpu_experts, shape, mode, rows, case):
+    """At 20 and 80 expected rows an expert the planner runs the prefill kernel over each
+    expert's own tile rows (``sort_routes(mixed=True)``: three launches, 128, 64 and
+    32-row tiles; W4A8 one tile rows): its output has the bits of each tile rows pinned and
+    of the portable kernel, on even routes, uneven ones (half the experts at about a third
+    of the rows), one expert's and all masked; its fused finalize is within tolerance of
+    the reference (a block run twice would double it)."""
     e, h, _i, k, e_total = GPU_SHAPES[shape]
-    t = 80 * e_total // k
+    t = rows * e_total // k
     experts = gpu_experts(shape)
     x = _x(t, h, seed=t, device="cuda")
     ids, w = _gpu_routes(t, k, e, e_total, seed=t + 5)
@@ -672,16 +728,14 @@ def test_prefill_wide_gpu(gpu_experts, shape, mode, case):
         drop = (ids < e // 2) & (torch.rand(ids.shape, device="cuda", generator=g) < 2 / 3)
         ids = torch.where(drop, -1, ids).to(torch.int32)
     ids = _edge_routes(ids, case)
-    sort = sort_routes(ids, e, 64, use_kernel=False, wide=True)
-    tiles = int(sort.valid_blocks), int(sort.wide.valid_blocks)
-    assert hx.wide_tiles_cheaper(*tiles) == (case in ("even", "one-expert")), tiles
     m, sc = mode
     opt = Options(poison=True, valid_fraction=e / e_total)
     plan = fp4moe.plan(experts, t, k, mode=m, act_scale=sc, options=opt)
-    assert plan.fc1.kernel == "gluon-prefill" and plan.fc1.wide == (m != "w4a8"), plan
+    assert plan.fc1.kernel == "gluon-prefill" and plan.fc1.mixed == (m != "w4a8"), plan
     out = moe_triton(x, ids, w, experts, mode=m, act_scale=sc, options=opt)
     _check(out, ids, x, w, experts, mode)
-    for g, bm in (("triton", None), ("gluon-prefill", 64), ("gluon-prefill", 128)):
+    for g, bm in (("triton", None), ("gluon-prefill", 32), ("gluon-prefill", 64),
+                  ("gluon-prefill", 128)):  # fmt: skip
         tile = None if bm is None else Tile(bm, 128, 64, 8, 3)
         pin = Options(gemm=g, poison=True, fc1_tile=tile, fc2_tile=tile)
         assert torch.equal(out, moe_triton(x, ids, w, experts, mode=m, act_scale=sc,

@@ -49,9 +49,10 @@ DEEPSEEK = [
 def test_deepseek_regimes(t, fc1, fc2, bm, wide):
     plan = _plan("deepseek-v3-ep8", t)
     assert (plan.fc1.kernel, plan.fc2.kernel, plan.block_m) == (fc1, fc2, bm)
-    assert plan.fc1.wide == plan.fc2.wide == wide
-    assert ("64 or 128 rows" in plan.fc1.describe()) == wide
-    assert ("tiles of 64 or 128 rows (the fewer by cost" in explain(plan)) == wide
+    mixed = fc1 == "gluon-prefill"  # every expert's rows in its own tile rows
+    assert plan.fc1.mixed == plan.fc2.mixed == mixed and not plan.fc1.wide
+    assert ("by each expert's routes" in plan.fc1.describe()) == mixed
+    assert ("32, 64 and 128 rows (each expert's" in explain(plan)) == mixed
     assert plan.valid_rows == pytest.approx(t * 8 / 8 / 32)
     assert plan.sort == ("triton" if t * 8 <= hx.SORT_KERNEL_MAX_ROUTES else "torch")
     assert plan.pdl and plan.finalize == "deterministic"
@@ -72,7 +73,7 @@ def test_other_presets_regimes():
         ("gluon-whole", 8), ("triton", 16), ("gluon-prefill", 32), ("gluon-prefill", 64),
         ("gluon-prefill", 64),
     ]  # fmt: skip
-    assert [qwen[t].fc2.wide for t in (256, 512, 8192)] == [False, False, True]
+    assert [qwen[t].fc2.mixed for t in (192, 256, 512, 8192)] == [False, True, True, True]
     assert [qwen[t].fc1.kernel for t in ts] == [
         "gluon-split", "gluon-whole", "gluon-prefill", "gluon-prefill", "gluon-prefill",
     ]  # fmt: skip
@@ -93,7 +94,7 @@ def test_other_presets_regimes():
     assert [(oss[t].fc1.kernel, oss[t].fc2.kernel, oss[t].block_m) for t in (2048, 4096)] == [
         ("gluon-prefill", "gluon-prefill", 64), ("gluon-prefill", "gluon-prefill", 64),
     ]  # fmt: skip
-    assert (oss[8192].block_m, oss[2048].fc1.wide, oss[8192].fc2.wide) == (64, True, True)
+    assert (oss[8192].block_m, oss[2048].fc1.mixed, oss[8192].fc2.mixed) == (64, True, True)
     # static W4A4 (FC1 writes NVFP4: no whole-K FC1) keeps split K at 8 rows
     static = _plan("gpt-oss-120b-shape", 256, "w4a4-static")
     assert (static.fc1.kernel, static.fc2.kernel) == ("gluon-split", "gluon-split")

@@ -10,6 +10,7 @@ its wait.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -37,6 +38,9 @@ from .options import Options
 from .plan import GemmPlan, Plan, experts_scales_tma, plan_call
 
 __all__ = ["expert_gemms", "moe_triton", "plan_for", "zero_buffer"]
+
+# experiment: the mixed schedules' launches overlap (programmatic dependent launch)
+_MIXED_CHAIN = os.environ.get("FP4MOE_MIXED_CHAIN", "1") == "1"
 
 
 def plan_for(
@@ -104,9 +108,11 @@ def _gemm(
         runs = [(sort.schedule, None)]
         if g.wide:  # both tile rows launch; the routes' tile counts pick one on the device
             runs = [(sort.schedule, sort.wide.valid_blocks), (sort.wide, sort.valid_blocks)]
+        chains = [0] * len(runs)
         if g.mixed:  # each expert's rows in its own tile rows: one launch a tile rows
             runs = [(s, None) for s in sort.mixed]
-        for s, other in runs:
+            chains = [1, 2, 2] if _MIXED_CHAIN else [0, 0, 0]
+        for (s, other), chain in zip(runs, chains):
             prefill_gemm(
                 xs, w_codes, w_scales, w_global, s.block_expert, s.block_start, s.block_end,
                 s.valid_blocks, out, n=n, topk=topk, gated=gated,
@@ -114,6 +120,7 @@ def _gemm(
                 sorted_routes=sort.sorted_routes, topk_w=topk_w, fused=fused,
                 a_global=a_global if a_fp4 or e4m3 else None, a_gather=a_gather,
                 block_m=s.block_m, other_valid=other, wide_cost=hx.WIDE_TILE_COST,
+                chain=chain,
             )  # fmt: skip
         return
     ws_rows = sort.sorted_routes.shape[0] if g.split or g.kernel == "gluon-whole" else 0

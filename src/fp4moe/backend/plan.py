@@ -30,7 +30,7 @@ from . import heuristics as hx
 from .device import Target
 from .options import InapplicableOverride, Options, Tile
 
-_MIXED = os.environ.get("FP4MOE_MIXED_TILES") == "1"  # experiment: per-expert tile rows
+_MIXED = os.environ.get("FP4MOE_MIXED_TILES", "1") == "1"  # experiment: per-expert tile rows
 
 __all__ = ["GemmPlan", "Plan", "experts_scales_tma", "explain", "plan_call", "workspace_bytes"]
 
@@ -579,6 +579,8 @@ def explain(plan: Plan) -> str:
     rows = f"{p.block_m} rows"
     if p.wide_sort:
         rows = f"{p.block_m} or {2 * p.block_m} rows (the fewer by cost, counted on the device)"
+    if p.fc1.mixed or p.fc2.mixed:
+        rows = "32, 64 and 128 rows (each expert's by its routes, counted on the device)"
     lines = [
         f"{p.num_tokens} tokens x top-{p.top_k} over {p.num_experts} experts (H {p.hidden}, "
         f"I {p.inter}), {p.mode}"
@@ -609,6 +611,8 @@ def workspace_bytes(plan: Plan) -> int:
     nb = max_blocks(n, e, p.block_m)
     if p.wide_sort:  # the schedule of 128-row tiles beside it
         nb += max_blocks(n, e, 2 * p.block_m) + 1
+    if p.fc1.mixed or p.fc2.mixed:  # the three schedules of each expert's tile rows
+        nb += 3 * max_blocks(n, e, 32) + 1
     common = 4 * (3 * n + 2 * e + 1 + 3 * nb)  # the sort's outputs (int32)
     w4a4 = p.mode == "w4a4"
     nvfp4_row = lambda c: c // 2 + c // 16 + 4  # codes, scales, global

@@ -254,6 +254,7 @@ def prefill_kernel(
     E: gl.constexpr,  # experts (the weight rows' bound)
     SCALE_TMA: gl.constexpr,  # the scales by TMA, else by pointer (``shapes.scale_rows_tma``)
     WIDE_COST: gl.constexpr,  # > 0: launched beside the other tile rows, the routes choose
+    CHAIN: gl.constexpr = 0,  # 1: the first of launches that overlap, 2: a later one (PDL)
 ):
     UPS: gl.constexpr = _SK // UNIT  # units a stage
     SPS: gl.constexpr = _SEG // _SK  # stages a segment
@@ -306,6 +307,9 @@ def prefill_kernel(
     # the rows
     EL: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, 8], [0, 1])
 
+    if CHAIN > 0:  # the next launch's programs may take the SMs this launch's programs leave
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
     nvalid = gl.load(valid_blocks_ptr)
     if WIDE_COST > 0:  # the 128-row tiles run where WIDE_COST of them cost fewer 64-row ones
         other = gl.load(other_valid_ptr)
@@ -388,6 +392,9 @@ def prefill_kernel(
         fence_async_shared()
     for i in gl.static_range(NB):
         mbarrier.invalidate(bars.index(i))
+    if CHAIN == 2:  # complete only after the launch before (whose outputs the next kernel reads)
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
 
 
 def prefill_gemm(
@@ -414,6 +421,7 @@ def prefill_gemm(
     block_m: int = BM,
     other_valid: torch.Tensor | None = None,
     wide_cost: float = 0.0,
+    chain: int = 0,
 ) -> None:
     """One grouped GEMM on ``prefill_kernel``.
 
@@ -441,6 +449,9 @@ def prefill_gemm(
             launch's programs exit at once unless its rows are the call's choice, the
             128-row tiles where ``wide_cost`` times their count is below the 64-row
             tiles' count (``wide_cost``: a 128-row tile's cost in 64-row tiles).
+        chain: launches over shares of one GEMM's blocks (``sort_routes(mixed=True)``)
+            that overlap: 1 the first, 2 a later one (programmatic dependent launch: its
+            programs start as the launch before leaves SMs, and it completes after it).
     """
     k = xs.shape[1]
     if not prefill_fits(n, k, gated):
@@ -479,14 +490,14 @@ def prefill_gemm(
         N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=a_gather, FUSED=fused,
         OUT_SCALE=out_scale, A_FP4=a_global is not None and not e4m3, NB=STAGES, BM=block_m,
         A_E4M3=e4m3, E=codes.shape[0], SCALE_TMA=s_tma,
-        WIDE_COST=float(wide_cost) if other_valid is not None else 0.0,
-        **_launch_options(block_m),
+        WIDE_COST=float(wide_cost) if other_valid is not None else 0.0, CHAIN=chain,
+        launch_pdl=chain == 2, **_launch_options(block_m),
     )  # fmt: skip
 
 
 def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: bool = False,
                  a_e4m3: bool = False, block_m: int = BM, scale_tma: bool | None = None,
-                 wide_cost: float = 0.0):  # fmt: skip
+                 wide_cost: float = 0.0, chain: int = 0):  # fmt: skip
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``);
     ``scale_tma``: the scales by TMA (None: as contiguous rows of K / 16 bytes allow,
     ``shapes.scale_tma``); ``wide_cost``: launched beside the other tile rows."""
@@ -519,6 +530,7 @@ def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: boo
         E=32,
         SCALE_TMA=shapes.scale_tma(k) if scale_tma is None else scale_tma,
         WIDE_COST=wide_cost,
+        CHAIN=chain,
     )
     return common_compile_sm90(prefill_kernel, ptrs, const, gluon=True, descs=descs,
                                **_launch_options(block_m))  # fmt: skip
