@@ -47,10 +47,11 @@ memcheck)
         echo "   exit $r" | tee -a "$OUT/memcheck.log"
         [ $r -ne 0 ] && rc=1
     done
-    # the prefill kernel on both tile rows (80 rows an expert: one launch exits at once)
-    echo "== memcheck gluon-prefill w4a16, 64 and 128-row launches" | tee -a "$OUT/memcheck.log"
+    # the prefill kernel's three launches of each expert's tile rows (about 150 rows an
+    # expert: 128-row blocks, then 64 or 32)
+    echo "== memcheck gluon-prefill w4a16, 128, 64 and 32-row launches" | tee -a "$OUT/memcheck.log"
     compute-sanitizer --tool memcheck --error-exitcode 9 \
-        python3 benchmarks/profile_call.py --preset deepseek-v3-ep8 --tokens 2560 \
+        python3 benchmarks/profile_call.py --preset deepseek-v3-ep8 --tokens 4800 \
         --local-experts 4 --gemm gluon-prefill --mode w4a16 --check >>"$OUT/memcheck.log" 2>&1
     r=$?
     echo "   exit $r" | tee -a "$OUT/memcheck.log"

@@ -55,10 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     for t in a.num_tokens:
         x = torch.randn(t, p.hidden, device="cuda").to(torch.bfloat16)
         ids, w = make_routes(p, t, t, "cuda")
-        # the row tiles of 64 and 128 rows the routes need (fit_wide_cost.py reads them)
-        sort = sort_routes(ids, p.local_experts, 64, use_kernel=False, wide=True)
-        tiles = {64: int(sort.valid_blocks), 128: int(sort.wide.valid_blocks)}
-        print(f"{t:6d} tiles: {tiles[64]} of 64 rows, {tiles[128]} of 128", flush=True)
+        # the row tiles of 32, 64 and 128 rows the routes need, one tile rows a call
+        # (fit_tile_cost.py reads them)
+        tiles = {bm: int(sort_routes(ids, p.local_experts, bm, use_kernel=False).valid_blocks)
+                 for bm in (32, 64, 128)}  # fmt: skip
+        print(f"{t:6d} tiles: " + ", ".join(f"{v} of {bm} rows" for bm, v in tiles.items()),
+              flush=True)  # fmt: skip
         calls = {}
         for mode in a.modes:
             m, sc = MODES[mode]

@@ -103,8 +103,7 @@ def _check(out, ids, x, w, experts, mode):
 @pytest.mark.parametrize("masked", [0.0, 0.3, 1.0], ids=["none", "some", "all"])
 @pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "triton"])
 def test_sort_invariants(interpret, device, t, k, e, bm, masked, use_kernel):
-    # the wide schedule (2 * bm rows a block) beside the first where some routes are masked
-    _sort_invariants(device, t, k, e, bm, masked, use_kernel, wide=masked == 0.3)
+    _sort_invariants(device, t, k, e, bm, masked, use_kernel)
 
 
 @pytest.mark.kernel
@@ -115,7 +114,7 @@ def test_sort_invariants_many_routes(interpret, device, monkeypatch, t, k, e, bm
     8192 routes, 200 experts), in one launch and in two (the steps' histograms first)."""
     if passes == 2:
         monkeypatch.setattr(sort_module, "ONE_PASS_MAX_ROUTES", 0)
-    _sort_invariants(device, t, k, e, bm, 0.3, True, wide=True)
+    _sort_invariants(device, t, k, e, bm, 0.3, True)
 
 
 def _mixed_rows(c: int) -> tuple[int, int, int]:
@@ -199,10 +198,10 @@ def _schedule_is(sched, ids, e, bm):
     assert sched.block_m == bm
 
 
-def _sort_invariants(device, t, k, e, bm, masked, use_kernel, wide=False):
+def _sort_invariants(device, t, k, e, bm, masked, use_kernel):
     ids, _ = _routes(t, k, e, seed=t + k, device=device, masked=masked)
     zero = torch.full((1000,), 7, dtype=torch.int32, device=device)  # split-K counters
-    s = sort_routes(ids, e, bm, use_kernel=use_kernel, zero=zero, wide=wide)
+    s = sort_routes(ids, e, bm, use_kernel=use_kernel, zero=zero)
     assert bool((zero == 0).all())
     s = _cpu(s)
     ids = ids.cpu()
@@ -216,19 +215,15 @@ def _sort_invariants(device, t, k, e, bm, masked, use_kernel, wide=False):
     flat = torch.arange(t * k, dtype=torch.int32)  # the inverse permutation
     assert torch.equal(s.sorted_routes[s.route_pos.long()], flat)
     _schedule_is(s.schedule, ids, e, bm)
-    if wide:
-        _schedule_is(s.wide, ids, e, 2 * bm)
-    else:
-        assert s.wide is None
+    assert s.mixed is None
     sorted_ids = ids.reshape(-1)[s.sorted_routes.long()]
     assert torch.equal(s.sorted_expert[:n_valid], sorted_ids[:n_valid])
     assert bool((s.sorted_expert[n_valid:] == 0).all())
     if use_kernel:  # both implementations agree field by field
-        other = sort_routes(ids, e, bm, use_kernel=False, wide=wide)
-        for a, b in ((other, s), (other.wide, s.wide)) if wide else ((other, s),):
-            for f, v in vars(a).items():
-                if isinstance(v, torch.Tensor):
-                    assert torch.equal(v, getattr(b, f)), f
+        other = sort_routes(ids, e, bm, use_kernel=False)
+        for f, v in vars(other).items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, getattr(s, f)), f
 
 
 def test_sort_bench_tool_needs_a_gpu():
@@ -242,10 +237,9 @@ def test_sort_bench_tool_needs_a_gpu():
     assert run.returncode == 1 and "needs a CUDA GPU" in run.stderr, run.stderr[-2000:]
 
 
-def test_prefill_gemm_other_valid_needs_a_cost():
-    """A launch beside the other tile rows' (``other_valid``) needs the cost that decides
-    between them, and tiles of 64 or 128 rows (the pair the kernel tells apart); the errors
-    name the arguments before anything runs."""
+def test_prefill_gemm_chain_bad_input():
+    """``chain`` is 0 (alone), 1 (the first of overlapping launches) or 2 (a later one);
+    anything else is refused before anything runs."""
     from fp4moe.kernels.gemm.gluon_prefill import prefill_gemm
 
     i32 = torch.int32
@@ -253,15 +247,10 @@ def test_prefill_gemm_other_valid_needs_a_cost():
     codes = torch.zeros(1, 64, 64, dtype=torch.uint8)
     scales = torch.zeros(1, 64, 8, dtype=torch.uint8).view(torch.float8_e4m3fn)
     one = torch.zeros(1, dtype=i32)
-    with pytest.raises(ValueError, match="other_valid needs wide_cost"):
+    with pytest.raises(ValueError, match="chain must be 0, 1 or 2, got 3"):
         prefill_gemm(xs, codes, scales, torch.ones(1), one, one, one, one,
                      torch.zeros(64, 64, dtype=torch.bfloat16), n=64, topk=1, gated=False,
-                     out_scale=256.0, sm_count=1, block_m=64, other_valid=one)  # fmt: skip
-    with pytest.raises(ValueError, match="other_valid pairs 64-row and 128-row tiles"):
-        prefill_gemm(xs, codes, scales, torch.ones(1), one, one, one, one,
-                     torch.zeros(64, 64, dtype=torch.bfloat16), n=64, topk=1, gated=False,
-                     out_scale=256.0, sm_count=1, block_m=32, other_valid=one,
-                     wide_cost=1.74)  # fmt: skip
+                     out_scale=256.0, sm_count=1, block_m=64, chain=3)  # fmt: skip
 
 
 def test_sort_zero_bad_input():
@@ -552,13 +541,13 @@ for spill, c in (
     gluon_decode.compile_sm90(n=2880, k=2880, gated=True, block_m=8, scale_tma=True),
     gluon_decode.compile_sm90(n=256, k=128, gated=False, block_m=8, whole=True,
                               scale_tma=True),
-    gluon_prefill.compile_sm90(n=2048, k=7168, gated=True, wide_cost=1.74),
+    gluon_prefill.compile_sm90(n=2048, k=7168, gated=True, chain=1),
     gluon_prefill.compile_sm90(n=7168, k=2048, gated=False, fused=True, a_fp4=True),
     gluon_prefill.compile_sm90(n=2880, k=2880, gated=False, scale_tma=False),
     )),
     # 64-row tiles, two programs an SM (128 registers); K 768: one partial segment;
     # K 2880: a partial stage and the scales by pointer loads
-    (32, gluon_prefill.compile_sm90(n=7168, k=2048, gated=False, block_m=64, wide_cost=1.74)),
+    (32, gluon_prefill.compile_sm90(n=7168, k=2048, gated=False, block_m=64, chain=2)),
     (32, gluon_prefill.compile_sm90(n=2048, k=768, gated=False, block_m=64, a_e4m3=True)),
     (256, gluon_prefill.compile_sm90(n=2880, k=2880, gated=True, block_m=64)),
     (104, gluon_prefill.compile_sm90(n=2880, k=2880, gated=True, block_m=64, scale_tma=True)),

@@ -28,29 +28,27 @@ def _plan(preset: str, t: int, mode: str = "w4a16", *, target=H200, fused=False,
                      fused_finalize=fused, options=Options(**opt), target=target)  # fmt: skip
 
 
-# The H200 plans of DeepSeek-V3 EP8 W4A16: (tokens, FC1 kernel, FC2 kernel, block_m, wide)
+# The H200 plans of DeepSeek-V3 EP8 W4A16: (tokens, FC1 kernel, FC2 kernel, block_m); the
+# prefill kernel's tiles follow each expert's rows (the sort's block_m beside them: 64)
 DEEPSEEK = [
-    (1, "gluon-split", "gluon-split", 8, False),
-    (16, "gluon-split", "gluon-split", 8, False),
-    (64, "gluon-split", "gluon-split", 8, False),
-    (128, "gluon-whole", "gluon-whole", 16, False),  # 4 rows: past WHOLE_K_FROM_ROWS
-    (256, "gluon-whole", "gluon-whole", 16, False),
-    (384, "gluon-whole", "gluon-whole", 16, False),  # 12 rows: PREFILL_ABOVE_ROWS
-    (512, "gluon-prefill", "gluon-prefill", 32, False),  # 16 rows: the prefill kernel
-    (768, "gluon-prefill", "gluon-prefill", 32, False),  # 24 rows: PREFILL_32_MAX_ROWS
-    (1024, "gluon-prefill", "gluon-prefill", 64, False),  # 32 rows
-    (1536, "gluon-prefill", "gluon-prefill", 64, False),  # 48 rows: PREFILL_WIDE_FROM_ROWS
-    (2048, "gluon-prefill", "gluon-prefill", 64, True),  # 64 or 128 rows, the routes choose
-    (8192, "gluon-prefill", "gluon-prefill", 64, True),
+    (1, "gluon-split", "gluon-split", 8),
+    (16, "gluon-split", "gluon-split", 8),
+    (64, "gluon-split", "gluon-split", 8),
+    (128, "gluon-whole", "gluon-whole", 16),  # 4 rows: past WHOLE_K_FROM_ROWS
+    (256, "gluon-whole", "gluon-whole", 16),
+    (384, "gluon-whole", "gluon-whole", 16),  # 12 rows: PREFILL_ABOVE_ROWS
+    (512, "gluon-prefill", "gluon-prefill", 64),  # 16 rows: the prefill kernel
+    (1024, "gluon-prefill", "gluon-prefill", 64),
+    (8192, "gluon-prefill", "gluon-prefill", 64),
 ]
 
 
-@pytest.mark.parametrize("t,fc1,fc2,bm,wide", DEEPSEEK)
-def test_deepseek_regimes(t, fc1, fc2, bm, wide):
+@pytest.mark.parametrize("t,fc1,fc2,bm", DEEPSEEK)
+def test_deepseek_regimes(t, fc1, fc2, bm):
     plan = _plan("deepseek-v3-ep8", t)
     assert (plan.fc1.kernel, plan.fc2.kernel, plan.block_m) == (fc1, fc2, bm)
-    mixed = fc1 == "gluon-prefill"  # every expert's rows in its own tile rows
-    assert plan.fc1.mixed == plan.fc2.mixed == mixed and not plan.fc1.wide
+    mixed = fc1 == "gluon-prefill"  # every expert's rows in tiles of its own size
+    assert plan.fc1.mixed == plan.fc2.mixed == plan.mixed_sort == mixed
     assert ("by each expert's routes" in plan.fc1.describe()) == mixed
     assert ("32, 64 and 128 rows (each expert's" in explain(plan)) == mixed
     assert plan.valid_rows == pytest.approx(t * 8 / 8 / 32)
@@ -68,20 +66,19 @@ def test_other_presets_regimes():
     qwen = {t: _plan("qwen3-30b-a3b", t) for t in ts}
     # FC2's K (768) is one partial segment: the whole-K Gluon kernel on 8-row tiles (beside
     # FC1's split kernel), the portable loop on 16, then the prefill kernel (on 32-row
-    # tiles up to 24 rows, then 64, and from 48 rows on 64 or 128, the routes choosing)
+    # tiles by each expert's rows)
     assert [(qwen[t].fc2.kernel, qwen[t].fc2.tile.block_m) for t in ts] == [
-        ("gluon-whole", 8), ("triton", 16), ("gluon-prefill", 32), ("gluon-prefill", 64),
+        ("gluon-whole", 8), ("triton", 16), ("gluon-prefill", 64), ("gluon-prefill", 64),
         ("gluon-prefill", 64),
     ]  # fmt: skip
     assert [qwen[t].fc2.mixed for t in (192, 256, 512, 8192)] == [False, True, True, True]
     assert [qwen[t].fc1.kernel for t in ts] == [
         "gluon-split", "gluon-whole", "gluon-prefill", "gluon-prefill", "gluon-prefill",
     ]  # fmt: skip
-    assert [qwen[t].block_m for t in (256, 512, 8192)] == [32, 64, 64]
+    assert [qwen[t].block_m for t in (256, 512, 8192)] == [64, 64, 64]
     # K 2880 (a partial last segment; scale rows of 180 bytes, padded in memory for TMA):
     # the Gluon split kernel up to 4 rows, whole-K at 8 and 12 (every route valid), then the
-    # prefill kernel (32-row tiles up to 24 rows, 64 above, from 48 rows 64 or 128 by the
-    # routes)
+    # prefill kernel (tiles by each expert's rows)
     oss = {t: _plan("gpt-oss-120b-shape", t) for t in (1, 128, 256, 384, 512, 2048, 4096, 8192)}
     assert [(oss[t].fc1.kernel, oss[t].fc1.segments, oss[t].block_m) for t in (1, 128)] == [
         ("gluon-split", 3, 8), ("gluon-split", 3, 8),
@@ -89,8 +86,8 @@ def test_other_presets_regimes():
     for t in (256, 384):
         assert (oss[t].fc1.kernel, oss[t].fc2.kernel, oss[t].block_m) == (
             "gluon-whole", "gluon-whole", 16)  # fmt: skip
-    assert (oss[512].fc1.kernel, oss[512].fc2.kernel, oss[512].block_m) == (
-        "gluon-prefill", "gluon-prefill", 32)  # fmt: skip
+    assert (oss[512].fc1.kernel, oss[512].fc2.kernel, oss[512].fc1.mixed) == (
+        "gluon-prefill", "gluon-prefill", True)  # fmt: skip
     assert [(oss[t].fc1.kernel, oss[t].fc2.kernel, oss[t].block_m) for t in (2048, 4096)] == [
         ("gluon-prefill", "gluon-prefill", 64), ("gluon-prefill", "gluon-prefill", 64),
     ]  # fmt: skip
@@ -102,11 +99,11 @@ def test_other_presets_regimes():
     assert _plan("mixtral-8x7b", 32).fc1.kernel == "gluon-whole"
     assert _plan("mixtral-8x7b", 16).fc1.kernel == "gluon-split"  # 4 rows
     assert _plan("qwen3-30b-a3b", 128).fc1.kernel == "gluon-split"
-    # the prefill kernel above 12 rows (PREFILL_ABOVE_ROWS), 32-row tiles up to 24
+    # the prefill kernel above 12 rows (PREFILL_ABOVE_ROWS)
     assert _plan("mixtral-8x7b", 48).fc1.kernel == "gluon-whole"  # 12 rows
-    for t, bm in ((64, 32), (96, 32), (128, 64)):  # 16, 24, 32 rows
+    for t in (64, 96, 128):  # 16, 24, 32 rows
         mix = _plan("mixtral-8x7b", t)
-        assert (mix.fc1.kernel, mix.fc2.kernel, mix.block_m) == ("gluon-prefill",) * 2 + (bm,)
+        assert (mix.fc1.kernel, mix.fc2.kernel, mix.mixed_sort) == ("gluon-prefill",) * 2 + (True,)
 
 
 def test_contiguous_scale_rows_regimes():
@@ -367,7 +364,13 @@ def test_w4a8_pins():
             plan_call(16, 8, 32, 7168, 2048, mode="w4a8", options=Options(gemm=g), target=H200)
     p = plan_call(16, 8, 32, 7168, 2048, mode="w4a8", options=Options(gemm="gluon-prefill"),
                   target=H200)  # fmt: skip
-    assert p.fc1.kernel == p.fc2.kernel == "gluon-prefill" and p.block_m == 64
+    assert p.fc1.kernel == p.fc2.kernel == "gluon-prefill" and p.block_m == 32
+    assert not (p.fc1.mixed or p.fc2.mixed)  # W4A8: one tile rows a call
+    # W4A8's tile rows: 32 up to 16 rows, 64 up to 32, then 128
+    for t, bm in ((512, 32), (768, 64), (1024, 64), (2048, 128)):
+        auto = plan_call(t, 8, 32, 7168, 2048, mode="w4a8", target=H200,
+                         options=Options(valid_fraction=1 / 8))  # fmt: skip
+        assert (auto.fc1.kernel, auto.block_m, auto.mixed_sort) == ("gluon-prefill", bm, False)
     for t in (1024, 2048):  # the pin alone takes the rows the planner's W4A8 rule gives
         auto = plan_call(t, 8, 32, 7168, 2048, mode="w4a8", target=H200,
                          options=Options(valid_fraction=1 / 8))  # fmt: skip

@@ -222,8 +222,7 @@ def _route_rows_triton(rows, row_expert, experts, mode, act_scale, amax_reduce):
     zero, slots = zero_buffer(plan, dev)
     sort = sort_routes(row_expert.to(torch.int32).reshape(n, 1).contiguous(),
                        experts.num_experts, plan.block_m, use_kernel=plan.sort == "triton",
-                       zero=zero, wide=plan.wide_sort,
-                       mixed=plan.fc1.mixed or plan.fc2.mixed)  # fmt: skip
+                       zero=zero, mixed=plan.mixed_sort)  # fmt: skip
     ones = torch.ones(n, dtype=torch.float32, device=dev)
     if w4a8:
         order = sort.sorted_routes.long()

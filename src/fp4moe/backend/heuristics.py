@@ -17,30 +17,26 @@ __all__ = [
     "DENSE_TILE",
     "GLUON_PDL_MAX_ROUTES",
     "GLUON_SPLIT_MAX_ROWS",
-    "PREFILL_32_MAX_ROWS",
     "PREFILL_ABOVE_ROWS",
     "PREFILL_ABOVE_ROWS_SCALE_LOADS",
     "PREFILL_NARROW_MAX_ROWS_SCALE_LOADS",
-    "PREFILL_WIDE_FROM_ROWS",
     "QUANTIZE_AMAX_SELF_MAX_ELEMENTS",
     "SORT_KERNEL_MAX_ROUTES",
     "SPLIT_BELOW_PROGRAMS",
     "SPLIT_MAX_ROUTES_PER_EXPERT",
     "UNKNOWN_VALID_FRACTION",
+    "W4A8_PREFILL_32_MAX_ROWS",
     "W4A8_PREFILL_ABOVE_ROWS",
     "W4A8_PREFILL_NARROW_MAX_ROWS",
     "WHOLE_K_FROM_ROWS",
     "WHOLE_K_MAX_ROWS",
     "WHOLE_K_WIDE_ROWS",
-    "WIDE_TILE_COST",
     "portable_tile",
     "prefill_rows",
-    "prefill_wide",
     "split_programs",
     "touched_experts",
     "w4a8_block_k",
     "w4a8_tile",
-    "wide_tiles_cheaper",
 ]
 
 # Options.valid_fraction when not given: a call masking 7 of 8 routes (expert parallelism
@@ -85,69 +81,55 @@ WHOLE_K_MAX_ROWS = 28.0
 # 577; at 19 to 21 rows Kimi-K2 EP8 loses (up to 6%), at 22 every preset measured gains.
 WHOLE_K_WIDE_ROWS = 21.5
 
-# The Gluon prefill kernel (where both GEMMs fit it) from above this many rows, on 32-row
-# tiles (two programs an SM, as the 64-row ones) up to PREFILL_32_MAX_ROWS. Against the
-# whole-K kernels and the portable loop (Mixtral-8x7B: 64-row tiles) at 16 rows:
-# DeepSeek-V3 EP8 451 -> 363 us, Qwen3-30B-A3B 198 -> 187, Mixtral-8x7B 414 -> 335, the
-# gpt-oss-120b shape 1074 -> 781; at 12 rows DeepSeek-V3 gains (371 -> 357), Mixtral ties
-# and Qwen3 loses (165 -> 187); at 8 rows every preset but gpt-oss loses (3% to 14%).
+# The Gluon prefill kernel (where both GEMMs fit it) from above this many rows. Against
+# the whole-K kernels and the portable loop (Mixtral-8x7B: 64-row tiles) at 16 rows, on
+# 32-row tiles: DeepSeek-V3 EP8 451 -> 363 us, Qwen3-30B-A3B 198 -> 187, Mixtral-8x7B 414
+# -> 335, the gpt-oss-120b shape 1074 -> 781; at 12 rows DeepSeek-V3 gains (371 -> 357),
+# Mixtral ties and Qwen3 loses (165 -> 187); at 8 rows every preset but gpt-oss loses (3%
+# to 14%).
 PREFILL_ABOVE_ROWS = 12
-# 32-row tiles up to this many rows, 64-row tiles above: at 20 rows 32-row tiles gain 18%
-# to 24% over the 64-row ones or whole-K (DeepSeek-V3 EP8 640 tokens 451 -> 369 us), at 24
-# rows DeepSeek-V3 and Mixtral tie and Qwen3 and gpt-oss gain 16% / 19%, at 32 rows every
-# preset loses 6% to 34% (Mixtral at 128 tokens 417 -> 558).
-PREFILL_32_MAX_ROWS = 24
-# Where the scales come by pointer loads (not measured on 32-row tiles) the prefill kernel
-# starts above this many rows instead, on 64-row tiles: at 16 rows DeepSeek-V3 EP8 ties
-# (461 -> 456 us), Qwen3-30B-A3B (197 -> 230) and gpt-oss (1173 -> 1206) lose.
+# There it runs each expert's rows in tiles of their own size (``sort_routes(mixed=True)``,
+# one launch a tile rows): blocks of 128 rows first (one program an SM, each weight decoded
+# once for 128 rows), the rest in blocks of 64 or of 32 (two programs an SM), whichever
+# costs the expert least by ``sort.MIXED_COST``. One tile rows a call, pinned: 32-row tiles
+# gain 18% to 24% over 64-row ones at 20 rows (DeepSeek-V3 EP8 640 tokens 451 -> 369 us),
+# tie or gain up to 19% at 24, lose 6% to 34% at 32 (Mixtral-8x7B 128 tokens 417 -> 558);
+# 128-row tiles against 64-row ones cost 1.74 of them (fit to 40 points of five presets
+# at 48 to 272 rows). Against one tile rows a call (64 or 128, the fewer by that cost,
+# chosen on the device), the mixed schedules take DeepSeek-V3 EP8 at 1024 / 2048 / 4096
+# tokens from 466 / 699 / 1126 to 428 / 643 / 1007 us, Qwen3-30B-A3B and Mixtral-8x7B at
+# 512 to 4096 tokens 2% to 6% less; at 512 (16 rows) within 1%.
+#
+# Where the scales come by pointer loads the prefill kernel starts above this many rows
+# instead, on one tile rows a call: at 16 rows DeepSeek-V3 EP8 ties (461 -> 456 us),
+# Qwen3-30B-A3B (197 -> 230) and gpt-oss (1173 -> 1206) lose.
 PREFILL_ABOVE_ROWS_SCALE_LOADS = 16
-# Above that the prefill kernel's tiles are 64 rows (two programs an SM) or 128 (one
-# program an SM, each weight decoded once for 128 rows). Above this many rows both launch
-# and the call's routes choose on the device (``prefill_wide``): the 128-row tiles run
-# where WIDE_TILE_COST times their count is below the 64-row tiles' count, the other
-# launch's programs exit at once (3 to 6 us a call). The cost of a 128-row tile in 64-row
-# ones, fit on the H200 to 40 points of five presets at 48 to 272 rows (``benchmarks/sweep.py
-# --gemm gluon-prefill@64 gluon-prefill@128``, then ``benchmarks/fit_wide_cost.py``):
-# 1.74 picks within 4% of the faster tile rows at every point (more than 1.5% off at two,
-# the gpt-oss-120b shape at 4096 / 6144 tokens, 3.9% / 3.1%); 1.8 and 1.7 miss five and
-# two points, by up to 6% and 7.5%. Even routes take 128-row tiles at 80 to 112 rows
-# (Mixtral-8x7B 320 / 384 tokens 761 / 806 -> 689 / 699 us); DeepSeek-V3 EP8's uneven
-# ones (10 to 146 rows an expert at 2560 tokens) 64. Below this many rows the 128-row
-# tiles are seldom fewer by that much.
-PREFILL_WIDE_FROM_ROWS = 48
-WIDE_TILE_COST = 1.74
-# Where the scales come by pointer loads (scale rows of K / 16 bytes no multiple of 16,
-# which TMA cannot copy) the tiles are 64 rows up to this many rows, else 128, one launch:
-# the gpt-oss-120b shape at 64 rows ties (1941 -> 1913 us), at 128 rows loses (2772 ->
-# 2962).
+# There (scale rows of K / 16 bytes no multiple of 16, which TMA cannot copy) the tiles are
+# 64 rows up to this many rows, else 128: the gpt-oss-120b shape at 64 rows ties (1941 ->
+# 1913 us), at 128 rows loses (2772 -> 2962).
 PREFILL_NARROW_MAX_ROWS_SCALE_LOADS = 64
-# ... and W4A8's (the FP8 path, no half units) up to this many: DeepSeek-V3 EP8 at 16 /
-# 32 rows 798 / 973 -> 600 / 782 us, at 64 rows 1030 -> 1076.
+# W4A8's tiles (the FP8 path, no half units, one tile rows a call) are 32 rows up to this
+# many rows: at 16 rows DeepSeek-V3 EP8, Mixtral-8x7B and Qwen3-30B-A3B 612 / 581 / 296 ->
+# 518 / 492 / 252 us against 64-row tiles; at 24 rows DeepSeek-V3 and Mixtral lose 3% to 4%,
+# Qwen3 gains 12%; at 32 rows all lose 17% to 41%.
+W4A8_PREFILL_32_MAX_ROWS = 16
+# ... and 64 rows up to this many: DeepSeek-V3 EP8 at 16 / 32 rows 798 / 973 -> 600 / 782
+# us, at 64 rows 1030 -> 1076.
 W4A8_PREFILL_NARROW_MAX_ROWS = 32
 
 
 def prefill_rows(rows: float, *, w4a8: bool, scale_loads: bool) -> int:
-    """The prefill kernel's tile rows at ``rows`` expected valid rows an expert (W4A8's
-    FP8 path with ``w4a8``; ``scale_loads``: some GEMM's scales come by pointer loads):
-    where ``prefill_wide``, the narrow tiles' (the sort's ``block_m``)."""
+    """The prefill kernel's tile rows at ``rows`` expected valid rows an expert, where it
+    runs one tile rows a call (W4A8's FP8 path with ``w4a8``; ``scale_loads``: some GEMM's
+    scales come by pointer loads); elsewhere its tiles follow each expert's rows (the
+    mixed schedules) and this is the sort's ``block_m`` beside them, 64."""
     if w4a8:
+        if rows <= W4A8_PREFILL_32_MAX_ROWS:
+            return 32
         return 64 if rows <= W4A8_PREFILL_NARROW_MAX_ROWS else 128
     if scale_loads:
         return 64 if rows <= PREFILL_NARROW_MAX_ROWS_SCALE_LOADS else 128
-    return 32 if rows <= PREFILL_32_MAX_ROWS else 64
-
-
-def wide_tiles_cheaper(narrow: int, wide: int, cost: float = WIDE_TILE_COST) -> bool:
-    """Whether a call's ``wide`` 128-row tiles cost less than its ``narrow`` 64-row tiles
-    (the counts of its routes' two tile schedules): the choice the prefill kernel's two
-    launches make on the device (``gluon_prefill.prefill_gemm``'s ``wide_cost``)."""
-    return cost * wide < narrow
-
-
-def prefill_wide(rows: float, *, w4a8: bool, scale_loads: bool) -> bool:
-    """Whether the prefill kernel launches on 64-row and on 128-row tiles, the call's
-    routes choosing (``WIDE_TILE_COST``), at ``rows`` expected valid rows an expert."""
-    return not (w4a8 or scale_loads) and rows > PREFILL_WIDE_FROM_ROWS
+    return 64
 
 
 # Elsewhere (a shape the prefill kernel does not take, or no Hopper GPU) the weights are

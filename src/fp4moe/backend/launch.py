@@ -10,7 +10,6 @@ its wait.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -32,15 +31,11 @@ from ..kernels.quantize import (
 )
 from ..kernels.quantize_e4m3 import e4m3_rows
 from ..kernels.sort import RouteSort, sort_routes
-from . import heuristics as hx
 from .device import target_for
 from .options import Options
 from .plan import GemmPlan, Plan, experts_scales_tma, plan_call
 
 __all__ = ["expert_gemms", "moe_triton", "plan_for", "zero_buffer"]
-
-# experiment: the mixed schedules' launches overlap (programmatic dependent launch)
-_MIXED_CHAIN = os.environ.get("FP4MOE_MIXED_CHAIN", "1") == "1"
 
 
 def plan_for(
@@ -105,22 +100,18 @@ def _gemm(
             xs = dense_rows(a, a_scales, count=n_valid, poison=poison, order=64,
                             index=sort.sorted_routes if a_gather else None,
                             div=topk if a_gather else 1)  # fmt: skip
-        runs = [(sort.schedule, None)]
-        if g.wide:  # both tile rows launch; the routes' tile counts pick one on the device
-            runs = [(sort.schedule, sort.wide.valid_blocks), (sort.wide, sort.valid_blocks)]
-        chains = [0] * len(runs)
-        if g.mixed:  # each expert's rows in its own tile rows: one launch a tile rows
-            runs = [(s, None) for s in sort.mixed]
-            chains = [1, 2, 2] if _MIXED_CHAIN else [0, 0, 0]
-        for (s, other), chain in zip(runs, chains):
+        runs, chains = [sort.schedule], [0]
+        if g.mixed:  # each expert's rows in tiles of its own size: one launch a tile rows,
+            runs = list(sort.mixed)  # the later ones starting as the one before leaves SMs
+            chains = [1, 2, 2]
+        for s, chain in zip(runs, chains):
             prefill_gemm(
                 xs, w_codes, w_scales, w_global, s.block_expert, s.block_start, s.block_end,
                 s.valid_blocks, out, n=n, topk=topk, gated=gated,
                 out_scale=8.0 if e4m3 else out_scale, sm_count=plan.target.sm_count,
                 sorted_routes=sort.sorted_routes, topk_w=topk_w, fused=fused,
                 a_global=a_global if a_fp4 or e4m3 else None, a_gather=a_gather,
-                block_m=s.block_m, other_valid=other, wide_cost=hx.WIDE_TILE_COST,
-                chain=chain,
+                block_m=s.block_m, chain=chain,
             )  # fmt: skip
         return
     ws_rows = sort.sorted_routes.shape[0] if g.split or g.kernel == "gluon-whole" else 0
@@ -311,8 +302,7 @@ def moe_triton(
     # sits between two PDL launches.
     fused = torch.zeros(t, h, dtype=torch.float32, device=dev) if plan.fused_finalize else None
     sort = sort_routes(ids, e, plan.block_m, use_kernel=plan.sort == "triton", zero=zero,
-                       wide=plan.wide_sort,
-                       mixed=plan.fc1.mixed or plan.fc2.mixed)  # fmt: skip
+                       mixed=plan.mixed_sort)  # fmt: skip
     n_valid = sort.expert_offsets[e:]  # device scalar: rows in sorted order
 
     # FC1 input

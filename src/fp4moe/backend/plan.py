@@ -13,7 +13,6 @@ the same sums in the same order, so the bits do not depend on the plan.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 from ..kernels.gemm.shapes import (
@@ -29,8 +28,6 @@ from ..modes import ACT_SCALES, KERNEL_MODES
 from . import heuristics as hx
 from .device import Target
 from .options import InapplicableOverride, Options, Tile
-
-_MIXED = os.environ.get("FP4MOE_MIXED_TILES", "1") == "1"  # experiment: per-expert tile rows
 
 __all__ = ["GemmPlan", "Plan", "experts_scales_tma", "explain", "plan_call", "workspace_bytes"]
 
@@ -66,7 +63,6 @@ class GemmPlan:
     pdl: bool
     early_weights: bool = False
     counters: int = 0
-    wide: bool = False  # gluon-prefill: also on 2 * block_m-row tiles, the routes choosing
     mixed: bool = False  # gluon-prefill: each expert's rows in 128, then 64 or 32-row tiles
 
     def describe(self) -> str:
@@ -74,8 +70,6 @@ class GemmPlan:
         t = self.tile
         if self.mixed:
             shape = "32, 64 and 128 rows by each expert's routes"
-        elif self.wide:
-            shape = f"{t.block_m} or {2 * t.block_m} rows by the routes"
         elif self.kernel.startswith("gluon-"):
             shape = f"{t.block_m} rows"
         else:
@@ -124,10 +118,10 @@ class Plan:
         return self.num_tokens * self.top_k
 
     @property
-    def wide_sort(self) -> bool:
-        """The sort also writes the schedule of 2 * block_m rows a block (a GEMM on both
-        tile rows, ``GemmPlan.wide``)."""
-        return self.fc1.wide or self.fc2.wide
+    def mixed_sort(self) -> bool:
+        """The sort also writes the mixed schedules, each expert's rows in tiles of its own
+        size (a GEMM on them: ``GemmPlan.mixed``)."""
+        return self.fc1.mixed or self.fc2.mixed
 
     @property
     def zero_words(self) -> int:
@@ -266,15 +260,10 @@ class _Rules:
                 hx.portable_tile(per, self.h, self.i, gated=False, **kw))  # fmt: skip
 
     def prefill_tile(self, w4a8: bool = False) -> Tile:
-        """The prefill kernel's tile (its rows by the expected rows an expert; where
-        ``prefill_wide``, the narrow tiles')."""
+        """The prefill kernel's tile (its rows by the expected rows an expert, where one
+        tile rows serve the call: ``heuristics.prefill_rows``)."""
         bm = hx.prefill_rows(self.valid, w4a8=w4a8, scale_loads=self.scale_loads_both())
         return replace(hx.DENSE_TILE, block_m=bm)
-
-    def prefill_wide(self) -> bool:
-        """Whether the prefill kernel runs on 64-row and 128-row tiles, the call's routes
-        choosing (bf16 rows)."""
-        return hx.prefill_wide(self.valid, w4a8=False, scale_loads=self.scale_loads_both())
 
     def scale_loads_both(self) -> bool:
         """Some GEMM's scale rows are not TMA-copyable (the prefill kernel loads them)."""
@@ -416,14 +405,13 @@ def plan_call(
         elif split and kernel != "gluon-split":
             counters = -(-n // t.block_n) * nb
         decode_family = kernel in ("gluon-split", "gluon-whole")
-        wide = kernel == "gluon-prefill" and pins is None and r.prefill_wide()
-        mixed = (_MIXED and kernel == "gluon-prefill" and pins is None
-                 and not r.scale_loads_both())  # fmt: skip
-        wide = wide and not mixed
+        # each expert's rows in tiles of its own size, unless the tile rows are pinned or
+        # the scales come by pointer loads (measured on one tile rows a call only)
+        mixed = kernel == "gluon-prefill" and pins is None and not r.scale_loads_both()
         return GemmPlan(kernel, t, -(-kk // SEGMENT), split, epilogue, operand,
                         pdl=gpdl if decode_family else pdl and kernel != "gluon-prefill",
                         early_weights=decode_family and gpdl and early, counters=counters,
-                        wide=wide, mixed=mixed)  # fmt: skip
+                        mixed=mixed)  # fmt: skip
 
     def operand(kernel: str, quantize_decodes: bool, plain: str) -> str:
         """How a GEMM's activation rows reach ``kernel`` (``GemmPlan.operand``): W4A4 rows
@@ -577,9 +565,7 @@ def explain(plan: Plan) -> str:
     """A few lines saying which kernels a call runs and why (the regime's rows)."""
     p = plan
     rows = f"{p.block_m} rows"
-    if p.wide_sort:
-        rows = f"{p.block_m} or {2 * p.block_m} rows (the fewer by cost, counted on the device)"
-    if p.fc1.mixed or p.fc2.mixed:
+    if p.mixed_sort:
         rows = "32, 64 and 128 rows (each expert's by its routes, counted on the device)"
     lines = [
         f"{p.num_tokens} tokens x top-{p.top_k} over {p.num_experts} experts (H {p.hidden}, "
@@ -609,9 +595,7 @@ def workspace_bytes(plan: Plan) -> int:
     t, h, i, e = p.num_tokens, p.hidden, p.inter, p.num_experts
     n = t * p.top_k
     nb = max_blocks(n, e, p.block_m)
-    if p.wide_sort:  # the schedule of 128-row tiles beside it
-        nb += max_blocks(n, e, 2 * p.block_m) + 1
-    if p.fc1.mixed or p.fc2.mixed:  # the three schedules of each expert's tile rows
+    if p.mixed_sort:  # the three schedules of each expert's tile rows
         nb += 3 * max_blocks(n, e, 32) + 1
     common = 4 * (3 * n + 2 * e + 1 + 3 * nb)  # the sort's outputs (int32)
     w4a4 = p.mode == "w4a4"

@@ -13,9 +13,10 @@ Given top-k ids [T, K] (negative = masked), produce:
   sum_e cdiv(count_e, block_m), so the grid size is known on the host without a sync.
   The valid blocks come first; ``valid_blocks`` int32 [1] counts them (the prefill
   kernel's persistent programs stop there).
-- with ``wide``, the same rows also in blocks of ``2 * block_m`` (``RouteSort.wide``): the
-  prefill kernel's wide tiles, launched beside the narrow ones, run whichever schedule
-  has the fewer tiles by their cost (``gluon_prefill``).
+- with ``mixed``, each expert's rows also in tiles of its own size (``RouteSort.mixed``,
+  three schedules): blocks of 128 rows first, then the rest in blocks of 64 or of 32,
+  whichever costs the expert least by ``MIXED_COST`` (a block's time in 64-row blocks);
+  the prefill kernel runs one launch a schedule.
 
 Two implementations with the same outputs, both without a host sync (capturable in a
 CUDA graph); an expert with no rows gets no block:
@@ -56,8 +57,8 @@ __all__ = [
 # 11.1 us against two's 10.4 / 14.1, at 16384 10.0 / 17.2 against 10.5 / 14.5, at 32768
 # 25.1 / 58.2 against 14.5 / 19.8 (DeepSeek-V3 EP8 / Qwen3-30B-A3B routes).
 ONE_PASS_MAX_ROUTES = 8192
-# mixed schedules: each expert's rows in blocks of 128 (first), then its remainder in
-# blocks of 64 or of 32, whichever set of its blocks costs least (a block's cost below)
+# The mixed schedules' block rows and a block's cost in 64-row blocks of the prefill
+# kernel (``benchmarks/fit_tile_cost.py`` fits them to sweeps pinning each tile rows).
 MIXED_ROWS = (128, 64, 32)
 MIXED_COST = (1.74, 1.0, 0.85)
 
@@ -101,8 +102,7 @@ class RouteSort:
     sorted_expert: torch.Tensor  # int32 [T*K]: expert of each sorted row (0 past n_valid)
     valid_blocks: torch.Tensor  # int32 [1]: blocks with rows (they come first)
     block_m: int
-    wide: TileSchedule | None = None  # the same rows in blocks of 2 * block_m (``wide``)
-    mixed: tuple[TileSchedule, ...] | None = None  # each expert's rows split over MIXED_ROWS
+    mixed: tuple[TileSchedule, ...] | None = None  # each expert's rows over MIXED_ROWS
 
     @property
     def num_blocks(self) -> int:
@@ -122,15 +122,15 @@ def sort_routes(
     *,
     use_kernel: bool,
     zero: torch.Tensor | None = None,
-    wide: bool = False,
     mixed: bool = False,
 ) -> RouteSort:
     """Sort routes by expert and build the tile schedule (see module docstring).
 
     Args:
         topk_ids: int32 [T, K], ids in [-inf, E); ids >= E are the caller's to reject.
-        num_experts: E. block_m: rows per GEMM tile. wide: also the schedule of
-            ``2 * block_m`` rows a block (``RouteSort.wide``).
+        num_experts: E. block_m: rows per GEMM tile. mixed: also each expert's rows in
+            blocks of MIXED_ROWS (``RouteSort.mixed``: three schedules, 128, 64 and 32
+            rows a block).
         use_kernel: the Triton kernel (on CUDA or in the interpreter; needs at least one
             route) or torch ops (any device); the planner chooses (``Plan.sort``).
         zero: int32 [.] set to 0 on the way (the split GEMMs' tile counters, amax slots):
@@ -145,10 +145,10 @@ def sort_routes(
             f"{zero.dtype} on {zero.device}"
         )
     if use_kernel and topk_ids.numel():
-        return _sort_routes_triton(topk_ids, num_experts, block_m, zero, wide, mixed)
+        return _sort_routes_triton(topk_ids, num_experts, block_m, zero, mixed)
     if zero is not None:
         zero.zero_()
-    return _sort_routes_torch(topk_ids, num_experts, block_m, wide, mixed)
+    return _sort_routes_torch(topk_ids, num_experts, block_m, mixed)
 
 
 def _mixed_split_torch(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -214,7 +214,7 @@ def _schedule_rows_torch(counts: torch.Tensor, starts: torch.Tensor, nb: int,
 
 
 def _sort_routes_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
-                       wide: bool, mixed: bool = False) -> RouteSort:  # fmt: skip
+                       mixed: bool) -> RouteSort:  # fmt: skip
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     n = flat.numel()
@@ -229,7 +229,6 @@ def _sort_routes_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     route_pos[perm] = torch.arange(n, device=dev)
 
     sched = _schedule_torch(counts, offsets, max_blocks(n, num_experts, block_m), block_m)
-    w = 2 * block_m
     i32 = torch.int32
     sorted_key = key[perm]
     mix = None
@@ -241,13 +240,12 @@ def _sort_routes_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
             mix.append(_schedule_rows_torch(c, st, max_blocks(n, num_experts, rows), rows))
         mix = tuple(mix)
     return RouteSort(
-        mixed=mix,
         sorted_routes=perm.to(i32),
         route_pos=route_pos.to(i32),
         expert_counts=counts.to(i32),
         expert_offsets=offsets.to(i32),
         sorted_expert=torch.where(sorted_key < num_experts, sorted_key, 0).to(i32),
-        wide=_schedule_torch(counts, offsets, max_blocks(n, num_experts, w), w) if wide else None,
+        mixed=mix,
         **vars(sched),
     )
 
@@ -293,33 +291,27 @@ def sort_routes_kernel(
     block_start_ptr,
     block_end_ptr,  # int32 [NB]
     valid_blocks_ptr,  # int32 [1]
-    block_expert2_ptr,  # the schedule of BM2 rows a block (BM2 > 0)
-    block_start2_ptr,
-    block_end2_ptr,  # int32 [NB2]
-    valid_blocks2_ptr,  # int32 [1]
     zero_ptr,  # int32 [NZ]: set to 0
     piece_counts_ptr,  # int32 [PIECES, EP]: each step's histogram (TWO_PASS)
     mix_ptr,  # int32 [3, 3, NBM]: the mixed schedules' expert, start, end (MIXED)
     mix_valid_ptr,  # int32 [3]
     N,
     NB,
-    NB2,
     NBM,
     NZ,
     ZPER,  # elements of zero_ptr each program clears
     E: tl.constexpr,
     EP: tl.constexpr,  # power of two > E (bin E collects masked routes)
     BM: tl.constexpr,
-    BM2: tl.constexpr,  # a second schedule's rows a block (0: none)
     CHUNK: tl.constexpr,
     PIECE: tl.constexpr,  # routes histogrammed at a time
     PIECES: tl.constexpr,  # cdiv(N, PIECE)
     ZB: tl.constexpr,  # power of two >= ZPER
     TWO_PASS: tl.constexpr,  # the steps' histograms in piece_counts_ptr already
     MIXED: tl.constexpr,  # also each expert's rows in blocks of 128, then 64 or 32
-    C0: tl.constexpr = 1.74,
-    C1: tl.constexpr = 1.0,
-    C2: tl.constexpr = 0.85,
+    C0: tl.constexpr,  # MIXED_COST
+    C1: tl.constexpr,
+    C2: tl.constexpr,
 ):
     """Program p places routes [p*CHUNK, (p+1)*CHUNK) and writes blocks [p*CHUNK, ...)
     (of each schedule).
@@ -374,9 +366,6 @@ def sort_routes_kernel(
 
     _schedule(counts, offs, first, pid, block_expert_ptr, block_start_ptr, block_end_ptr,
               valid_blocks_ptr, NB, E, EP, BM, CHUNK, SELECT)  # fmt: skip
-    if BM2 > 0:
-        _schedule(counts, offs, first, pid, block_expert2_ptr, block_start2_ptr,
-                  block_end2_ptr, valid_blocks2_ptr, NB2, E, EP, BM2, CHUNK, SELECT)  # fmt: skip
     if MIXED:
         big, mid, small = _mixed_split(counts, C0, C1, C2)
         _schedule(big, offs, first, pid, mix_ptr, mix_ptr + NBM, mix_ptr + 2 * NBM,
@@ -447,9 +436,8 @@ def _sort_routes_triton(
     topk_ids: torch.Tensor,
     num_experts: int,
     block_m: int,
-    zero: torch.Tensor | None = None,
-    wide: bool = False,
-    mixed: bool = False,
+    zero: torch.Tensor | None,
+    mixed: bool,
 ) -> RouteSort:
     dev = topk_ids.device
     n = topk_ids.numel()
@@ -464,11 +452,6 @@ def _sort_routes_triton(
             ("valid_blocks", 1),
         )
     }  # fmt: skip
-    bm2 = 2 * block_m if wide else 0
-    nb2 = max_blocks(n, num_experts, bm2) if wide else 0
-    w = [out["block_end"]] * 4  # the wide schedule's outputs: never written with BM2 0
-    if wide:
-        w = [torch.empty(size, dtype=i32, device=dev) for size in (nb2, nb2, nb2, 1)]
     chunk = _chunk(n)
     piece, warps = _piece(n, chunk)
     pieces = triton.cdiv(n, piece)
@@ -485,16 +468,16 @@ def _sort_routes_triton(
     if mixed:
         mix = torch.empty(9 * nbm, dtype=i32, device=dev)
         mix_valid = torch.empty(3, dtype=i32, device=dev)
-    grid = triton.cdiv(max(n, nb, nb2, nbm), chunk)
+    grid = triton.cdiv(max(n, nb, nbm), chunk)
     nz = 0 if zero is None else zero.numel()
     zper = triton.cdiv(nz, grid)
     sort_routes_kernel[(grid,)](
         ids, out["sorted_routes"], out["route_pos"], out["sorted_expert"],
         out["expert_counts"], out["expert_offsets"],
-        out["block_expert"], out["block_start"], out["block_end"], out["valid_blocks"], *w,
+        out["block_expert"], out["block_start"], out["block_end"], out["valid_blocks"],
         zero if zero is not None else out["block_end"], piece_counts, mix, mix_valid, n, nb,
-        nb2, nbm, nz, zper,
-        E=num_experts, EP=ep, BM=block_m, BM2=bm2, CHUNK=chunk, PIECE=piece, PIECES=pieces,
+        nbm, nz, zper,
+        E=num_experts, EP=ep, BM=block_m, CHUNK=chunk, PIECE=piece, PIECES=pieces,
         ZB=triton.next_power_of_2(max(zper, 1)), TWO_PASS=two_pass, MIXED=mixed,
         C0=MIXED_COST[0], C1=MIXED_COST[1], C2=MIXED_COST[2], num_warps=warps,
     )  # fmt: skip
@@ -503,8 +486,7 @@ def _sort_routes_triton(
         v = mix.view(3, 3, nbm)
         mixed_s = tuple(TileSchedule(v[i, 0], v[i, 1], v[i, 2], mix_valid[i:i + 1], rows)
                         for i, rows in enumerate(MIXED_ROWS))  # fmt: skip
-    return RouteSort(block_m=block_m, wide=TileSchedule(*w, bm2) if wide else None,
-                     mixed=mixed_s, **out)  # fmt: skip
+    return RouteSort(block_m=block_m, mixed=mixed_s, **out)
 
 
 def sort_routes_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> dict:

@@ -12,10 +12,9 @@ A program (8 warps, two warpgroups) owns a weight tile of 128 rows and one block
 tile schedule (``sort_routes`` with ``block_m`` 32, 64 or 128: the wgmma N; with 32 or 64
 two programs share an SM, 128 registers a thread), persistent over the tiles of the valid
 blocks in a grouped raster (``GROUP`` blocks sweep the weight tiles together, so
-their activation rows stay in L2). Launched on both tile rows (``other_valid``), each
-launch reads the other schedule's block count and its programs exit at once unless its
-own tiles are the cheaper (``wide_cost`` a 128-row tile): the routes choose, no host sync.
-FC1's 128 rows are 64 gate rows and the 64 up rows of
+their activation rows stay in L2). With each expert's rows in tiles of its own size
+(``sort_routes(mixed=True)``), one launch a tile rows, the three overlapping (``chain``:
+programmatic dependent launch). FC1's 128 rows are 64 gate rows and the 64 up rows of
 the same outputs (warpgroup 0 and 1), FC2's 128 consecutive rows. A ring of ``STAGES``
 stages of 256 K in shared memory holds, per stage, the activation rows (one TMA box [4
 units, block rows, 64] of rows already in sorted and unit order,
@@ -234,7 +233,6 @@ def prefill_kernel(
     block_start_ptr,
     block_end_ptr,
     valid_blocks_ptr,  # int32 [1]: the schedule's valid blocks
-    other_valid_ptr,  # int32 [1]: the other tile rows' valid blocks (WIDE_COST > 0)
     sorted_routes_ptr,  # int32 [T*TOPK] (FUSED, or A_FP4 with A_GATHER)
     w_global_ptr,  # fp32 [E] or [E, 2] (GATED): the weights' global scales
     topk_w_ptr,  # fp32 [T*TOPK] router weights (FUSED)
@@ -253,7 +251,6 @@ def prefill_kernel(
     A_E4M3: gl.constexpr,  # W4A8: e4m3 rows in the unit order, FP8 wgmma
     E: gl.constexpr,  # experts (the weight rows' bound)
     SCALE_TMA: gl.constexpr,  # the scales by TMA, else by pointer (``shapes.scale_rows_tma``)
-    WIDE_COST: gl.constexpr,  # > 0: launched beside the other tile rows, the routes choose
     CHAIN: gl.constexpr = 0,  # 1: the first of launches that overlap, 2: a later one (PDL)
 ):
     UPS: gl.constexpr = _SK // UNIT  # units a stage
@@ -311,13 +308,6 @@ def prefill_kernel(
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
                                   dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
     nvalid = gl.load(valid_blocks_ptr)
-    if WIDE_COST > 0:  # the 128-row tiles run where WIDE_COST of them cost fewer 64-row ones
-        other = gl.load(other_valid_ptr)
-        if BM == 128:
-            mine = nvalid.to(gl.float32) * WIDE_COST < other.to(gl.float32)
-        else:
-            mine = other.to(gl.float32) * WIDE_COST >= nvalid.to(gl.float32)
-        nvalid = nvalid * mine.to(gl.int32)
     total = nvalid * NTILES
     per_group = _GROUP * NTILES
     pid = gl.program_id(0)
@@ -419,8 +409,6 @@ def prefill_gemm(
     a_global: torch.Tensor | None = None,
     a_gather: bool = False,
     block_m: int = BM,
-    other_valid: torch.Tensor | None = None,
-    wide_cost: float = 0.0,
     chain: int = 0,
 ) -> None:
     """One grouped GEMM on ``prefill_kernel``.
@@ -444,11 +432,6 @@ def prefill_gemm(
         a_global: fp32 per row of the activation (W4A4's globals, W4A8's scales), by
             token when ``a_gather`` (the sorted routes' token rows: ``sorted_routes``
             needed).
-        other_valid: int32 [1], the valid blocks of the same rows' schedule of the other
-            tile rows (128 beside 64, 64 beside 128), launched beside this one: this
-            launch's programs exit at once unless its rows are the call's choice, the
-            128-row tiles where ``wide_cost`` times their count is below the 64-row
-            tiles' count (``wide_cost``: a 128-row tile's cost in 64-row tiles).
         chain: launches over shares of one GEMM's blocks (``sort_routes(mixed=True)``)
             that overlap: 1 the first, 2 a later one (programmatic dependent launch: its
             programs start as the launch before leaves SMs, and it completes after it).
@@ -459,12 +442,8 @@ def prefill_gemm(
     if block_m not in PROGRAMS_PER_SM:
         raise ValueError(f"prefill_gemm: block_m must be one of {sorted(PROGRAMS_PER_SM)}, "
                          f"got {block_m}")  # fmt: skip
-    if other_valid is not None and not wide_cost > 0:
-        raise ValueError(f"prefill_gemm: other_valid needs wide_cost > 0, got {wide_cost}")
-    if other_valid is not None and block_m not in (64, 128):
-        # the kernel takes 128 rows for the wide launch and any other for the narrow one
-        raise ValueError(f"prefill_gemm: other_valid pairs 64-row and 128-row tiles, got "
-                         f"block_m {block_m}")  # fmt: skip
+    if chain not in (0, 1, 2):
+        raise ValueError(f"prefill_gemm: chain must be 0, 1 or 2, got {chain}")
     e4m3 = xs.dtype == torch.float8_e4m3fn
     if xs.dtype not in (torch.bfloat16, torch.float8_e4m3fn) or not xs.is_contiguous():
         raise ValueError(f"prefill_gemm: xs must be contiguous bf16 or e4m3, got {xs.dtype}")
@@ -484,26 +463,24 @@ def prefill_gemm(
     dummy = w_global
     prefill_kernel[grid](
         x_desc, c_desc, s_desc, s_bytes, block_expert, block_start, block_end, valid_blocks,
-        other_valid if other_valid is not None else valid_blocks,
         sorted_routes if sorted_routes is not None else block_end, w_global,
         topk_w if fused else dummy, a_global if a_global is not None else dummy, out,
         N=n, K=k, TOPK=topk, GATED=gated, A_GATHER=a_gather, FUSED=fused,
         OUT_SCALE=out_scale, A_FP4=a_global is not None and not e4m3, NB=STAGES, BM=block_m,
-        A_E4M3=e4m3, E=codes.shape[0], SCALE_TMA=s_tma,
-        WIDE_COST=float(wide_cost) if other_valid is not None else 0.0, CHAIN=chain,
+        A_E4M3=e4m3, E=codes.shape[0], SCALE_TMA=s_tma, CHAIN=chain,
         launch_pdl=chain == 2, **_launch_options(block_m),
     )  # fmt: skip
 
 
 def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: bool = False,
                  a_e4m3: bool = False, block_m: int = BM, scale_tma: bool | None = None,
-                 wide_cost: float = 0.0, chain: int = 0):  # fmt: skip
+                 chain: int = 0):  # fmt: skip
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``);
     ``scale_tma``: the scales by TMA (None: as contiguous rows of K / 16 bytes allow,
-    ``shapes.scale_tma``); ``wide_cost``: launched beside the other tile rows."""
+    ``shapes.scale_tma``); ``chain``: as ``prefill_gemm``'s."""
     ptrs = {
         "s_ptr": "*u8", "block_expert_ptr": "*i32", "block_start_ptr": "*i32",
-        "block_end_ptr": "*i32", "valid_blocks_ptr": "*i32", "other_valid_ptr": "*i32",
+        "block_end_ptr": "*i32", "valid_blocks_ptr": "*i32",
         "sorted_routes_ptr": "*i32",
         "w_global_ptr": "*fp32", "topk_w_ptr": "*fp32", "a_global_ptr": "*fp32",
         "out_ptr": "*fp32" if fused else "*bf16",
@@ -529,7 +506,6 @@ def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: boo
         A_E4M3=a_e4m3,
         E=32,
         SCALE_TMA=shapes.scale_tma(k) if scale_tma is None else scale_tma,
-        WIDE_COST=wide_cost,
         CHAIN=chain,
     )
     return common_compile_sm90(prefill_kernel, ptrs, const, gluon=True, descs=descs,
