@@ -97,8 +97,8 @@ PREFILL_ABOVE_ROWS = 12
 # 128-row tiles against 64-row ones cost 1.74 of them (fit to 40 points of five presets
 # at 48 to 272 rows). Against one tile rows a call (64 or 128, the fewer by that cost,
 # chosen on the device), the mixed schedules take DeepSeek-V3 EP8 at 1024 / 2048 / 4096
-# tokens from 466 / 699 / 1126 to 428 / 643 / 1007 us, Qwen3-30B-A3B and Mixtral-8x7B at
-# 512 to 4096 tokens 2% to 6% less; at 512 (16 rows) within 1%.
+# tokens from 466 / 699 / 1126 to 428 / 643 / 1007 us (at 512 tokens, 16 rows, within 1%),
+# Qwen3-30B-A3B and Mixtral-8x7B at 512 to 4096 tokens 2% to 6% less.
 #
 # Where the scales come by pointer loads the prefill kernel starts above this many rows
 # instead, on one tile rows a call: at 16 rows DeepSeek-V3 EP8 ties (461 -> 456 us),
