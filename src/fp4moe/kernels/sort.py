@@ -308,7 +308,10 @@ def sort_routes_kernel(
     PIECES: tl.constexpr,  # cdiv(N, PIECE)
     ZB: tl.constexpr,  # power of two >= ZPER
     TWO_PASS: tl.constexpr,  # the steps' histograms in piece_counts_ptr already
-    MIXED: tl.constexpr,  # also each expert's rows in blocks of 128, then 64 or 32
+    MIXED: tl.constexpr,  # also each expert's rows in blocks of R0, then R1 or R2
+    R0: tl.constexpr,  # MIXED_ROWS
+    R1: tl.constexpr,
+    R2: tl.constexpr,
     C0: tl.constexpr,  # MIXED_COST
     C1: tl.constexpr,
     C2: tl.constexpr,
@@ -367,19 +370,20 @@ def sort_routes_kernel(
     _schedule(counts, offs, first, pid, block_expert_ptr, block_start_ptr, block_end_ptr,
               valid_blocks_ptr, NB, E, EP, BM, CHUNK, SELECT)  # fmt: skip
     if MIXED:
-        big, mid, small = _mixed_split(counts, C0, C1, C2)
+        big, mid, small = _mixed_split(counts, R0, R1, R2, C0, C1, C2)
         _schedule(big, offs, first, pid, mix_ptr, mix_ptr + NBM, mix_ptr + 2 * NBM,
-                  mix_valid_ptr, NBM, E, EP, 128, CHUNK, SELECT)  # fmt: skip
+                  mix_valid_ptr, NBM, E, EP, R0, CHUNK, SELECT)  # fmt: skip
         _schedule(mid, offs + big, first, pid, mix_ptr + 3 * NBM, mix_ptr + 4 * NBM,
-                  mix_ptr + 5 * NBM, mix_valid_ptr + 1, NBM, E, EP, 64, CHUNK, SELECT)  # fmt: skip
+                  mix_ptr + 5 * NBM, mix_valid_ptr + 1, NBM, E, EP, R1, CHUNK, SELECT)  # fmt: skip
         _schedule(small, offs + big, first, pid, mix_ptr + 6 * NBM, mix_ptr + 7 * NBM,
-                  mix_ptr + 8 * NBM, mix_valid_ptr + 2, NBM, E, EP, 32, CHUNK, SELECT)  # fmt: skip
+                  mix_ptr + 8 * NBM, mix_valid_ptr + 2, NBM, E, EP, R2, CHUNK, SELECT)  # fmt: skip
 
 
 @triton.jit
-def _mixed_split(counts, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr):
-    """Each expert's rows in blocks of 128 (first), then the rest in blocks of 64 or of
-    32: (rows in each), the least summed block cost (``_mixed_split_torch``'s twin)."""
+def _mixed_split(counts, R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
+                 C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr):  # fmt: skip
+    """Each expert's rows in blocks of R0 (first), then the rest in blocks of R1 or of
+    R2: (rows in each), the least summed block cost (``_mixed_split_torch``'s twin)."""
     best_cost = tl.full(counts.shape, 3.0e38, tl.float32)
     big = tl.zeros_like(counts)
     mid = tl.zeros_like(counts)
@@ -388,16 +392,16 @@ def _mixed_split(counts, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr):
         if opt == 0:
             q = tl.zeros_like(counts)
         elif opt == 1:
-            q = counts // 128
+            q = counts // R0
         else:
-            q = counts // 128 + 1
-        b = tl.minimum(counts, q * 128)
+            q = counts // R0 + 1
+        b = tl.minimum(counts, q * R0)
         rem = counts - b
         for m in tl.static_range(2):
             if m == 0:
-                cost = q.to(tl.float32) * C0 + ((rem + 63) // 64).to(tl.float32) * C1
+                cost = q.to(tl.float32) * C0 + ((rem + R1 - 1) // R1).to(tl.float32) * C1
             else:
-                cost = q.to(tl.float32) * C0 + ((rem + 31) // 32).to(tl.float32) * C2
+                cost = q.to(tl.float32) * C0 + ((rem + R2 - 1) // R2).to(tl.float32) * C2
             take = cost < best_cost
             best_cost = tl.where(take, cost, best_cost)
             big = tl.where(take, b, big)
@@ -479,7 +483,8 @@ def _sort_routes_triton(
         nbm, nz, zper,
         E=num_experts, EP=ep, BM=block_m, CHUNK=chunk, PIECE=piece, PIECES=pieces,
         ZB=triton.next_power_of_2(max(zper, 1)), TWO_PASS=two_pass, MIXED=mixed,
-        C0=MIXED_COST[0], C1=MIXED_COST[1], C2=MIXED_COST[2], num_warps=warps,
+        R0=MIXED_ROWS[0], R1=MIXED_ROWS[1], R2=MIXED_ROWS[2], C0=MIXED_COST[0],
+        C1=MIXED_COST[1], C2=MIXED_COST[2], num_warps=warps,
     )  # fmt: skip
     mixed_s = None
     if mixed:
