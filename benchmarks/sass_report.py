@@ -44,9 +44,12 @@ def sass(compiled) -> list[str]:
             if (m := re.match(r"\s+/\*[0-9a-f]+\*/\s+(.*?)\s*;", ln))]  # fmt: skip
 
 
-def compile_gemm(plan, which: str):
-    """The compiled kernel of GEMM ``which`` ("fc1" or "fc2") of ``plan``."""
+def compile_gemm(plan, which: str) -> list[tuple[str, object]]:
+    """The compiled kernels of GEMM ``which`` ("fc1" or "fc2") of ``plan``: (a label, the
+    kernel) each; the prefill kernel over each expert's tile rows is three launches, one a
+    tile size (the label its rows)."""
     from fp4moe.kernels.gemm import gluon_decode, gluon_prefill, portable
+    from fp4moe.kernels.sort import MIXED_ROWS
 
     g = getattr(plan, which)
     gated = which == "fc1"
@@ -55,22 +58,26 @@ def compile_gemm(plan, which: str):
     e4m3 = plan.mode == "w4a8"
     fused = g.epilogue == "atomic"
     if g.kernel in ("gluon-split", "gluon-whole"):
-        return gluon_decode.compile_sm90(
+        return [("", gluon_decode.compile_sm90(
             n=n, k=k, gated=gated, block_m=g.tile.block_m, epilogue=g.epilogue != "nvfp4",
             fused=fused, a_fp4=a_fp4, pdl=g.pdl, early_weights=g.early_weights,
             whole=g.kernel == "gluon-whole",
-        )  # fmt: skip
+        ))]  # fmt: skip
     if g.kernel == "gluon-prefill":
-        return gluon_prefill.compile_sm90(n=n, k=k, gated=gated, fused=fused, a_fp4=a_fp4,
-                                          a_e4m3=e4m3, block_m=g.tile.block_m)  # fmt: skip
+        runs = [(g.tile.block_m, 0)]
+        if g.mixed:  # the launches' chain: the first, then the later ones (PDL)
+            runs = [(bm, 1 if i == 0 else 2) for i, bm in enumerate(MIXED_ROWS)]
+        return [(f"@{bm}" if g.mixed else "", gluon_prefill.compile_sm90(
+            n=n, k=k, gated=gated, fused=fused, a_fp4=a_fp4, a_e4m3=e4m3, block_m=bm,
+            chain=chain)) for bm, chain in runs]  # fmt: skip
     t = g.tile
-    return portable.compile_sm90(
+    return [("", portable.compile_sm90(
         n=n, k=k, gated=gated, tile=(t.block_m, t.block_n, t.block_k, t.num_warps,
                                      t.num_stages), a_fp4=a_fp4,
         a_gather=gated and plan.fc1_input not in ("static",), fused=fused, split=g.split,
         dense=g.kernel == "triton-dense", out_fp4=g.epilogue == "nvfp4", pdl=plan.pdl,
         a_fp8=e4m3,
-    )  # fmt: skip
+    ))]  # fmt: skip
 
 
 def report(compiled) -> dict:
@@ -132,14 +139,15 @@ def main(argv: list[str] | None = None) -> int:
             plan = plan_call(t, p.top_k, p.local_experts, p.hidden, p.inter, mode=m,
                              act_scale=sc, target=H200, options=opt)  # fmt: skip
             for which in ("fc1", "fc2"):
-                compiled = compile_gemm(plan, which)
-                r = report(compiled)
-                r["ovl%"] = "-" if r["overlap"] is None else r["overlap"]
-                desc = getattr(plan, which).describe()
-                print(f"{t:8d} {mode:>8s} {which:>8s} {desc:34s} "
-                      + " ".join(f"{r[c]:>8}" for c in cols[4:]), flush=True)  # fmt: skip
-                if a.dump == which:
-                    print("\n".join(sass(compiled)))
+                for label, compiled in compile_gemm(plan, which):
+                    r = report(compiled)
+                    r["ovl%"] = "-" if r["overlap"] is None else r["overlap"]
+                    g = getattr(plan, which)
+                    desc = f"{g.kernel} ({label[1:]} rows)" if label else g.describe()
+                    print(f"{t:8d} {mode:>8s} {which:>8s} {desc:34s} "
+                          + " ".join(f"{r[c]:>8}" for c in cols[4:]), flush=True)  # fmt: skip
+                    if a.dump == which:
+                        print("\n".join(sass(compiled)))
     return 0
 
 
