@@ -8,7 +8,7 @@ Each configuration (the planner's, then each ``Options.gemm`` pin that applies; 
 ``KERNEL@ROWS`` also pins the tiles' rows, e.g. ``gluon-prefill@64``) is checked against
 the planner's output bit for bit, then all are timed interleaved in rounds as ``fp4moe
 bench`` times them (CUDA-graph replays). Output: a table (us, and each pin's time over the
-planner's; each token count's row tiles of 64 and 128 rows) and ``sweep.json`` in --out;
+planner's; each token count's row tiles of 32, 64 and 128 rows) and ``sweep.json`` in --out;
 the exit status is 1 when any pin's bits differ.
 """
 
@@ -25,6 +25,7 @@ from fp4moe import InapplicableOverride, Options
 from fp4moe.backend import KERNELS
 from fp4moe.backend.launch import moe_triton
 from fp4moe.bench import make_routes, random_experts, time_interleaved
+from fp4moe.kernels.gemm.shapes import PREFILL_BLOCKS
 from fp4moe.kernels.sort import sort_routes
 from fp4moe.presets import MODES, PRESETS
 from pins import pin_arg, pin_options
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         # the row tiles of 32, 64 and 128 rows the routes need, one tile rows a call
         # (fit_tile_cost.py reads them)
         tiles = {bm: int(sort_routes(ids, p.local_experts, bm, use_kernel=False).valid_blocks)
-                 for bm in (32, 64, 128)}  # fmt: skip
+                 for bm in PREFILL_BLOCKS}  # fmt: skip
         print(f"{t:6d} tiles: " + ", ".join(f"{v} of {bm} rows" for bm, v in tiles.items()),
               flush=True)  # fmt: skip
         calls = {}

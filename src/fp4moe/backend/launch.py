@@ -103,7 +103,7 @@ def _gemm(
         runs, chains = [sort.schedule], [0]
         if g.mixed:  # each expert's rows in tiles of its own size: one launch a tile rows,
             runs = list(sort.mixed)  # the later ones starting as the one before leaves SMs
-            chains = [1, 2, 2]
+            chains = [1] + [2] * (len(runs) - 1)
         for s, chain in zip(runs, chains):
             prefill_gemm(
                 xs, w_codes, w_scales, w_global, s.block_expert, s.block_start, s.block_end,

@@ -24,6 +24,7 @@ from ..kernels.gemm.shapes import (
     scale_rows_tma,
     scale_tma,
 )
+from ..kernels.sort import MIXED_ROWS
 from ..modes import ACT_SCALES, KERNEL_MODES
 from . import heuristics as hx
 from .device import Target
@@ -596,7 +597,7 @@ def workspace_bytes(plan: Plan) -> int:
     n = t * p.top_k
     nb = max_blocks(n, e, p.block_m)
     if p.mixed_sort:  # the three schedules of each expert's tile rows
-        nb += 3 * max_blocks(n, e, 32) + 1
+        nb += len(MIXED_ROWS) * max_blocks(n, e, MIXED_ROWS[-1]) + 1
     common = 4 * (3 * n + 2 * e + 1 + 3 * nb)  # the sort's outputs (int32)
     w4a4 = p.mode == "w4a4"
     nvfp4_row = lambda c: c // 2 + c // 16 + 4  # codes, scales, global

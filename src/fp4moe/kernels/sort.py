@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm.shapes import max_blocks
+from .gemm.shapes import PREFILL_BLOCKS, max_blocks
 
 __all__ = [
     "ONE_PASS_MAX_ROUTES",
@@ -59,7 +59,7 @@ __all__ = [
 ONE_PASS_MAX_ROUTES = 8192
 # The mixed schedules' block rows and a block's cost in 64-row blocks of the prefill
 # kernel (``benchmarks/fit_tile_cost.py`` fits them to sweeps pinning each tile rows).
-MIXED_ROWS = (128, 64, 32)
+MIXED_ROWS = tuple(sorted(PREFILL_BLOCKS, reverse=True))  # (128, 64, 32)
 MIXED_COST = (1.74, 1.0, 0.85)
 
 
@@ -171,10 +171,11 @@ def _mixed_split_torch(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return best[1], best[2], best[3]
 
 
-def _schedule_torch(counts: torch.Tensor, offsets: torch.Tensor, nb: int,
+def _schedule_torch(counts: torch.Tensor, starts: torch.Tensor, nb: int,
                     block_m: int) -> TileSchedule:  # fmt: skip
-    """The tile schedule of ``block_m`` rows a block (``nb`` entries) from the experts'
-    row counts and offsets (int64)."""
+    """The tile schedule of ``block_m`` rows a block (``nb`` entries) over each expert's
+    ``counts`` rows from its first sorted row ``starts`` (int64 [E] each; the kernel's
+    ``_schedule``)."""
     num_experts = counts.numel()
     blocks_e = (counts + block_m - 1) // block_m
     cum = torch.cumsum(blocks_e, 0)
@@ -183,8 +184,8 @@ def _schedule_torch(counts: torch.Tensor, offsets: torch.Tensor, nb: int,
     valid = e_of_b < num_experts
     e_c = e_of_b.clamp(max=num_experts - 1)
     local = b - (cum - blocks_e)[e_c]
-    start = offsets[e_c] + local * block_m
-    end = torch.minimum(start + block_m, offsets[e_c + 1])
+    start = starts[e_c] + local * block_m
+    end = torch.minimum(start + block_m, starts[e_c] + counts[e_c])
     i32 = torch.int32
     return TileSchedule(
         block_expert=torch.where(valid, e_of_b, -1).to(i32),
@@ -193,24 +194,6 @@ def _schedule_torch(counts: torch.Tensor, offsets: torch.Tensor, nb: int,
         valid_blocks=cum[-1:].to(i32),
         block_m=block_m,
     )
-
-
-def _schedule_rows_torch(counts: torch.Tensor, starts: torch.Tensor, nb: int,
-                         block_m: int) -> TileSchedule:  # fmt: skip
-    """The tile schedule of ``block_m`` rows a block over each expert's ``counts`` rows
-    from its row ``starts`` (int64 [E])."""
-    offsets = torch.cat([starts, starts[-1:]])
-    s = _schedule_torch(counts, offsets, nb, block_m)
-    e = s.block_expert.long().clamp(min=0)
-    valid = s.block_expert >= 0
-    blocks_e = (counts + block_m - 1) // block_m
-    first_b = torch.cumsum(blocks_e, 0) - blocks_e
-    local = torch.arange(nb, device=counts.device) - first_b[e]
-    start = starts[e] + local * block_m
-    end = torch.minimum(start + block_m, starts[e] + counts[e])
-    i32 = torch.int32
-    return TileSchedule(s.block_expert, torch.where(valid, start, 0).to(i32),
-                        torch.where(valid, end, 0).to(i32), s.valid_blocks, block_m)  # fmt: skip
 
 
 def _sort_routes_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
@@ -228,7 +211,7 @@ def _sort_routes_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     route_pos = torch.empty(n, dtype=torch.int64, device=dev)
     route_pos[perm] = torch.arange(n, device=dev)
 
-    sched = _schedule_torch(counts, offsets, max_blocks(n, num_experts, block_m), block_m)
+    sched = _schedule_torch(counts, offsets[:-1], max_blocks(n, num_experts, block_m), block_m)
     i32 = torch.int32
     sorted_key = key[perm]
     mix = None
@@ -237,7 +220,7 @@ def _sort_routes_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         starts = (offsets[:-1], offsets[:-1] + big, offsets[:-1] + big)
         mix = []
         for rows, c, st in zip(MIXED_ROWS, (big, mid, small), starts):
-            mix.append(_schedule_rows_torch(c, st, max_blocks(n, num_experts, rows), rows))
+            mix.append(_schedule_torch(c, st, max_blocks(n, num_experts, rows), rows))
         mix = tuple(mix)
     return RouteSort(
         sorted_routes=perm.to(i32),

@@ -480,8 +480,7 @@ def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: boo
     ``shapes.scale_tma``); ``chain``: as ``prefill_gemm``'s."""
     ptrs = {
         "s_ptr": "*u8", "block_expert_ptr": "*i32", "block_start_ptr": "*i32",
-        "block_end_ptr": "*i32", "valid_blocks_ptr": "*i32",
-        "sorted_routes_ptr": "*i32",
+        "block_end_ptr": "*i32", "valid_blocks_ptr": "*i32", "sorted_routes_ptr": "*i32",
         "w_global_ptr": "*fp32", "topk_w_ptr": "*fp32", "a_global_ptr": "*fp32",
         "out_ptr": "*fp32" if fused else "*bf16",
     }  # fmt: skip
