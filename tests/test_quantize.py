@@ -200,21 +200,53 @@ def test_amax_rows_many_rows_a_program(interpret, device):
 
 
 @pytest.mark.kernel
-def test_quantize_split_rows_same_bits(interpret, device):
-    """``quantize_rows`` with one chunk of a row a program (``split_rows``) gives the
-    codes, scales and globals of one row a program, in every mode."""
+@pytest.mark.parametrize("programs", [None, 12], ids=["chunks", "spans"])
+def test_quantize_split_rows_same_bits(interpret, device, monkeypatch, programs):
+    """``quantize_rows`` with a span of a row's chunks a program (``split_rows``) gives the
+    codes, scales and globals of one row a program, in every mode: one chunk a span, and
+    (a program budget of 12 for 5 rows of 5 chunks) two spans of 3 chunks, the second
+    running past the row's end."""
+    from fp4moe.kernels import quantize as q
+
     if device != "cpu":
         pytest.skip("interpreter case; test_quantize_split_rows_gpu runs it on the GPU")
+    if programs is not None:
+        monkeypatch.setattr(q, "QUANTIZE_SPLIT_PROGRAMS", programs)
+    assert q.split_span(5, 160, 32) == (32 if programs is None else 96)
     for x, n, kw in _quantize_split_cases(device, 5, 160, seed=9):
         one = quantize_rows(x, 5, split_rows=False, **kw)
         split = quantize_rows(x, 5, split_rows=True, **kw)
         assert _same_quantized(one, split, n)
 
 
+def test_split_span():
+    """A split row's span: one chunk while rows x chunks fit the program budget, else as
+    few whole chunks as keep rows x spans within it; never past one span a row."""
+    from fp4moe.kernels.quantize import QUANTIZE_SPLIT_PROGRAMS as P
+    from fp4moe.kernels.quantize import split_span
+
+    assert split_span(2, 14336, 256) == 256  # 56 chunks, 112 programs
+    assert split_span(256, 14336, 256) == 7 * 256  # 8 spans a row: 2048 programs
+    assert split_span(512, 14336, 256) == 14 * 256
+    assert split_span(P, 7168, 256) == 7168  # one span a row
+    assert split_span(4 * P, 100, 256) == 256
+    for rows in (1, 3, 37, 300, 511, 512):
+        for c in (64, 2880, 7168, 14336):
+            span = split_span(rows, c, 256)
+            spans = -(-c // span)
+            assert span % 256 == 0 and (rows * spans <= P or spans == 1)
+            assert spans * span - c < span  # no span wholly past the row
+    with pytest.raises(ValueError, match="rows"):
+        split_span(0, 128, 256)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,c", [(1, 7168), (8, 7168), (8, 2048), (64, 768)])
+@pytest.mark.parametrize(
+    "rows,c", [(1, 7168), (8, 7168), (8, 2048), (64, 768), (256, 14336), (512, 14336),
+               (300, 2880)])  # fmt: skip
 def test_quantize_split_rows_gpu(device, rows, c):
-    """On the GPU: the chunk-a-program quantize gives the bits of the row-a-program one."""
+    """On the GPU: the span-a-program quantize gives the bits of the row-a-program one
+    (one chunk a span, and several where rows x chunks pass the program budget)."""
     if device != "cuda":
         pytest.skip("GPU test")
     for x, n, kw in _quantize_split_cases("cuda", rows, c, seed=rows + c):
@@ -293,12 +325,13 @@ def _e4m3_cases(device: str, c: int):
 
 @pytest.mark.kernel
 @pytest.mark.parametrize("c", [64, 96, 2048])
-@pytest.mark.parametrize("rows_mode", ["few", "many", "gather"])
-def test_e4m3_rows_matches_reference(interpret, device, c, rows_mode):
+@pytest.mark.parametrize("rows_mode", ["few", "spans", "many", "gather"])
+def test_e4m3_rows_matches_reference(interpret, device, monkeypatch, c, rows_mode):
     """W4A8's row quantize against ``reference.e4m3_rows``, bitwise (values, -0 and the
-    scales; rows of 64 and 2048 in the unit order, 96 in natural order), one row a program
-    and one chunk a program, gathered rows with a device count (rows past it stay
-    unwritten)."""
+    scales; rows of 64 and 2048 in the unit order, 96 in natural order), one row a program,
+    one chunk a program, a span of several chunks (the last partly past the row's end), gathered
+    rows with a device count (rows past it stay unwritten)."""
+    from fp4moe.kernels import quantize
     from fp4moe.kernels.quantize_e4m3 import e4m3_rows, unit_order
     from fp4moe.reference import e4m3_rows as reference
 
@@ -313,7 +346,10 @@ def test_e4m3_rows_matches_reference(interpret, device, c, rows_mode):
         assert torch.isnan(s[5]) and bool((q[5].view(torch.uint8) == 0xFF).all())
         q, s = q[:5], s[:5]
     else:
-        q, s = e4m3_rows(src, src.shape[0], poison=True, split_rows=rows_mode == "few")
+        rows = src.shape[0]
+        if rows_mode == "spans":  # one span of 2 chunks a row (c 96: the last partly past it)
+            monkeypatch.setattr(quantize, "QUANTIZE_SPLIT_PROGRAMS", rows)
+        q, s = e4m3_rows(src, rows, poison=True, split_rows=rows_mode != "many")
         want_q, want_s = reference(src)
     assert torch.equal(s, want_s)
     assert torch.equal(unit_order(q.view(torch.uint8)), want_q.view(torch.uint8))

@@ -31,16 +31,20 @@ __all__ = [
     "row_amax",
     "row_count",
     "source_row",
+    "split_span",
 ]
 
-# Launch shapes (the same bits at any of them). Up to QUANTIZE_SPLIT_ROWS rows, one
-# QUANTIZE_SPLIT_C-element chunk of a row a program instead of one row a program, and the
+# Launch shapes (the same bits at any of them). Up to QUANTIZE_SPLIT_ROWS rows, a span of
+# a row's QUANTIZE_SPLIT_C-element chunks a program instead of one row a program, and the
 # amax passes read a row in one load of up to AMAX_WIDE_C elements instead of a chain of
-# 1024-element loads (max is exact in any order). On the H200 (DeepSeek-V3 EP8) this took
-# W4A4 per-token from 82.2 to 77.3 us at 1 token and per-tensor from 120.8 to 111.4 us at
-# 16 tokens. Above it each chunk's program would re-read the row for its amax.
+# 1024-element loads (max is exact in any order). On the H200 (DeepSeek-V3 EP8) one chunk
+# a program took W4A4 per-token from 82.2 to 77.3 us at 1 token and per-tensor from 120.8
+# to 111.4 us at 16 tokens. Each span's program re-reads its row for the amax, so a span
+# holds as few chunks as keep rows x spans within QUANTIZE_SPLIT_PROGRAMS (``split_span``):
+# one chunk where rows are few, several where rows are many and long.
 QUANTIZE_SPLIT_ROWS = 512
 QUANTIZE_SPLIT_C = 256
+QUANTIZE_SPLIT_PROGRAMS = 2048
 AMAX_WIDE_C = 8192
 AMAX_ROWS = 16  # amax_rows above QUANTIZE_SPLIT_ROWS rows: rows a program (one atomic each)
 
@@ -193,13 +197,14 @@ def quantize_rows_kernel(
     USE_PDL: tl.constexpr,
     INTERPRET: tl.constexpr,
     AMAX_C: tl.constexpr,
-    SPLIT_C: tl.constexpr = False,
+    SPAN: tl.constexpr = 0,
     dec_ptr=None,  # DEC: [rows, C] DEC_DTYPE, the decoded values in the unit order
     DEC: tl.constexpr = False,
     DEC_DTYPE: tl.constexpr = tl.bfloat16,
 ):
-    """One row a program (SPLIT_C: one BLOCK_C chunk of a row a program, grid axis 1, for
-    few rows); the per-row amax reads AMAX_C elements at a time. The same bits either way.
+    """One row a program (SPAN > 0: SPAN elements of a row a program, grid axis 1, BLOCK_C
+    at a time, for few rows); the per-row amax reads AMAX_C elements at a time. The same
+    bits either way.
     DEC (BLOCK_C a multiple of 64): also the row decoded as ``operands.dense_rows(order=64)``
     decodes it (e2m1 value times the e4m3 scale times 2^-8, exact; each 64 elements in the
     unit order), the operand of the Gluon GEMMs with no decode launch."""
@@ -216,17 +221,17 @@ def quantize_rows_kernel(
         g = tl.load(table_ptr)
     else:  # the global from an amax: the row's, a given one, or the counted rows'
         if MODE == 0:
-            a = row_amax(row, C, AMAX_C)  # SPLIT_C: every chunk's program reads the row
+            a = row_amax(row, C, AMAX_C)  # SPAN: every span's program reads the row
         elif MODE == 3:
             a = tl.load(table_ptr)
         else:  # the amax of rows 0 .. count - 1 of src (not gathered), as amax_rows_kernel
             nr = row_count(n_rows_ptr, n_rows, COUNT_FROM_PTR)
             a = _rows_amax(src_ptr, nr, C, AMAX_C)
         g = tl.where(a == 0.0, 1.0, tl.math.div_rn(a, 2688.0))
-    if SPLIT_C:  # one chunk a program (grid axis 1); the row's global stored once
+    if SPAN > 0:  # one span a program (grid axis 1); the row's global stored once
         tl.store(global_out_ptr + i, g, mask=tl.program_id(1) == 0)
-        c_off = tl.program_id(1) * BLOCK_C
-        c_span: tl.constexpr = BLOCK_C
+        c_off = tl.program_id(1) * SPAN
+        c_span: tl.constexpr = SPAN
     else:
         tl.store(global_out_ptr + i, g)
         c_off = 0
@@ -376,6 +381,20 @@ def _row_block(c: int, wide: bool = False) -> int:
     return min(triton.next_power_of_2(c), cap)
 
 
+def split_span(rows: int, c: int, chunk: int) -> int:
+    """Elements of a C-wide row one program quantizes when a row is split over programs: a
+    whole number of ``chunk``-element chunks, as few as keep rows x spans within
+    QUANTIZE_SPLIT_PROGRAMS (one chunk for few rows; each span's program reads its whole
+    row for a per-row amax, so fewer spans read less)."""
+    if rows < 1 or c < 1 or chunk < 1:
+        raise ValueError(
+            f"split_span: rows, c and chunk must be positive, got {rows}, {c}, {chunk}"
+        )
+    n = triton.cdiv(c, chunk)
+    spans = max(1, min(n, QUANTIZE_SPLIT_PROGRAMS // rows))
+    return triton.cdiv(n, spans) * chunk
+
+
 def decoded_rows_dtype() -> torch.dtype:
     """dtype of decoded operand rows (``operands.dense_rows``, ``quantize_rows(decoded=)``):
     bf16, fp32 in the interpreter (whose bf16 dot is unreliable)."""
@@ -404,8 +423,9 @@ def quantize_rows(
     ``index`` / ``div`` gather source row ``index[r] // div``; ``count`` (a device scalar)
     limits the rows. ``decoded`` ([rows, C] of ``decoded_rows_dtype()``, C a multiple of
     64): also receives the rows decoded as ``operands.dense_rows(order=64)`` gives them
-    (the Gluon GEMMs' W4A4 operand). ``split_rows``: one chunk of a row a program and
-    wide amax loads (None: up to ``QUANTIZE_SPLIT_ROWS`` rows); the same bits either way."""
+    (the Gluon GEMMs' W4A4 operand). ``split_rows``: a span of a row's chunks a program
+    (``split_span``) and wide amax loads (None: up to ``QUANTIZE_SPLIT_ROWS`` rows); the
+    same bits either way."""
     c = src.shape[1]
     dec = {}
     if decoded is not None:
@@ -429,8 +449,9 @@ def quantize_rows(
     chunk = QUANTIZE_SPLIT_C
     if interpreting() and c <= 256:  # small test rows still split into several chunks
         chunk = 64 if dec else 32
-    if few and c > chunk:  # few rows: one chunk of a row a program
-        grid, split = (rows, triton.cdiv(c, chunk)), dict(SPLIT_C=True)
+    if few and c > chunk:  # few rows: a span of a row's chunks a program
+        span = split_span(rows, c, chunk)
+        grid, split = (rows, triton.cdiv(c, span)), dict(SPAN=span)
         block_c = chunk
     launch(
         quantize_rows_kernel, grid, pdl,
