@@ -3,7 +3,7 @@
 q = e4m3(row / s), rounded to nearest even and saturating at 448, optionally gathering
 the rows it reads.
 
-One program a row (``SPLIT_C``: one chunk of a row a program, for few rows): the row's
+One program a row (``SPAN``: a span of a row's chunks a program, for few rows): the row's
 amax, then its elements divided by s with ``div_rn`` (the reference's quotient) and
 cast with the hardware's round-to-nearest-even, saturating conversion.
 
@@ -20,12 +20,12 @@ import triton
 import triton.language as tl
 
 from .common import empty, interpreting, launch, pdl_wait_release, to_e4m3
-from .quantize import row_amax, row_count, source_row
+from .quantize import row_amax, row_count, source_row, split_span
 
 __all__ = ["e4m3_rows", "e4m3_rows_kernel", "unit_order"]
 
-# few rows: one chunk of a row a program (each reads the whole row for its amax), as the
-# NVFP4 quantize kernel does at decode sizes
+# few rows: a span of a row's SPLIT_C-element chunks a program (each span's program reads
+# the whole row for its amax; ``quantize.split_span``), as the NVFP4 quantize kernel does
 SPLIT_ROWS = 512
 SPLIT_C = 1024
 
@@ -54,7 +54,7 @@ def e4m3_rows_kernel(
     COUNT_FROM_PTR: tl.constexpr,
     BLOCK_C: tl.constexpr,
     AMAX_C: tl.constexpr,
-    SPLIT_C: tl.constexpr,
+    SPAN: tl.constexpr,  # elements of a row a program (grid axis 1); 0: one row a program
     USE_PDL: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -66,9 +66,11 @@ def e4m3_rows_kernel(
     amax = row_amax(row, C, AMAX_C)
     s = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, 448.0))
     out = q_ptr + i.to(tl.int64) * C
-    if SPLIT_C:
+    if SPAN > 0:
         tl.store(s_ptr + i, s, mask=tl.program_id(1) == 0)
-        _chunk(row, out, tl.program_id(1) * BLOCK_C, s, C, BLOCK_C, INTERPRET)
+        c_off = tl.program_id(1) * SPAN
+        for cb in tl.static_range(0, SPAN, BLOCK_C):  # past the row's end: masked
+            _chunk(row, out, c_off + cb, s, C, BLOCK_C, INTERPRET)
     else:
         tl.store(s_ptr + i, s)
         for c0 in range(0, C, BLOCK_C):
@@ -104,8 +106,8 @@ def e4m3_rows(
     ``reference.e4m3_rows`` bit for bit, each row in the unit order where C is a multiple
     of 64 (``unit_order``). ``index`` / ``div`` gather source row
     ``index[r] // div``; ``count`` (a device scalar) limits the rows (those past it are
-    left unwritten). ``split_rows``: one chunk of a row a program (None: up to
-    ``SPLIT_ROWS`` rows); the same bits either way."""
+    left unwritten). ``split_rows``: a span of a row's chunks a program
+    (``quantize.split_span``; None: up to ``SPLIT_ROWS`` rows); the same bits either way."""
     c = src.shape[1]
     dev = src.device
     q = empty((rows, c), torch.float8_e4m3fn, dev, poison)
@@ -116,12 +118,13 @@ def e4m3_rows(
     cap = 64 if interp else SPLIT_C
     block_c = min(triton.next_power_of_2(c), cap)
     few = (rows <= SPLIT_ROWS if split_rows is None else split_rows) and c > block_c
-    grid = (rows, triton.cdiv(c, block_c)) if few else (rows,)
+    span = split_span(rows, c, block_c) if few else 0
+    grid = (rows, triton.cdiv(c, span)) if few else (rows,)
     launch(
         e4m3_rows_kernel, grid, pdl,
         src, index if index is not None else s, count if count is not None else s, rows, q, s,
         c, GATHER=index is not None, DIV=div, COUNT_FROM_PTR=count is not None,
         BLOCK_C=block_c, AMAX_C=min(triton.next_power_of_2(c), 64 if interp else 8192),
-        SPLIT_C=few, INTERPRET=interp, num_warps=4,
+        SPAN=span, INTERPRET=interp, num_warps=4,
     )  # fmt: skip
     return q, s
