@@ -25,5 +25,6 @@ def test_sass_report_reads_the_planned_kernels():
     for r in (fc1, fc2):
         regs, stack, mma, lop3 = int(r[-10]), int(r[-9]), int(r[-6]), int(r[-5])
         assert 32 <= regs <= 255 and stack == 0 and mma > 0 and lop3 > 0, r
-        # the decode kernels decode the next unit while the last unit's wgmmas run
-        assert 25 <= int(r[-1]) <= 100, r
+        # the decode kernels decode the next unit while the last unit's wgmmas run (whole
+        # K: 22% with a stage's units held in registers)
+        assert 20 <= int(r[-1]) <= 100, r

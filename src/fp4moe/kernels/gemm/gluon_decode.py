@@ -66,8 +66,6 @@ __all__ = ["RING_STAGES", "compile_sm90", "split_partials_tma"]
 # Ring stages of 256 K in shared memory (1: 18 KB a program for FC1's 8-row tiles, so more
 # programs an SM): the fastest of 1, 2 and 4 on the H200 for both forms.
 RING_STAGES = 1
-HOLD_STAGE = True
-HOLD_MAXNREG = None
 _TR = gl.constexpr(64)  # weight rows a tile (one warpgroup)
 
 
@@ -232,7 +230,7 @@ def _segment(
     start, end, kj, nk, hn, phj, NU_S: gl.constexpr, N: gl.constexpr, K: gl.constexpr,
     TOPK: gl.constexpr, A_GATHER: gl.constexpr, BM: gl.constexpr, SEG: gl.constexpr,
     NB: gl.constexpr, GATED: gl.constexpr, WHOLE: gl.constexpr, A_UNIT_ORDER: gl.constexpr,
-    SCALE_TMA: gl.constexpr, MMA: gl.constexpr, A_L: gl.constexpr, HOLD: gl.constexpr,
+    SCALE_TMA: gl.constexpr, MMA: gl.constexpr, A_L: gl.constexpr,
 ):  # fmt: skip
     """The sums of one K segment of a tile (from ``kj``, ``NU_S`` units: a last, partial
     segment holds fewer than SEG / 64) from zero, stage by stage as the copies land, each
@@ -256,31 +254,33 @@ def _segment(
     for kb in gl.static_range(NU_S):
         if kb % UPS == 0:
             mbarrier.wait(bars.index((kb // UPS) % NB), ((kb // UPS) // NB + phj) % 2)
-            if HOLD:  # the stage's units into registers, then its buffer refilled at once
-                g0, t0 = smem_unit(cbuf, sbuf, kb, 0, NB, UPS, _TR)
-                g1, t1, g2, t2, g3, t3 = g0, t0, g0, t0, g0, t0
+            if WHOLE:  # the stage's units into registers, then its buffer refilled at once:
+                # with stage + NB, or past the segment's last stages (and ``hn``) with the
+                # next segment's first (stage + NB - NS_S of it, which maps to this buffer)
+                hc0, hs0 = smem_unit(cbuf, sbuf, kb, 0, NB, UPS, _TR)
+                hc1, hs1, hc2, hs2, hc3, hs3 = hc0, hs0, hc0, hs0, hc0, hs0
                 if kb + 1 < NU_S:
-                    g1, t1 = smem_unit(cbuf, sbuf, kb + 1, 0, NB, UPS, _TR)
+                    hc1, hs1 = smem_unit(cbuf, sbuf, kb + 1, 0, NB, UPS, _TR)
                 if kb + 2 < NU_S:
-                    g2, t2 = smem_unit(cbuf, sbuf, kb + 2, 0, NB, UPS, _TR)
+                    hc2, hs2 = smem_unit(cbuf, sbuf, kb + 2, 0, NB, UPS, _TR)
                 if kb + 3 < NU_S:
-                    g3, t3 = smem_unit(cbuf, sbuf, kb + 3, 0, NB, UPS, _TR)
+                    hc3, hs3 = smem_unit(cbuf, sbuf, kb + 3, 0, NB, UPS, _TR)
                 if GATED:
-                    v0, w0 = smem_unit(cbuf, sbuf, kb, 1, NB, UPS, _TR)
-                    v1, w1, v2, w2, v3, w3 = v0, w0, v0, w0, v0, w0
+                    uc0, us0 = smem_unit(cbuf, sbuf, kb, 1, NB, UPS, _TR)
+                    uc1, us1, uc2, us2, uc3, us3 = uc0, us0, uc0, us0, uc0, us0
                     if kb + 1 < NU_S:
-                        v1, w1 = smem_unit(cbuf, sbuf, kb + 1, 1, NB, UPS, _TR)
+                        uc1, us1 = smem_unit(cbuf, sbuf, kb + 1, 1, NB, UPS, _TR)
                     if kb + 2 < NU_S:
-                        v2, w2 = smem_unit(cbuf, sbuf, kb + 2, 1, NB, UPS, _TR)
+                        uc2, us2 = smem_unit(cbuf, sbuf, kb + 2, 1, NB, UPS, _TR)
                     if kb + 3 < NU_S:
-                        v3, w3 = smem_unit(cbuf, sbuf, kb + 3, 1, NB, UPS, _TR)
+                        uc3, us3 = smem_unit(cbuf, sbuf, kb + 3, 1, NB, UPS, _TR)
                 if (kb // UPS) + NB < NS_S:
                     gl.thread_barrier()
                     fence_async_shared()
                     _issue(c_desc, s_desc, cbuf, sbuf, bars.index((kb // UPS) % NB), row, N,
                            kj, kb // UPS + NB, NB, GATED, SCALE_TMA)  # fmt: skip
-                elif WHOLE:  # noqa: SIM102 (compile time)
-                    if hn:
+                else:  # (compile time, then run time)
+                    if hn:  # the next segment's first stages
                         gl.thread_barrier()
                         fence_async_shared()
                         _issue(c_desc, s_desc, cbuf, sbuf, bars.index((kb // UPS) % NB), row,
@@ -296,9 +296,9 @@ def _segment(
                         nu0, nu1, nu2, nu3 = stage_scales(s_ptr, row + N, row + N, rows_total,
                                                           tn, K, _TR)  # fmt: skip
         xb = xs.slice(kb * BM, BM).permute((1, 0))
-        if HOLD:
-            gc = pick_unit(g0, g1, g2, g3, kb % UPS)
-            gs = pick_unit(t0, t1, t2, t3, kb % UPS)
+        if WHOLE:
+            gc = pick_unit(hc0, hc1, hc2, hc3, kb % UPS)
+            gs = pick_unit(hs0, hs1, hs2, hs3, kb % UPS)
         else:
             gc, gs = smem_unit(cbuf, sbuf, kb, 0, NB, UPS, _TR)
         if not SCALE_TMA:
@@ -315,9 +315,9 @@ def _segment(
         acc_g = warpgroup_mma(wg, xb, acc_g, is_async=True)
         pg = wg  # noqa: F841 (read by the next unrolled unit)
         if GATED:
-            if HOLD:
-                uc = pick_unit(v0, v1, v2, v3, kb % UPS)
-                us = pick_unit(w0, w1, w2, w3, kb % UPS)
+            if WHOLE:
+                uc = pick_unit(uc0, uc1, uc2, uc3, kb % UPS)
+                us = pick_unit(us0, us1, us2, us3, kb % UPS)
             else:
                 uc, us = smem_unit(cbuf, sbuf, kb, 1, NB, UPS, _TR)
             if not SCALE_TMA:
@@ -325,22 +325,13 @@ def _segment(
             wu = decode_unit(uc, us, A_L, _TR)
             acc_u = warpgroup_mma(wu, xb, acc_u, is_async=True)
             pu = wu  # noqa: F841
-        # the stage's buffer is read: refill it with stage + NB (ring only)
-        if HOLD:
-            pass
-        elif kb % UPS == UPS - 1 and (kb // UPS) + NB < NS_S:
+        # the stage's buffer is read: refill it with stage + NB (split K; whole K refilled
+        # it at the stage's wait)
+        if not WHOLE and kb % UPS == UPS - 1 and (kb // UPS) + NB < NS_S:
             gl.thread_barrier()  # every warp's shared loads of the buffer done
             fence_async_shared()  # ordered before the TMA writes (async proxy)
             _issue(c_desc, s_desc, cbuf, sbuf, bars.index((kb // UPS) % NB), row, N, kj,
                    kb // UPS + NB, NB, GATED, SCALE_TMA)  # fmt: skip
-        elif WHOLE and kb % UPS == UPS - 1:  # noqa: SIM102 (compile time)
-            # the last stages: refill with the next segment's first (stage kb // UPS + NB -
-            # NS_S of it, which maps to this very buffer)
-            if hn:
-                gl.thread_barrier()
-                fence_async_shared()
-                _issue(c_desc, s_desc, cbuf, sbuf, bars.index((kb // UPS) % NB), row, N, nk,
-                       (kb // UPS) + NB - NS_S, NB, GATED, SCALE_TMA)  # fmt: skip
     return _mma_drain(acc_g, acc_u, GATED)
 
 
@@ -380,7 +371,6 @@ def tma_split_kernel(
     # writes its output (EPILOGUE): no partials, no counter (the grid's segments: 1)
     E: gl.constexpr,  # experts (the weight rows' bound)
     SCALE_TMA: gl.constexpr,  # the scales by TMA, else by pointer (``shapes.scale_rows_tma``)
-    HOLD: gl.constexpr,  # a stage's units read into registers, its buffer refilled at once
 ):
     pid_n = gl.program_id(0)
     s_id = gl.program_id(1)
@@ -441,7 +431,7 @@ def tma_split_kernel(
                     x_ptr, sorted_routes_ptr, c_desc, s_desc, s_ptr, rows_total, cbuf, sbuf,
                     bars, xw.index(_opaque_zero()), row, start, end, kj, kj + SEG,
                     (j + 1 < NJF) or (TAIL_U > 0), (j * (NS // NB)) % 2, NU, N, K, TOPK,
-                    A_GATHER, BM, SEG, NB, GATED, WHOLE, A_UNIT_ORDER, SCALE_TMA, MMA, A_L, HOLD,
+                    A_GATHER, BM, SEG, NB, GATED, WHOLE, A_UNIT_ORDER, SCALE_TMA, MMA, A_L,
                 )  # fmt: skip
                 tot_g = tot_g + acc_g
                 tot_u = tot_u + acc_u
@@ -452,7 +442,7 @@ def tma_split_kernel(
                     x_ptr, sorted_routes_ptr, c_desc, s_desc, s_ptr, rows_total, cbuf, sbuf,
                     bars, xw.index(_opaque_zero()), row, start, end, k0 + NJF * SEG, 0, False,
                     (NJF * (NS // NB)) % 2, TAIL_U, N, K, TOPK, A_GATHER, BM, SEG, NB, GATED,
-                    WHOLE, A_UNIT_ORDER, SCALE_TMA, MMA, A_L, HOLD,
+                    WHOLE, A_UNIT_ORDER, SCALE_TMA, MMA, A_L,
                 )  # fmt: skip
                 tot_g = tot_g + acc_g
                 tot_u = tot_u + acc_u
@@ -460,13 +450,13 @@ def tma_split_kernel(
             tot_g, tot_u = _segment(
                 x_ptr, sorted_routes_ptr, c_desc, s_desc, s_ptr, rows_total, cbuf, sbuf, bars,
                 0, row, start, end, k0, k0, False, 0, TAIL_U, N, K, TOPK, A_GATHER, BM, SEG, NB,
-                GATED, WHOLE, A_UNIT_ORDER, SCALE_TMA, MMA, A_L, HOLD,
+                GATED, WHOLE, A_UNIT_ORDER, SCALE_TMA, MMA, A_L,
             )  # fmt: skip
         else:  # split K: a whole segment
             tot_g, tot_u = _segment(
                 x_ptr, sorted_routes_ptr, c_desc, s_desc, s_ptr, rows_total, cbuf, sbuf, bars,
                 0, row, start, end, k0, k0, False, 0, NU, N, K, TOPK, A_GATHER, BM, SEG, NB,
-                GATED, WHOLE, A_UNIT_ORDER, SCALE_TMA, MMA, A_L, HOLD,
+                GATED, WHOLE, A_UNIT_ORDER, SCALE_TMA, MMA, A_L,
             )  # fmt: skip
         for b in gl.static_range(NB):
             mbarrier.invalidate(bars.index(b))
@@ -540,8 +530,6 @@ def split_partials_tma(
         raise ValueError("split_partials_tma: part (the fp32 partials) is needed unless whole")
     c_desc, s_desc, s_bytes, s_tma = weight_descriptors(codes, scales)
     dummy = part
-    hold = HOLD_STAGE is True or (HOLD_STAGE == "ungated" and not gated)
-    cap = {"maxnreg": HOLD_MAXNREG} if hold and HOLD_MAXNREG else {}
     tma_split_kernel[(tiles, segs, blocks)](
         x, sorted_routes, c_desc, s_desc, s_bytes, block_expert, block_start,
         block_end, part,
@@ -552,7 +540,7 @@ def split_partials_tma(
         NBUF=RING_STAGES, EPILOGUE=epilogue, FUSED=fused and epilogue, OUT_SCALE=out_scale,
         A_UNIT_ORDER=a_unit_order, A_FP4=a_global is not None and epilogue, USE_PDL=pdl,
         EARLY_W=pdl and early_weights, WHOLE=whole, E=codes.shape[0], SCALE_TMA=s_tma,
-        HOLD=hold, num_warps=4, launch_pdl=pdl, **cap,
+        num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -579,7 +567,6 @@ def compile_sm90(*, n: int, k: int, gated: bool, block_m: int, epilogue: bool = 
                  NBUF=RING_STAGES, EPILOGUE=epilogue or whole, FUSED=fused,
                  OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_UNIT_ORDER=a_fp4, A_FP4=a_fp4,
                  USE_PDL=pdl, EARLY_W=pdl and early_weights, WHOLE=whole, E=experts,
-                 SCALE_TMA=shapes.scale_tma(k) if scale_tma is None else scale_tma,
-                 HOLD=HOLD_STAGE is True or (HOLD_STAGE == "ungated" and not gated))  # fmt: skip
+                 SCALE_TMA=shapes.scale_tma(k) if scale_tma is None else scale_tma)  # fmt: skip
     return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows",), gluon=True,
                                descs=descs, num_warps=4, launch_pdl=pdl)  # fmt: skip
