@@ -42,6 +42,7 @@ __all__ = [
     "decode_unit_e4m3",
     "pick_unit",
     "row_globals",
+    "smem_stage",
     "smem_unit",
     "split_unit",
     "stage_scales",
@@ -129,6 +130,23 @@ def smem_unit(cbuf, sbuf, kb: gl.constexpr, w: gl.constexpr, NB: gl.constexpr,
     SL: gl.constexpr = gl.SliceLayout(2, L3)
     sc = sbuf.index(w * NB + (kb // 4) % NB).slice(4 * (kb % 4), 4, dim=1).load(SL)
     return codes, sc.to(gl.float8e4nv, bitcast=True)
+
+
+@gluon.jit
+def smem_stage(cbuf, sbuf, kb: gl.constexpr, w: gl.constexpr, NU: gl.constexpr,
+               NB: gl.constexpr, UPS: gl.constexpr, TR: gl.constexpr):  # fmt: skip
+    """Units ``kb`` .. ``kb + 3`` of weight ``w`` (a stage of four, ``kb`` its first) from
+    shared memory, as ``smem_unit`` reads each: (codes, scales) of the four, flattened;
+    a unit past the segment's ``NU`` repeats unit ``kb`` (never used)."""
+    c0, s0 = smem_unit(cbuf, sbuf, kb, w, NB, UPS, TR)
+    c1, s1, c2, s2, c3, s3 = c0, s0, c0, s0, c0, s0
+    if kb + 1 < NU:
+        c1, s1 = smem_unit(cbuf, sbuf, kb + 1, w, NB, UPS, TR)
+    if kb + 2 < NU:
+        c2, s2 = smem_unit(cbuf, sbuf, kb + 2, w, NB, UPS, TR)
+    if kb + 3 < NU:
+        c3, s3 = smem_unit(cbuf, sbuf, kb + 3, w, NB, UPS, TR)
+    return c0, s0, c1, s1, c2, s2, c3, s3
 
 
 @gluon.jit

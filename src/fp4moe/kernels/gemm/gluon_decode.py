@@ -52,6 +52,7 @@ from .gluon_common import (
     decode_unit,
     pick_unit,
     row_globals,
+    smem_stage,
     smem_unit,
     stage_scales,
     stage_x,
@@ -257,23 +258,11 @@ def _segment(
             if WHOLE:  # the stage's units into registers, then its buffer refilled at once:
                 # with stage + NB, or past the segment's last stages (and ``hn``) with the
                 # next segment's first (stage + NB - NS_S of it, which maps to this buffer)
-                hc0, hs0 = smem_unit(cbuf, sbuf, kb, 0, NB, UPS, _TR)
-                hc1, hs1, hc2, hs2, hc3, hs3 = hc0, hs0, hc0, hs0, hc0, hs0
-                if kb + 1 < NU_S:
-                    hc1, hs1 = smem_unit(cbuf, sbuf, kb + 1, 0, NB, UPS, _TR)
-                if kb + 2 < NU_S:
-                    hc2, hs2 = smem_unit(cbuf, sbuf, kb + 2, 0, NB, UPS, _TR)
-                if kb + 3 < NU_S:
-                    hc3, hs3 = smem_unit(cbuf, sbuf, kb + 3, 0, NB, UPS, _TR)
+                hc0, hs0, hc1, hs1, hc2, hs2, hc3, hs3 = smem_stage(cbuf, sbuf, kb, 0, NU_S,
+                                                                    NB, UPS, _TR)  # fmt: skip
                 if GATED:
-                    uc0, us0 = smem_unit(cbuf, sbuf, kb, 1, NB, UPS, _TR)
-                    uc1, us1, uc2, us2, uc3, us3 = uc0, us0, uc0, us0, uc0, us0
-                    if kb + 1 < NU_S:
-                        uc1, us1 = smem_unit(cbuf, sbuf, kb + 1, 1, NB, UPS, _TR)
-                    if kb + 2 < NU_S:
-                        uc2, us2 = smem_unit(cbuf, sbuf, kb + 2, 1, NB, UPS, _TR)
-                    if kb + 3 < NU_S:
-                        uc3, us3 = smem_unit(cbuf, sbuf, kb + 3, 1, NB, UPS, _TR)
+                    uc0, us0, uc1, us1, uc2, us2, uc3, us3 = smem_stage(cbuf, sbuf, kb, 1, NU_S,
+                                                                        NB, UPS, _TR)  # fmt: skip
                 if (kb // UPS) + NB < NS_S:
                     gl.thread_barrier()
                     fence_async_shared()
