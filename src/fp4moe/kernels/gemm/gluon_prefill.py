@@ -190,12 +190,12 @@ def _segment(acc, s, NST: gl.constexpr, NU: gl.constexpr, tdone, x_desc, c_desc,
                             a = decode_half(h0, sb, A_L, _TR)
                         else:
                             a = decode_half(h1, sb, A_L, _TR)
+                        p = warpgroup_mma(a, xb.slice(32 * h, 32, dim=0), p, is_async=True)
+                        pa = a
                         if u == 0 and h == 1:  # every group of the last stage is done
                             _refill_last(s, st, t, x_desc, c_desc, s_desc, xdst, cbuf,
                                          sbuf, bars, row0, row1, start, NT, NB, BM, XE,
                                          SCALE_TMA)  # fmt: skip
-                        p = warpgroup_mma(a, xb.slice(32 * h, 32, dim=0), p, is_async=True)
-                        pa = a
                 else:
                     if A_E4M3:
                         a = decode_unit_e4m3(gc, gs, A_L, _TR)
@@ -207,17 +207,17 @@ def _segment(acc, s, NST: gl.constexpr, NU: gl.constexpr, tdone, x_desc, c_desc,
                             # W4A8: each stage's (256 K's) FP8 sum (its first wgmma starts
                             # from zero: use_acc off), added to the fp32 sums
                             acc = acc + p
-                    if u == 0:
-                        # the last stage's wgmmas are done (waited above, or at the end
-                        # of the last segment)
-                        _refill_last(s, st, t, x_desc, c_desc, s_desc, xdst, cbuf, sbuf,
-                                     bars, row0, row1, start, NT, NB, BM, XE,
-                                     SCALE_TMA)  # fmt: skip
                     if A_E4M3:
                         p = warpgroup_mma(a, xb, p, use_acc=u > 0, is_async=True)
                     else:
                         p = warpgroup_mma(a, xb, p, is_async=True)
                     pa = a  # read by the next unit's wait
+                    if u == 0:
+                        # the last stage's wgmmas are done (waited above, or at the end
+                        # of the last segment): its buffer refilled while this unit's run
+                        _refill_last(s, st, t, x_desc, c_desc, s_desc, xdst, cbuf, sbuf,
+                                     bars, row0, row1, start, NT, NB, BM, XE,
+                                     SCALE_TMA)  # fmt: skip
     # the segment's sum is complete
     p = _wait(p, pa, A_E4M3)
     return acc + p
