@@ -31,7 +31,9 @@ from .shapes import scale_rows_tma
 
 __all__ = [
     "CODE_SMEM",
+    "CODE_SMEM3",
     "SCALE_SMEM",
+    "SCALE_SMEM3",
     "STAGE_K",
     "UNIT",
     "X_SMEM3",
@@ -58,6 +60,10 @@ STAGE_K = gl.constexpr(256)  # K elements a ring stage (four units; one 16-byte 
 # its scales [rows, 16 bytes] unswizzled
 CODE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 SCALE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+# the same for two blocks of rows in one copy (``weight_descriptors(pair=...)``): [2, rows,
+# bytes], laid out as [2 * rows, bytes]
+CODE_SMEM3 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)
+SCALE_SMEM3 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
 # activation rows already in sorted and unit order, by TMA as [4 units, BM rows, 64]
 # boxes of the view [K/64, rows, 64], with the 128-byte swizzle of the wgmma B tiles
 X_SMEM3 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
@@ -94,10 +100,14 @@ def code_layout3(rows, nbytes=8):
     )
 
 
-def weight_descriptors(codes: torch.Tensor, scales: torch.Tensor, rows: int = 64):
+def weight_descriptors(codes: torch.Tensor, scales: torch.Tensor, rows: int = 64,
+                       pair: int = 0):  # fmt: skip
     """TMA descriptors of one GEMM's weights: codes uint8 [E, W_ROWS, K/2] as [E * W_ROWS,
     K/2] with [rows, 128-byte] boxes (one 256-K stage, ``CODE_SMEM``), scales e4m3
-    [E, W_ROWS, K/16] as bytes with [rows, 16] boxes.
+    [E, W_ROWS, K/16] as bytes with [rows, 16] boxes. With ``pair`` > 0 a box is two
+    blocks of ``rows`` rows, the second ``pair`` rows below the first (the up rows of a
+    gated GEMM: ``pair`` = n): the weights as [2, E * W_ROWS - pair, bytes] with [2, rows,
+    bytes] boxes at (0, first row, byte), ``CODE_SMEM3`` and ``SCALE_SMEM3``.
 
     Returns (code descriptor, scale descriptor, scale bytes, scales by TMA). Where TMA
     cannot copy the scale rows (``shapes.scale_rows_tma``; the kernels load them by
@@ -112,8 +122,17 @@ def weight_descriptors(codes: torch.Tensor, scales: torch.Tensor, rows: int = 64
         s2 = s8.reshape(-1, s8.shape[-1])
     else:
         s2, s8 = c2, s8.contiguous()
-    return (TensorDescriptor.from_tensor(c2, [rows, STAGE_K.value // 2], CODE_SMEM),
-            TensorDescriptor.from_tensor(s2, [rows, 16], SCALE_SMEM), s8, tma)  # fmt: skip
+    if not pair:
+        return (TensorDescriptor.from_tensor(c2, [rows, STAGE_K.value // 2], CODE_SMEM),
+                TensorDescriptor.from_tensor(s2, [rows, 16], SCALE_SMEM), s8, tma)  # fmt: skip
+
+    def paired(t: torch.Tensor, nbytes: int, layout) -> TensorDescriptor:
+        r, sr = t.shape[0], t.stride(0)
+        return TensorDescriptor(t, [2, r - pair, t.shape[1]], [pair * sr, sr, 1],
+                                [2, rows, nbytes], layout)  # fmt: skip
+
+    return (paired(c2, STAGE_K.value // 2, CODE_SMEM3), paired(s2, 16, SCALE_SMEM3), s8,
+            tma)  # fmt: skip
 
 
 @gluon.jit

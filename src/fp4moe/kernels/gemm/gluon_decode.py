@@ -46,7 +46,9 @@ from ..common import compile_sm90 as common_compile_sm90
 from . import shapes
 from .gluon_common import (
     CODE_SMEM,
+    CODE_SMEM3,
     SCALE_SMEM,
+    SCALE_SMEM3,
     STAGE_K,
     UNIT,
     decode_unit,
@@ -88,8 +90,9 @@ def _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row, k0, st: gl.constexpr, w: 
 def _issue(c_desc, s_desc, cbuf, sbuf, bar, row, N: gl.constexpr, k0, st: gl.constexpr,
            NB: gl.constexpr, GATED: gl.constexpr, SCALE_TMA: gl.constexpr):  # fmt: skip
     """Ring stage ``st`` of the segment at ``k0``: the expected bytes on ``bar``, then the
-    copies of the gate weight's (rows from ``row``) and with GATED the up weight's (from
-    ``row + N``) stage."""
+    copies of the gate weight's stage (rows from ``row``), or GATED one copy of the gate
+    weight's and the up weight's (from ``row + N``; ``weight_descriptors(pair=N)``, a ring
+    of one stage)."""
     if GATED:
         NW: gl.constexpr = 2
     else:
@@ -99,9 +102,16 @@ def _issue(c_desc, s_desc, cbuf, sbuf, bar, row, N: gl.constexpr, k0, st: gl.con
     else:
         STAGE_BYTES: gl.constexpr = NW * _TR * (STAGE_K // 2)
     mbarrier.expect(bar, STAGE_BYTES)
-    _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row, k0, st, 0, NB, SCALE_TMA)
-    if GATED:
-        _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row + N, k0, st, 1, NB, SCALE_TMA)
+    if GATED:  # buffers 0 (gate) and 1 (up) as one [2, 64, bytes] destination
+        gl.static_assert(NB == 1, "the gate and up buffers of one stage are consecutive")
+        k = k0 + st * STAGE_K
+        cdst = cbuf._reinterpret(gl.uint8, [2, _TR, STAGE_K // 2], CODE_SMEM3)
+        tma.async_copy_global_to_shared(c_desc, [0, row, k // 2], bar, cdst)
+        if SCALE_TMA:
+            sdst = sbuf._reinterpret(gl.uint8, [2, _TR, 16], SCALE_SMEM3)
+            tma.async_copy_global_to_shared(s_desc, [0, row, k // 16], bar, sdst)
+    else:
+        _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row, k0, st, 0, NB, SCALE_TMA)
 
 
 @gluon.jit
@@ -517,7 +527,7 @@ def split_partials_tma(
         counters = counters if counters is not None else w_global
     elif part is None:
         raise ValueError("split_partials_tma: part (the fp32 partials) is needed unless whole")
-    c_desc, s_desc, s_bytes, s_tma = weight_descriptors(codes, scales)
+    c_desc, s_desc, s_bytes, s_tma = weight_descriptors(codes, scales, pair=n if gated else 0)
     dummy = part
     tma_split_kernel[(tiles, segs, blocks)](
         x, sorted_routes, c_desc, s_desc, s_bytes, block_expert, block_start,
@@ -548,10 +558,13 @@ def compile_sm90(*, n: int, k: int, gated: bool, block_m: int, epilogue: bool = 
         "cnt_ptr": "*i32", "w_global_ptr": "*fp32", "topk_w_ptr": "*fp32",
         "out_ptr": "*fp32" if fused else "*bf16", "a_global_ptr": "*fp32",
     }  # fmt: skip
-    descs = {
-        "c_desc": f"tensordesc<u8[{_TR.value}, {STAGE_K.value // 2}],{CODE_SMEM!r}>",
-        "s_desc": f"tensordesc<u8[{_TR.value}, 16],{SCALE_SMEM!r}>",
-    }
+    tr, sk = _TR.value, STAGE_K.value
+    if gated:  # the gate and up rows in one copy (``weight_descriptors(pair=n)``)
+        descs = {"c_desc": f"tensordesc<u8[2, {tr}, {sk // 2}],{CODE_SMEM3!r}>",
+                 "s_desc": f"tensordesc<u8[2, {tr}, 16],{SCALE_SMEM3!r}>"}  # fmt: skip
+    else:
+        descs = {"c_desc": f"tensordesc<u8[{tr}, {sk // 2}],{CODE_SMEM!r}>",
+                 "s_desc": f"tensordesc<u8[{tr}, 16],{SCALE_SMEM!r}>"}  # fmt: skip
     const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated, BM=block_m, SEG=SEGMENT,
                  NBUF=RING_STAGES, EPILOGUE=epilogue or whole, FUSED=fused,
                  OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_UNIT_ORDER=a_fp4, A_FP4=a_fp4,

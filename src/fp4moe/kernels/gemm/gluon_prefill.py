@@ -52,7 +52,9 @@ from ..common import compile_sm90 as common_compile_sm90
 from . import shapes
 from .gluon_common import (
     CODE_SMEM,
+    CODE_SMEM3,
     SCALE_SMEM,
+    SCALE_SMEM3,
     UNIT,
     X_SMEM3,
     decode_half,
@@ -89,12 +91,14 @@ X8_SMEM3 = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=
 
 
 @gluon.jit
-def _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bar, t, b: gl.constexpr, row0, row1,
-           start, BM: gl.constexpr, XE: gl.constexpr, SCALE_TMA: gl.constexpr):  # fmt: skip
+def _issue(x_desc, c_desc, s_desc, xdst, cview, sview, bar, t, b: gl.constexpr, row0,
+           start, BM: gl.constexpr, XE: gl.constexpr, GATED: gl.constexpr,
+           SCALE_TMA: gl.constexpr):  # fmt: skip
     """TMA copies of ring stage ``t`` (K from ``t * 256``) into buffer ``b``, completing
     on ``bar``: the rows [start, start + BM) of the activation (``XE`` bytes an element)
-    and 64 weight rows' codes from ``row0`` and from ``row1``, and their scales with
-    SCALE_TMA. Past K the copies read zeros."""
+    and the weight tile's codes, and its scales with SCALE_TMA, one copy each: 128 rows
+    from ``row0``, or GATED 64 rows from ``row0`` and the 64 up rows ``N`` below
+    (``weight_descriptors(pair=N)``). Past K the copies read zeros."""
     XB: gl.constexpr = _SK // 64 * BM * 64 * XE
     if SCALE_TMA:
         CB: gl.constexpr = 2 * 64 * (_SK // 2) + 2 * 64 * (_SK // 16)
@@ -102,18 +106,24 @@ def _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bar, t, b: gl.constexpr, ro
         CB: gl.constexpr = 2 * 64 * (_SK // 2)
     mbarrier.expect(bar, XB + CB)
     tma.async_copy_global_to_shared(x_desc, [t * (_SK // 64), start, 0], bar, xdst.index(b))
-    tma.async_copy_global_to_shared(c_desc, [row0, t * (_SK // 2)], bar, cbuf.index(2 * b))
-    tma.async_copy_global_to_shared(c_desc, [row1, t * (_SK // 2)], bar, cbuf.index(2 * b + 1))
-    if SCALE_TMA:
-        tma.async_copy_global_to_shared(s_desc, [row0, t * (_SK // 16)], bar, sbuf.index(2 * b))
-        tma.async_copy_global_to_shared(s_desc, [row1, t * (_SK // 16)], bar,
-                                        sbuf.index(2 * b + 1))  # fmt: skip
+    if GATED:
+        cdst = cview._reinterpret(gl.uint8, [cview.shape[0], 2, 64, _SK // 2], CODE_SMEM3)
+        tma.async_copy_global_to_shared(c_desc, [0, row0, t * (_SK // 2)], bar, cdst.index(b))
+        if SCALE_TMA:
+            sdst = sview._reinterpret(gl.uint8, [sview.shape[0], 2, 64, 16], SCALE_SMEM3)
+            tma.async_copy_global_to_shared(s_desc, [0, row0, t * (_SK // 16)], bar,
+                                            sdst.index(b))  # fmt: skip
+    else:
+        tma.async_copy_global_to_shared(c_desc, [row0, t * (_SK // 2)], bar, cview.index(b))
+        if SCALE_TMA:
+            tma.async_copy_global_to_shared(s_desc, [row0, t * (_SK // 16)], bar,
+                                            sview.index(b))  # fmt: skip
 
 
 @gluon.jit
-def _refill_last(s, st: gl.constexpr, t, x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bars,
-                 row0, row1, start, NT: gl.constexpr, NB: gl.constexpr, BM: gl.constexpr,
-                 XE: gl.constexpr, SCALE_TMA: gl.constexpr):  # fmt: skip
+def _refill_last(s, st: gl.constexpr, t, x_desc, c_desc, s_desc, xdst, cview, sview, bars,
+                 row0, start, NT: gl.constexpr, NB: gl.constexpr, BM: gl.constexpr,
+                 XE: gl.constexpr, GATED: gl.constexpr, SCALE_TMA: gl.constexpr):  # fmt: skip
     """At stage ``t`` (stage ``st`` of segment ``s``), once every wgmma reading the stage
     before it is done: refill that stage's buffer with stage t - 1 + NB, if the tile has
     it (the first stage of segment 0 has no stage before it)."""
@@ -122,14 +132,14 @@ def _refill_last(s, st: gl.constexpr, t, x_desc, c_desc, s_desc, xdst, cbuf, sbu
         if t - 1 + NB < NT:
             gl.thread_barrier()
             fence_async_shared()
-            _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bars.index((st - 1) % NB),
-                   t - 1 + NB, (st - 1) % NB, row0, row1, start, BM, XE,
+            _issue(x_desc, c_desc, s_desc, xdst, cview, sview, bars.index((st - 1) % NB),
+                   t - 1 + NB, (st - 1) % NB, row0, start, BM, XE, GATED,
                    SCALE_TMA)  # fmt: skip
     elif s > 0 and t - 1 + NB < NT:
         gl.thread_barrier()
         fence_async_shared()
-        _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bars.index((SPS - 1) % NB),
-               t - 1 + NB, (SPS - 1) % NB, row0, row1, start, BM, XE, SCALE_TMA)  # fmt: skip
+        _issue(x_desc, c_desc, s_desc, xdst, cview, sview, bars.index((SPS - 1) % NB),
+               t - 1 + NB, (SPS - 1) % NB, row0, start, BM, XE, GATED, SCALE_TMA)  # fmt: skip
 
 
 @gluon.jit
@@ -145,9 +155,9 @@ def _wait(p, pa, A_E4M3: gl.constexpr):
 
 @gluon.jit
 def _segment(acc, s, NST: gl.constexpr, NU: gl.constexpr, tdone, x_desc, c_desc, s_desc,
-             s_ptr, rows_total, xr, xdst, cbuf, sbuf, cview, sview, bars, row0, row1, start,
+             s_ptr, rows_total, xr, xdst, cview, sview, bars, row0, row1, start,
              K: gl.constexpr, NB: gl.constexpr, BM: gl.constexpr, XE: gl.constexpr,
-             A_E4M3: gl.constexpr, SCALE_TMA: gl.constexpr, A_L: gl.constexpr,
+             GATED: gl.constexpr, A_E4M3: gl.constexpr, SCALE_TMA: gl.constexpr, A_L: gl.constexpr,
              MMA: gl.constexpr, HALF: gl.constexpr):  # fmt: skip
     """Segment ``s`` of a tile: ``NU`` units in ``NST`` ring stages from stage ``s * 4``
     (the last segment may hold fewer): its sum from zero, added to ``acc``, which is
@@ -193,8 +203,8 @@ def _segment(acc, s, NST: gl.constexpr, NU: gl.constexpr, tdone, x_desc, c_desc,
                         p = warpgroup_mma(a, xb.slice(32 * h, 32, dim=0), p, is_async=True)
                         pa = a
                         if u == 0 and h == 1:  # every group of the last stage is done
-                            _refill_last(s, st, t, x_desc, c_desc, s_desc, xdst, cbuf,
-                                         sbuf, bars, row0, row1, start, NT, NB, BM, XE,
+                            _refill_last(s, st, t, x_desc, c_desc, s_desc, xdst, cview,
+                                         sview, bars, row0, start, NT, NB, BM, XE, GATED,
                                          SCALE_TMA)  # fmt: skip
                 else:
                     if A_E4M3:
@@ -215,8 +225,8 @@ def _segment(acc, s, NST: gl.constexpr, NU: gl.constexpr, tdone, x_desc, c_desc,
                     if u == 0:
                         # the last stage's wgmmas are done (waited above, or at the end
                         # of the last segment): its buffer refilled while this unit's run
-                        _refill_last(s, st, t, x_desc, c_desc, s_desc, xdst, cbuf, sbuf,
-                                     bars, row0, row1, start, NT, NB, BM, XE,
+                        _refill_last(s, st, t, x_desc, c_desc, s_desc, xdst, cview, sview,
+                                     bars, row0, start, NT, NB, BM, XE, GATED,
                                      SCALE_TMA)  # fmt: skip
     # the segment's sum is complete
     p = _wait(p, pa, A_E4M3)
@@ -287,10 +297,8 @@ def prefill_kernel(
         KI: gl.constexpr = 16
     xr = gl.allocate_shared_memory(XT, [NB * UPS * BM, UNIT], XS)
     xdst = xr._reinterpret(XT, [NB, UPS, BM, UNIT], XS3)
-    cbuf = gl.allocate_shared_memory(gl.uint8, [2 * NB, 64, _SK // 2], CODE_SMEM)
-    sbuf = gl.allocate_shared_memory(gl.uint8, [2 * NB, 64, 16], SCALE_SMEM)
-    cview = cbuf._reinterpret(gl.uint8, [NB, _TR, _SK // 2], CODE_SMEM)
-    sview = sbuf._reinterpret(gl.uint8, [NB, _TR, 16], SCALE_SMEM)
+    cview = gl.allocate_shared_memory(gl.uint8, [NB, _TR, _SK // 2], CODE_SMEM)
+    sview = gl.allocate_shared_memory(gl.uint8, [NB, _TR, 16], SCALE_SMEM)
     ep = xr._reinterpret(gl.float32, [_TR, BM], EPI_SMEM)
     bars = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NB):
@@ -328,19 +336,19 @@ def prefill_kernel(
             row0 = e * W_ROWS + pid_n * _TR
             row1 = row0 + 64
         for st in gl.static_range(min(NB, NT)):
-            _issue(x_desc, c_desc, s_desc, xdst, cbuf, sbuf, bars.index(st), st, st, row0,
-                   row1, start, BM, XE, SCALE_TMA)  # fmt: skip
+            _issue(x_desc, c_desc, s_desc, xdst, cview, sview, bars.index(st), st, st, row0,
+                   start, BM, XE, GATED, SCALE_TMA)  # fmt: skip
         tdone = (w - pid) // nprog  # tiles this program finished before this one
         acc = gl.zeros([_TR, BM], gl.float32, layout=MMA)
         for s in range(NSEG):
             acc = _segment(acc, s, SPS, SPS * UPS, tdone, x_desc, c_desc, s_desc, s_ptr,
-                           rows_total, xr, xdst, cbuf, sbuf, cview, sview, bars, row0, row1,
-                           start, K, NB, BM, XE, A_E4M3, SCALE_TMA, A_L, MMA,
+                           rows_total, xr, xdst, cview, sview, bars, row0, row1, start, K,
+                           NB, BM, XE, GATED, A_E4M3, SCALE_TMA, A_L, MMA,
                            HALF_UNITS)  # fmt: skip
         if TAIL_U > 0:  # the last, partial segment (K not a multiple of 1024)
             acc = _segment(acc, NSEG, (TAIL_U + UPS - 1) // UPS, TAIL_U, tdone, x_desc, c_desc,
-                           s_desc, s_ptr, rows_total, xr, xdst, cbuf, sbuf, cview, sview, bars,
-                           row0, row1, start, K, NB, BM, XE, A_E4M3, SCALE_TMA, A_L, MMA,
+                           s_desc, s_ptr, rows_total, xr, xdst, cview, sview, bars, row0,
+                           row1, start, K, NB, BM, XE, GATED, A_E4M3, SCALE_TMA, A_L, MMA,
                            HALF_UNITS)  # fmt: skip
         gl.thread_barrier()  # every wgmma reading the ring is done before the epilogue
 
@@ -455,7 +463,8 @@ def prefill_gemm(
         raise ValueError("prefill_gemm: fused needs topk_w")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    c_desc, s_desc, s_bytes, s_tma = weight_descriptors(codes, scales)
+    c_desc, s_desc, s_bytes, s_tma = weight_descriptors(codes, scales, rows=64 if gated else TR,
+                                                        pair=n if gated else 0)  # fmt: skip
     x_desc = TensorDescriptor(xs, [k // 64, xs.shape[0], 64], [64, k, 1],
                               [SK // 64, block_m, 64], X8_SMEM3 if e4m3 else X_SMEM3)  # fmt: skip
     tiles = -(-n // (64 if gated else TR))
@@ -488,8 +497,12 @@ def compile_sm90(*, n: int, k: int, gated: bool, fused: bool = False, a_fp4: boo
         "x_desc": f"tensordesc<fp8e4nv[{SK // 64}, {block_m}, 64],{X8_SMEM3!r}>"
         if a_e4m3
         else f"tensordesc<bf16[{SK // 64}, {block_m}, 64],{X_SMEM3!r}>",
-        "c_desc": f"tensordesc<u8[64, {SK // 2}],{CODE_SMEM!r}>",
-        "s_desc": f"tensordesc<u8[64, 16],{SCALE_SMEM!r}>",
+        "c_desc": f"tensordesc<u8[2, 64, {SK // 2}],{CODE_SMEM3!r}>"
+        if gated
+        else f"tensordesc<u8[{TR}, {SK // 2}],{CODE_SMEM!r}>",
+        "s_desc": f"tensordesc<u8[2, 64, 16],{SCALE_SMEM3!r}>"
+        if gated
+        else f"tensordesc<u8[{TR}, 16],{SCALE_SMEM!r}>",
     }
     const = dict(
         N=n,
