@@ -3,15 +3,16 @@ portable loop's units (64 weight rows, one 1024-element K segment, 8 or 16 token
 with the same operands, order and sums, so the same bits.
 
 One elected thread of a program issues TMA copies of its segment's weights (a 256-K ring
-stage a copy: codes as [64 rows, 128 bytes] with a 128-byte swizzle, scales as [64, 16])
-into a ring of ``RING_STAGES`` stages, each with its own mbarrier; the activation tile is
-staged while they fly; the codes go from shared memory straight into the wgmma register
-fragment's layout (``gluon_common.code_layout``) and are decoded there, each unit's decode
+stage a copy: codes as [64 rows, 128 bytes] with a 128-byte swizzle, scales as [64, 16]; a
+gated GEMM's gate and up rows in one copy, [2, 64, 128] and [2, 64, 16]) into a ring of
+``RING_STAGES`` stages, each with its own mbarrier; the activation tile is staged while
+they fly; the codes go from shared memory straight into the wgmma register fragment's
+layout (``gluon_common.code_layout``) and are decoded there, each unit's decode
 overlapping the last unit's asynchronous wgmma. K is a multiple of 64: the last segment
 may be partial (its copies read zeros past K, its missing units are skipped at compile
-time); scales TMA cannot copy (``shapes.scale_rows_tma``: contiguous rows of K / 16
-bytes, no multiple of 16, which ``PreparedExperts`` pads in memory) come by pointer loads
-a stage ahead (``gluon_common.stage_scales``).
+time); scales TMA cannot copy (``shapes.scale_rows_tma``: contiguous rows of K / 16 bytes,
+no multiple of 16, which ``PreparedExperts`` pads in memory) come by pointer loads a stage
+ahead (``gluon_common.stage_scales``).
 
 Two forms (``split_partials_tma``):
 

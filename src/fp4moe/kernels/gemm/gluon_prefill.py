@@ -18,20 +18,22 @@ programmatic dependent launch). FC1's 128 rows are 64 gate rows and the 64 up ro
 the same outputs (warpgroup 0 and 1), FC2's 128 consecutive rows. A ring of ``STAGES``
 stages of 256 K in shared memory holds, per stage, the activation rows (one TMA box [4
 units, block rows, 64] of rows already in sorted and unit order,
-``dense_rows(order=64)``), the codes (two [64, 128-byte] boxes, 128-byte swizzle) and the
-scales (two [64, 16] boxes; pointer loads a stage ahead instead where TMA cannot copy
-them, ``shapes.scale_rows_tma``). K is a multiple of 64:
+``dense_rows(order=64)``), the codes (one copy: FC2's [128, 128-byte] box, FC1's gate and
+up rows as a [2, 64, 128-byte] box; 128-byte swizzle) and the scales (alike, 16 bytes a
+row; pointer loads a stage ahead instead where TMA cannot copy them,
+``shapes.scale_rows_tma``). K is a multiple of 64:
 the last segment and its last stage may be partial (the copies read zeros past K and the
 missing units are skipped), and FC2's last weight tile may pass N (its rows masked).
-On 128-row tiles each half of a 64-K unit (two k16 steps, ``gluon_common.decode_half``)
-is one wgmma group, and the wait before a half's decode leaves the last group in flight:
-the decode runs beside it and the tensor cores' queue never drains (two half fragments
-live). On 32 and 64-row tiles each unit is decoded whole (``decode_unit``) and its
-wgmmas wait for the last unit's: at 128 registers a thread ptxas places that wait before
-the decode, and the SM's other three warpgroups fill the gap. A stage's buffer is
-refilled once every wgmma reading it is done. A 1024-K segment's sum starts from zero and
-is added to the tile's running sums in segment order, ((0 + P_0) + P_1) + ...: the same
-bits as the portable loop. The epilogue (the portable epilogue's operations) goes through
+On 128-row tiles each half of a 64-K unit (two k16 steps, ``gluon_common.decode_half``) is
+one wgmma group, and the wait before a half's decode leaves the last group in flight: the
+decode runs beside it and the tensor cores' queue never drains (two half fragments live).
+On 32 and 64-row tiles each unit is decoded whole (``decode_unit``) and its wgmmas wait
+for the last unit's: at 128 registers a thread ptxas places that wait before the decode,
+and the SM's other three warpgroups fill the gap. A stage's buffer is refilled once every
+wgmma reading it is done, right after the next stage's first wgmma issues (the tensor
+cores run while the copies are issued). A 1024-K segment's sum starts from zero and is
+added to the tile's running sums in segment order, ((0 + P_0) + P_1) + ...: the same bits
+as the portable loop. The epilogue (the portable epilogue's operations) goes through
 shared memory, where gate and up of one output meet.
 """
 
