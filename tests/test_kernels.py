@@ -515,6 +515,50 @@ def test_dense_weights_bad_input():
         dense_weights(codes, torch.zeros(2, 4, 3, dtype=torch.float8_e4m3fn))
 
 
+def _tma_box(desc, coords: list[int]) -> torch.Tensor:
+    """What a TMA copy of ``desc``'s box at ``coords`` reads (elements past the shape are
+    zeros), from the descriptor's base, shape and strides alone."""
+    flat = desc.base.as_strided((desc.base.untyped_storage().nbytes(),), (1,),
+                                0)  # fmt: skip
+    out = torch.zeros(desc.block_shape, dtype=desc.base.dtype)
+    for idx in torch.cartesian_prod(*(torch.arange(b) for b in desc.block_shape)).tolist():
+        pos = [c + i for c, i in zip(coords, idx)]
+        if all(0 <= p < n for p, n in zip(pos, desc.shape)):
+            out[tuple(idx)] = flat[desc.base.storage_offset()
+                                   + sum(p * st for p, st in zip(pos, desc.strides))]  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_weight_descriptors_pair_reads_both_blocks(padded):
+    """``weight_descriptors(pair=n)``: one [2, 64, bytes] box at (0, row, byte) reads the
+    rows [row, row + 64) and [row + n, row + n + 64) that two [64, bytes] boxes read (the
+    gate and up rows of a gated GEMM), codes and scales (rows padded in memory or not),
+    with zeros past K."""
+    from fp4moe.kernels.gemm.gluon_common import weight_descriptors
+
+    e, n, k = 3, 128, 320  # scale rows of 20 bytes: TMA copies them only padded
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, (e, 2 * n, k // 2), dtype=torch.uint8, generator=g)
+    sb = torch.randint(0, 127, (e, 2 * n, 32 if padded else k // 16), dtype=torch.uint8,
+                       generator=g)  # fmt: skip
+    scales = sb[..., : k // 16].view(torch.float8_e4m3fn)
+    c1, s1, _, tma1 = weight_descriptors(codes, scales)
+    c2, s2, _, tma2 = weight_descriptors(codes, scales, pair=n)
+    assert tma1 == tma2 == padded
+    assert c2.block_shape == [2, 64, 128] and c2.shape == [2, e * 2 * n - n, k // 2]
+    for row in (0, n - 64, 2 * n + 64, (e - 1) * 2 * n + n - 64):
+        for kb in (0, 128):  # the second stage passes K / 2 = 160 bytes
+            both = _tma_box(c2, [0, row, kb])
+            assert torch.equal(both[0], _tma_box(c1, [row, kb]))
+            assert torch.equal(both[1], _tma_box(c1, [row + n, kb]))
+            assert not both[:, :, 160 - kb :].any()
+            if padded:
+                sboth = _tma_box(s2, [0, row, kb // 8])
+                assert torch.equal(sboth[0], _tma_box(s1, [row, kb // 8]))
+                assert torch.equal(sboth[1], _tma_box(s1, [row + n, kb // 8]))
+
+
 # ----------------------------------------------------------------------------- Gluon on CPU
 
 
