@@ -30,12 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = {
-    "w4a16": ("w4a16", "per_token"),
-    "w4a4-token": ("w4a4", "per_token"),
-    "w4a4-tensor": ("w4a4", "per_tensor"),
-    "w4a4-static": ("w4a4", "static"),
-}
+sys.path.insert(0, str(ROOT / "src"))
+from fp4moe.presets import MODES  # noqa: E402 (the mode names of fp4moe bench)
 
 
 def extract_base(rev: str, dest: Path) -> Path:
