@@ -31,10 +31,10 @@ On 32 and 64-row tiles each unit is decoded whole (``decode_unit``) and its wgmm
 for the last unit's: at 128 registers a thread ptxas places that wait before the decode,
 and the SM's other three warpgroups fill the gap. A stage's buffer is refilled once every
 wgmma reading it is done, right after the next stage's first wgmma issues (the tensor
-cores run while the copies are issued). A 1024-K segment's sum starts from zero and is
-added to the tile's running sums in segment order, ((0 + P_0) + P_1) + ...: the same bits
-as the portable loop. The epilogue (the portable epilogue's operations) goes through
-shared memory, where gate and up of one output meet.
+cores run while the copies are issued; W4A8 just before it). A 1024-K segment's sum starts
+from zero and is added to the tile's running sums in segment order, ((0 + P_0) + P_1) +
+...: the same bits as the portable loop. The epilogue (the portable epilogue's operations)
+goes through shared memory, where gate and up of one output meet.
 """
 
 from __future__ import annotations
@@ -219,14 +219,19 @@ def _segment(acc, s, NST: gl.constexpr, NU: gl.constexpr, tdone, x_desc, c_desc,
                             # W4A8: each stage's (256 K's) FP8 sum (its first wgmma starts
                             # from zero: use_acc off), added to the fp32 sums
                             acc = acc + p
+                    # the last stage's wgmmas are done (waited above, or at the end of
+                    # the last segment): its buffer refilled, while this unit's wgmmas run
+                    # (W4A8 before they issue: after, its 64-row tiles spill more)
+                    if u == 0 and A_E4M3:
+                        _refill_last(s, st, t, x_desc, c_desc, s_desc, xdst, cview, sview,
+                                     bars, row0, start, NT, NB, BM, XE, GATED,
+                                     SCALE_TMA)  # fmt: skip
                     if A_E4M3:
                         p = warpgroup_mma(a, xb, p, use_acc=u > 0, is_async=True)
                     else:
                         p = warpgroup_mma(a, xb, p, is_async=True)
                     pa = a  # read by the next unit's wait
-                    if u == 0:
-                        # the last stage's wgmmas are done (waited above, or at the end
-                        # of the last segment): its buffer refilled while this unit's run
+                    if u == 0 and not A_E4M3:
                         _refill_last(s, st, t, x_desc, c_desc, s_desc, xdst, cview, sview,
                                      bars, row0, start, NT, NB, BM, XE, GATED,
                                      SCALE_TMA)  # fmt: skip
