@@ -58,8 +58,7 @@ def extract_base(rev: str, dest: Path) -> Path:
 
 
 def _versions(base_src: str):
-    sys.path.insert(0, str(ROOT / "src"))
-    sys.path.insert(0, base_src)
+    sys.path.insert(0, base_src)  # (this tree's src is on the path since the import)
     import fp4moe_base
 
     import fp4moe

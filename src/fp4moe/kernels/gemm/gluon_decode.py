@@ -74,26 +74,12 @@ _TR = gl.constexpr(64)  # weight rows a tile (one warpgroup)
 
 
 @gluon.jit
-def _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row, k0, st: gl.constexpr, w: gl.constexpr,
-                 NB: gl.constexpr, SCALE_TMA: gl.constexpr):  # fmt: skip
-    """TMA copies of ring stage ``st`` (K from ``k0 + st * 256``) of weight ``w`` (0 gate,
-    1 up) into ring buffer ``st % NB``, completing on ``bar``: the stage's codes [64, 128
-    bytes] and with SCALE_TMA its scales [64, 16]. Past K the copies read zeros."""
-    b: gl.constexpr = st % NB
-    tma.async_copy_global_to_shared(c_desc, [row, (k0 + st * STAGE_K) // 2], bar,
-                                    cbuf.index(w * NB + b))  # fmt: skip
-    if SCALE_TMA:
-        tma.async_copy_global_to_shared(s_desc, [row, (k0 + st * STAGE_K) // 16], bar,
-                                        sbuf.index(w * NB + b))  # fmt: skip
-
-
-@gluon.jit
 def _issue(c_desc, s_desc, cbuf, sbuf, bar, row, N: gl.constexpr, k0, st: gl.constexpr,
            NB: gl.constexpr, GATED: gl.constexpr, SCALE_TMA: gl.constexpr):  # fmt: skip
     """Ring stage ``st`` of the segment at ``k0``: the expected bytes on ``bar``, then the
     copies of the gate weight's stage (rows from ``row``), or GATED one copy of the gate
     weight's and the up weight's (from ``row + N``; ``weight_descriptors(pair=N)``, a ring
-    of one stage)."""
+    of one stage). Past K the copies read zeros."""
     if GATED:
         NW: gl.constexpr = 2
     else:
@@ -103,16 +89,19 @@ def _issue(c_desc, s_desc, cbuf, sbuf, bar, row, N: gl.constexpr, k0, st: gl.con
     else:
         STAGE_BYTES: gl.constexpr = NW * _TR * (STAGE_K // 2)
     mbarrier.expect(bar, STAGE_BYTES)
+    k = k0 + st * STAGE_K
     if GATED:  # buffers 0 (gate) and 1 (up) as one [2, 64, bytes] destination
         gl.static_assert(NB == 1, "the gate and up buffers of one stage are consecutive")
-        k = k0 + st * STAGE_K
         cdst = cbuf._reinterpret(gl.uint8, [2, _TR, STAGE_K // 2], CODE_SMEM3)
         tma.async_copy_global_to_shared(c_desc, [0, row, k // 2], bar, cdst)
         if SCALE_TMA:
             sdst = sbuf._reinterpret(gl.uint8, [2, _TR, 16], SCALE_SMEM3)
             tma.async_copy_global_to_shared(s_desc, [0, row, k // 16], bar, sdst)
-    else:
-        _issue_stage(c_desc, s_desc, cbuf, sbuf, bar, row, k0, st, 0, NB, SCALE_TMA)
+    else:  # ring buffer st % NB: codes [64, 128 bytes], scales [64, 16]
+        b: gl.constexpr = st % NB
+        tma.async_copy_global_to_shared(c_desc, [row, k // 2], bar, cbuf.index(b))
+        if SCALE_TMA:
+            tma.async_copy_global_to_shared(s_desc, [row, k // 16], bar, sbuf.index(b))
 
 
 @gluon.jit
