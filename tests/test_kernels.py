@@ -27,7 +27,7 @@ from fp4moe.kernels.gemm.operands import (
 )
 from fp4moe.kernels.sort import TileSchedule, sort_routes, sort_routes_reference
 from fp4moe.reference import finalize_reference, moe_reference, route_rows_reference
-from testing import TOL, rel_err
+from testing import TOL, rel_err, tma_box
 
 MODES = [
     ("w4a16", "per_token"),
@@ -515,20 +515,6 @@ def test_dense_weights_bad_input():
         dense_weights(codes, torch.zeros(2, 4, 3, dtype=torch.float8_e4m3fn))
 
 
-def _tma_box(desc, coords: list[int]) -> torch.Tensor:
-    """What a TMA copy of ``desc``'s box at ``coords`` reads (elements past the shape are
-    zeros), from the descriptor's base, shape and strides alone."""
-    flat = desc.base.as_strided((desc.base.untyped_storage().nbytes(),), (1,),
-                                0)  # fmt: skip
-    out = torch.zeros(desc.block_shape, dtype=desc.base.dtype)
-    for idx in torch.cartesian_prod(*(torch.arange(b) for b in desc.block_shape)).tolist():
-        pos = [c + i for c, i in zip(coords, idx)]
-        if all(0 <= p < n for p, n in zip(pos, desc.shape)):
-            out[tuple(idx)] = flat[desc.base.storage_offset()
-                                   + sum(p * st for p, st in zip(pos, desc.strides))]  # fmt: skip
-    return out
-
-
 @pytest.mark.parametrize("padded", [False, True])
 def test_weight_descriptors_pair_reads_both_blocks(padded):
     """``weight_descriptors(pair=n)``: one [2, 64, bytes] box at (0, row, byte) reads the
@@ -549,14 +535,14 @@ def test_weight_descriptors_pair_reads_both_blocks(padded):
     assert c2.block_shape == [2, 64, 128] and c2.shape == [2, e * 2 * n - n, k // 2]
     for row in (0, n - 64, 2 * n + 64, (e - 1) * 2 * n + n - 64):
         for kb in (0, 128):  # the second stage passes K / 2 = 160 bytes
-            both = _tma_box(c2, [0, row, kb])
-            assert torch.equal(both[0], _tma_box(c1, [row, kb]))
-            assert torch.equal(both[1], _tma_box(c1, [row + n, kb]))
+            both = tma_box(c2, [0, row, kb])
+            assert torch.equal(both[0], tma_box(c1, [row, kb]))
+            assert torch.equal(both[1], tma_box(c1, [row + n, kb]))
             assert not both[:, :, 160 - kb :].any()
             if padded:
-                sboth = _tma_box(s2, [0, row, kb // 8])
-                assert torch.equal(sboth[0], _tma_box(s1, [row, kb // 8]))
-                assert torch.equal(sboth[1], _tma_box(s1, [row + n, kb // 8]))
+                sboth = tma_box(s2, [0, row, kb // 8])
+                assert torch.equal(sboth[0], tma_box(s1, [row, kb // 8]))
+                assert torch.equal(sboth[1], tma_box(s1, [row + n, kb // 8]))
 
 
 # ----------------------------------------------------------------------------- Gluon on CPU

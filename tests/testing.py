@@ -178,3 +178,17 @@ def random_routes(
         ids = torch.where(mask, torch.full_like(ids, -1), ids)
     weights = torch.softmax(torch.randn((T, K), generator=g), dim=-1)
     return ids.to(torch.int32).contiguous(), weights.to(torch.float32).contiguous()
+
+
+def tma_box(desc, coords: list[int]) -> torch.Tensor:
+    """What a TMA copy of ``desc``'s box at ``coords`` reads (elements past the shape are
+    zeros), from the descriptor's base, shape and strides alone."""
+    flat = desc.base.as_strided((desc.base.untyped_storage().nbytes(),), (1,),
+                                0)  # fmt: skip
+    out = torch.zeros(desc.block_shape, dtype=desc.base.dtype)
+    for idx in torch.cartesian_prod(*(torch.arange(b) for b in desc.block_shape)).tolist():
+        pos = [c + i for c, i in zip(coords, idx)]
+        if all(0 <= p < n for p, n in zip(pos, desc.shape)):
+            out[tuple(idx)] = flat[desc.base.storage_offset()
+                                   + sum(p * st for p, st in zip(pos, desc.strides))]  # fmt: skip
+    return out
