@@ -1,7 +1,7 @@
 """Does the weights' layout cap the TMA read rate of the decode kernels?
 
 Streams the same bytes through a shared-memory ring of TMA copies in two patterns and
-prints the read rate (TB/s) beside the card's device-copy rate:
+prints the read rate (TB/s) beside the card's copy rate (as ``fp4moe bench`` measures it):
 
 - ``strided``: today's layout, the codes of a gated GEMM as [E * 2N, K/2] bytes; a copy
   is one ring stage of the decode kernels, the gate rows' [64, 128-byte] box and the up
@@ -27,10 +27,11 @@ import itertools
 
 import numpy as np
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+from fp4moe.bench import card_ceilings, time_us
 
 BOX_ROWS = 64
 BOX_BYTES = 128
@@ -122,14 +123,6 @@ def expected_xor(buf: torch.Tensor, n: int, kb: int, experts: int, contig: bool)
     return np.bitwise_xor.reduce(w, axis=(0, 2, 4))
 
 
-def copy_rate(nbytes: int = 1 << 30) -> float:
-    """The card's device-copy rate, bytes read plus written a second."""
-    a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=5, rep=50)
-    return nbytes / ms * 1e3
-
-
 def run(buf, n, kb, experts, total_experts, contig, s, nb, programs, consume, reps=20):
     """Median read rate (bytes a second) of one configuration over rotating windows."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -147,24 +140,15 @@ def run(buf, n, kb, experts, total_experts, contig, s, nb, programs, consume, re
         stream_kernel[grid](desc, out, n_items, e0, nt, nseg, n, S=s, NB=nb, CONTIG=contig,
                             CONSUME=consume, num_warps=4)  # fmt: skip
 
-    for w in range(windows):
-        launch(w)
-        if consume and w == 0:  # every byte of the window read once: the XORs agree
-            got = np.bitwise_xor.reduce(out.cpu().numpy(), axis=0).reshape(2, 64, 128)
-            assert np.array_equal(got, expected_xor(buf, n, kb, experts, contig)), (
-                f"{'contig' if contig else 'strided'}: the copies missed bytes"
-            )
-    torch.cuda.synchronize()
-    times = []
-    for r in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        launch(r % windows)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    times.sort()
-    return experts * 2 * n * kb / times[len(times) // 2], times[len(times) // 2]
+    launch(0)
+    if consume:  # every byte of the window read once: the XORs agree
+        got = np.bitwise_xor.reduce(out.cpu().numpy(), axis=0).reshape(2, 64, 128)
+        assert np.array_equal(got, expected_xor(buf, n, kb, experts, contig)), (
+            f"{'contig' if contig else 'strided'}: the copies missed bytes"
+        )
+    calls = itertools.count()
+    us = time_us(lambda: launch(next(calls) % windows), graph=False, warmup=windows, iters=reps)
+    return experts * 2 * n * kb / (us * 1e-6), us * 1e-6
 
 
 def main(argv=None) -> None:
@@ -182,7 +166,7 @@ def main(argv=None) -> None:
     kb = a.k // 2
     buf = torch.randint(0, 255, (a.total_experts * 2 * a.n, kb), dtype=torch.uint8,
                         device="cuda")  # fmt: skip
-    cr = copy_rate()
+    cr = card_ceilings()["copy_bytes_per_s"]
     print(f"# {torch.cuda.get_device_name()}: device copy {cr / 1e12:.2f} TB/s "
           f"(read + written); n {a.n}, k {a.k}, {2 * a.n * kb / 1e6:.1f} MB an expert")  # fmt: skip
     print("| experts | stages | ring | programs/SM | consume | strided TB/s | contig TB/s "
