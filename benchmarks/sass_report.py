@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from collections import Counter
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
@@ -30,17 +28,9 @@ os.environ.pop("TRITON_INTERPRET", None)
 
 def sass(compiled) -> list[str]:
     """The SASS instructions (opcode and operands) of a compiled kernel."""
-    import triton
+    from fp4moe.kernels.common import cuobjdump
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                        "cuobjdump")  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        out = subprocess.run([tool, "-sass", path], capture_output=True, text=True,
-                             check=True).stdout  # fmt: skip
-    return [m.group(1) for ln in out.splitlines()
+    return [m.group(1) for ln in cuobjdump(compiled, "-sass").splitlines()
             if (m := re.match(r"\s+/\*[0-9a-f]+\*/\s+(.*?)\s*;", ln))]  # fmt: skip
 
 

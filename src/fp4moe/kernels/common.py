@@ -12,6 +12,7 @@ import triton.language as tl
 
 __all__ = [
     "compile_sm90",
+    "cuobjdump",
     "empty",
     "fma_f32",
     "interpreting",
@@ -71,12 +72,9 @@ def compile_sm90(fn, ptrs: dict, constexprs: dict, *, ints=(), gluon=False, desc
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def resource_usage(compiled) -> dict[str, int]:
-    """A compiled kernel's resources as Triton's bundled ``cuobjdump -res-usage`` reports
-    them: REG (registers a thread), STACK and LOCAL (bytes a thread: a spill when not 0),
-    SHARED (static bytes), and the rest of its ``NAME:number`` fields."""
-    import os
-    import re
+def cuobjdump(compiled, *flags: str) -> str:
+    """The text Triton's bundled ``cuobjdump`` prints for a compiled kernel's cubin with
+    ``flags`` (``-sass``, ``-res-usage``)."""
     import subprocess
     import tempfile
 
@@ -86,8 +84,17 @@ def resource_usage(compiled) -> dict[str, int]:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
-        out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True,
-                             check=True).stdout  # fmt: skip
+        return subprocess.run([tool, *flags, path], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+
+
+def resource_usage(compiled) -> dict[str, int]:
+    """A compiled kernel's resources as Triton's bundled ``cuobjdump -res-usage`` reports
+    them: REG (registers a thread), STACK and LOCAL (bytes a thread: a spill when not 0),
+    SHARED (static bytes), and the rest of its ``NAME:number`` fields."""
+    import re
+
+    out = cuobjdump(compiled, "-res-usage")
     line = [ln for ln in out.splitlines() if "REG:" in ln][-1]
     return {k: int(v) for k, v in re.findall(r"([A-Z]+(?:\[\d+\])?):(\d+)", line)}
 
