@@ -10,7 +10,11 @@ The decode's cost shows in LOP3/PRMT/IMAD against HGMMA, QGMMA or HMMA; a change
 should leave the default kernels' counts as they were unless it means to change them.
 ``ovl%``: of a wgmma kernel's decode instructions (PRMT), the percent the SASS places
 while a wgmma is in flight; 0 where each decode waits for the last wgmma (the 64-row
-prefill tiles at 128 registers), "-" for kernels without wgmma.
+prefill tiles at 128 registers), "-" for kernels without wgmma. ``ins/w``: instructions a
+thread issues a decoded weight, in the innermost loop holding the most of the decode (the
+prefill kernel's K-segment loop), or over the whole kernel where no loop holds it (the
+split-K decode kernel, unrolled); the decode's bf16x2 scale multiplies (HMUL2, one a
+weight pair) count the weights. "-" for kernels that decode nothing.
 """
 
 from __future__ import annotations
@@ -28,10 +32,15 @@ os.environ.pop("TRITON_INTERPRET", None)
 
 def sass(compiled) -> list[str]:
     """The SASS instructions (opcode and operands) of a compiled kernel."""
+    return [i for _, i in sass_addressed(compiled)]
+
+
+def sass_addressed(compiled) -> list[tuple[int, str]]:
+    """(address, instruction) of each SASS instruction of a compiled kernel."""
     from fp4moe.kernels.common import cuobjdump
 
-    return [m.group(1) for ln in cuobjdump(compiled, "-sass").splitlines()
-            if (m := re.match(r"\s+/\*[0-9a-f]+\*/\s+(.*?)\s*;", ln))]  # fmt: skip
+    return [(int(m.group(1), 16), m.group(2)) for ln in cuobjdump(compiled, "-sass").splitlines()
+            if (m := re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?)\s*;", ln))]  # fmt: skip
 
 
 def compile_gemm(plan, which: str) -> list[tuple[str, object]]:
@@ -73,14 +82,41 @@ def compile_gemm(plan, which: str) -> list[tuple[str, object]]:
 def report(compiled) -> dict:
     from fp4moe.kernels.common import resource_usage
 
-    ins = sass(compiled)
+    addressed = sass_addressed(compiled)
+    ins = [i for _, i in addressed]
     ops = Counter(_opcode(i) for i in ins)
     res = resource_usage(compiled)
     base = lambda name: sum(v for o, v in ops.items() if o.split(".")[0] == name)
     return dict(regs=res["REG"], stack=res.get("STACK", 0), shared=compiled.metadata.shared,
                 sass=len(ins), mma=base("HGMMA") + base("QGMMA") + base("HMMA"), lop3=base("LOP3"),
                 prmt=base("PRMT"), imad=base("IMAD"), bar=base("BAR"),
-                overlap=decode_overlap(ins))  # fmt: skip
+                overlap=decode_overlap(ins), per_weight=per_weight(addressed))  # fmt: skip
+
+
+def per_weight(addressed: list[tuple[int, str]]) -> float | None:
+    """Instructions a decoded weight (``ins/w`` in the module docstring): the loops are the
+    backward branches' ranges without an EXIT (a wait's retry stub past the kernel's end
+    branches back over it); of those holding HMUL2 and no such loop inside, the one with
+    the most; else the whole kernel. None without HMUL2."""
+    addr = [a for a, _ in addressed]
+    ins = [i for _, i in addressed]
+    hmul = [_opcode(i).startswith("HMUL2") for i in ins]
+    loops = []
+    for end, i in enumerate(ins):
+        m = re.search(r"\bBRA\s+(?:`\()?(0x[0-9a-f]+)", i)
+        if m and int(m.group(1), 16) <= addr[end] and int(m.group(1), 16) in addr:
+            start = addr.index(int(m.group(1), 16))
+            body = range(start, end + 1)
+            if any(hmul[j] for j in body) and not any(_opcode(ins[j]) == "EXIT" for j in body):
+                loops.append((start, end))
+    inner = [
+        (s, e)
+        for s, e in loops
+        if not any((s2, e2) != (s, e) and s <= s2 and e2 <= e for s2, e2 in loops)
+    ]
+    s, e = max(inner, key=lambda r: sum(hmul[r[0] : r[1] + 1]), default=(0, len(ins) - 1))
+    pairs = sum(hmul[s : e + 1])
+    return round((e - s + 1) / (2 * pairs), 2) if pairs else None
 
 
 def decode_overlap(ins: list[str]) -> int | None:
@@ -120,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     p = PRESETS[a.preset]
     cols = ["tokens", "mode", "gemm", "kernel", "regs", "stack", "shared", "sass", "mma",
-            "lop3", "prmt", "imad", "bar", "ovl%"]  # fmt: skip
+            "lop3", "prmt", "imad", "bar", "ovl%", "ins/w"]  # fmt: skip
     print(" ".join(f"{c:>8s}" if c != "kernel" else f"{c:34s}" for c in cols))
     for mode in a.modes:
         m, sc = MODES[mode]
@@ -132,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 for label, compiled in compile_gemm(plan, which):
                     r = report(compiled)
                     r["ovl%"] = "-" if r["overlap"] is None else r["overlap"]
+                    r["ins/w"] = "-" if r["per_weight"] is None else r["per_weight"]
                     g = getattr(plan, which)
                     desc = f"{g.kernel} ({label[1:]} rows)" if label else g.describe()
                     print(f"{t:8d} {mode:>8s} {which:>8s} {desc:34s} "
