@@ -98,14 +98,14 @@ def per_weight(addressed: list[tuple[int, str]]) -> float | None:
     backward branches' ranges without an EXIT (a wait's retry stub past the kernel's end
     branches back over it); of those holding HMUL2 and no such loop inside, the one with
     the most; else the whole kernel. None without HMUL2."""
-    addr = [a for a, _ in addressed]
+    at = {a: k for k, (a, _) in enumerate(addressed)}
     ins = [i for _, i in addressed]
     hmul = [_opcode(i).startswith("HMUL2") for i in ins]
     loops = []
     for end, i in enumerate(ins):
-        m = re.search(r"\bBRA\s+(?:`\()?(0x[0-9a-f]+)", i)
-        if m and int(m.group(1), 16) <= addr[end] and int(m.group(1), 16) in addr:
-            start = addr.index(int(m.group(1), 16))
+        m = re.search(r"\bBRA\s+(0x[0-9a-f]+)", i)
+        start = at.get(int(m.group(1), 16)) if m else None
+        if start is not None and start <= end:
             body = range(start, end + 1)
             if any(hmul[j] for j in body) and not any(_opcode(ins[j]) == "EXIT" for j in body):
                 loops.append((start, end))
