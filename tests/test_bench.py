@@ -9,6 +9,7 @@ import os
 from typing import ClassVar
 
 import pytest
+import torch
 
 from fp4moe import bench
 
@@ -176,6 +177,29 @@ def test_time_interleaved_spreads_the_drift():
     assert seq["mid"] - 50.0 > seq["slow"] - 100.0 + 15
     with pytest.raises(ValueError, match="iters"):
         bench.time_interleaved(fns, graph=True, warmup=1, iters=0, timer=_FakeTimer)
+
+
+def test_hold_covers_the_submission():
+    """The GPU wait before a timed replay: four times the host's submission, at least
+    HOLD_MIN_US, in cycles at 2.1 GHz (so at least that long on any Hopper clock)."""
+    assert bench.hold_cycles(0.0) == bench.hold_cycles(1.0) == int(bench.HOLD_MIN_US * 2100)
+    assert bench.hold_cycles(30.0) == 120 * 2100
+    assert bench.hold_cycles(100.0) > bench.hold_cycles(30.0)
+
+
+@pytest.mark.gpu
+def test_graph_timer_holds_graph_replays_only():
+    """A captured call's timed replays wait behind a hold of at least HOLD_MIN_US; eager
+    calls none; both return one positive time a sample."""
+    x = torch.ones(1 << 20, device="cuda")
+    g = bench.GraphTimer(lambda: x.mul_(1.0), graph=True, warmup=1, reps=2)
+    assert g.hold_cycles >= bench.HOLD_MIN_US * 2100
+    e = bench.GraphTimer(lambda: x.mul_(1.0), graph=False, warmup=1)
+    assert e.hold_cycles == 0
+    for t in (g, e):
+        us = t.sample(3)
+        assert len(us) == 3 and all(0 < u < 1e5 for u in us)
+    assert bool((x == 1).all())
 
 
 def test_rounds_flag():

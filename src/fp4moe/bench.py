@@ -140,10 +140,28 @@ def warm_up(fn, warmup: int) -> None:
     torch.cuda.current_stream().wait_stream(s)
 
 
+# The shortest GPU wait before a timed replay, microseconds.
+HOLD_MIN_US = 20.0
+
+
+def hold_cycles(submit_us: float) -> int:
+    """GPU clock cycles to wait before a timed replay the host took ``submit_us``
+    microseconds to submit: four times that, at least ``HOLD_MIN_US``, counted at 2.1 GHz
+    (above any Hopper clock, so the wait lasts at least that long)."""
+    return int(max(4.0 * submit_us, HOLD_MIN_US) * 2100)
+
+
 class GraphTimer:
     """One configuration's call, warmed up and (``graph``) captured once as a CUDA graph of
     ``reps`` calls; ``sample(n)`` replays it once untimed, then ``n`` times, and returns
-    each timed replay's microseconds a call (CUDA events)."""
+    each timed replay's microseconds a call (CUDA events).
+
+    With ``graph`` each timed replay is enqueued behind a GPU wait longer than the host
+    takes to submit it (``hold_cycles`` of the replay's measured submission), so the time
+    is the GPU's, from the replay's first kernel to its last, as inside a model's graph
+    where the host submits ahead of the GPU; without it the start event would also count
+    the host's submission of the graph. Eager calls (not ``graph``) are timed from the
+    host's first launch, which they pay."""
 
     def __init__(self, fn, *, graph: bool, warmup: int, reps: int = 1):
         warm_up(fn, warmup)
@@ -164,6 +182,13 @@ class GraphTimer:
             self._run = run
         self._run()
         torch.cuda.synchronize()
+        self.hold_cycles = 0
+        if graph:
+            t0 = time.perf_counter()
+            self._run()
+            submit_us = (time.perf_counter() - t0) * 1e6
+            torch.cuda.synchronize()
+            self.hold_cycles = hold_cycles(submit_us)
 
     def replay(self) -> None:
         """One replay of the capture (or ``reps`` eager calls), not timed."""
@@ -176,6 +201,8 @@ class GraphTimer:
         out = []
         for _ in range(n):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if self.hold_cycles:
+                torch.cuda._sleep(self.hold_cycles)
             a.record()
             self._run()
             b.record()
@@ -443,6 +470,7 @@ def run(args: argparse.Namespace) -> dict:
         "shape": asdict(p),
         "ceilings": ceil,
         "cuda_graph": graph,
+        "held_replays": graph,  # GraphTimer: each timed replay behind a GPU wait
         "pdl": not args.no_pdl,
         "cold_l2": args.cold_l2,
         "iters": args.iters,
