@@ -97,9 +97,9 @@ peers)
         python3 -m fp4moe bench --preset "$preset" --modes w4a16 w4a4-token --no-baseline \
             --finalize unfused --num-tokens "${tokens[@]}" --iters 10 --rounds 3 --out "$d" \
             >"$d/bench.log" 2>&1 &&
-            python3 benchmarks/peers_run.py "$dir" --preset "$preset" --fp4moe-src src --peers tk-mxfp4 \
-                --num-tokens "${tokens[@]}" --iters 10 --rounds 3 --out "$d/peers.csv" \
-                >"$d/peers.log" 2>&1 &&
+            python3 benchmarks/peers_run.py "$dir" --preset "$preset" --fp4moe-src src \
+                --peers tk-mxfp4 --num-tokens "${tokens[@]}" --iters 10 --rounds 3 \
+                --out "$d/peers.csv" >"$d/peers.log" 2>&1 &&
             python3 benchmarks/peers_table.py "$d/bench.json" "$d/peers.csv" |
             tee -a "$OUT/peers.md" || { echo "gpu.sh peers: $preset failed (logs in peers.tgz)"
                 rc=1
