@@ -6,11 +6,11 @@ integer instructions of the NVFP4 decode.
     python3 benchmarks/sass_report.py --preset deepseek-v3-ep8 --num-tokens 1 256 1024 8192
     python3 benchmarks/sass_report.py --preset qwen3-30b-a3b --modes w4a4-static --dump fc1
 
-The decode's cost shows in LOP3/PRMT/IMAD against HGMMA, QGMMA or HMMA; a change to a kernel
+The decode's cost shows in LOP3/SHF/IMAD against HGMMA, QGMMA or HMMA; a change to a kernel
 should leave the default kernels' counts as they were unless it means to change them.
-``ovl%``: of a wgmma kernel's decode instructions (PRMT), the percent the SASS places
-while a wgmma is in flight; 0 where each decode waits for the last wgmma (the 64-row
-prefill tiles at 128 registers), "-" for kernels without wgmma. ``ins/w``: instructions a
+``ovl%``: of a wgmma kernel's decode (its scale multiplies, HMUL2), the percent the SASS
+places while a wgmma is in flight; 0 where each decode waits for the last wgmma, "-" for
+kernels without wgmma. ``ins/w``: instructions a
 thread issues a decoded weight, in the innermost loop holding the most of the decode (the
 prefill kernel's K-segment loop), or over the whole kernel where no loop holds it (the
 split-K decode kernel, unrolled); the decode's bf16x2 scale multiplies (HMUL2, one a
@@ -89,7 +89,7 @@ def report(compiled) -> dict:
     base = lambda name: sum(v for o, v in ops.items() if o.split(".")[0] == name)
     return dict(regs=res["REG"], stack=res.get("STACK", 0), shared=compiled.metadata.shared,
                 sass=len(ins), mma=base("HGMMA") + base("QGMMA") + base("HMMA"), lop3=base("LOP3"),
-                prmt=base("PRMT"), imad=base("IMAD"), bar=base("BAR"),
+                shf=base("SHF"), imad=base("IMAD"), bar=base("BAR"),
                 overlap=decode_overlap(ins), per_weight=per_weight(addressed))  # fmt: skip
 
 
@@ -120,9 +120,10 @@ def per_weight(addressed: list[tuple[int, str]]) -> float | None:
 
 
 def decode_overlap(ins: list[str]) -> int | None:
-    """The percent of the PRMT instructions placed, in program order, after a wgmma
-    (HGMMA, or QGMMA for FP8) and before the wait that drains it (``WARPGROUP.DEPBAR.LE
-    gsb0, 0x0``): decode issued while a wgmma runs. None without wgmma."""
+    """The percent of the decode's scale multiplies (HMUL2) placed, in program order, after
+    a wgmma (HGMMA, or QGMMA for FP8) and before the wait that drains it
+    (``WARPGROUP.DEPBAR.LE gsb0, 0x0``): decode issued while a wgmma runs. None without
+    wgmma."""
     wgmma, pending, over, total = False, False, 0, 0
     for i in ins:
         op = _opcode(i)
@@ -130,7 +131,7 @@ def decode_overlap(ins: list[str]) -> int | None:
             wgmma = pending = True
         elif op.startswith("WARPGROUP.DEPBAR") and i.endswith("0x0"):
             pending = False
-        elif op.startswith("PRMT"):
+        elif op.startswith("HMUL2"):
             total += 1
             over += pending
     if not wgmma:
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     p = PRESETS[a.preset]
     cols = ["tokens", "mode", "gemm", "kernel", "regs", "stack", "shared", "sass", "mma",
-            "lop3", "prmt", "imad", "bar", "ovl%", "ins/w"]  # fmt: skip
+            "lop3", "shf", "imad", "bar", "ovl%", "ins/w"]  # fmt: skip
     print(" ".join(f"{c:>8s}" if c != "kernel" else f"{c:34s}" for c in cols))
     for mode in a.modes:
         m, sc = MODES[mode]

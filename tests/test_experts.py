@@ -68,7 +68,7 @@ def test_prepare_shapes_and_dtypes(experts):
     assert experts.a13_scale is None and experts.a2_scale is None
     assert (experts.num_experts, experts.hidden_size, experts.intermediate_size) == (E, H, I)
     assert experts.device.type == "cpu"
-    assert "E=4" in repr(experts) and "linear" in repr(experts)
+    assert "E=4" in repr(experts) and "fields-v2" in repr(experts)
 
 
 def test_gate_up_down_each_own_global(weights, experts):
@@ -226,9 +226,30 @@ def test_save_load_round_trip(tmp_path, experts, static_experts, static):
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
     assert meta["format"] == "fp4moe.prepared_experts"
-    assert meta["layout"] == "linear" and meta["layout_version"] == "1"
+    assert meta["layout"] == "fields" and meta["layout_version"] == "2"
     assert_same_experts(load_experts(path), ex)
     assert_same_experts(load_experts(str(path), device="cpu"), ex)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["no-static", "static"])
+def test_load_converts_a_linear_version_1_file(tmp_path, experts, static_experts, static):
+    """A file of layout version 1 (the linear form, as earlier fp4moe wrote it) loads as the
+    same experts: its codes moved to the fields layout on load."""
+    ex = static_experts if static else experts
+    path = tmp_path / "v1.safetensors"
+    lin = ex.to_linear()
+    meta = {"format": "fp4moe.prepared_experts", "layout": "linear", "layout_version": "1",
+            "num_experts": str(E), "hidden_size": str(H), "intermediate_size": str(I),
+            "tensors": json.dumps({k: {"shape": list(v.shape), "dtype": str(v.dtype)}
+                                   for k, v in lin.items()})}  # fmt: skip
+    save_file(lin, str(path), metadata=meta)
+    assert_same_experts(load_experts(path), ex)
+    assert not torch.equal(lin["w13_codes"], ex.w13_codes)  # the bits did move
+    for name, version in (("fields", "1"), ("linear", "2")):  # a name of another version
+        bad = _rewrite(path, tmp_path / "bad.safetensors",
+                       meta={"layout": name, "layout_version": version})  # fmt: skip
+        with pytest.raises(ValueError, match=r"path.*layout"):
+            load_experts(bad)
 
 
 def test_load_with_device(tmp_path, experts):
@@ -294,7 +315,7 @@ def test_load_refuses_wrong_layout(tmp_path, saved):
         load_experts(bad)
 
 
-@pytest.mark.parametrize("version", ["2", "99"])
+@pytest.mark.parametrize("version", ["3", "99"])
 def test_load_refuses_newer_layout_version(tmp_path, saved, version):
     bad = _rewrite(saved, tmp_path / "bad.safetensors", meta={"layout_version": version})
     with pytest.raises(ValueError, match=r"path.*newer"):

@@ -299,16 +299,32 @@ def test_save_pretrained_and_reload_bitwise(folders, arch, tmp_path):
     assert not torch.equal(_logits(other, ids), before)
     other.load_state_dict(sd)
     assert torch.equal(_logits(other, ids), before)
+    # a state dict an earlier fp4moe saved (its MoE blocks' and layers' metadata version 1;
+    # the same ModelOpt keys) loads as the same experts, its codes converted once
+    old = type(sd)(sd)
+    old._metadata = copy.deepcopy(sd._metadata)
+    for name in hf.moe_layers(other):
+        for key in (name, f"{name}.moe"):
+            assert old._metadata[key]["version"] == 2
+            old._metadata[key]["version"] = 1
+    for layer in hf.moe_layers(other).values():
+        layer.experts.w13_codes.zero_()
+    other.load_state_dict(old)
+    assert torch.equal(_logits(other, ids), before)
 
 
-def test_state_dict_holds_views_and_refuses_bad_experts(folders):
+def test_state_dict_holds_the_experts_and_refuses_bad_ones(folders):
     model = fp4moe.load_model(folders["qwen3_moe", "modelopt"][0], policy=REF)
     name, layer = next(iter(hf.moe_layers(model).items()))
     sd = model.state_dict()
-    key = f"{name}.experts.3.up_proj.weight"
+    key = f"{name}.experts.3.up_proj.weight_scale_2"  # the globals are views, no copy
     assert (
-        sd[key].untyped_storage().data_ptr() == layer.experts.w13_codes.untyped_storage().data_ptr()
+        sd[key].untyped_storage().data_ptr()
+        == layer.experts.w13_global.untyped_storage().data_ptr()
     )
+    i = layer.experts.intermediate_size  # the codes linear (ModelOpt) copies
+    want = layer.experts.to_linear()["w13_codes"][3, i:]
+    assert torch.equal(sd[f"{name}.experts.3.up_proj.weight"], want)
     assert not any(".moe." in k for k in sd)  # the layer's buffers appear once, under these names
     bad = dict(sd)
     bad[f"{name}.experts.3.up_proj.weight_scale"] = torch.full_like(

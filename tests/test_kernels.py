@@ -19,6 +19,7 @@ from fp4moe.backend import experts_scales_tma
 from fp4moe.backend.launch import moe_triton
 from fp4moe.kernels import sort as sort_module
 from fp4moe.kernels.finalize import finalize_rows
+from fp4moe.kernels.gemm.fields import from_fields
 from fp4moe.kernels.gemm.operands import (
     chunk_order,
     dense_rows,
@@ -450,14 +451,17 @@ def test_dense_weights_match_reference(interpret, device, order):
 @pytest.mark.kernel
 @pytest.mark.parametrize("order,h", [(32, 96), (64, 128)])
 def test_dense_rows_match_reference(interpret, device, order, h):
-    """``dense_rows``: NVFP4 rows decoded as ``dense_weights``, bf16 rows in the chunk or
-    unit order (values unchanged); with a device count only the rows below it are
-    written; gathered rows (``index`` // ``div``)."""
+    """``dense_rows``: NVFP4 rows (linear codes, as activation rows come; or weights in
+    the fields layout) decoded as ``dense_weights``, bf16 rows in the chunk or unit order
+    (values unchanged); with a device count only the rows below it are written; gathered
+    rows (``index`` // ``div``)."""
     if device != "cpu":
         pytest.skip("interpreter case")
     ex = _experts(1, h, 32, seed=5, device=device)
-    codes, scales = ex.w13_codes[0], ex.w13_scales[0]  # [64, h / 2], [64, h / 16]
-    ref = dense_weights_reference(codes, scales, order)
+    scales = ex.w13_scales[0]  # [64, h / 16]
+    ref = dense_weights_reference(ex.w13_codes[0], scales, order)
+    assert torch.equal(dense_rows(ex.w13_codes[0], scales, order=order, fields=True).float(), ref)
+    codes = from_fields(ex.w13_codes[0])  # the same rows, linear: [64, h / 2]
     assert torch.equal(dense_rows(codes, scales, order=order).float(), ref)
     x = _x(37, h, seed=5, device=device)
     assert torch.equal(dense_rows(x, order=order).float(), chunk_order(x, torch.float32, order))

@@ -85,8 +85,9 @@ def spec_moe(x, ids, weights, ex: PreparedExperts, mode: str, act_scale: str):
     t_count, h = x.shape
     k_count = ids.shape[1]
     i = ex.intermediate_size
-    w13 = _decode64(ex.w13_codes, ex.w13_scales)  # [E, 2I, H]
-    w2 = _decode64(ex.w2_codes, ex.w2_scales)  # [E, H, I]
+    lin = ex.to_linear()  # the logical form of numerics section 3
+    w13 = _decode64(lin["w13_codes"], lin["w13_scales"])  # [E, 2I, H]
+    w2 = _decode64(lin["w2_codes"], lin["w2_scales"])  # [E, H, I]
     routes = [
         (t, k, int(ids[t, k])) for t in range(t_count) for k in range(k_count) if ids[t, k] >= 0
     ]

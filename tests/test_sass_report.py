@@ -28,6 +28,6 @@ def test_sass_report_reads_the_planned_kernels():
         # the decode kernels decode the next unit while the last unit's wgmmas run (whole
         # K: 22% with a stage's units held in registers)
         assert 20 <= int(r[-2]) <= 100, r
-        # instructions a decoded weight: the decode alone is 2.25 (unrolled kernels: the
-        # whole kernel's count, its prologue and epilogue in it)
-        assert 2.25 < float(r[-1]) < 6, r
+        # instructions a decoded weight: the decode alone is 1.625 on the fields layout
+        # (unrolled kernels: the whole kernel's count, its prologue and epilogue in it)
+        assert 1.625 < float(r[-1]) < 6, r

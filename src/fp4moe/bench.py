@@ -446,7 +446,10 @@ def run(args: argparse.Namespace) -> dict:
     if args.cold_l2:
         l2 = torch.cuda.get_device_properties(0).L2_cache_size
         n = max(2, math.ceil(2 * l2 / experts.nbytes()) + 1)
-        copies += [fp4moe.PreparedExperts.from_linear(experts.to_linear()) for _ in range(n - 1)]
+        copies += [
+            fp4moe.PreparedExperts(**{k: v.clone() for k, v in experts.tensors().items()})
+            for _ in range(n - 1)
+        ]
     per_expert = experts.nbytes() / e
     base = None
     if not args.no_baseline:

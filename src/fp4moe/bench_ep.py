@@ -195,10 +195,8 @@ def _prepare_slice(p, start: int, stop: int, seed: int, device: str):
             a2_scale=static * 0.1,
         )  # fmt: skip
         del w13, w2
-        parts.append(ex.to_linear())
-    return fp4moe.PreparedExperts.from_linear(
-        {k: torch.cat([d[k] for d in parts]) for k in parts[0]}
-    )
+        parts.append(ex.tensors())
+    return fp4moe.PreparedExperts(**{k: torch.cat([d[k] for d in parts]) for k in parts[0]})
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float | None:

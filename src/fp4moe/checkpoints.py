@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from .experts import PreparedExperts, empty_block_scales, validate_block_scales
+from .kernels.gemm.fields import from_fields, to_fields
 
 __all__ = [
     "CHECKPOINT_FORMATS",
@@ -508,6 +509,9 @@ def load_checkpoint_experts(
                     w13_codes[local, p * i : (p + 1) * i].copy_(codes)
                     w13_scales[local, p * i : (p + 1) * i].copy_(scales)
                     w13_global[local, p] = g
+            # the prepared layout (codes in the fields layout), on the target device
+            w13_codes[local] = to_fields(w13_codes[local])
+            w2_codes[local] = to_fields(w2_codes[local])
             if static:
                 gate_in, up_in, down_in = (
                     _decode_global(tensors[key(e, p, input_leaf)], key(e, p, input_leaf), fmt)
@@ -533,13 +537,16 @@ def load_checkpoint_experts(
 
 def _projections(experts: PreparedExperts, names: Sequence[str]):
     """(expert, projection name, codes, block scales, global, static input scale or None)
-    of each expert's gate, up and down projection, as views of the experts' tensors."""
+    of each expert's gate, up and down projection: the codes linear copies (numerics
+    section 1; the experts hold them in the fields layout), the rest views of the experts'
+    tensors."""
     i = experts.intermediate_size
     for e in range(experts.num_experts):
+        w13, w2 = from_fields(experts.w13_codes[e]), from_fields(experts.w2_codes[e])
         parts = (
-            (experts.w13_codes[e, :i], experts.w13_scales[e, :i], experts.w13_global[e, 0]),
-            (experts.w13_codes[e, i:], experts.w13_scales[e, i:], experts.w13_global[e, 1]),
-            (experts.w2_codes[e], experts.w2_scales[e], experts.w2_global[e]),
+            (w13[:i], experts.w13_scales[e, :i], experts.w13_global[e, 0]),
+            (w13[i:], experts.w13_scales[e, i:], experts.w13_global[e, 1]),
+            (w2, experts.w2_scales[e], experts.w2_global[e]),
         )
         statics = (experts.a13_scale, experts.a13_scale, experts.a2_scale)
         for name, (codes, scales, g), a in zip(names, parts, statics):
@@ -607,8 +614,9 @@ def modelopt_expert_tensors(
     prefix: str,
     names: Sequence[str] = ("gate_proj", "up_proj", "down_proj"),
 ) -> dict[str, torch.Tensor]:
-    """The experts in the ModelOpt NVFP4 layout of :func:`save_modelopt_experts`, as views
-    of the experts' own tensors (no copy, on their device): what a state dict holds.
+    """The experts in the ModelOpt NVFP4 layout of :func:`save_modelopt_experts`, on their
+    device: what a state dict holds. The codes are linear copies (the experts hold them in
+    the fields layout); the scales are views of the experts' own tensors.
 
     Keys ``{prefix}.{e}.{p}.weight`` uint8 [N, K/2], ``.weight_scale`` e4m3 [N, K/16],
     ``.weight_scale_2`` fp32 [] and, with static activation scales, ``.input_scale`` fp32 []
@@ -616,7 +624,8 @@ def modelopt_expert_tensors(
     contiguous: where the experts hold block scales with padded rows
     (``experts.align_scale_rows``, K/16 not a multiple of 16) the scale entries are
     contiguous copies. The views of one expert tensor share its storage: writers that
-    refuse shared storage (safetensors) need copies, as :func:`save_modelopt_experts` makes.
+    refuse shared storage (safetensors) need copies, as :func:`save_modelopt_experts` makes
+    (a gate and an up entry share one expert's converted codes too).
     """
     if not isinstance(experts, PreparedExperts):
         raise TypeError(f"experts: expected a PreparedExperts, got {type(experts).__name__}")

@@ -292,7 +292,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         if _tensor_ids(experts) != before:
             raise AssertionError(f"{mode}: the prepared tensors were replaced")
 
-    after = experts.tensors()
+    after = experts.to_linear()
     if sorted(after) != sorted(snapshot) or not all(
         torch.equal(after[k], snapshot[k]) for k in snapshot
     ):

@@ -458,7 +458,7 @@ def run_model_demo(cfg: ModelDemoConfig) -> ModelDemoResult:
         ran = {p: layer.stats.calls[p] - stats0[name][0][p] for p in PHASES}
         if not all(ran.values()):
             raise AssertionError(f"{name}: generate ran {ran} MoE calls, expected both phases")
-        now = layer.experts.tensors()
+        now = layer.experts.to_linear()
         if not all(torch.equal(now[k], v) for k, v in snapshot[name].items()):
             raise AssertionError(f"{name}: the prepared experts were modified while generating")
     del snapshot

@@ -1,20 +1,22 @@
 """PreparedExperts: the one copy of NVFP4 expert weights that every execution mode reads.
 
-Physical layout, version 1 ("linear-v1"; docs/layout.md): the tensors are stored in the
-logical form of numerics section 3, row-major and contiguous:
+Physical layout, version 2 ("fields-v2"; docs/layout.md): the tensors of the logical form
+of numerics section 3, row-major and contiguous, the codes' bits permuted within each
+32-bit word (``kernels.gemm.fields``: the decode is then one or two instructions a bf16
+pair):
 
-    w13_codes   uint8          [E, 2I, H/2]   rows 0..I-1 gate, I..2I-1 up
+    w13_codes   uint8          [E, 2I, H/2]   rows 0..I-1 gate, I..2I-1 up (fields layout)
     w13_scales  float8_e4m3fn  [E, 2I, H/16]
     w13_global  float32        [E, 2]         gate, up
-    w2_codes    uint8          [E, H, I/2]
+    w2_codes    uint8          [E, H, I/2]    (fields layout)
     w2_scales   float8_e4m3fn  [E, H, I/16]
     w2_global   float32        [E]
     a13_scale   float32        [E] or None    static activation globals (W4A4 static)
     a2_scale    float32        [E] or None
 
-The Triton kernels read this layout directly (the reduction axis is contiguous, so one
-tile row of 256 weights is one 128-byte line of codes plus 16 bytes of scales; gate and
-up tiles come from two row pointers of the same expert), so no mode needs a second copy.
+The kernels read this layout directly (the reduction axis is contiguous, so one tile row
+of 256 weights is one 128-byte line of codes plus 16 bytes of scales; gate and up tiles
+come from two row pointers of the same expert), so no mode needs a second copy.
 
 In memory the rows of a block-scale tensor lie a multiple of 16 bytes apart
 (:func:`align_scale_rows`: where K/16 is not a multiple of 16, each row is followed by
@@ -31,6 +33,7 @@ from typing import ClassVar
 
 import torch
 
+from .kernels.gemm.fields import from_fields, to_fields
 from .kernels.gemm.shapes import scale_rows_tma
 from .nvfp4 import NVFP4Tensor, dequantize_blocks, global_from_amax, quantize_blocks
 
@@ -47,8 +50,11 @@ __all__ = [
 ]
 
 FORMAT_NAME = "fp4moe.prepared_experts"
-LAYOUT_NAME = "linear"
-LAYOUT_VERSION = 1
+LAYOUT_NAME = "fields"
+LAYOUT_VERSION = 2
+# files of version 1 hold the linear form under this name; they are converted on load
+_LINEAR_NAME = "linear"
+_CODE_NAMES = ("w13_codes", "w2_codes")
 
 _TENSOR_NAMES = ("w13_codes", "w13_scales", "w13_global", "w2_codes", "w2_scales", "w2_global")
 _OPTIONAL_NAMES = ("a13_scale", "a2_scale")
@@ -56,11 +62,12 @@ _OPTIONAL_NAMES = ("a13_scale", "a2_scale")
 
 @dataclass(eq=False)
 class PreparedExperts:
-    """E experts of a SwiGLU MoE in NVFP4 (numerics section 3), in physical layout version 1.
+    """E experts of a SwiGLU MoE in NVFP4 (numerics section 3), in physical layout version 2:
+    the constructor takes the physical tensors (codes in the fields layout).
 
     Build with :func:`prepare_experts`, :func:`load_experts`,
-    :func:`fp4moe.load_checkpoint_experts` or :meth:`from_linear`. No call of the library
-    modifies these tensors.
+    :func:`fp4moe.load_checkpoint_experts` or :meth:`from_linear` (the logical form). No
+    call of the library modifies these tensors.
 
     Construction checks shapes, dtypes and devices (and that static activation scales are
     finite and positive) and lays the tensors out as the kernels read them: contiguous,
@@ -125,21 +132,23 @@ class PreparedExperts:
 
     # ------------------------------------------------------------------ per-expert views
     def w13_nvfp4(self, e: int) -> tuple[NVFP4Tensor, NVFP4Tensor]:
-        """Expert e's gate and up matrices, each NVFP4 [I, H] with its own global scale."""
+        """Expert e's gate and up matrices, each NVFP4 [I, H] in the logical form with its
+        own global scale (the codes a linear copy, the scales views)."""
         i = self.intermediate_size
-        c, s, g = self.w13_codes[e], self.w13_scales[e], self.w13_global[e]
+        c, s, g = from_fields(self.w13_codes[e]), self.w13_scales[e], self.w13_global[e]
         return (NVFP4Tensor(c[:i], s[:i], g[0]), NVFP4Tensor(c[i:], s[i:], g[1]))
 
     def w2_nvfp4(self, e: int) -> NVFP4Tensor:
-        """Expert e's down matrix, NVFP4 [H, I]."""
-        return NVFP4Tensor(self.w2_codes[e], self.w2_scales[e], self.w2_global[e])
+        """Expert e's down matrix, NVFP4 [H, I] in the logical form (the codes a copy)."""
+        return NVFP4Tensor(from_fields(self.w2_codes[e]), self.w2_scales[e], self.w2_global[e])
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
         """All experts decoded with their global scales: (w13 [E, 2I, H], w2 [E, H, I])."""
         i = self.intermediate_size
-        w13 = dequantize_blocks(self.w13_codes, self.w13_scales)
+        w13 = dequantize_blocks(from_fields(self.w13_codes), self.w13_scales)
         g13 = self.w13_global.repeat_interleave(i, dim=1).unsqueeze(-1)
-        w2 = dequantize_blocks(self.w2_codes, self.w2_scales) * self.w2_global[:, None, None]
+        w2 = dequantize_blocks(from_fields(self.w2_codes), self.w2_scales)
+        w2 = w2 * self.w2_global[:, None, None]
         return (w13 * g13).to(dtype), w2.to(dtype)
 
     # ------------------------------------------------------------------ layout conversion
@@ -147,23 +156,25 @@ class PreparedExperts:
         """The logical (linear) form of numerics section 3 as new tensors, keyed by field name.
 
         Lossless: ``PreparedExperts.from_linear(e.to_linear())`` is bit-identical to ``e``.
-        In layout version 1 the physical layout is the linear one, so this is a contiguous
-        copy.
+        The codes' bits go back to the linear places (``fields.from_fields``); the other
+        tensors are contiguous copies.
         """
         return {
-            k: v.clone(memory_format=torch.contiguous_format) for k, v in self.tensors().items()
+            k: from_fields(v)
+            if k in _CODE_NAMES
+            else v.clone(memory_format=torch.contiguous_format)
+            for k, v in self.tensors().items()
         }
 
     @classmethod
     def from_linear(cls, tensors: dict[str, torch.Tensor]) -> PreparedExperts:
-        """Build from the linear form (keys as returned by :meth:`to_linear`)."""
-        missing = [k for k in _TENSOR_NAMES if k not in tensors]
-        if missing:
-            raise ValueError(f"tensors: missing {missing}")
-        unknown = sorted(set(tensors) - set(_TENSOR_NAMES) - set(_OPTIONAL_NAMES))
-        if unknown:
-            raise ValueError(f"tensors: unknown keys {unknown}")
-        return cls(**{k: v.contiguous() for k, v in tensors.items()})
+        """Build from the linear form (keys as returned by :meth:`to_linear`); the caller's
+        tensors are not changed (the codes are converted into new tensors)."""
+        _check_keys(tensors)
+        _validate_linear(tensors)  # named errors before the conversion runs
+        physical = {k: to_fields(v) if k in _CODE_NAMES else v.contiguous()
+                    for k, v in tensors.items()}  # fmt: skip
+        return cls(**physical)
 
     def to(self, device: torch.device | str) -> PreparedExperts:
         return PreparedExperts(**{k: v.to(device) for k, v in self.tensors().items()})
@@ -233,6 +244,15 @@ def _expected_shapes(e: int, h: int, i: int) -> dict[str, tuple[tuple[int, ...],
         "a13_scale": ((e,), torch.float32),
         "a2_scale": ((e,), torch.float32),
     }
+
+
+def _check_keys(tensors: dict[str, torch.Tensor]) -> None:
+    missing = [k for k in _TENSOR_NAMES if k not in tensors]
+    if missing:
+        raise ValueError(f"tensors: missing {missing}")
+    unknown = sorted(set(tensors) - set(_TENSOR_NAMES) - set(_OPTIONAL_NAMES))
+    if unknown:
+        raise ValueError(f"tensors: unknown keys {unknown}")
 
 
 def _validate_linear(t: dict[str, torch.Tensor]) -> None:
@@ -330,10 +350,10 @@ def prepare_experts(
     g2 = global_from_amax(w2.abs().amax(dim=(1, 2)))  # [E]
     codes2, scales2 = quantize_blocks(w2, g2[:, None].expand(e, h))
     return PreparedExperts(
-        w13_codes=codes13.flatten(1, 2).contiguous(),
+        w13_codes=to_fields(codes13.flatten(1, 2)),
         w13_scales=scales13.flatten(1, 2).contiguous(),
         w13_global=g13.contiguous(),
-        w2_codes=codes2.contiguous(),
+        w2_codes=to_fields(codes2),
         w2_scales=scales2.contiguous(),
         w2_global=g2.contiguous(),
         a13_scale=_static_scale(a13_scale, e, "a13_scale", w13.device),
@@ -361,7 +381,7 @@ def load_experts(
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
-            _check_metadata(meta, path)
+            linear = _check_metadata(meta, path)
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     except ValueError:
         raise
@@ -379,7 +399,11 @@ def load_experts(
             f"path: {path!r} declares tensors {sorted(declared)}, holds {sorted(tensors)}"
         )
     try:
-        experts = PreparedExperts.from_linear(tensors)
+        if linear:
+            experts = PreparedExperts.from_linear(tensors)
+        else:
+            _check_keys(tensors)
+            experts = PreparedExperts(**tensors)
         check_block_scales(experts)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"path: {path!r} holds inconsistent tensors: {exc}") from exc
@@ -415,15 +439,12 @@ def check_block_scales(experts: PreparedExperts) -> None:
             raise ValueError(f"{name}: global scales must be finite and positive")
 
 
-def _check_metadata(meta: dict[str, str], path: str) -> None:
+def _check_metadata(meta: dict[str, str], path: str) -> bool:
+    """Checks a file's metadata; True where its tensors are the linear form (version 1)."""
     if meta.get("format") != FORMAT_NAME:
         raise ValueError(
             f"path: {path!r} is not an fp4moe prepared-experts file "
             f"(format {meta.get('format')!r}, expected {FORMAT_NAME!r})"
-        )
-    if meta.get("layout") != LAYOUT_NAME:
-        raise ValueError(
-            f"path: {path!r} has layout {meta.get('layout')!r}; this fp4moe reads {LAYOUT_NAME!r}"
         )
     try:
         version = int(meta.get("layout_version", ""))
@@ -436,6 +457,14 @@ def _check_metadata(meta: dict[str, str], path: str) -> None:
         )
     if version < 1:
         raise ValueError(f"path: {path!r} has an invalid layout version {version}")
+    want = _LINEAR_NAME if version == 1 else LAYOUT_NAME
+    if meta.get("layout") != want:
+        raise ValueError(
+            f"path: {path!r} has layout {meta.get('layout')!r} at version {version}; this "
+            f"fp4moe reads {_LINEAR_NAME!r} (version 1) and {LAYOUT_NAME!r} (version "
+            f"{LAYOUT_VERSION})"
+        )
     for key in ("num_experts", "hidden_size", "intermediate_size", "tensors"):
         if key not in meta:
             raise ValueError(f"path: {path!r} metadata lacks {key!r}")
+    return version == 1

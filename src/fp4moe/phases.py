@@ -20,6 +20,7 @@ from torch import nn
 
 from .backend.options import Options
 from .experts import PreparedExperts, align_scale_rows
+from .kernels.gemm.fields import to_fields
 from .modes import MODE_NAMES, mode_name, resolve_mode
 from .moe import BACKENDS, moe
 from .ops import EXPERT_FIELDS
@@ -268,9 +269,11 @@ class MoELayer(nn.Module):
 
     The expert tensors are buffers of the layer (``w13_codes``, ``w13_scales``,
     ``w13_global``, ``w2_codes``, ``w2_scales``, ``w2_global`` and, when calibrated,
-    ``a13_scale``, ``a2_scale``; numerics section 3, linear layout): ``.to(device)``,
-    ``.cuda()`` and ``.cpu()`` move them, ``state_dict()`` holds them (the tensors themselves,
-    no copy) beside ``gate_weight``, and ``load_state_dict`` copies into them. A dtype change
+    ``a13_scale``, ``a2_scale``; numerics section 3, prepared layout version 2, the codes
+    in the fields layout): ``.to(device)``, ``.cuda()`` and ``.cpu()`` move them,
+    ``state_dict()`` holds them (the tensors themselves, no copy) beside ``gate_weight``,
+    and ``load_state_dict`` copies into them; a state dict whose metadata says version 1
+    (linear codes, written by an earlier fp4moe) has its codes converted. A dtype change
     (``.to(torch.bfloat16)``, ``.half()``) never touches them: codes, e4m3 scales and fp32
     globals keep their dtypes. ``layer.experts`` is the PreparedExperts over the current
     buffers; assigning one replaces them.
@@ -376,6 +379,23 @@ class MoELayer(nn.Module):
         for f in EXPERT_FIELDS:
             self.register_buffer(f, getattr(experts, f))
         self.__dict__["_experts"] = experts
+
+    # state-dict version 2: the expert codes in the fields layout (version 1: linear)
+    _version = 2
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
+        version = local_metadata.get("version")
+        if version is not None and version < 2:  # the loader's copy of the dict, not the caller's
+            for f in ("w13_codes", "w2_codes"):
+                t = state_dict.get(prefix + f)
+                if (
+                    isinstance(t, torch.Tensor)
+                    and t.dtype == torch.uint8
+                    and t.dim() == 3
+                    and t.shape[-1] % 4 == 0
+                ):
+                    state_dict[prefix + f] = to_fields(t)  # (a bad shape fails the copy below)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
 
     def _apply(self, fn, recurse: bool = True):
         # Expert buffers follow device moves only: fn may also change floating dtypes

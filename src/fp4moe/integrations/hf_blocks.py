@@ -128,6 +128,9 @@ class FP4MoEBlock(nn.Module):
         expert_names: the expert projections' names in the state dict (gate, up, down).
     """
 
+    # state-dict version 2: the layer's codes in the fields layout (as MoELayer's)
+    _version = 2
+
     def __init__(
         self,
         moe: MoELayer,
@@ -218,7 +221,10 @@ def _load_modelopt_state_dict(
     block: FP4MoEBlock, state_dict: dict[str, Any], prefix: str, *args: Any
 ) -> None:
     """Load-state-dict pre-hook: experts in the ModelOpt (or compressed-tensors) layout
-    become the layer's buffer entries; a state dict with the buffer names loads as it is."""
+    become the layer's buffer entries; a state dict with the buffer names loads as it is.
+    The entries carry the codes in the layout the state dict's version says (linear where
+    an earlier fp4moe's says version 1, for this block and its layer: the layer converts
+    them)."""
     base = f"{prefix}experts"
     block._load_prefix = prefix  # for _name_missing_experts
     keys = [k for k in state_dict if k.startswith(base + ".")]
@@ -226,8 +232,10 @@ def _load_modelopt_state_dict(
         return
     sub = {k: state_dict.pop(k) for k in keys}
     loaded = load_checkpoint_experts(sub, prefix=base, num_experts=block.experts.num_experts)
+    version = args[0].get("version") if args and isinstance(args[0], Mapping) else None
+    tensors = loaded.to_linear() if version is not None and version < 2 else loaded.tensors()
     for f in EXPERT_FIELDS:
-        t = getattr(loaded, f)
+        t = tensors.get(f)
         if t is not None:
             state_dict[f"{prefix}moe.{f}"] = t
 

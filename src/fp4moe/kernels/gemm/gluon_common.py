@@ -218,9 +218,10 @@ def _scales_bf16(sc):
 @gluon.jit
 def _decode_nibbles(codes, sb, TR: gl.constexpr):
     """B code bytes a thread, block and row ([TR, 4 blocks, B]: B 8, a unit in
-    ``code_layout3(TR)``, or 4, half a unit in ``code_layout3(TR, 4)``) with their
-    scales (``_scales_bf16``, [TR, 4]) to B low-nibble and B high-nibble values times
-    2^-8, bf16, joined: [TR, 4 B bytes (q, s, a), 2 (b)]."""
+    ``code_layout3(TR)``, or 4, half a unit in ``code_layout3(TR, 4)``; whole 32-bit words
+    of the fields layout, ``fields``) with their scales (``_scales_bf16``, [TR, 4]) to the
+    values of the B even and the B odd elements (the low and high nibbles of the linear
+    form's bytes) times 2^-8, bf16, joined: [TR, 4 B bytes (q, s, a), 2 (b)]."""
     B: gl.constexpr = codes.shape[2]
     CL: gl.constexpr = code_layout(TR, B)
     sb, codes = gl.broadcast(gl.expand_dims(sb, 2), codes)

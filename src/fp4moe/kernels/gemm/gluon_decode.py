@@ -71,6 +71,15 @@ __all__ = ["RING_STAGES", "compile_sm90", "split_partials_tma"]
 # programs an SM): the fastest of 1, 2 and 4 on the H200 for both forms.
 RING_STAGES = 1
 _TR = gl.constexpr(64)  # weight rows a tile (one warpgroup)
+# Registers a thread of the gated (FC1) kernels on 8-row tiles: at most 80 keep 6 programs
+# of 128 threads an SM (the shared memory's count), so DeepSeek-V3 EP8's 672 FC1 programs
+# at 1 token run in one wave; uncapped, ptxas takes 87 (5 an SM). 16-row tiles spill at 80.
+GATED_MAXNREG = 80
+
+
+def _regs(gated: bool, block_m: int) -> dict:
+    """The launch's register cap (``GATED_MAXNREG``), as keyword arguments."""
+    return {"maxnreg": GATED_MAXNREG} if gated and block_m == 8 else {}
 
 
 @gluon.jit
@@ -529,7 +538,7 @@ def split_partials_tma(
         NBUF=RING_STAGES, EPILOGUE=epilogue, FUSED=fused and epilogue, OUT_SCALE=out_scale,
         A_UNIT_ORDER=a_unit_order, A_FP4=a_global is not None and epilogue, USE_PDL=pdl,
         EARLY_W=pdl and early_weights, WHOLE=whole, E=codes.shape[0], SCALE_TMA=s_tma,
-        num_warps=4, launch_pdl=pdl,
+        num_warps=4, launch_pdl=pdl, **_regs(gated, block_m),
     )  # fmt: skip
 
 
@@ -561,4 +570,5 @@ def compile_sm90(*, n: int, k: int, gated: bool, block_m: int, epilogue: bool = 
                  USE_PDL=pdl, EARLY_W=pdl and early_weights, WHOLE=whole, E=experts,
                  SCALE_TMA=shapes.scale_tma(k) if scale_tma is None else scale_tma)  # fmt: skip
     return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows",), gluon=True,
-                               descs=descs, num_warps=4, launch_pdl=pdl)  # fmt: skip
+                               descs=descs, num_warps=4, launch_pdl=pdl,
+                               **_regs(gated, block_m))  # fmt: skip

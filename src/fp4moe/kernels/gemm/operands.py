@@ -6,8 +6,9 @@ Used by the decoded-weights path (``portable_gemm(dense=True)``: the weights and
 activation rows), by the Gluon kernels' W4A4 rows (decoded once, not per program) and by
 the prefill kernel's rows (gathered into sorted order).
 
-Values: e2m1 code times its e4m3 block scale times 2^-8 (``decode.decode_lohi``), exact in
-bf16. Order (``order``, as the GEMM's ``ORDER``): 64, the unit order, or 32, the chunk
+Values: e2m1 code times its e4m3 block scale times 2^-8 (``decode``), exact in bf16. Weight
+codes come in the fields layout of the prepared experts (``fields``), activation codes
+linear. Order (``order``, as the GEMM's ``ORDER``): 64, the unit order, or 32, the chunk
 order (``decode``). ``dense_weights_reference`` is the reference twin in plain PyTorch.
 """
 
@@ -20,6 +21,7 @@ import triton.language as tl
 from ...nvfp4 import dequantize_blocks
 from ..common import empty, interpreting, order_rows
 from .decode import decode_permuted
+from .fields import from_fields
 
 __all__ = [
     "chunk_order",
@@ -55,7 +57,7 @@ def dense_weights(
     ``dense_rows`` over any leading dimensions.
 
     Args:
-        codes: uint8 [..., K/2], two e2m1 codes a byte (the low nibble the even element).
+        codes: uint8 [..., K/2], e2m1 codes in the fields layout (``fields.to_fields``).
         scales: float8_e4m3fn [..., K/16]. K a multiple of 32.
         order: the K order, 32 or 64 (K a multiple of it), as the GEMM's ``ORDER``.
         out: [..., K] of the returned dtype to write into (contiguous), or None.
@@ -79,7 +81,7 @@ def dense_weights(
                              f"{list(out.shape)}")  # fmt: skip
         out = out.view(-1, k)
     rows = dense_rows(codes.reshape(-1, k // 2), scales.reshape(-1, k // 16), order=order,
-                      out=out)  # fmt: skip
+                      out=out, fields=True)  # fmt: skip
     return rows.reshape(*codes.shape[:-1], k)
 
 
@@ -102,13 +104,15 @@ def chunk_order(x: torch.Tensor, dtype: torch.dtype, order: int = 32) -> torch.T
 def dense_weights_reference(
     codes: torch.Tensor, scales: torch.Tensor, order: int = 32
 ) -> torch.Tensor:
-    """fp32 [..., K]: ``dense_weights`` in plain PyTorch (value * 2^-8, K in ``order``)."""
-    return chunk_order(dequantize_blocks(codes, scales) * 2.0**-8, torch.float32, order)
+    """fp32 [..., K]: ``dense_weights`` in plain PyTorch (value * 2^-8, K in ``order``;
+    ``codes`` in the fields layout)."""
+    v = dequantize_blocks(from_fields(codes), scales)
+    return chunk_order(v * 2.0**-8, torch.float32, order)
 
 
 @triton.jit
 def dense_rows_kernel(
-    src_ptr,  # uint8 [R, K/2] (FP4) or bf16 [R, K]
+    src_ptr,  # uint8 [R, K/2] (FP4; FIELDS: the fields layout) or bf16 [R, K]
     scales_ptr,  # float8_e4m3fn [R, K/16] (FP4), rows S_ROW bytes apart
     count_ptr,  # int32 [1]: rows past it are left unwritten (HAS_COUNT)
     out_ptr,  # DOT_DTYPE [R, K], chunk order
@@ -125,6 +129,7 @@ def dense_rows_kernel(
     ORDER: tl.constexpr = 32,
     GATHER: tl.constexpr = False,
     DIV: tl.constexpr = 1,
+    FIELDS: tl.constexpr = False,
 ):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = rows < R
@@ -138,14 +143,20 @@ def dense_rows_kernel(
     kb = tl.program_id(1)
     kk = kb * BK + tl.arange(0, BK)
     if FP4:
-        cq = kb * (BK // 2) + tl.arange(0, BK // 2)
         cs = kb * (BK // 16) + tl.arange(0, BK // 16)
-        codes = tl.load(src_ptr + r64[:, None] * (K // 2) + cq[None, :], mask=rmask[:, None],
-                        other=0)  # fmt: skip
+        if FIELDS:  # code words, each decoded on its own
+            cq = kb * (BK // 8) + tl.arange(0, BK // 8)
+            words = src_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+            codes = tl.load(words + r64[:, None] * (K // 8) + cq[None, :], mask=rmask[:, None],
+                            other=0)  # fmt: skip
+        else:
+            cq = kb * (BK // 2) + tl.arange(0, BK // 2)
+            codes = tl.load(src_ptr + r64[:, None] * (K // 2) + cq[None, :],
+                            mask=rmask[:, None], other=0)  # fmt: skip
         scales = tl.load(
             scales_ptr + r64[:, None] * S_ROW + cs[None, :], mask=rmask[:, None], other=0.0
         )
-        v = decode_permuted(codes, scales, BR, BK, DECODE_ASM, DOT_DTYPE, ORDER)
+        v = decode_permuted(codes, scales, BR, BK, DECODE_ASM, DOT_DTYPE, ORDER, FIELDS)
     else:  # bf16 values, only reordered: the GEMM's register permutation, done once
         x = tl.load(src_ptr + r64[:, None] * K + kk[None, :], mask=rmask[:, None], other=0.0)
         v = order_rows(x.to(DOT_DTYPE), BR, BK, ORDER)
@@ -162,6 +173,7 @@ def dense_rows(
     index: torch.Tensor | None = None,
     div: int = 1,
     out: torch.Tensor | None = None,
+    fields: bool = False,
 ) -> torch.Tensor:
     """Activation rows as the dense GEMM loads them: NVFP4 rows decoded like
     ``dense_weights``, or bf16 rows put in chunk order (``chunk_order``), values unchanged.
@@ -180,6 +192,7 @@ def dense_rows(
         div: the divisor of ``index`` (>= 1).
         out: the [R, K] (R' with ``index``) result tensor to write into (contiguous, on
             ``src``'s device, of the returned dtype), or None: a new one.
+        fields: the codes are weights in the fields layout (``fields``), not linear.
 
     Returns:
         [R, K] (R' with ``index``) bf16 on a GPU, fp32 in the interpreter.
@@ -234,6 +247,6 @@ def dense_rows(
             HAS_COUNT=count is not None, DECODE_ASM=fp4 and not interp,
             DOT_DTYPE=tl.float32 if interp else tl.bfloat16, ORDER=order,
             GATHER=index is not None, DIV=div, S_ROW=scales.stride(0) if fp4 else 0,
-            num_warps=warps,
+            FIELDS=fp4 and fields, num_warps=warps,
         )  # fmt: skip
     return out

@@ -50,7 +50,9 @@ def _chunk_ptrs(a_ptr, a_scales_ptr, w_codes_ptr, w_scales_ptr, row_g, src,
     if W_DENSE:
         cw2 = w_codes_ptr + row_g[:, None] * K + tl.arange(0, BK)[None, :]
     else:
-        cw2 = w_codes_ptr + row_g[:, None] * (K // 2) + tl.arange(0, BK // 2)[None, :]
+        # the code words (fields layout: each 32-bit word is decoded on its own)
+        cw = w_codes_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        cw2 = cw + row_g[:, None] * (K // 8) + tl.arange(0, BK // 8)[None, :]
     sw2 = w_scales_ptr + row_g[:, None] * W_SROW + tl.arange(0, BK // 16)[None, :]
     if A_FP4 and not W_DENSE:
         ca2 = a_ptr + src[:, None] * (K // 2) + tl.arange(0, BK // 2)[None, :]
@@ -76,16 +78,16 @@ def _chunk_tile(
     register permutation give), so the dots see the same operands: the same bits. A_FP8
     (W4A8): e4m3 rows (stored in the unit order where ORDER is 64) and e4m3 weights in
     the same order, one FP8 dot (the caller chains them in groups of FP8_GROUP K)."""
-    KH: tl.constexpr = K // 2
+    KW: tl.constexpr = K // 8  # the up rows' code words: N rows of K / 8 words on
     KS: tl.constexpr = W_SROW  # the up rows' scales: N rows of W_SROW bytes on
     if A_FP8:
         x8 = tl.trans(tl.load(xp2 + kb * BK, mask=m_mask[:, None], other=0.0).to(DOT_DTYPE))
-        cg = tl.load(cw2 + kb * (BK // 2), mask=n_mask[:, None], other=0)
+        cg = tl.load(cw2 + kb * (BK // 8), mask=n_mask[:, None], other=0)
         sg = tl.load(sw2 + kb * (BK // 16), mask=n_mask[:, None], other=0.0)
         wg = decode_e4m3(cg, sg, BN, BK, DECODE_ASM, ORDER)
         acc_g = tl.dot(wg, x8, acc_g)
         if GATED:
-            cu = tl.load(cw2 + N * KH + kb * (BK // 2), mask=n_mask[:, None], other=0)
+            cu = tl.load(cw2 + N * KW + kb * (BK // 8), mask=n_mask[:, None], other=0)
             su = tl.load(sw2 + N * KS + kb * (BK // 16), mask=n_mask[:, None], other=0.0)
             wu = decode_e4m3(cu, su, BN, BK, DECODE_ASM, ORDER)
             acc_u = tl.dot(wu, x8, acc_u)
@@ -106,13 +108,15 @@ def _chunk_tile(
             wu = tl.load(cw2 + N * K + kb * BK, mask=n_mask[:, None], other=0.0)
             acc_u = tl.dot(wu, x, acc_u)
     else:
-        cg = tl.load(cw2 + kb * (BK // 2), mask=n_mask[:, None], other=0)
+        cg = tl.load(cw2 + kb * (BK // 8), mask=n_mask[:, None], other=0)
         sg = tl.load(sw2 + kb * (BK // 16), mask=n_mask[:, None], other=0.0)
-        acc_g = tl.dot(decode_permuted(cg, sg, BN, BK, DECODE_ASM, DOT_DTYPE, ORDER), x, acc_g)
+        wg = decode_permuted(cg, sg, BN, BK, DECODE_ASM, DOT_DTYPE, ORDER, WORDS=True)
+        acc_g = tl.dot(wg, x, acc_g)
         if GATED:
-            cu = tl.load(cw2 + N * KH + kb * (BK // 2), mask=n_mask[:, None], other=0)
+            cu = tl.load(cw2 + N * KW + kb * (BK // 8), mask=n_mask[:, None], other=0)
             su = tl.load(sw2 + N * KS + kb * (BK // 16), mask=n_mask[:, None], other=0.0)
-            acc_u = tl.dot(decode_permuted(cu, su, BN, BK, DECODE_ASM, DOT_DTYPE, ORDER), x, acc_u)
+            wu = decode_permuted(cu, su, BN, BK, DECODE_ASM, DOT_DTYPE, ORDER, WORDS=True)
+            acc_u = tl.dot(wu, x, acc_u)
     return acc_g, acc_u
 
 
