@@ -152,24 +152,6 @@ def decode_lohi(
 
 
 @triton.jit
-def _rotl(x, d: tl.constexpr):
-    """A 32-bit word held in int64 (0 <= x < 2^32) rotated left by ``d``."""
-    return ((x << d) | (x >> (32 - d))) & 0xFFFFFFFF
-
-
-@triton.jit
-def _nibble(r, h: tl.constexpr):
-    """The e2m1 code of half ``h`` of a decoded register (magnitude bits 8..6, sign 15)."""
-    return (((r >> (6 + 16 * h)) & 7) | ((r >> (12 + 16 * h)) & 8)).to(tl.uint8)
-
-
-@triton.jit
-def _value(r, h: tl.constexpr, s):
-    """Half ``h`` of a decoded register times ``s`` (fp32), as the asm's fma gives it."""
-    return nibble_to_f16(_nibble(r, h)).to(tl.float32) * 16384.0 * s
-
-
-@triton.jit
 def _quads(a0, a1, a2, a3, R: tl.constexpr, C: tl.constexpr):
     """Four [R, C/8] tiles to one [R, C/2]: ``a{k}`` at position 4 w + k of word w."""
     return tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), (R, C // 2))
@@ -189,21 +171,24 @@ def decode_words(words, scales, R: tl.constexpr, C: tl.constexpr, ASM: tl.conste
             WORD_DECODE_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, sw],
             dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1,
         )  # fmt: skip
+        lo = _quads(e0.to(OUT), e2.to(OUT), e4.to(OUT), e6.to(OUT), R, C)
+        hi = _quads(e1.to(OUT), e3.to(OUT), e5.to(OUT), e7.to(OUT), R, C)
+        return lo, hi
     else:
-        x = words.to(tl.int64) & 0xFFFFFFFF
-        s = scales.to(tl.float32) * 0.00390625
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (R, C // 16, 2)), (R, C // 8))
-        r0 = _rotl(x, _ROT0) & _MASK
-        r1 = _rotl(x, _ROT1) & _MASK
-        r2 = _rotl(x, _ROT2) & _MASK
-        r3 = (x & _KEEP) + ((x & _MOVE) << 8)
-        e0, e2 = _value(r0, 0, s), _value(r0, 1, s)
-        e4, e6 = _value(r1, 0, s), _value(r1, 1, s)
-        e1, e3 = _value(r2, 0, s), _value(r2, 1, s)
-        e5, e7 = _value(r3, 0, s), _value(r3, 1, s)
-    lo = _quads(e0.to(OUT), e2.to(OUT), e4.to(OUT), e6.to(OUT), R, C)
-    hi = _quads(e1.to(OUT), e3.to(OUT), e5.to(OUT), e7.to(OUT), R, C)
-    return lo, hi
+        # the asm's registers, all four at once (few operations: the interpreter's cost),
+        # read back into linear code bytes for decode_lohi
+        x = (words.to(tl.int64) & 0xFFFFFFFF)[:, :, None]
+        k = tl.arange(0, 4)[None, None, :]
+        d = tl.where(k == 0, _ROT0, tl.where(k == 1, _ROT1, _ROT2)).to(tl.int64)
+        rot = ((x << d) | (x >> (32 - d))) & _MASK
+        regs = tl.where(k == 3, (x & _KEEP) + ((x & _MOVE) << 8), rot)  # [R, C/8, 4]
+        r = regs[:, :, :, None]
+        h = (tl.arange(0, 2) * 16)[None, None, None, :].to(tl.int64)
+        nib = ((r >> (6 + h)) & 7) | ((r >> (12 + h)) & 8)  # [R, C/8, 4 registers, 2 halves]
+        # registers 0, 1 hold the even elements (e0, e2, e4, e6), 2 and 3 the odd ones
+        even, odd = tl.split(tl.permute(tl.reshape(nib, (R, C // 8, 2, 4)), (0, 1, 3, 2)))
+        codes = tl.reshape(even | (odd << 4), (R, C // 2)).to(tl.uint8)
+        return decode_lohi(codes, scales, R, C, ASM, OUT)
 
 
 @triton.jit
