@@ -56,20 +56,15 @@ def field_bit(linear_bit: int) -> int:
 
 
 @functools.cache
-def _tables(inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two int64 tables of 65536 entries: a word's permuted bits from its low and from its
-    high 16 bits (the permutation is linear over bits, so the two OR together)."""
-    dest = [field_bit(i) for i in range(32)]
-    if inverse:
-        dest = [dest.index(i) for i in range(32)]
-    v = torch.arange(65536, dtype=torch.int64)
-    lo = torch.zeros(65536, dtype=torch.int64)
-    hi = torch.zeros(65536, dtype=torch.int64)
-    for i in range(16):
-        bit = (v >> i) & 1
-        lo |= bit << dest[i]
-        hi |= bit << dest[16 + i]
-    return lo, hi
+def _moves(inverse: bool) -> tuple[tuple[int, int], ...]:
+    """The permutation as (shift, mask) pairs: the bits that move by the same shift (left
+    where positive), masked at their destination; 13 of them."""
+    moves: dict[int, int] = {}
+    for i in range(32):
+        src, dst = (field_bit(i), i) if inverse else (i, field_bit(i))
+        moves[dst - src] = moves.get(dst - src, 0) | (1 << dst)
+    # as int32 masks (a right shift's sign bits fall outside its mask)
+    return tuple((sh, m - (1 << 32) if m >> 31 else m) for sh, m in sorted(moves.items()))
 
 
 def _permute(codes: torch.Tensor, inverse: bool, name: str) -> torch.Tensor:
@@ -80,15 +75,24 @@ def _permute(codes: torch.Tensor, inverse: bool, name: str) -> torch.Tensor:
             f"{name}: the last dimension (K/2 code bytes) must be a multiple of 4, got shape "
             f"{list(codes.shape)}"
         )
-    lo, hi = (t.to(codes.device) for t in _tables(inverse))
     out = torch.empty_like(codes, memory_format=torch.contiguous_format)
-    src = codes.reshape(-1, codes.shape[-1]) if codes.numel() else codes
-    dst = out.view(-1, codes.shape[-1]) if codes.numel() else out
-    rows = max(1, (1 << 24) // max(codes.shape[-1], 1))  # about 16 MB of codes at a time
-    for r0 in range(0, src.shape[0] if codes.numel() else 0, rows):
-        w = src[r0 : r0 + rows].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-        p = lo[w & 0xFFFF] | hi[w >> 16]
-        dst[r0 : r0 + rows] = p.to(torch.int32).view(torch.uint8).view(-1, codes.shape[-1])
+    if codes.numel() == 0:
+        return out
+    k = codes.shape[-1]
+    src, dst = codes.reshape(-1, k), out.view(-1, k)
+    rows = max(1, (1 << 24) // k)  # about 16 MB of codes at a time
+    for r0 in range(0, src.shape[0], rows):
+        w = src[r0 : r0 + rows].contiguous().view(torch.int32)
+        acc, t = torch.zeros_like(w), torch.empty_like(w)
+        for sh, mask in _moves(inverse):  # in place: a word's bits moved by shift groups
+            if sh > 0:
+                torch.bitwise_left_shift(w, sh, out=t)
+            elif sh < 0:
+                torch.bitwise_right_shift(w, -sh, out=t)
+            else:
+                t.copy_(w)
+            acc.bitwise_or_(t.bitwise_and_(mask))
+        dst[r0 : r0 + rows] = acc.view(torch.uint8)
     return out
 
 
