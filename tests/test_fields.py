@@ -15,14 +15,13 @@ from fp4moe.kernels.gemm.fields import (
     FIELD_ROTATIONS,
     LAST_KEEP,
     LAST_MOVE,
+    REGISTERS,
     field_bit,
     from_fields,
     to_fields,
 )
 from fp4moe.nvfp4 import decode_e2m1
 from testing import random_moe_weights
-
-_REGISTERS = ((0, 2), (4, 6), (1, 3), (5, 7))  # the decode's registers, (low, high) halves
 
 
 def _rotl(x: int, d: int) -> int:
@@ -35,7 +34,7 @@ def _decode(word: int) -> list[float]:
     regs = [_rotl(word, d) & FIELD_MASK for d in FIELD_ROTATIONS]
     regs.append((word & LAST_KEEP) + ((word & LAST_MOVE) << 8))
     out = [0.0] * 8
-    for r, pair in zip(regs, _REGISTERS):
+    for r, pair in zip(regs, REGISTERS):
         for h, e in enumerate(pair):
             half = (r >> (16 * h)) & 0xFFFF
             out[e] = struct.unpack("<f", struct.pack("<I", half << 16))[0] * 2.0**126

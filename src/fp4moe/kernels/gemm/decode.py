@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ..common import nibble_to_f16, order_rows, round_e4m3
-from .fields import FIELD_MASK, FIELD_ROTATIONS, LAST_KEEP, LAST_MOVE
+from .fields import FIELD_MASK, FIELD_ROTATIONS, LAST_KEEP, LAST_MOVE, LAST_SHIFT, REGISTERS
 
 __all__ = [
     "CHUNK_DECODE_ASM",
@@ -54,6 +54,7 @@ __all__ = [
 _MASK = tl.constexpr(FIELD_MASK)
 _KEEP = tl.constexpr(LAST_KEEP)
 _MOVE = tl.constexpr(LAST_MOVE)
+_SHIFT = tl.constexpr(LAST_SHIFT)
 _ROT0 = tl.constexpr(FIELD_ROTATIONS[0])
 _ROT1 = tl.constexpr(FIELD_ROTATIONS[1])
 _ROT2 = tl.constexpr(FIELD_ROTATIONS[2])
@@ -67,7 +68,7 @@ def _register(out: str, word: str, reg: int, scale: str) -> str:
                 f"and.b32 t, t, {FIELD_MASK:#x};\n")  # fmt: skip
     else:
         bits = (f"and.b32 t, {word}, {LAST_MOVE:#x};\nand.b32 u, {word}, {LAST_KEEP:#x};\n"
-                "mad.lo.u32 t, t, 256, u;\n")  # fmt: skip
+                f"mad.lo.u32 t, t, {1 << LAST_SHIFT}, u;\n")  # fmt: skip
     return bits + f"fma.rn.bf16x2 {out}, t, {scale}, z;\n"
 
 
@@ -110,7 +111,7 @@ def _word_asm() -> str:
         "{\n.reg .b32 t, u, z, s, v;\nmov.b32 z, 0x80008000;\nmov.b32 s, {$9, $9};\n"
         + "".join(
             _register("v", "$8", reg, "s") + f"mov.b32 {{${a}, ${b}}}, v;\n"
-            for reg, (a, b) in enumerate(((0, 2), (4, 6), (1, 3), (5, 7)))
+            for reg, (a, b) in enumerate(REGISTERS)
         )
         + "}"
     )
@@ -181,7 +182,7 @@ def decode_words(words, scales, R: tl.constexpr, C: tl.constexpr, ASM: tl.conste
         k = tl.arange(0, 4)[None, None, :]
         d = tl.where(k == 0, _ROT0, tl.where(k == 1, _ROT1, _ROT2)).to(tl.int64)
         rot = ((x << d) | (x >> (32 - d))) & _MASK
-        regs = tl.where(k == 3, (x & _KEEP) + ((x & _MOVE) << 8), rot)  # [R, C/8, 4]
+        regs = tl.where(k == 3, (x & _KEEP) + ((x & _MOVE) << _SHIFT), rot)  # [R, C/8, 4]
         r = regs[:, :, :, None]
         h = (tl.arange(0, 2) * 16)[None, None, None, :].to(tl.int64)
         nib = ((r >> (6 + h)) & 7) | ((r >> (12 + h)) & 8)  # [R, C/8, 4 registers, 2 halves]
@@ -200,12 +201,12 @@ def decode_permuted(
     ASM: tl.constexpr,
     OUT: tl.constexpr,
     ORDER: tl.constexpr = 32,
-    WORDS: tl.constexpr = False,
+    FIELDS: tl.constexpr = False,
 ):
-    """codes [R, C/2] (linear: activation rows) or, with ``WORDS``, code words int32
+    """codes [R, C/2] (linear: activation rows) or, with ``FIELDS``, code words int32
     [R, C/8] in the fields layout (weights), and scales [R, C/16] to [R, C] in the K order
     ``ORDER`` (64 or 32, see the module docstring)."""
-    if WORDS:
+    if FIELDS:
         lo, hi = decode_words(codes, scales, R, C, ASM, OUT)
     else:
         lo, hi = decode_lohi(codes, scales, R, C, ASM, OUT)

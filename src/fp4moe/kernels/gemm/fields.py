@@ -14,8 +14,8 @@ other bits zero: that bf16 is e2m1 * 2^-126 exactly. In the fields layout each r
 
 (rotl: rotate left), so a word's bits are a permutation of the linear word's: the same
 bytes, rows and block scales, only the bits within each word moved. The linear layout needs
-a byte permute, two masks and a multiply a register instead (``LINEAR`` decode, kept for
-activation codes, which the quantize kernels write linear).
+a byte permute, two masks and a multiply a register instead (``decode.LINEAR_DECODE_ASM``,
+kept for activation codes, which the quantize kernels write linear).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ __all__ = [
     "FIELD_ROTATIONS",
     "LAST_KEEP",
     "LAST_MOVE",
+    "LAST_SHIFT",
+    "REGISTERS",
     "field_bit",
     "from_fields",
     "to_fields",
@@ -37,10 +39,11 @@ __all__ = [
 FIELD_MASK = 0x81C081C0  # a bf16 pair's magnitude bits 8..6 and sign bit 15, both halves
 FIELD_ROTATIONS = (4, 10, 14)  # registers (e0, e2), (e4, e6), (e1, e3)
 LAST_KEEP = 0x80C080C0  # register (e5, e7): these bits in place,
-LAST_MOVE = 0x00010001  # these moved up by 8 (each half's magnitude bit 2)
+LAST_MOVE = 0x00010001  # these moved up by LAST_SHIFT (each half's magnitude bit 2)
+LAST_SHIFT = 8
 
 # the elements of the four registers, (low half, high half), in decode order
-_REGISTERS = ((0, 2), (4, 6), (1, 3), (5, 7))
+REGISTERS = ((0, 2), (4, 6), (1, 3), (5, 7))
 _BF16_BIT = (6, 7, 8, 15)  # nibble bit (magnitude 0..2, sign) -> bit of its bf16 half
 
 
@@ -48,11 +51,11 @@ def field_bit(linear_bit: int) -> int:
     """The bit of a fields-layout word that holds bit ``linear_bit`` (0..31) of the linear
     word (nibble ``linear_bit // 4``, its bit ``linear_bit % 4``)."""
     element, b = divmod(linear_bit, 4)
-    reg = next(i for i, pair in enumerate(_REGISTERS) if element in pair)
-    target = _BF16_BIT[b] + 16 * _REGISTERS[reg].index(element)
+    reg = next(i for i, pair in enumerate(REGISTERS) if element in pair)
+    target = _BF16_BIT[b] + 16 * REGISTERS[reg].index(element)
     if reg < 3:
         return (target - FIELD_ROTATIONS[reg]) % 32
-    return target - 8 if b == 2 else target
+    return target - LAST_SHIFT if b == 2 else target
 
 
 @functools.cache
@@ -67,12 +70,12 @@ def _moves(inverse: bool) -> tuple[tuple[int, int], ...]:
     return tuple((sh, m - (1 << 32) if m >> 31 else m) for sh, m in sorted(moves.items()))
 
 
-def _permute(codes: torch.Tensor, inverse: bool, name: str) -> torch.Tensor:
+def _permute(codes: torch.Tensor, inverse: bool) -> torch.Tensor:
     if codes.dtype != torch.uint8:
-        raise TypeError(f"{name}: expected torch.uint8 codes, got {codes.dtype}")
+        raise TypeError(f"codes: expected torch.uint8 codes, got {codes.dtype}")
     if codes.dim() == 0 or codes.shape[-1] % 4:
         raise ValueError(
-            f"{name}: the last dimension (K/2 code bytes) must be a multiple of 4, got shape "
+            f"codes: the last dimension (K/2 code bytes) must be a multiple of 4, got shape "
             f"{list(codes.shape)}"
         )
     out = torch.empty_like(codes, memory_format=torch.contiguous_format)
@@ -99,9 +102,9 @@ def _permute(codes: torch.Tensor, inverse: bool, name: str) -> torch.Tensor:
 def to_fields(codes: torch.Tensor) -> torch.Tensor:
     """Linear codes uint8 [..., K/2] (numerics section 1) to the fields layout: a new
     contiguous tensor of the same shape, dtype and device, each 32-bit word's bits permuted."""
-    return _permute(codes, False, "codes")
+    return _permute(codes, False)
 
 
 def from_fields(codes: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`to_fields`: fields-layout codes back to the linear form."""
-    return _permute(codes, True, "codes")
+    return _permute(codes, True)

@@ -110,12 +110,12 @@ def _chunk_tile(
     else:
         cg = tl.load(cw2 + kb * (BK // 8), mask=n_mask[:, None], other=0)
         sg = tl.load(sw2 + kb * (BK // 16), mask=n_mask[:, None], other=0.0)
-        wg = decode_permuted(cg, sg, BN, BK, DECODE_ASM, DOT_DTYPE, ORDER, WORDS=True)
+        wg = decode_permuted(cg, sg, BN, BK, DECODE_ASM, DOT_DTYPE, ORDER, FIELDS=True)
         acc_g = tl.dot(wg, x, acc_g)
         if GATED:
             cu = tl.load(cw2 + N * KW + kb * (BK // 8), mask=n_mask[:, None], other=0)
             su = tl.load(sw2 + N * KS + kb * (BK // 16), mask=n_mask[:, None], other=0.0)
-            wu = decode_permuted(cu, su, BN, BK, DECODE_ASM, DOT_DTYPE, ORDER, WORDS=True)
+            wu = decode_permuted(cu, su, BN, BK, DECODE_ASM, DOT_DTYPE, ORDER, FIELDS=True)
             acc_u = tl.dot(wu, x, acc_u)
     return acc_g, acc_u
 
