@@ -148,15 +148,19 @@ def resolve(args: argparse.Namespace) -> dict:
 
 
 class _Clock:
-    """Microseconds of one call: CUDA events on the GPU, the host clock on the CPU."""
+    """Microseconds of one call: CUDA events on the GPU, the host clock on the CPU. A
+    graph replay's ``hold`` (GPU clock cycles, ``bench.hold_cycles``) enqueues it behind a
+    wait longer than the host takes to submit it, so its time is the GPU's alone."""
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
 
-    def __call__(self, fn):
+    def __call__(self, fn, hold: int = 0):
         if self.cuda:
             a = torch.cuda.Event(enable_timing=True)
             b = torch.cuda.Event(enable_timing=True)
+            if hold:
+                torch.cuda._sleep(hold)
             a.record()
             out = fn()
             b.record()
@@ -165,6 +169,15 @@ class _Clock:
         t0 = time.perf_counter()
         out = fn()
         return out, (time.perf_counter() - t0) * 1e6
+
+
+def _submit_hold(replay) -> int:
+    """One untimed ``replay()``: the hold (``bench.hold_cycles``) its submission needs."""
+    from .bench import hold_cycles
+
+    t0 = time.perf_counter()
+    replay()
+    return hold_cycles((time.perf_counter() - t0) * 1e6)
 
 
 def _align(cuda: bool, rank: int) -> None:
@@ -263,9 +276,10 @@ def _graph_runs(layer, x, kw, state: dict, rank: int) -> dict:
     gt, state["out"] = _capture(lambda: layer(x, **kw))
     state["graphs"] = [gd, gc, gb, gt]
     run = {"dispatch": gd.replay, "compute": gc.replay, "combine": gb.replay, "total": gt.replay}
+    state["hold"] = {}
     for k in (*STEPS, "total"):
         _align(True, rank)
-        run[k]()
+        state["hold"][k] = _submit_hold(run[k])
     _align(True, rank)
     return run
 
@@ -289,13 +303,14 @@ def _measure(
     state: dict = {}
     run = _graph_runs(layer, x, kw, state, rank) if graph else _eager_runs(layer, x, kw, state)
     steps: dict[str, list[float]] = {k: [] for k in (*STEPS, "total")}
+    hold = state.get("hold", {})
     for _ in range(iters):
         for k in STEPS:  # in forward's order: each step consumes the one before
             _align(cuda, rank)
-            steps[k].append(clock(run[k])[1])
+            steps[k].append(clock(run[k], hold.get(k, 0))[1])
     for _ in range(iters):
         _align(cuda, rank)
-        steps["total"].append(clock(run["total"])[1])
+        steps["total"].append(clock(run["total"], hold.get("total", 0))[1])
     if cuda:
         torch.cuda.synchronize()
     d, y, split_out, out = state["d"], state["y"], state["split_out"], state["out"]
@@ -312,9 +327,9 @@ def _measure(
     if graph:
         _warm_side_stream(local, warmup)
         g_local, _ = _capture(local)
-        g_local.replay()
+        local_hold = _submit_hold(g_local.replay)
         torch.cuda.synchronize()
-        local_us = [clock(g_local.replay)[1] for _ in range(iters)]
+        local_us = [clock(g_local.replay, local_hold)[1] for _ in range(iters)]
     else:
         for _ in range(max(warmup, 1)):
             local()
