@@ -162,6 +162,18 @@ def test_modelopt_tensors_are_views_of_the_experts(experts, names):
     assert loaded.w13_scales.stride(1) == loaded.w2_scales.stride(1) == 16  # rows aligned
 
 
+def test_modelopt_tensors_codes_device(experts):
+    """codes_device moves the linear code copies only; the scales and globals stay views on
+    the experts' device."""
+    moved = modelopt_expert_tensors(experts, prefix=PREFIX, codes_device="meta")
+    here = modelopt_expert_tensors(experts, prefix=PREFIX)
+    assert sorted(moved) == sorted(here)
+    for k, v in moved.items():
+        want = "meta" if k.endswith(".weight") else "cpu"
+        assert v.device.type == want, k
+        assert v.shape == here[k].shape and v.dtype == here[k].dtype, k
+
+
 def test_checkpoint_source_reads_headers_and_closes(tmp_path, experts):
     save_modelopt_experts(experts, tmp_path / "model.safetensors", prefix=PREFIX)
     key = f"{PREFIX}.1.down_proj.weight_scale"

@@ -432,6 +432,30 @@ def test_gpu_loaded_model_on_triton(folders, arch):
 
 
 @pytest.mark.gpu
+def test_gpu_state_dict_keeps_no_second_copy_on_the_gpu(folders):
+    """A GPU model's state dict: the linear code copies on the CPU (no second copy of the
+    codes on the GPU), the scales views on the GPU; it loads back bit for bit."""
+    folder, _ = folders["qwen3_moe", "modelopt"]
+    model = fp4moe.load_model(folder, device="cuda")
+    layers = hf.moe_layers(model)
+    codes = sum(m.experts.w13_codes.nbytes + m.experts.w2_codes.nbytes for m in layers.values())
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    sd = model.state_dict()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < codes // 4
+    name = next(iter(layers))
+    assert sd[f"{name}.experts.0.gate_proj.weight"].device.type == "cpu"
+    assert sd[f"{name}.experts.0.gate_proj.weight_scale_2"].device.type == "cuda"
+    back = fp4moe.load_model(folder, device="cuda")
+    for m in hf.moe_layers(back).values():
+        m.experts.w13_codes.zero_()
+    back.load_state_dict(sd)
+    for n, m in hf.moe_layers(back).items():
+        assert torch.equal(m.experts.w13_codes, layers[n].experts.w13_codes)
+
+
+@pytest.mark.gpu
 def test_gpu_compiled_model_cuda_graphs(folders):
     """The whole model under torch.compile(backend="cudagraphs"): replays give the eager
     bits, prefill and decode."""

@@ -535,14 +535,20 @@ def load_checkpoint_experts(
 # ----------------------------------------------------------------------------- save
 
 
-def _projections(experts: PreparedExperts, names: Sequence[str]):
+def _projections(experts: PreparedExperts, names: Sequence[str], codes_device=None):
     """(expert, projection name, codes, block scales, global, static input scale or None)
     of each expert's gate, up and down projection: the codes linear copies (numerics
-    section 1; the experts hold them in the fields layout), the rest views of the experts'
-    tensors."""
+    section 1; the experts hold them in the fields layout), converted an expert at a time
+    on the experts' device and moved to ``codes_device`` (None: left there), the rest views
+    of the experts' tensors."""
     i = experts.intermediate_size
+
+    def linear(codes: torch.Tensor) -> torch.Tensor:
+        out = from_fields(codes)
+        return out if codes_device is None else out.to(codes_device)
+
     for e in range(experts.num_experts):
-        w13, w2 = from_fields(experts.w13_codes[e]), from_fields(experts.w2_codes[e])
+        w13, w2 = linear(experts.w13_codes[e]), linear(experts.w2_codes[e])
         parts = (
             (w13[:i], experts.w13_scales[e, :i], experts.w13_global[e, 0]),
             (w13[i:], experts.w13_scales[e, i:], experts.w13_global[e, 1]),
@@ -584,10 +590,10 @@ def _save(
         return (torch.reciprocal(g) if encode else g.clone()).reshape(scalar_shape)
 
     out: dict[str, torch.Tensor] = {}
-    for e, name, codes, scales, g, a in _projections(experts, names):
+    for e, name, codes, scales, g, a in _projections(experts, names, "cpu"):
         base = f"{prefix}.{e + expert_offset}.{name}"
         # clone: safetensors refuses tensors that share storage
-        out[f"{base}.{codes_leaf}"] = codes.detach().cpu().clone()
+        out[f"{base}.{codes_leaf}"] = codes.detach().clone()
         out[f"{base}.{scale_leaf}"] = scales.detach().cpu().clone()
         out[f"{base}.{global_leaf}"] = scalar(g)
         if a is not None:
@@ -613,10 +619,14 @@ def modelopt_expert_tensors(
     *,
     prefix: str,
     names: Sequence[str] = ("gate_proj", "up_proj", "down_proj"),
+    codes_device: torch.device | str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The experts in the ModelOpt NVFP4 layout of :func:`save_modelopt_experts`, on their
-    device: what a state dict holds. The codes are linear copies (the experts hold them in
-    the fields layout); the scales are views of the experts' own tensors.
+    """The experts in the ModelOpt NVFP4 layout of :func:`save_modelopt_experts`: what a
+    state dict holds. The codes are linear copies (the experts hold them in the fields
+    layout), made an expert at a time on the experts' device and kept on ``codes_device``
+    (None: the experts' device; the transformers blocks' state dicts keep them on the CPU,
+    so that a model's state dict does not hold its codes a second time on the GPU); the
+    scales are views of the experts' own tensors, on their device.
 
     Keys ``{prefix}.{e}.{p}.weight`` uint8 [N, K/2], ``.weight_scale`` e4m3 [N, K/16],
     ``.weight_scale_2`` fp32 [] and, with static activation scales, ``.input_scale`` fp32 []
@@ -631,7 +641,7 @@ def modelopt_expert_tensors(
         raise TypeError(f"experts: expected a PreparedExperts, got {type(experts).__name__}")
     prefix = prefix.rstrip(".")
     out: dict[str, torch.Tensor] = {}
-    for e, name, codes, scales, g, a in _projections(experts, names):
+    for e, name, codes, scales, g, a in _projections(experts, names, codes_device):
         base = f"{prefix}.{e}.{name}"
         out[f"{base}.weight"] = codes
         out[f"{base}.weight_scale"] = scales.contiguous()

@@ -209,12 +209,14 @@ class FP4MoEBlock(nn.Module):
 def _modelopt_state_dict(
     block: FP4MoEBlock, state_dict: dict[str, Any], prefix: str, local_metadata: dict
 ) -> None:
-    """State-dict post-hook: the layer's expert buffers under ModelOpt names (views)."""
+    """State-dict post-hook: the layer's expert buffers under ModelOpt names (the scales
+    views, the codes linear copies on the CPU: ``modelopt_expert_tensors``)."""
     for f in EXPERT_FIELDS:
         state_dict.pop(f"{prefix}moe.{f}", None)
-    state_dict.update(
-        modelopt_expert_tensors(block.experts, prefix=f"{prefix}experts", names=block.expert_names)
+    experts = modelopt_expert_tensors(
+        block.experts, prefix=f"{prefix}experts", names=block.expert_names, codes_device="cpu"
     )
+    state_dict.update(experts)
 
 
 def _load_modelopt_state_dict(
