@@ -601,6 +601,12 @@ for spill, c in (
         # the 128-row bf16 tiles: half units, one wgmma group in flight while the next
         # decodes
         assert "wgmma.wait_group.sync.aligned 1;" in ptx
+# the split FC1 on 8-row tiles (the ring of half stages) keeps 6 programs an SM (one wave
+# of DeepSeek-V3 EP8's 672 at 1 token): shared memory plus the 1 KB a program reserves, and
+# registers
+c = gluon_decode.compile_sm90(n=2048, k=7168, gated=True, block_m=8)
+assert "cp.async.bulk.tensor.3d" in c.asm["ptx"] and (c.metadata.shared + 1024) * 6 <= 228 * 1024
+assert resource_usage(c)["REG"] <= 80
 print("ok")
 """
 

@@ -32,6 +32,8 @@ from .shapes import scale_rows_tma
 __all__ = [
     "CODE_SMEM",
     "CODE_SMEM3",
+    "CODE_SMEM3_64",
+    "CODE_SMEM_64",
     "SCALE_SMEM",
     "SCALE_SMEM3",
     "STAGE_K",
@@ -63,6 +65,9 @@ SCALE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank
 # the same for two blocks of rows in one copy (``weight_descriptors(pair=...)``): [2, rows,
 # bytes], laid out as [2 * rows, bytes]
 CODE_SMEM3 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)
+# the split-K ring's 128-K half stages: [rows, 64 bytes] code boxes with a 64-byte swizzle
+CODE_SMEM_64 = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+CODE_SMEM3_64 = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=3)
 SCALE_SMEM3 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
 # activation rows already in sorted and unit order, by TMA as [4 units, BM rows, 64]
 # boxes of the view [K/64, rows, 64], with the 128-byte swizzle of the wgmma B tiles
@@ -101,7 +106,7 @@ def code_layout3(rows, nbytes=8):
 
 
 def weight_descriptors(codes: torch.Tensor, scales: torch.Tensor, rows: int = 64,
-                       pair: int = 0):  # fmt: skip
+                       pair: int = 0, code_bytes: int = 0):  # fmt: skip
     """TMA descriptors of one GEMM's weights: codes uint8 [E, W_ROWS, K/2] as [E * W_ROWS,
     K/2] with [rows, 128-byte] boxes (one 256-K stage, ``CODE_SMEM``), scales e4m3
     [E, W_ROWS, K/16] as bytes with [rows, 16] boxes. With ``pair`` > 0 a box is two
@@ -122,8 +127,10 @@ def weight_descriptors(codes: torch.Tensor, scales: torch.Tensor, rows: int = 64
         s2 = s8.reshape(-1, s8.shape[-1])
     else:
         s2, s8 = c2, s8.contiguous()
+    cb = code_bytes or STAGE_K.value // 2
+    cl2, cl3 = (CODE_SMEM_64, CODE_SMEM3_64) if cb == 64 else (CODE_SMEM, CODE_SMEM3)
     if not pair:
-        return (TensorDescriptor.from_tensor(c2, [rows, STAGE_K.value // 2], CODE_SMEM),
+        return (TensorDescriptor.from_tensor(c2, [rows, cb], cl2),
                 TensorDescriptor.from_tensor(s2, [rows, 16], SCALE_SMEM), s8, tma)  # fmt: skip
 
     def paired(t: torch.Tensor, nbytes: int, layout) -> TensorDescriptor:
@@ -131,7 +138,7 @@ def weight_descriptors(codes: torch.Tensor, scales: torch.Tensor, rows: int = 64
         return TensorDescriptor(t, [2, r - pair, t.shape[1]], [pair * sr, sr, 1],
                                 [2, rows, nbytes], layout)  # fmt: skip
 
-    return (paired(c2, STAGE_K.value // 2, CODE_SMEM3), paired(s2, 16, SCALE_SMEM3), s8,
+    return (paired(c2, cb, cl3), paired(s2, 16, SCALE_SMEM3), s8,
             tma)  # fmt: skip
 
 

@@ -12,7 +12,11 @@ overlapping the last unit's asynchronous wgmma. K is a multiple of 64: the last 
 may be partial (its copies read zeros past K, its missing units are skipped at compile
 time); scales TMA cannot copy (``shapes.scale_rows_tma``: contiguous rows of K / 16 bytes,
 no multiple of 16, which ``PreparedExperts`` pads in memory) come by pointer loads a stage
-ahead (``gluon_common.stage_scales``).
+ahead (``gluon_common.stage_scales``). Split K over whole 1024-K segments with TMA scales
+(``_half_ring``) runs a ring of two 128-K half stages in the shared memory of one 256-K
+stage instead (codes [64 rows, 64 bytes] with a 64-byte swizzle; each 256-K pair's scales
+copied with its even half into one of two scale buffers), so a half stage's copy flies
+while the other is decoded, at the same programs an SM.
 
 Two forms (``split_partials_tma``):
 
@@ -48,6 +52,8 @@ from . import shapes
 from .gluon_common import (
     CODE_SMEM,
     CODE_SMEM3,
+    CODE_SMEM3_64,
+    CODE_SMEM_64,
     SCALE_SMEM,
     SCALE_SMEM3,
     STAGE_K,
@@ -80,6 +86,119 @@ GATED_MAXNREG = 80
 def _regs(gated: bool, block_m: int) -> dict:
     """The launch's register cap (``GATED_MAXNREG``), as keyword arguments."""
     return {"maxnreg": GATED_MAXNREG} if gated and block_m == 8 else {}
+
+
+_HK = gl.constexpr(128)  # K a half stage of the split-K ring (``_half_ring``)
+
+
+def _half_ring(whole: bool, k: int, scale_tma: bool) -> bool:
+    """Split K on the ring of two half stages: whole 1024-K segments, the scales by TMA
+    (else the ring of ``RING_STAGES`` 256-K stages). In the shared memory of one 256-K
+    stage the next half stage's copy flies while one is decoded, and FC1's 8-row programs
+    keep 6 an SM (sm_90: 72 registers, 36880 bytes)."""
+    return not whole and k % SEGMENT == 0 and scale_tma
+
+
+@gluon.jit
+def _half_buffers(GATED: gl.constexpr):
+    """Two half-stage code buffers [NW, 64, 64] (64-byte swizzle), two scale buffers [NW,
+    64, 16] (one a 256-K pair of half stages), the two stages' mbarriers, initialized."""
+    if GATED:
+        NW: gl.constexpr = 2
+    else:
+        NW: gl.constexpr = 1
+    cb0 = gl.allocate_shared_memory(gl.uint8, [NW, _TR, _HK // 2], CODE_SMEM_64)
+    cb1 = gl.allocate_shared_memory(gl.uint8, [NW, _TR, _HK // 2], CODE_SMEM_64)
+    sb0 = gl.allocate_shared_memory(gl.uint8, [NW, _TR, 16], SCALE_SMEM)
+    sb1 = gl.allocate_shared_memory(gl.uint8, [NW, _TR, 16], SCALE_SMEM)
+    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bars.index(0), count=1)
+    mbarrier.init(bars.index(1), count=1)
+    return cb0, cb1, sb0, sb1, bars
+
+
+@gluon.jit
+def _issue_half(c_desc, s_desc, cb, sb, bar, row, k0, st: gl.constexpr,
+                GATED: gl.constexpr):  # fmt: skip
+    """Half stage ``st`` of the segment at ``k0`` into code buffer ``cb``; an even one also
+    copies the scales of its 256-K pair into ``sb``."""
+    if GATED:
+        NW: gl.constexpr = 2
+    else:
+        NW: gl.constexpr = 1
+    if st % 2 == 0:
+        BYTES: gl.constexpr = NW * _TR * (_HK // 2 + 16)
+    else:
+        BYTES: gl.constexpr = NW * _TR * (_HK // 2)
+    mbarrier.expect(bar, BYTES)
+    k = k0 + st * _HK
+    if GATED:
+        cdst = cb._reinterpret(gl.uint8, [2, _TR, _HK // 2], CODE_SMEM3_64)
+        tma.async_copy_global_to_shared(c_desc, [0, row, k // 2], bar, cdst)
+        if st % 2 == 0:
+            sdst = sb._reinterpret(gl.uint8, [2, _TR, 16], SCALE_SMEM3)
+            tma.async_copy_global_to_shared(s_desc, [0, row, k // 16], bar, sdst)
+    else:
+        tma.async_copy_global_to_shared(c_desc, [row, k // 2], bar, cb.index(0))
+        if st % 2 == 0:
+            tma.async_copy_global_to_shared(s_desc, [row, k // 16], bar, sb.index(0))
+
+
+@gluon.jit
+def _segment_half(
+    x_ptr, sorted_routes_ptr, c_desc, s_desc, cb0, cb1, sb0, sb1, bars, row, start, end, kj,
+    K: gl.constexpr, TOPK: gl.constexpr, A_GATHER: gl.constexpr, BM: gl.constexpr,
+    SEG: gl.constexpr, GATED: gl.constexpr, A_UNIT_ORDER: gl.constexpr,
+    MMA: gl.constexpr, A_L: gl.constexpr,
+):  # fmt: skip
+    """``_segment``'s sums of one whole K segment on the ring of two half stages (the first
+    two issued before): the same units, order and sums, so the same bits."""
+    NU: gl.constexpr = SEG // UNIT
+    NS: gl.constexpr = SEG // _HK
+    xs = stage_x(x_ptr, sorted_routes_ptr, start, end, kj, K, TOPK, A_GATHER, BM, SEG,
+                 A_UNIT_ORDER)  # fmt: skip
+    acc_g = gl.zeros([_TR, BM], gl.float32, layout=MMA)
+    acc_u = gl.zeros([_TR, BM], gl.float32, layout=MMA)
+    for kb in gl.static_range(NU):
+        st = kb // 2
+        if kb % 2 == 0:
+            mbarrier.wait(bars.index(st % 2), (st // 2) % 2)
+        if st % 2 == 0:
+            cb = cb0
+        else:
+            cb = cb1
+        if (kb // 4) % 2 == 0:
+            sb = sb0
+        else:
+            sb = sb1
+        xb = xs.slice(kb * BM, BM).permute((1, 0))
+        gc, gs = smem_unit(cb, sb, kb, 0, 1, 2, _TR)
+        wg = decode_unit(gc, gs, A_L, _TR)
+        if kb > 0:
+            if GATED:
+                acc_g, acc_u, _, _ = warpgroup_mma_wait(
+                    num_outstanding=0,
+                    deps=(acc_g, acc_u, pg, pu),  # noqa: F821 (last unit's)
+                )
+            else:
+                acc_g, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, pg))  # noqa: F821
+        acc_g = warpgroup_mma(wg, xb, acc_g, is_async=True)
+        pg = wg  # noqa: F841
+        if GATED:
+            uc, us = smem_unit(cb, sb, kb, 1, 1, 2, _TR)
+            wu = decode_unit(uc, us, A_L, _TR)
+            acc_u = warpgroup_mma(wu, xb, acc_u, is_async=True)
+            pu = wu  # noqa: F841
+        if kb % 2 == 1 and st + 2 < NS:  # the stage read: refill its buffer with st + 2
+            if ((st + 2) // 2) % 2 == 0:
+                nsb = sb0
+            else:
+                nsb = sb1
+            gl.thread_barrier()
+            fence_async_shared()
+            _issue_half(c_desc, s_desc, cb, nsb, bars.index((kb // 2) % 2), row, kj, kb // 2 + 2,
+                        GATED)  # fmt: skip
+    return _mma_drain(acc_g, acc_u, GATED)
 
 
 @gluon.jit
@@ -369,6 +488,7 @@ def tma_split_kernel(
     # writes its output (EPILOGUE): no partials, no counter (the grid's segments: 1)
     E: gl.constexpr,  # experts (the weight rows' bound)
     SCALE_TMA: gl.constexpr,  # the scales by TMA, else by pointer (``shapes.scale_rows_tma``)
+    HALF: gl.constexpr = False,  # split K on the ring of two half stages (``_half_ring``)
 ):
     pid_n = gl.program_id(0)
     s_id = gl.program_id(1)
@@ -398,11 +518,17 @@ def tma_split_kernel(
         k0 = s_id * SEG
 
         # ---- the ring's first stages, first (one elected thread issues the copies)
-        cbuf, sbuf, bars = _stage_buffers(GATED, NB)
         row = e * w_rows + pid_n * _TR
-        for st in gl.static_range(NB):
-            _issue(c_desc, s_desc, cbuf, sbuf, bars.index(st), row, N, k0, st, NB, GATED,
-                   SCALE_TMA)  # fmt: skip
+        if HALF:
+            gl.static_assert(not WHOLE and TAIL_U == 0 and SCALE_TMA, "HALF: split, whole segments")
+            cb0, cb1, sb0, sb1, bars = _half_buffers(GATED)
+            _issue_half(c_desc, s_desc, cb0, sb0, bars.index(0), row, k0, 0, GATED)
+            _issue_half(c_desc, s_desc, cb1, sb0, bars.index(1), row, k0, 1, GATED)
+        else:
+            cbuf, sbuf, bars = _stage_buffers(GATED, NB)
+            for st in gl.static_range(NB):
+                _issue(c_desc, s_desc, cbuf, sbuf, bars.index(st), row, N, k0, st, NB, GATED,
+                       SCALE_TMA)  # fmt: skip
         if USE_PDL and EARLY_W:  # the weights' first stages fly while the last kernel ends
             _gdc_wait_release()
 
@@ -450,14 +576,23 @@ def tma_split_kernel(
                 0, row, start, end, k0, k0, False, 0, TAIL_U, N, K, TOPK, A_GATHER, BM, SEG, NB,
                 GATED, WHOLE, A_UNIT_ORDER, SCALE_TMA, MMA, A_L,
             )  # fmt: skip
+        elif HALF:  # split K: a whole segment on the ring of two half stages
+            tot_g, tot_u = _segment_half(
+                x_ptr, sorted_routes_ptr, c_desc, s_desc, cb0, cb1, sb0, sb1, bars, row, start,
+                end, k0, K, TOPK, A_GATHER, BM, SEG, GATED, A_UNIT_ORDER, MMA, A_L,
+            )  # fmt: skip
         else:  # split K: a whole segment
             tot_g, tot_u = _segment(
                 x_ptr, sorted_routes_ptr, c_desc, s_desc, s_ptr, rows_total, cbuf, sbuf, bars,
                 0, row, start, end, k0, k0, False, 0, NU, N, K, TOPK, A_GATHER, BM, SEG, NB,
                 GATED, WHOLE, A_UNIT_ORDER, SCALE_TMA, MMA, A_L,
             )  # fmt: skip
-        for b in gl.static_range(NB):
-            mbarrier.invalidate(bars.index(b))
+        if HALF:
+            mbarrier.invalidate(bars.index(0))
+            mbarrier.invalidate(bars.index(1))
+        else:
+            for b in gl.static_range(NB):
+                mbarrier.invalidate(bars.index(b))
 
         if WHOLE:  # the tile's sums over K: its output (no partials, no counter)
             _tile_out(tot_g, tot_u, pid_n, e, start, end, w_global_ptr, topk_w_ptr,
@@ -526,7 +661,9 @@ def split_partials_tma(
         counters = counters if counters is not None else w_global
     elif part is None:
         raise ValueError("split_partials_tma: part (the fp32 partials) is needed unless whole")
-    c_desc, s_desc, s_bytes, s_tma = weight_descriptors(codes, scales, pair=n if gated else 0)
+    half = _half_ring(whole, k, shapes.scale_rows_tma(scales))
+    c_desc, s_desc, s_bytes, s_tma = weight_descriptors(codes, scales, pair=n if gated else 0,
+                                                        code_bytes=64 if half else 0)  # fmt: skip
     dummy = part
     tma_split_kernel[(tiles, segs, blocks)](
         x, sorted_routes, c_desc, s_desc, s_bytes, block_expert, block_start,
@@ -538,18 +675,20 @@ def split_partials_tma(
         NBUF=RING_STAGES, EPILOGUE=epilogue, FUSED=fused and epilogue, OUT_SCALE=out_scale,
         A_UNIT_ORDER=a_unit_order, A_FP4=a_global is not None and epilogue, USE_PDL=pdl,
         EARLY_W=pdl and early_weights, WHOLE=whole, E=codes.shape[0], SCALE_TMA=s_tma,
-        num_warps=4, launch_pdl=pdl, **_regs(gated, block_m),
+        HALF=half, num_warps=4, launch_pdl=pdl, **_regs(gated, block_m),
     )  # fmt: skip
 
 
 def compile_sm90(*, n: int, k: int, gated: bool, block_m: int, epilogue: bool = True,
                  fused: bool = False, a_fp4: bool = False, pdl: bool = True,
                  early_weights: bool = False, whole: bool = False,
-                 experts: int = 32, scale_tma: bool | None = None):  # fmt: skip
+                 experts: int = 32, scale_tma: bool | None = None,
+                 half: bool | None = None):  # fmt: skip
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
     layout conversions are asserted trivial at compile time. ``scale_tma``: the scales by
-    TMA (None: as contiguous rows of K / 16 bytes allow, ``shapes.scale_tma``). Returns
-    the compiled kernel."""
+    TMA (None: as contiguous rows of K / 16 bytes allow, ``shapes.scale_tma``); ``half``:
+    split K on the ring of half stages (None: where ``_half_ring`` puts it). Returns the
+    compiled kernel."""
     ptrs = {
         "x_ptr": "*bf16", "sorted_routes_ptr": "*i32", "block_expert_ptr": "*i32",
         "s_ptr": "*u8", "block_start_ptr": "*i32", "block_end_ptr": "*i32",
@@ -558,17 +697,23 @@ def compile_sm90(*, n: int, k: int, gated: bool, block_m: int, epilogue: bool = 
         "out_ptr": "*fp32" if fused else "*bf16", "a_global_ptr": "*fp32",
     }  # fmt: skip
     tr, sk = _TR.value, STAGE_K.value
+    stma = shapes.scale_tma(k) if scale_tma is None else scale_tma
+    if half is None:
+        half = _half_ring(whole, k, stma)
+    cs3, cs2 = (CODE_SMEM3_64, CODE_SMEM_64) if half else (CODE_SMEM3, CODE_SMEM)
+    if half:
+        sk = 2 * _HK.value
     if gated:  # the gate and up rows in one copy (``weight_descriptors(pair=n)``)
-        descs = {"c_desc": f"tensordesc<u8[2, {tr}, {sk // 2}],{CODE_SMEM3!r}>",
+        descs = {"c_desc": f"tensordesc<u8[2, {tr}, {sk // 4 if half else sk // 2}],{cs3!r}>",
                  "s_desc": f"tensordesc<u8[2, {tr}, 16],{SCALE_SMEM3!r}>"}  # fmt: skip
     else:
-        descs = {"c_desc": f"tensordesc<u8[{tr}, {sk // 2}],{CODE_SMEM!r}>",
+        descs = {"c_desc": f"tensordesc<u8[{tr}, {sk // 4 if half else sk // 2}],{cs2!r}>",
                  "s_desc": f"tensordesc<u8[{tr}, 16],{SCALE_SMEM!r}>"}  # fmt: skip
     const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated, BM=block_m, SEG=SEGMENT,
                  NBUF=RING_STAGES, EPILOGUE=epilogue or whole, FUSED=fused,
                  OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_UNIT_ORDER=a_fp4, A_FP4=a_fp4,
                  USE_PDL=pdl, EARLY_W=pdl and early_weights, WHOLE=whole, E=experts,
-                 SCALE_TMA=shapes.scale_tma(k) if scale_tma is None else scale_tma)  # fmt: skip
+                 SCALE_TMA=stma, HALF=half)  # fmt: skip
     return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows",), gluon=True,
                                descs=descs, num_warps=4, launch_pdl=pdl,
                                **_regs(gated, block_m))  # fmt: skip
