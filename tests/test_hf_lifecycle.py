@@ -443,7 +443,7 @@ def test_gpu_state_dict_keeps_no_second_copy_on_the_gpu(folders):
     before = torch.cuda.memory_allocated()
     sd = model.state_dict()
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() - before < codes // 4
+    assert torch.cuda.memory_allocated() - before < codes  # a copy of the codes would be more
     name = next(iter(layers))
     assert sd[f"{name}.experts.0.gate_proj.weight"].device.type == "cpu"
     assert sd[f"{name}.experts.0.gate_proj.weight_scale_2"].device.type == "cuda"
