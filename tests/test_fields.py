@@ -87,6 +87,17 @@ def test_conversions_round_trip_and_refuse_bad_codes():
         to_fields(c[:, :6])
 
 
+def test_conversions_in_chunks_match_row_by_row():
+    """Codes of more than one conversion chunk (1 MB on the CPU; the last one partial): the
+    same words as converting each row on its own."""
+    g = torch.Generator().manual_seed(2)
+    c = torch.randint(0, 256, (40001, 64), dtype=torch.uint8, generator=g)  # 2.4 chunks
+    f = to_fields(c)
+    for r in (0, 16383, 16384, 32768, 40000):
+        assert torch.equal(f[r], to_fields(c[r : r + 1])[0]), r
+    assert torch.equal(from_fields(f), c)
+
+
 def test_layer_converts_a_version_1_state_dict():
     """A MoELayer state dict whose metadata says version 1 (linear codes, earlier fp4moe)
     loads as the same experts; one of version 2, or without metadata, loads as it is."""

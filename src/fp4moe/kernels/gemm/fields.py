@@ -83,19 +83,24 @@ def _permute(codes: torch.Tensor, inverse: bool) -> torch.Tensor:
         return out
     k = codes.shape[-1]
     src, dst = codes.reshape(-1, k), out.view(-1, k)
-    rows = max(1, (1 << 24) // k)  # about 16 MB of codes at a time
+    # rows a chunk: about 1 MB of codes on the CPU, where a chunk's 13 passes then run in
+    # the cache (2.7x the rate of 16 MB chunks on two cores), 16 MB elsewhere
+    rows = max(1, (1 << (20 if codes.device.type == "cpu" else 24)) // k)
+    tmp = torch.empty((min(rows, src.shape[0]), k // 4), dtype=torch.int32, device=codes.device)
     for r0 in range(0, src.shape[0], rows):
         w = src[r0 : r0 + rows].contiguous().view(torch.int32)
-        acc, t = torch.zeros_like(w), torch.empty_like(w)
-        for sh, mask in _moves(inverse):  # in place: a word's bits moved by shift groups
+        acc, t = dst[r0 : r0 + rows].view(torch.int32), tmp[: w.shape[0]]
+        for i, (sh, mask) in enumerate(_moves(inverse)):  # the bits moved by shift groups
             if sh > 0:
                 torch.bitwise_left_shift(w, sh, out=t)
             elif sh < 0:
                 torch.bitwise_right_shift(w, -sh, out=t)
             else:
                 t.copy_(w)
-            acc.bitwise_or_(t.bitwise_and_(mask))
-        dst[r0 : r0 + rows] = acc.view(torch.uint8)
+            if i == 0:
+                acc.copy_(t.bitwise_and_(mask))
+            else:
+                acc.bitwise_or_(t.bitwise_and_(mask))
     return out
 
 
