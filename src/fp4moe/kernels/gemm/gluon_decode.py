@@ -100,6 +100,17 @@ def _half_ring(whole: bool, k: int, scale_tma: bool) -> bool:
 
 
 @gluon.jit
+def _last_unit_done(acc_g, acc_u, pg, pu, GATED: gl.constexpr):
+    """Wait for the last unit's wgmmas (its decoded operands ``pg``, ``pu``: their
+    registers free after it); the sums."""
+    if GATED:
+        acc_g, acc_u, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u, pg, pu))
+    else:
+        acc_g, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, pg))
+    return acc_g, acc_u
+
+
+@gluon.jit
 def _half_buffers(GATED: gl.constexpr):
     """Two half-stage code buffers [NW, 64, 64] (64-byte swizzle), two scale buffers [NW,
     64, 16] (one a 256-K pair of half stages), the two stages' mbarriers, initialized."""
@@ -175,15 +186,10 @@ def _segment_half(
         gc, gs = smem_unit(cb, sb, kb, 0, 1, 2, _TR)
         wg = decode_unit(gc, gs, A_L, _TR)
         if kb > 0:
-            if GATED:
-                acc_g, acc_u, _, _ = warpgroup_mma_wait(
-                    num_outstanding=0,
-                    deps=(acc_g, acc_u, pg, pu),  # noqa: F821 (last unit's)
-                )
-            else:
-                acc_g, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, pg))  # noqa: F821
+            acc_g, acc_u = _last_unit_done(acc_g, acc_u, pg, pu, GATED)  # noqa: F821
         acc_g = warpgroup_mma(wg, xb, acc_g, is_async=True)
         pg = wg  # noqa: F841
+        pu = wg  # the ungated wait's argument, not read
         if GATED:
             uc, us = smem_unit(cb, sb, kb, 1, 1, 2, _TR)
             wu = decode_unit(uc, us, A_L, _TR)
@@ -422,15 +428,10 @@ def _segment(
             gs = pick_unit(cg0, cg1, cg2, cg3, kb % UPS)
         wg = decode_unit(gc, gs, A_L, _TR)
         if kb > 0:  # the last unit's wgmma done: its operand registers are free
-            if GATED:
-                acc_g, acc_u, _, _ = warpgroup_mma_wait(
-                    num_outstanding=0,
-                    deps=(acc_g, acc_u, pg, pu),  # noqa: F821 (last unit's)
-                )
-            else:
-                acc_g, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, pg))  # noqa: F821
+            acc_g, acc_u = _last_unit_done(acc_g, acc_u, pg, pu, GATED)  # noqa: F821
         acc_g = warpgroup_mma(wg, xb, acc_g, is_async=True)
         pg = wg  # noqa: F841 (read by the next unrolled unit)
+        pu = wg  # the ungated wait's argument, not read
         if GATED:
             if WHOLE:
                 uc = pick_unit(uc0, uc1, uc2, uc3, kb % UPS)
