@@ -3,7 +3,9 @@
 The base version (a git revision, or a folder holding it as the package ``fp4moe_base``)
 is imported beside the working tree's ``fp4moe`` in the same processes, so both see the
 same experts, tokens and routes, and their calls are timed interleaved in the same rounds
-(CUDA-graph replays, as ``fp4moe bench`` times them):
+(CUDA-graph replays, as ``fp4moe bench`` times them; with ``--cold-l2`` each version's
+calls cycle through copies of its experts, so that no call finds its weights in L2, as a
+model's layers at decode sizes do not):
 
     python3 benchmarks/compare_versions.py --base 7e882ce --out cmp
     python3 benchmarks/compare_versions.py --base-src .base --presets qwen3-30b-a3b \\
@@ -118,11 +120,15 @@ def worker_bits(preset: str, mode: str, tokens: list[int], base_src: str) -> lis
 
 
 def worker_time(preset: str, modes: list[str], tokens: list[int], base_src: str, iters: int,
-                rounds: int) -> list[dict]:  # fmt: skip
+                rounds: int, cold: bool = False) -> list[dict]:  # fmt: skip
     import torch
 
     new, base, p, ex_new, ex_base, o_new, o_base, make_routes = _setup(preset, base_src)
-    from fp4moe.bench import time_interleaved
+    from fp4moe.bench import cold_copies, time_interleaved
+
+    # cold: each version's calls cycle through copies of its experts (fp4moe bench --cold-l2)
+    c_new = cold_copies(ex_new) if cold else [ex_new]
+    c_base = [ex_base] + [base.PreparedExperts.from_linear(c.to_linear()) for c in c_new[1:]]
 
     rows = []
     for t in tokens:
@@ -134,15 +140,20 @@ def worker_time(preset: str, modes: list[str], tokens: list[int], base_src: str,
             for fused in (False, True):
                 kw = dict(mode=m, act_scale=sc, fused_finalize=fused, backend="triton")
 
-                def call_new(kw=kw):
-                    return new.moe(x, ids, w, ex_new, options=o_new, **kw)
+                i_new, i_base = iter(range(1 << 30)), iter(range(1 << 30))
 
-                def call_base(kw=kw):
-                    return base.moe(x, ids, w, ex_base, options=o_base, **kw)
+                def call_new(kw=kw, it=i_new):
+                    ex = c_new[next(it) % len(c_new)]
+                    return new.moe(x, ids, w, ex, options=o_new, **kw)
+
+                def call_base(kw=kw, it=i_base):
+                    ex = c_base[next(it) % len(c_base)]
+                    return base.moe(x, ids, w, ex, options=o_base, **kw)
 
                 calls["new", mode, fused] = call_new
                 calls["base", mode, fused] = call_base
-        us = time_interleaved(calls, graph=True, warmup=3, iters=iters, rounds=rounds)
+        us = time_interleaved(calls, graph=True, warmup=3, iters=iters, rounds=rounds,
+                              reps=len(c_new))  # fmt: skip
         for mode in modes:
             for fused in (False, True):
                 a, b = us["new", mode, fused], us["base", mode, fused]
@@ -180,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-bits", action="store_true", help="timing only")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--cold-l2", action="store_true",
+                    help="time calls that find no weights in L2, as fp4moe bench --cold-l2 "
+                         "(decode sizes: what a model's layers see)")  # fmt: skip
     ap.add_argument("--jobs", type=int, default=6, help="bit-check processes at once")
     ap.add_argument("--max-slower", type=float, default=0.03,
                     help="the largest slowdown of a median that passes (default 3%%)")  # fmt: skip
@@ -192,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         if kind == "bits":
             rows = worker_bits(preset, rest[0], tokens, base_src)
         else:
-            modes = rest[: rest.index("tokens")][2:]
-            rows = worker_time(preset, modes, tokens, base_src, int(rest[0]), int(rest[1]))
+            modes = rest[: rest.index("tokens")][3:]
+            rows = worker_time(preset, modes, tokens, base_src, int(rest[0]), int(rest[1]),
+                               rest[2] == "cold")  # fmt: skip
         print(json.dumps(rows))
         return 0
     if a.base_src:
@@ -212,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                 doc["bits"] += rows
     if not a.no_time:
         for p in a.presets:
-            args = ["time", p, base_src, str(a.iters), str(a.rounds), *a.time_modes, *toks]
+            args = ["time", p, base_src, str(a.iters), str(a.rounds),
+                    "cold" if a.cold_l2 else "warm", *a.time_modes, *toks]  # fmt: skip
             doc["time"] += _run_worker(args)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "compare.json"), "w") as f:

@@ -11,7 +11,9 @@ from typing import ClassVar
 import pytest
 import torch
 
+import fp4moe
 from fp4moe import bench
+from testing import random_moe_weights
 
 
 def _args(**kw):
@@ -177,6 +179,20 @@ def test_time_interleaved_spreads_the_drift():
     assert seq["mid"] - 50.0 > seq["slow"] - 100.0 + 15
     with pytest.raises(ValueError, match="iters"):
         bench.time_interleaved(fns, graph=True, warmup=1, iters=0, timer=_FakeTimer)
+
+
+def test_cold_copies_outgrow_the_l2():
+    """--cold-l2's copies: at least two, twice the L2's bytes and one more, each a clone
+    (its own storage, the same bits)."""
+    w13, w2 = random_moe_weights(2, 64, 32, seed=5)
+    ex = fp4moe.prepare_experts(w13, w2)
+    assert len(bench.cold_copies(ex, l2_bytes=1)) == 2
+    copies = bench.cold_copies(ex, l2_bytes=3 * ex.nbytes())
+    assert len(copies) == 7 and copies[0] is ex
+    for c in copies[1:]:
+        assert c.w13_codes.data_ptr() != ex.w13_codes.data_ptr()
+        for k, v in ex.tensors().items():
+            assert torch.equal(c.tensors()[k].view(torch.uint8), v.view(torch.uint8)), k
 
 
 def test_hold_covers_the_submission():

@@ -250,6 +250,19 @@ def time_us(fn, *, graph: bool, warmup: int, iters: int, reps: int = 1) -> float
     return time_interleaved({0: fn}, graph=graph, warmup=warmup, iters=iters, reps=reps)[0]
 
 
+def cold_copies(experts, l2_bytes: int | None = None) -> list:
+    """``experts`` and clones of it, enough that calls cycling through them find none of
+    their weights in L2 (``--cold-l2``): the copies hold twice the L2's bytes and one copy
+    more, at least two. ``l2_bytes``: the L2's size (default: the current CUDA device's)."""
+    if l2_bytes is None:
+        l2_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    n = max(2, math.ceil(2 * l2_bytes / experts.nbytes()) + 1)
+    clone = type(experts)
+    return [experts] + [
+        clone(**{k: v.clone() for k, v in experts.tensors().items()}) for _ in range(n - 1)
+    ]
+
+
 def card_ceilings() -> dict:
     """This card's copy bandwidth (bytes/s), and its bf16 and FP8 (e4m3, ``torch._scaled_mm``
     with one scale a tensor and fast accumulation: the peak) matmul rates (FLOP/s) on
@@ -442,14 +455,7 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     e = p.local_experts
     experts = random_experts(p)
-    copies = [experts]
-    if args.cold_l2:
-        l2 = torch.cuda.get_device_properties(0).L2_cache_size
-        n = max(2, math.ceil(2 * l2 / experts.nbytes()) + 1)
-        copies += [
-            fp4moe.PreparedExperts(**{k: v.clone() for k, v in experts.tensors().items()})
-            for _ in range(n - 1)
-        ]
+    copies = cold_copies(experts) if args.cold_l2 else [experts]
     per_expert = experts.nbytes() / e
     base = None
     if not args.no_baseline:
