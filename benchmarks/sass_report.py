@@ -14,7 +14,14 @@ kernels without wgmma. ``ins/w``: instructions a
 thread issues a decoded weight, in the innermost loop holding the most of the decode (the
 prefill kernel's K-segment loop), or over the whole kernel where no loop holds it (the
 split-K decode kernel, unrolled); the decode's bf16x2 scale multiplies (HMUL2, one a
-weight pair) count the weights. "-" for kernels that decode nothing.
+weight pair) count the weights. "-" for kernels that decode nothing. ``/SM``: programs an
+SM can hold (Hopper: 64K registers in 256-register warp units, 228 KB of shared memory
+with 1 KB reserved a program, 2048 threads, 32 programs). ``waves``: for the decode
+kernels, the programs that have work (weight tiles x K segments x row blocks of the
+touched experts) over /SM x 132 SMs, with routes drawn as ``fp4moe bench`` draws them
+(seed T) on ``--routes-device``: the CPU's generator gives another sample than the GPU's,
+which the bench times (``--routes-device cuda`` on a GPU machine). Above 1 the last wave
+runs short.
 """
 
 from __future__ import annotations
@@ -139,6 +146,31 @@ def decode_overlap(ins: list[str]) -> int | None:
     return round(100 * over / total) if total else 0
 
 
+SMS = 132  # the H100's and H200's SMs
+
+
+def per_sm(regs: int, shared: int, num_warps: int) -> int:
+    """Programs an SM holds (``/SM`` in the module docstring)."""
+    threads = 32 * num_warps
+    by_regs = 65536 // (num_warps * 256 * -(-max(regs, 1) // 8))
+    return min(by_regs, 233472 // (shared + 1024), 2048 // threads, 32)
+
+
+def decode_programs(plan, which: str, ids) -> int | None:
+    """The programs of GEMM ``which`` that have work with top-k ids ``ids`` (negative:
+    masked) on a decode kernel (split or whole K), else None."""
+    import torch
+
+    g = getattr(plan, which)
+    if g.kernel not in ("gluon-split", "gluon-whole"):
+        return None
+    n, k = (plan.inter, plan.hidden) if which == "fc1" else (plan.hidden, plan.inter)
+    rows = torch.bincount(ids[ids >= 0].flatten().long().cpu(), minlength=plan.num_experts)
+    blocks = int((-(-rows // g.tile.block_m)).sum())
+    segs = 1 if g.kernel == "gluon-whole" else -(-k // 1024)
+    return -(-n // 64) * segs * blocks
+
+
 def _opcode(ins: str) -> str:
     """An instruction's opcode with its modifiers (past a predicate)."""
     return ins.split()[1] if ins.startswith("@") else ins.split()[0]
@@ -146,6 +178,7 @@ def _opcode(ins: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from fp4moe.backend import H200, Options, plan_call
+    from fp4moe.bench import make_routes
     from fp4moe.presets import MODES, PRESETS
 
     ap = argparse.ArgumentParser(description=__doc__,
@@ -154,10 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-tokens", type=int, nargs="+", default=[1, 256, 1024, 8192])
     ap.add_argument("--modes", nargs="+", default=["w4a16"], choices=sorted(MODES))
     ap.add_argument("--dump", choices=("fc1", "fc2"), help="also print that GEMM's SASS")
+    ap.add_argument("--routes-device", default="cpu",
+                    help="where the waves' routes are drawn (cuda: the bench's)")  # fmt: skip
     a = ap.parse_args(argv)
     p = PRESETS[a.preset]
     cols = ["tokens", "mode", "gemm", "kernel", "regs", "stack", "shared", "sass", "mma",
-            "lop3", "shf", "imad", "bar", "ovl%", "ins/w"]  # fmt: skip
+            "lop3", "shf", "imad", "bar", "ovl%", "ins/w", "/SM", "waves"]  # fmt: skip
     print(" ".join(f"{c:>8s}" if c != "kernel" else f"{c:34s}" for c in cols))
     for mode in a.modes:
         m, sc = MODES[mode]
@@ -165,11 +200,15 @@ def main(argv: list[str] | None = None) -> int:
             opt = Options(valid_fraction=p.local_experts / p.experts)
             plan = plan_call(t, p.top_k, p.local_experts, p.hidden, p.inter, mode=m,
                              act_scale=sc, target=H200, options=opt)  # fmt: skip
+            ids, _ = make_routes(p, t, t, a.routes_device)  # as fp4moe bench draws them
             for which in ("fc1", "fc2"):
                 for label, compiled in compile_gemm(plan, which):
                     r = report(compiled)
                     r["ovl%"] = "-" if r["overlap"] is None else r["overlap"]
                     r["ins/w"] = "-" if r["per_weight"] is None else r["per_weight"]
+                    r["/SM"] = per_sm(r["regs"], r["shared"], compiled.metadata.num_warps)
+                    progs = decode_programs(plan, which, ids)
+                    r["waves"] = "-" if progs is None else round(progs / (r["/SM"] * SMS), 2)
                     g = getattr(plan, which)
                     desc = f"{g.kernel} ({label[1:]} rows)" if label else g.describe()
                     print(f"{t:8d} {mode:>8s} {which:>8s} {desc:34s} "
