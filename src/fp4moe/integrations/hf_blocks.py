@@ -213,10 +213,10 @@ def _modelopt_state_dict(
     views, the codes linear copies on the CPU: ``modelopt_expert_tensors``)."""
     for f in EXPERT_FIELDS:
         state_dict.pop(f"{prefix}moe.{f}", None)
-    experts = modelopt_expert_tensors(
+    tensors = modelopt_expert_tensors(
         block.experts, prefix=f"{prefix}experts", names=block.expert_names, codes_device="cpu"
     )
-    state_dict.update(experts)
+    state_dict.update(tensors)
 
 
 def _load_modelopt_state_dict(
