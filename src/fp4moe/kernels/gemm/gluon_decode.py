@@ -99,6 +99,12 @@ def _half_ring(whole: bool, k: int, scale_tma: bool) -> bool:
     return not whole and k % SEGMENT == 0 and scale_tma
 
 
+def _code_bytes(half: bool) -> int:
+    """A TMA box's bytes of a code row: a half stage's on the ring of half stages, else a
+    256-K stage's."""
+    return (_HK.value if half else STAGE_K.value) // 2
+
+
 @gluon.jit
 def _last_unit_done(acc_g, acc_u, pg, pu, GATED: gl.constexpr):
     """Wait for the last unit's wgmmas (its decoded operands ``pg``, ``pu``: their
@@ -664,7 +670,7 @@ def split_partials_tma(
         raise ValueError("split_partials_tma: part (the fp32 partials) is needed unless whole")
     half = _half_ring(whole, k, shapes.scale_rows_tma(scales))
     c_desc, s_desc, s_bytes, s_tma = weight_descriptors(codes, scales, pair=n if gated else 0,
-                                                        code_bytes=64 if half else 0)  # fmt: skip
+                                                        code_bytes=_code_bytes(half))  # fmt: skip
     dummy = part
     tma_split_kernel[(tiles, segs, blocks)](
         x, sorted_routes, c_desc, s_desc, s_bytes, block_expert, block_start,
@@ -683,13 +689,11 @@ def split_partials_tma(
 def compile_sm90(*, n: int, k: int, gated: bool, block_m: int, epilogue: bool = True,
                  fused: bool = False, a_fp4: bool = False, pdl: bool = True,
                  early_weights: bool = False, whole: bool = False,
-                 experts: int = 32, scale_tma: bool | None = None,
-                 half: bool | None = None):  # fmt: skip
+                 experts: int = 32, scale_tma: bool | None = None):  # fmt: skip
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
     layout conversions are asserted trivial at compile time. ``scale_tma``: the scales by
-    TMA (None: as contiguous rows of K / 16 bytes allow, ``shapes.scale_tma``); ``half``:
-    split K on the ring of half stages (None: where ``_half_ring`` puts it). Returns the
-    compiled kernel."""
+    TMA (None: as contiguous rows of K / 16 bytes allow, ``shapes.scale_tma``). Returns
+    the compiled kernel."""
     ptrs = {
         "x_ptr": "*bf16", "sorted_routes_ptr": "*i32", "block_expert_ptr": "*i32",
         "s_ptr": "*u8", "block_start_ptr": "*i32", "block_end_ptr": "*i32",
@@ -697,18 +701,16 @@ def compile_sm90(*, n: int, k: int, gated: bool, block_m: int, epilogue: bool = 
         "cnt_ptr": "*i32", "w_global_ptr": "*fp32", "topk_w_ptr": "*fp32",
         "out_ptr": "*fp32" if fused else "*bf16", "a_global_ptr": "*fp32",
     }  # fmt: skip
-    tr, sk = _TR.value, STAGE_K.value
+    tr = _TR.value
     stma = shapes.scale_tma(k) if scale_tma is None else scale_tma
-    if half is None:
-        half = _half_ring(whole, k, stma)
+    half = _half_ring(whole, k, stma)
+    cb = _code_bytes(half)
     cs3, cs2 = (CODE_SMEM3_64, CODE_SMEM_64) if half else (CODE_SMEM3, CODE_SMEM)
-    if half:
-        sk = 2 * _HK.value
     if gated:  # the gate and up rows in one copy (``weight_descriptors(pair=n)``)
-        descs = {"c_desc": f"tensordesc<u8[2, {tr}, {sk // 4 if half else sk // 2}],{cs3!r}>",
+        descs = {"c_desc": f"tensordesc<u8[2, {tr}, {cb}],{cs3!r}>",
                  "s_desc": f"tensordesc<u8[2, {tr}, 16],{SCALE_SMEM3!r}>"}  # fmt: skip
     else:
-        descs = {"c_desc": f"tensordesc<u8[{tr}, {sk // 4 if half else sk // 2}],{cs2!r}>",
+        descs = {"c_desc": f"tensordesc<u8[{tr}, {cb}],{cs2!r}>",
                  "s_desc": f"tensordesc<u8[{tr}, 16],{SCALE_SMEM!r}>"}  # fmt: skip
     const = dict(N=n, K=k, TOPK=8, GATED=gated, A_GATHER=gated, BM=block_m, SEG=SEGMENT,
                  NBUF=RING_STAGES, EPILOGUE=epilogue or whole, FUSED=fused,
