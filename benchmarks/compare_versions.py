@@ -128,7 +128,7 @@ def worker_time(preset: str, modes: list[str], tokens: list[int], base_src: str,
 
     # cold: each version's calls cycle through copies of its experts (fp4moe bench --cold-l2)
     c_new = cold_copies(ex_new) if cold else [ex_new]
-    c_base = [ex_base] + [base.PreparedExperts.from_linear(c.to_linear()) for c in c_new[1:]]
+    c_base = cold_copies(ex_base) if cold else [ex_base]
 
     rows = []
     for t in tokens:
