@@ -161,14 +161,16 @@ def decode_programs(plan, which: str, ids) -> int | None:
     masked) on a decode kernel (split or whole K), else None."""
     import torch
 
+    from fp4moe.kernels.gemm.shapes import SEGMENT
+
     g = getattr(plan, which)
     if g.kernel not in ("gluon-split", "gluon-whole"):
         return None
     n, k = (plan.inter, plan.hidden) if which == "fc1" else (plan.hidden, plan.inter)
     rows = torch.bincount(ids[ids >= 0].flatten().long().cpu(), minlength=plan.num_experts)
     blocks = int((-(-rows // g.tile.block_m)).sum())
-    segs = 1 if g.kernel == "gluon-whole" else -(-k // 1024)
-    return -(-n // 64) * segs * blocks
+    segs = 1 if g.kernel == "gluon-whole" else -(-k // SEGMENT)
+    return -(-n // 64) * segs * blocks  # 64 weight rows a tile
 
 
 def _opcode(ins: str) -> str:
