@@ -120,10 +120,7 @@ def _last_unit_done(acc_g, acc_u, pg, pu, GATED: gl.constexpr):
 def _half_buffers(GATED: gl.constexpr):
     """Two half-stage code buffers [NW, 64, 64] (64-byte swizzle), two scale buffers [NW,
     64, 16] (one a 256-K pair of half stages), the two stages' mbarriers, initialized."""
-    if GATED:
-        NW: gl.constexpr = 2
-    else:
-        NW: gl.constexpr = 1
+    NW: gl.constexpr = 2 if GATED else 1  # weight row blocks a copy (gate and up)
     cb0 = gl.allocate_shared_memory(gl.uint8, [NW, _TR, _HK // 2], CODE_SMEM_64)
     cb1 = gl.allocate_shared_memory(gl.uint8, [NW, _TR, _HK // 2], CODE_SMEM_64)
     sb0 = gl.allocate_shared_memory(gl.uint8, [NW, _TR, 16], SCALE_SMEM)
@@ -139,10 +136,7 @@ def _issue_half(c_desc, s_desc, cb, sb, bar, row, k0, st: gl.constexpr,
                 GATED: gl.constexpr):  # fmt: skip
     """Half stage ``st`` of the segment at ``k0`` into code buffer ``cb``; an even one also
     copies the scales of its 256-K pair into ``sb``."""
-    if GATED:
-        NW: gl.constexpr = 2
-    else:
-        NW: gl.constexpr = 1
+    NW: gl.constexpr = 2 if GATED else 1  # weight row blocks a copy (gate and up)
     if st % 2 == 0:
         BYTES: gl.constexpr = NW * _TR * (_HK // 2 + 16)
     else:
@@ -220,10 +214,7 @@ def _issue(c_desc, s_desc, cbuf, sbuf, bar, row, N: gl.constexpr, k0, st: gl.con
     copies of the gate weight's stage (rows from ``row``), or GATED one copy of the gate
     weight's and the up weight's (from ``row + N``; ``weight_descriptors(pair=N)``, a ring
     of one stage). Past K the copies read zeros."""
-    if GATED:
-        NW: gl.constexpr = 2
-    else:
-        NW: gl.constexpr = 1
+    NW: gl.constexpr = 2 if GATED else 1  # weight row blocks a copy (gate and up)
     if SCALE_TMA:
         STAGE_BYTES: gl.constexpr = NW * _TR * (STAGE_K // 2 + 16)
     else:
@@ -249,10 +240,7 @@ def _stage_buffers(GATED: gl.constexpr, NB: gl.constexpr):
     """A program's shared buffers for the weights of ``NB`` ring stages (codes [NW * NB,
     64, 128] swizzled, scales [NW * NB, 64, 16]; NW 2 when GATED) and the stages' ``NB``
     mbarriers, initialized."""
-    if GATED:
-        NW: gl.constexpr = 2
-    else:
-        NW: gl.constexpr = 1
+    NW: gl.constexpr = 2 if GATED else 1  # weight row blocks a copy (gate and up)
     cbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB, _TR, STAGE_K // 2], CODE_SMEM)
     sbuf = gl.allocate_shared_memory(gl.uint8, [NW * NB, _TR, 16], SCALE_SMEM)
     bars = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
