@@ -194,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cold-l2", action="store_true",
                     help="time calls that find no weights in L2, as fp4moe bench --cold-l2 "
                          "(decode sizes: what a model's layers see)")  # fmt: skip
-    ap.add_argument("--jobs", type=int, default=6, help="bit-check processes at once")
+    ap.add_argument("--jobs", type=int, default=3,
+                    help="bit-check processes at once (one may hold about 18 GB of GPU "
+                         "memory: six ran an 80 GB H100 out of memory)")  # fmt: skip
     ap.add_argument("--max-slower", type=float, default=0.03,
                     help="the largest slowdown of a median that passes (default 3%%)")  # fmt: skip
     ap.add_argument("--out", default="compare-out")
