@@ -7,13 +7,15 @@ reference.
     compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 benchmarks/profile_call.py --tokens 40 --gemm gluon-whole --check
     python3 benchmarks/profile_call.py --tokens 8192 --calls 5 --kernels   # torch.profiler
-    python3 benchmarks/profile_call.py --tokens 1 --calls 5 --kernels --graph --timeline
+    python3 benchmarks/profile_call.py --tokens 1 --calls 5 --kernels --graph --timeline \
+        --cold-l2
 
 ``--kernels`` prints the GPU time of each kernel (torch.profiler, averaged over the
 calls); ``--graph`` profiles replays of one CUDA graph of the call, ``--timeline`` prints
-the last call's kernels in time. Options as ``fp4moe bench`` sets them
-(``valid_fraction`` from the preset); ``--gemm`` pins both GEMMs' kernel family
-(``KERNEL@ROWS`` also the tiles' rows).
+the last call's kernels in time; ``--cold-l2`` cycles the calls through copies of the
+experts (``bench.cold_copies``), so each finds none of its weights in L2. Options as
+``fp4moe bench`` sets them (``valid_fraction`` from the preset); ``--gemm`` pins both
+GEMMs' kernel family (``KERNEL@ROWS`` also the tiles' rows).
 """
 
 import argparse
@@ -23,7 +25,7 @@ import torch
 
 from fp4moe import explain, moe
 from fp4moe.backend import KERNELS
-from fp4moe.bench import make_routes, random_experts
+from fp4moe.bench import cold_copies, make_routes, random_experts
 from fp4moe.modes import TOLERANCE
 from fp4moe.presets import MODES, PRESETS
 from fp4moe.reference import moe_reference
@@ -46,6 +48,11 @@ p.add_argument("--graph", action="store_true",
 p.add_argument("--timeline", action="store_true",
                help="--kernels: also each kernel's start and end in the last call, us from "
                "its first kernel's start")  # fmt: skip
+p.add_argument(
+    "--cold-l2",
+    action="store_true",
+    help="calls cycle through copies of the experts: none finds its weights in L2",
+)
 a = p.parse_args()
 pr = PRESETS[a.preset]
 if a.local_experts:
@@ -62,8 +69,11 @@ print(explain(fp4moe.plan(ex, a.tokens, pr.top_k, mode=m, act_scale=sc, fused_fi
                           options=opt)))  # fmt: skip
 
 
-def call():
-    return moe(x, ids, w, ex, mode=m, act_scale=sc, fused_finalize=a.fused, options=opt,
+copies = cold_copies(ex) if a.cold_l2 else [ex]
+
+
+def call(c=0):
+    return moe(x, ids, w, copies[c], mode=m, act_scale=sc, fused_finalize=a.fused, options=opt,
                backend="triton")  # fmt: skip
 
 
@@ -76,19 +86,28 @@ if a.check:
     print(f"rel err {err:.2e} (tolerance {tol}), NaN {bool(out.isnan().any())}")
     if not err <= tol or out.isnan().any():
         raise SystemExit(1)
-run = call
+runs = [lambda c=c: call(c) for c in range(len(copies))]
 if a.graph:
-    g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         call()  # the workspaces' allocations before the capture
     torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        call()
-    g.replay()
+    graphs = [torch.cuda.CUDAGraph() for _ in copies]
+    for c, g in enumerate(graphs):
+        with torch.cuda.graph(g):
+            call(c)
+        g.replay()
     torch.cuda.synchronize()
-    run = g.replay
+    runs = [g.replay for g in graphs]
+# the first call takes the copy after the one that ran last (the graphs': the last one)
+turn = iter(range(0 if a.graph else 1, 1 << 30))
+
+
+def run():
+    runs[next(turn) % len(runs)]()
+
+
 if a.kernels:
     from torch.profiler import ProfilerActivity, profile
 
