@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fp4moe
-from fp4moe import bench
+from fp4moe import bench, roofline
 from testing import random_moe_weights
 
 
@@ -82,20 +82,21 @@ def test_w4a8_roofline_takes_the_fp8_rate():
     """A W4A8 row's compute roof is the card's FP8 matmul rate; every other mode's the bf16
     rate (W4A4 multiplies in bf16 on Hopper); the byte floor bounds both from below."""
     ceil = {"copy_bytes_per_s": 4e12, "bf16_matmul_flops": 1e15, "fp8_matmul_flops": 2e15}
-    assert {m: bench.compute_roof(m) for m in bench.MODES} == {
+    assert {m: roofline.compute_roof(m) for m in bench.MODES} == {
         "w4a16": "bf16", "w4a8": "fp8", "w4a4-token": "bf16", "w4a4-tensor": "bf16",
         "w4a4-static": "bf16",
     }  # fmt: skip
     flops = 4e12  # 4 ms at 1 PFLOP/s
-    assert bench.roofline_us("w4a16", 10.0, flops, ceil) == pytest.approx(4000.0)
-    assert bench.roofline_us("w4a4-token", 10.0, flops, ceil) == pytest.approx(4000.0)
-    assert bench.roofline_us("w4a8", 10.0, flops, ceil) == pytest.approx(2000.0)
-    assert bench.roofline_us("w4a8", 5000.0, flops, ceil) == 5000.0  # bytes-bound
+    assert roofline.roofline_us("w4a16", 10.0, flops, ceil) == pytest.approx(4000.0)
+    assert roofline.roofline_us("w4a4-token", 10.0, flops, ceil) == pytest.approx(4000.0)
+    assert roofline.roofline_us("w4a8", 10.0, flops, ceil) == pytest.approx(2000.0)
+    assert roofline.roofline_us("w4a8", 5000.0, flops, ceil) == 5000.0  # bytes-bound
     with pytest.raises(KeyError):  # never the bf16 rate standing in for an unmeasured FP8 one
-        bench.roofline_us("w4a8", 10.0, flops, {"bf16_matmul_flops": 1e15})
-    assert bench.bound("w4a16", 10.0, flops, ceil) == "compute"
-    assert bench.bound("w4a8", 5000.0, flops, ceil) == "bytes"
-    assert bench.bound("w4a16", 5000.0, flops, ceil) == "bytes"  # 5000 us of bytes, 4000 of FLOPs
+        roofline.roofline_us("w4a8", 10.0, flops, {"bf16_matmul_flops": 1e15})
+    assert roofline.bound("w4a16", 10.0, flops, ceil) == "compute"
+    assert roofline.bound("w4a8", 5000.0, flops, ceil) == "bytes"
+    # 5000 us of bytes against 4000 of FLOPs
+    assert roofline.bound("w4a16", 5000.0, flops, ceil) == "bytes"
 
 
 def test_bench_takes_w4a8():

@@ -29,15 +29,12 @@ import torch
 
 from .modes import TOLERANCE
 from .presets import MODES, PRESETS, Preset
+from .roofline import bound, compute_roof, roofline_us
 
 __all__ = [
     "PRESETS",
     "Preset",
     "add_arguments",
-    "bound",
-    "compute_roof",
-    "compute_us",
-    "roofline_us",
     "run",
 ]
 
@@ -287,30 +284,6 @@ def card_ceilings() -> dict:
     us = time_us(fp8_mm, graph=True, warmup=2, iters=10, reps=3)
     fp8 = 2 * m**3 / (us * 1e-6)
     return {"copy_bytes_per_s": copy, "bf16_matmul_flops": bf16, "fp8_matmul_flops": fp8}
-
-
-def compute_roof(mode: str) -> str:
-    """The ceiling whose matmul rate bounds a mode name's compute: "fp8" for W4A8 (FP8
-    tensor cores), else "bf16" (W4A16, and W4A4, which multiplies in bf16 on Hopper)."""
-    return "fp8" if MODES[mode][0] == "w4a8" else "bf16"
-
-
-def roofline_us(mode: str, floor_us: float, flops: float, ceilings: dict) -> float:
-    """The roofline of one call of mode name ``mode``: the larger of the byte floor
-    ``floor_us`` and ``flops`` at the card's matmul rate of ``compute_roof(mode)``
-    (``ceilings`` as ``card_ceilings`` gives them), in microseconds."""
-    return max(floor_us, compute_us(mode, flops, ceilings))
-
-
-def compute_us(mode: str, flops: float, ceilings: dict) -> float:
-    """``flops`` at the card's matmul rate of ``compute_roof(mode)``, in microseconds."""
-    return flops / ceilings[f"{compute_roof(mode)}_matmul_flops"] * 1e6
-
-
-def bound(mode: str, floor_us: float, flops: float, ceilings: dict) -> str:
-    """Which floor sets a call's roofline: "bytes" (the touched weights at the copy rate)
-    or "compute" (the FLOPs at the mode's matmul rate)."""
-    return "bytes" if floor_us >= compute_us(mode, flops, ceilings) else "compute"
 
 
 # ----------------------------------------------------------------------------- baselines
