@@ -29,6 +29,7 @@ import torch
 
 from .modes import TOLERANCE
 from .presets import MODES, PRESETS, Preset
+from .progress import step_line
 from .roofline import bound, compute_roof, roofline_us
 
 __all__ = [
@@ -350,13 +351,6 @@ def _source_digest() -> str:
     return h.hexdigest()[:12]
 
 
-def _progress(i: int, n: int, label: str) -> None:
-    width = 30
-    done = int(width * i / max(n, 1))
-    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} {label:40s}")
-    sys.stderr.flush()
-
-
 def resolve_preset(args: argparse.Namespace) -> Preset:
     p = PRESETS[args.preset]
     over = {
@@ -481,7 +475,7 @@ def run(args: argparse.Namespace) -> dict:
             m, sc = MODES[mode]
             for fused in finals:
                 step += 1
-                _progress(step, len(plan), f"T={t} {mode} {'fused' if fused else 'unfused'}")
+                step_line(step, len(plan), f"T={t} {mode} {'fused' if fused else 'unfused'}")
                 err = None
                 if not args.no_check:
                     ref = moe_reference(x, ids, w, experts, mode=m, act_scale=sc).float()

@@ -53,6 +53,7 @@ from datetime import timedelta
 import torch
 
 from .modes import TOLERANCE, resolve_mode
+from .progress import step_line
 
 __all__ = ["EPUnavailable", "format_table", "main_args", "run_ep", "write_outputs"]
 
@@ -454,13 +455,6 @@ def _check_row(row: dict, rank: int) -> None:
         )
 
 
-def _progress(i: int, n: int, label: str) -> None:
-    width = 30
-    done = int(width * i / max(n, 1))
-    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} {label:40s}")
-    sys.stderr.flush()
-
-
 def _worker(rank: int, settings: dict, args: argparse.Namespace, init: str, out_dir: str):
     import torch.distributed as dist
 
@@ -518,7 +512,7 @@ def _worker(rank: int, settings: dict, args: argparse.Namespace, init: str, out_
                 for path in paths:
                     step += 1
                     if rank == 0:
-                        _progress(step, len(plan), f"T={t}/rank {m} {path}")
+                        step_line(step, len(plan), f"T={t}/rank {m} {path}")
                     if path == "variable":
                         layer, cap, expect, timed_graph = layers[m], None, None, False
                     else:

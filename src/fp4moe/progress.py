@@ -1,11 +1,13 @@
-"""Progress bars for long work (loading, converting, evaluating): tqdm, on stderr."""
+"""Progress bars for long work (loading, converting, evaluating: tqdm) and the benches'
+one-line step counter, on stderr."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
-__all__ = ["progress"]
+__all__ = ["progress", "step_line"]
 
 T = TypeVar("T")
 
@@ -19,3 +21,11 @@ def progress(
 
     disable = None if enabled is None else not enabled
     return iter(tqdm(items, desc=desc, total=total, disable=disable, leave=False))
+
+
+def step_line(i: int, n: int, label: str) -> None:
+    """Step ``i`` of ``n`` (``label``) as one bar line on stderr, rewritten in place."""
+    width = 30
+    done = int(width * i / max(n, 1))
+    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} {label:40s}")
+    sys.stderr.flush()
