@@ -24,7 +24,10 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma_wait,
+)
 
 from .decode import CHUNK_DECODE_ASM, HALF_DECODE_ASM
 from .shapes import scale_rows_tma
@@ -37,6 +40,7 @@ __all__ = [
     "SCALE_SMEM",
     "SCALE_SMEM3",
     "STAGE_K",
+    "TILE_ROWS",
     "UNIT",
     "X_SMEM3",
     "code_layout",
@@ -44,6 +48,8 @@ __all__ = [
     "decode_half",
     "decode_unit",
     "decode_unit_e4m3",
+    "last_unit_done",
+    "mma_drain",
     "pick_unit",
     "row_globals",
     "smem_stage",
@@ -58,6 +64,7 @@ __all__ = [
 
 UNIT = gl.constexpr(64)  # K elements a main-loop step (two chunks, four k16 wgmma steps)
 STAGE_K = gl.constexpr(256)  # K elements a ring stage (four units; one 16-byte scale box)
+TILE_ROWS = gl.constexpr(64)  # weight rows a decode tile (one warpgroup)
 # TMA destinations: a stage's codes of one weight [rows, 128 bytes], 128-byte swizzle;
 # its scales [rows, 16 bytes] unswizzled
 CODE_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -420,3 +427,25 @@ def row_globals(a_global_ptr, sorted_routes_ptr, om, m_ok, TOPK: gl.constexpr,
     else:
         r = om
     return gl.load(a_global_ptr + gl.where(m_ok, r, 0).to(gl.int64), mask=m_ok, other=1.0)
+
+
+@gluon.jit
+def last_unit_done(acc_g, acc_u, pg, pu, GATED: gl.constexpr):
+    """Wait for the last unit's wgmmas (its decoded operands ``pg``, ``pu``: their
+    registers free after it); the sums."""
+    if GATED:
+        acc_g, acc_u, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u, pg, pu))
+    else:
+        acc_g, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, pg))
+    return acc_g, acc_u
+
+
+@gluon.jit
+def mma_drain(acc_g, acc_u, GATED: gl.constexpr):
+    """Wait for every asynchronous wgmma in flight into ``acc_g`` (and ``acc_u`` when
+    GATED); the accumulators to read afterwards."""
+    if GATED:
+        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+    else:
+        acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
+    return acc_g, acc_u

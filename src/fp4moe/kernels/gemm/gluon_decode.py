@@ -13,10 +13,8 @@ may be partial (its copies read zeros past K, its missing units are skipped at c
 time); scales TMA cannot copy (``shapes.scale_rows_tma``: contiguous rows of K / 16 bytes,
 no multiple of 16, which ``PreparedExperts`` pads in memory) come by pointer loads a stage
 ahead (``gluon_common.stage_scales``). Split K over whole 1024-K segments with TMA scales
-(``_half_ring``) runs a ring of two 128-K half stages in the shared memory of one 256-K
-stage instead (codes [64 rows, 64 bytes] with a 64-byte swizzle; each 256-K pair's scales
-copied with its even half into one of two scale buffers), so a half stage's copy flies
-while the other is decoded, at the same programs an SM.
+runs the ring of two 128-K half stages of ``gluon_half_ring`` instead, in the shared
+memory of one 256-K stage, at the same programs an SM.
 
 Two forms (``split_partials_tma``):
 
@@ -44,7 +42,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
-    warpgroup_mma_wait,
 )
 
 from ..common import compile_sm90 as common_compile_sm90
@@ -57,8 +54,11 @@ from .gluon_common import (
     SCALE_SMEM,
     SCALE_SMEM3,
     STAGE_K,
+    TILE_ROWS,
     UNIT,
     decode_unit,
+    last_unit_done,
+    mma_drain,
     pick_unit,
     row_globals,
     smem_stage,
@@ -69,6 +69,7 @@ from .gluon_common import (
     tile_index,
     weight_descriptors,
 )
+from .gluon_half_ring import HALF_K, half_buffers, issue_half, segment_half, uses_half_ring
 from .shapes import SEGMENT, gluon_decode_fits
 
 __all__ = ["RING_STAGES", "compile_sm90", "split_partials_tma"]
@@ -76,7 +77,7 @@ __all__ = ["RING_STAGES", "compile_sm90", "split_partials_tma"]
 # Ring stages of 256 K in shared memory (1: 18 KB a program for FC1's 8-row tiles, so more
 # programs an SM): the fastest of 1, 2 and 4 on the H200 for both forms.
 RING_STAGES = 1
-_TR = gl.constexpr(64)  # weight rows a tile (one warpgroup)
+_TR = TILE_ROWS
 # Registers a thread of the gated (FC1) kernels on 8-row tiles: at most 80 keep 6 programs
 # of 128 threads an SM (the shared memory's count), so DeepSeek-V3 EP8's 672 FC1 programs
 # at 1 token run in one wave; uncapped, ptxas takes 87 (5 an SM). 16-row tiles spill at 80.
@@ -88,123 +89,10 @@ def _regs(gated: bool, block_m: int) -> dict:
     return {"maxnreg": GATED_MAXNREG} if gated and block_m == 8 else {}
 
 
-_HK = gl.constexpr(128)  # K a half stage of the split-K ring (``_half_ring``)
-
-
-def _half_ring(whole: bool, k: int, scale_tma: bool) -> bool:
-    """Split K on the ring of two half stages: whole 1024-K segments, the scales by TMA
-    (else the ring of ``RING_STAGES`` 256-K stages). In the shared memory of one 256-K
-    stage the next half stage's copy flies while one is decoded, and FC1's 8-row programs
-    keep 6 an SM (sm_90: 72 registers, 36880 bytes)."""
-    return not whole and k % SEGMENT == 0 and scale_tma
-
-
 def _code_bytes(half: bool) -> int:
     """A TMA box's bytes of a code row: a half stage's on the ring of half stages, else a
     256-K stage's."""
-    return (_HK.value if half else STAGE_K.value) // 2
-
-
-@gluon.jit
-def _last_unit_done(acc_g, acc_u, pg, pu, GATED: gl.constexpr):
-    """Wait for the last unit's wgmmas (its decoded operands ``pg``, ``pu``: their
-    registers free after it); the sums."""
-    if GATED:
-        acc_g, acc_u, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u, pg, pu))
-    else:
-        acc_g, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, pg))
-    return acc_g, acc_u
-
-
-@gluon.jit
-def _half_buffers(GATED: gl.constexpr):
-    """Two half-stage code buffers [NW, 64, 64] (64-byte swizzle), two scale buffers [NW,
-    64, 16] (one a 256-K pair of half stages), the two stages' mbarriers, initialized."""
-    NW: gl.constexpr = 2 if GATED else 1  # weight row blocks a copy (gate and up)
-    cb0 = gl.allocate_shared_memory(gl.uint8, [NW, _TR, _HK // 2], CODE_SMEM_64)
-    cb1 = gl.allocate_shared_memory(gl.uint8, [NW, _TR, _HK // 2], CODE_SMEM_64)
-    sb0 = gl.allocate_shared_memory(gl.uint8, [NW, _TR, 16], SCALE_SMEM)
-    sb1 = gl.allocate_shared_memory(gl.uint8, [NW, _TR, 16], SCALE_SMEM)
-    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(bars.index(0), count=1)
-    mbarrier.init(bars.index(1), count=1)
-    return cb0, cb1, sb0, sb1, bars
-
-
-@gluon.jit
-def _issue_half(c_desc, s_desc, cb, sb, bar, row, k0, st: gl.constexpr,
-                GATED: gl.constexpr):  # fmt: skip
-    """Half stage ``st`` of the segment at ``k0`` into code buffer ``cb``; an even one also
-    copies the scales of its 256-K pair into ``sb``."""
-    NW: gl.constexpr = 2 if GATED else 1  # weight row blocks a copy (gate and up)
-    if st % 2 == 0:
-        BYTES: gl.constexpr = NW * _TR * (_HK // 2 + 16)
-    else:
-        BYTES: gl.constexpr = NW * _TR * (_HK // 2)
-    mbarrier.expect(bar, BYTES)
-    k = k0 + st * _HK
-    if GATED:
-        cdst = cb._reinterpret(gl.uint8, [2, _TR, _HK // 2], CODE_SMEM3_64)
-        tma.async_copy_global_to_shared(c_desc, [0, row, k // 2], bar, cdst)
-        if st % 2 == 0:
-            sdst = sb._reinterpret(gl.uint8, [2, _TR, 16], SCALE_SMEM3)
-            tma.async_copy_global_to_shared(s_desc, [0, row, k // 16], bar, sdst)
-    else:
-        tma.async_copy_global_to_shared(c_desc, [row, k // 2], bar, cb.index(0))
-        if st % 2 == 0:
-            tma.async_copy_global_to_shared(s_desc, [row, k // 16], bar, sb.index(0))
-
-
-@gluon.jit
-def _segment_half(
-    x_ptr, sorted_routes_ptr, c_desc, s_desc, cb0, cb1, sb0, sb1, bars, row, start, end, kj,
-    K: gl.constexpr, TOPK: gl.constexpr, A_GATHER: gl.constexpr, BM: gl.constexpr,
-    SEG: gl.constexpr, GATED: gl.constexpr, A_UNIT_ORDER: gl.constexpr,
-    MMA: gl.constexpr, A_L: gl.constexpr,
-):  # fmt: skip
-    """``_segment``'s sums of one whole K segment on the ring of two half stages (the first
-    two issued before): the same units, order and sums, so the same bits."""
-    NU: gl.constexpr = SEG // UNIT
-    NS: gl.constexpr = SEG // _HK
-    xs = stage_x(x_ptr, sorted_routes_ptr, start, end, kj, K, TOPK, A_GATHER, BM, SEG,
-                 A_UNIT_ORDER)  # fmt: skip
-    acc_g = gl.zeros([_TR, BM], gl.float32, layout=MMA)
-    acc_u = gl.zeros([_TR, BM], gl.float32, layout=MMA)
-    for kb in gl.static_range(NU):
-        st = kb // 2
-        if kb % 2 == 0:
-            mbarrier.wait(bars.index(st % 2), (st // 2) % 2)
-        if st % 2 == 0:
-            cb = cb0
-        else:
-            cb = cb1
-        if (kb // 4) % 2 == 0:
-            sb = sb0
-        else:
-            sb = sb1
-        xb = xs.slice(kb * BM, BM).permute((1, 0))
-        gc, gs = smem_unit(cb, sb, kb, 0, 1, 2, _TR)
-        wg = decode_unit(gc, gs, A_L, _TR)
-        if kb > 0:
-            acc_g, acc_u = _last_unit_done(acc_g, acc_u, pg, pu, GATED)  # noqa: F821
-        acc_g = warpgroup_mma(wg, xb, acc_g, is_async=True)
-        pg = wg  # noqa: F841
-        pu = wg  # the ungated wait's argument, not read
-        if GATED:
-            uc, us = smem_unit(cb, sb, kb, 1, 1, 2, _TR)
-            wu = decode_unit(uc, us, A_L, _TR)
-            acc_u = warpgroup_mma(wu, xb, acc_u, is_async=True)
-            pu = wu  # noqa: F841
-        if kb % 2 == 1 and st + 2 < NS:  # the stage read: refill its buffer with st + 2
-            if ((st + 2) // 2) % 2 == 0:
-                nsb = sb0
-            else:
-                nsb = sb1
-            gl.thread_barrier()
-            fence_async_shared()
-            _issue_half(c_desc, s_desc, cb, nsb, bars.index((kb // 2) % 2), row, kj, kb // 2 + 2,
-                        GATED)  # fmt: skip
-    return _mma_drain(acc_g, acc_u, GATED)
+    return (HALF_K.value if half else STAGE_K.value) // 2
 
 
 @gluon.jit
@@ -247,17 +135,6 @@ def _stage_buffers(GATED: gl.constexpr, NB: gl.constexpr):
     for b in gl.static_range(NB):
         mbarrier.init(bars.index(b), count=1)
     return cbuf, sbuf, bars
-
-
-@gluon.jit
-def _mma_drain(acc_g, acc_u, GATED: gl.constexpr):
-    """Wait for every asynchronous wgmma in flight into ``acc_g`` (and ``acc_u`` when
-    GATED); the accumulators to read afterwards."""
-    if GATED:
-        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
-    else:
-        acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
-    return acc_g, acc_u
 
 
 @gluon.jit
@@ -422,7 +299,7 @@ def _segment(
             gs = pick_unit(cg0, cg1, cg2, cg3, kb % UPS)
         wg = decode_unit(gc, gs, A_L, _TR)
         if kb > 0:  # the last unit's wgmma done: its operand registers are free
-            acc_g, acc_u = _last_unit_done(acc_g, acc_u, pg, pu, GATED)  # noqa: F821
+            acc_g, acc_u = last_unit_done(acc_g, acc_u, pg, pu, GATED)  # noqa: F821
         acc_g = warpgroup_mma(wg, xb, acc_g, is_async=True)
         pg = wg  # noqa: F841 (read by the next unrolled unit)
         pu = wg  # the ungated wait's argument, not read
@@ -444,7 +321,7 @@ def _segment(
             fence_async_shared()  # ordered before the TMA writes (async proxy)
             _issue(c_desc, s_desc, cbuf, sbuf, bars.index((kb // UPS) % NB), row, N, kj,
                    kb // UPS + NB, NB, GATED, SCALE_TMA)  # fmt: skip
-    return _mma_drain(acc_g, acc_u, GATED)
+    return mma_drain(acc_g, acc_u, GATED)
 
 
 @gluon.jit
@@ -483,7 +360,7 @@ def tma_split_kernel(
     # writes its output (EPILOGUE): no partials, no counter (the grid's segments: 1)
     E: gl.constexpr,  # experts (the weight rows' bound)
     SCALE_TMA: gl.constexpr,  # the scales by TMA, else by pointer (``shapes.scale_rows_tma``)
-    HALF: gl.constexpr = False,  # split K on the ring of two half stages (``_half_ring``)
+    HALF: gl.constexpr = False,  # split K on the ring of two half stages (``uses_half_ring``)
 ):
     pid_n = gl.program_id(0)
     s_id = gl.program_id(1)
@@ -516,9 +393,9 @@ def tma_split_kernel(
         row = e * w_rows + pid_n * _TR
         if HALF:
             gl.static_assert(not WHOLE and TAIL_U == 0 and SCALE_TMA, "HALF: split, whole segments")
-            cb0, cb1, sb0, sb1, bars = _half_buffers(GATED)
-            _issue_half(c_desc, s_desc, cb0, sb0, bars.index(0), row, k0, 0, GATED)
-            _issue_half(c_desc, s_desc, cb1, sb0, bars.index(1), row, k0, 1, GATED)
+            cb0, cb1, sb0, sb1, bars = half_buffers(GATED)
+            issue_half(c_desc, s_desc, cb0, sb0, bars.index(0), row, k0, 0, GATED)
+            issue_half(c_desc, s_desc, cb1, sb0, bars.index(1), row, k0, 1, GATED)
         else:
             cbuf, sbuf, bars = _stage_buffers(GATED, NB)
             for st in gl.static_range(NB):
@@ -572,7 +449,7 @@ def tma_split_kernel(
                 GATED, WHOLE, A_UNIT_ORDER, SCALE_TMA, MMA, A_L,
             )  # fmt: skip
         elif HALF:  # split K: a whole segment on the ring of two half stages
-            tot_g, tot_u = _segment_half(
+            tot_g, tot_u = segment_half(
                 x_ptr, sorted_routes_ptr, c_desc, s_desc, cb0, cb1, sb0, sb1, bars, row, start,
                 end, k0, K, TOPK, A_GATHER, BM, SEG, GATED, A_UNIT_ORDER, MMA, A_L,
             )  # fmt: skip
@@ -656,7 +533,7 @@ def split_partials_tma(
         counters = counters if counters is not None else w_global
     elif part is None:
         raise ValueError("split_partials_tma: part (the fp32 partials) is needed unless whole")
-    half = _half_ring(whole, k, shapes.scale_rows_tma(scales))
+    half = uses_half_ring(whole, k, shapes.scale_rows_tma(scales))
     c_desc, s_desc, s_bytes, s_tma = weight_descriptors(codes, scales, pair=n if gated else 0,
                                                         code_bytes=_code_bytes(half))  # fmt: skip
     dummy = part
@@ -691,7 +568,7 @@ def compile_sm90(*, n: int, k: int, gated: bool, block_m: int, epilogue: bool = 
     }  # fmt: skip
     tr = _TR.value
     stma = shapes.scale_tma(k) if scale_tma is None else scale_tma
-    half = _half_ring(whole, k, stma)
+    half = uses_half_ring(whole, k, stma)
     cb = _code_bytes(half)
     cs3, cs2 = (CODE_SMEM3_64, CODE_SMEM_64) if half else (CODE_SMEM3, CODE_SMEM)
     if gated:  # the gate and up rows in one copy (``weight_descriptors(pair=n)``)
