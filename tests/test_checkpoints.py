@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
+from fp4moe.checkpoint_source import CheckpointSource
 from fp4moe.checkpoints import (
-    CheckpointSource,
     load_checkpoint_experts,
     modelopt_expert_tensors,
     save_compressed_tensors_experts,
@@ -110,7 +110,7 @@ def test_modelopt_sharded_directory_reads_each_header_once(tmp_path, experts, mo
     sd["lm_head.weight"] = torch.zeros(2, 2)
     write_shards(sd, tmp_path)
 
-    import fp4moe.checkpoints as module
+    import fp4moe.checkpoint_source as module
 
     opened: list[str] = []
     real = module.read_safetensors_header

@@ -12,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import fp4moe.phases  # noqa: E402
-from fp4moe.checkpoints import CheckpointSource  # noqa: E402
+from fp4moe.checkpoint_source import CheckpointSource  # noqa: E402
 from fp4moe.demo_model import (  # noqa: E402
     ModelDemoConfig,
     NotEnoughMemory,

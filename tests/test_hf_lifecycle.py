@@ -22,7 +22,8 @@ transformers = pytest.importorskip("transformers")
 
 import fp4moe  # noqa: E402
 from fp4moe import PhasePolicy, load_checkpoint_experts  # noqa: E402
-from fp4moe.checkpoints import CheckpointSource, save_modelopt_experts  # noqa: E402
+from fp4moe.checkpoint_source import CheckpointSource  # noqa: E402
+from fp4moe.checkpoints import save_modelopt_experts  # noqa: E402
 from fp4moe.integrations import hf  # noqa: E402
 from fp4moe.integrations.hf_export import write_nvfp4_checkpoint  # noqa: E402
 from fp4moe.integrations.hf_load import dequantized_model, estimate_bytes, read_weight  # noqa: E402

@@ -34,7 +34,7 @@ from contextlib import ExitStack
 import torch
 from torch import nn
 
-from ..checkpoints import CheckpointSource
+from ..checkpoint_source import CheckpointSource
 from ..phases import MoELayer, PhaseConfig, PhasePolicy
 from ..progress import progress
 from .hf_blocks import (

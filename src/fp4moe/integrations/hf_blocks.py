@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoints import CheckpointSource, load_checkpoint_experts, modelopt_expert_tensors
+from ..checkpoint_source import CheckpointSource
+from ..checkpoints import load_checkpoint_experts, modelopt_expert_tensors
 from ..experts import PreparedExperts, prepare_experts
 from ..ops import EXPERT_FIELDS
 from ..phases import MoELayer, PhaseConfig, PhasePolicy, RouterConfig

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoints import CheckpointSource
+from ..checkpoint_source import CheckpointSource
 from ..nvfp4 import NVFP4Tensor, dequantize_nvfp4
 from ..phases import PhaseConfig, PhasePolicy
 from ..progress import progress

@@ -41,7 +41,8 @@ from transformers.quantizers.auto import (
 )
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ..checkpoints import CheckpointSource, load_checkpoint_experts
+from ..checkpoint_source import CheckpointSource
+from ..checkpoints import load_checkpoint_experts
 from ..nvfp4 import NVFP4Tensor, dequantize_nvfp4
 from ..phases import PhasePolicy
 from .hf_blocks import block_over, check_block, expert_prefix, find_blocks, replace_module
