@@ -9,7 +9,7 @@ import torch
 import fp4moe
 from fp4moe import PhaseConfig, PhasePolicy
 from fp4moe.backend.launch import moe_triton
-from fp4moe.modes import ACT_SCALES, MODE_NAMES, mode_name, resolve_mode
+from fp4moe.modes import ACT_SCALES, MODE_NAMES, mode_name, relative_error, resolve_mode
 from fp4moe.presets import MODES as TOOL_MODES
 from fp4moe.reference import moe_reference
 from testing import assert_close_moe, random_moe_weights, random_routes, random_x
@@ -125,3 +125,12 @@ def test_every_way_into_triton_runs_w4a8(case, interpret):
     assert torch.equal(runner(x, ids, w), out)
     plan = fp4moe.plan(ex, 16, 2, mode="w4a8")
     assert (plan.mode, plan.fc2_input) == ("w4a8", "e4m3-row")
+
+
+def test_relative_error():
+    ref = torch.tensor([3.0, 4.0])
+    assert relative_error(ref + torch.tensor([0.0, 0.5]), ref) == pytest.approx(0.1)
+    assert relative_error(ref.bfloat16(), ref) == 0.0
+    assert relative_error(torch.zeros(2), torch.zeros(2)) == 0.0
+    assert relative_error(torch.empty(0, 4), torch.empty(0, 4)) == 0.0
+    assert relative_error(torch.ones(2), torch.zeros(2)) > 1e20

@@ -27,7 +27,7 @@ from dataclasses import asdict
 
 import torch
 
-from .modes import TOLERANCE
+from .modes import TOLERANCE, relative_error
 from .presets import MODES, PRESETS, Preset
 from .progress import step_line
 from .roofline import bound, compute_roof, roofline_us
@@ -482,7 +482,7 @@ def run(args: argparse.Namespace) -> dict:
                     out = moe_triton(
                         x, ids, w, experts, mode=m, act_scale=sc, fused_finalize=fused, options=opt
                     ).float()
-                    err = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+                    err = relative_error(out, ref)
                     tol = TOLERANCE[m]  # numerics section 8
                     if not math.isfinite(err) or err > tol:
                         raise RuntimeError(

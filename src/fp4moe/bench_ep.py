@@ -52,7 +52,7 @@ from datetime import timedelta
 
 import torch
 
-from .modes import TOLERANCE, resolve_mode
+from .modes import TOLERANCE, relative_error, resolve_mode
 from .progress import step_line
 
 __all__ = ["EPUnavailable", "format_table", "main_args", "run_ep", "write_outputs"]
@@ -213,16 +213,6 @@ def _prepare_slice(p, start: int, stop: int, seed: int, device: str):
     return fp4moe.PreparedExperts(**{k: torch.cat([d[k] for d in parts]) for k in parts[0]})
 
 
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float | None:
-    if ref.numel() == 0:
-        return None
-    den = ref.float().norm()
-    num = (out.float() - ref.float()).norm()
-    if float(den) == 0.0:
-        return 0.0 if float(num) == 0.0 else float("inf")
-    return float(num / den)
-
-
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality of two bf16 outputs (-0.0 and 0.0 differ, as do NaN payloads)."""
     return a.shape == b.shape and bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
@@ -340,13 +330,13 @@ def _measure(
 
     err = None
     if check and d.backend != "reference":  # the compute against the reference, same rows
-        reduce = layer._all_reduce_max if d.act_scale == "per_tensor" else None
+        reduce = layer.all_reduce_max if d.act_scale == "per_tensor" else None
         ref = compute_route_rows(
             d.rows, d.row_expert, layer.experts, mode=d.mode, act_scale=d.act_scale,
             backend="reference", amax_reduce=reduce,
         )  # fmt: skip
         live = d.row_expert >= 0
-        err = _rel_err(y[live], ref[live])
+        err = relative_error(y[live], ref[live]) if bool(live.any()) else None
     med = {k: statistics.median(v) for k, v in steps.items()}
     return {
         "dispatch_us": med["dispatch"],

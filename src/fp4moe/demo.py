@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .experts import PreparedExperts, prepare_experts
-from .modes import MODE_NAMES
+from .modes import MODE_NAMES, relative_error
 from .moe import moe
 from .nvfp4 import global_from_amax
 from .routing import route
@@ -222,10 +222,6 @@ def _median_ms(fn: Callable[[], torch.Tensor], repeats: int, device: torch.devic
     return statistics.median(times)
 
 
-def _rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
-
-
 def _tensor_ids(experts: PreparedExperts) -> dict[str, tuple[int, int]]:
     return {k: (id(v), v.data_ptr()) for k, v in experts.tensors().items()}
 
@@ -283,7 +279,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
             {
                 "mode": mode,
                 "backend": backend,
-                "rel_error": _rel_error(out, baseline),
+                "rel_error": relative_error(out, baseline),
                 "median_ms": ms,
                 "weight_bytes": res.prepared_bytes,
                 "weight_format": "NVFP4",

@@ -497,9 +497,7 @@ class EPMoELayer(nn.Module):
         """Step 2 of ``forward``: the route rows y (bf16 [rows received, H]) of the rows
         ``d`` received, on this rank's experts (``compute_route_rows``). A collective only
         for W4A4 per-tensor (an ``all_reduce(max)`` of the FC2 amax)."""
-        reduce = (
-            self._all_reduce_max if (d.mode == "w4a4" and d.act_scale == "per_tensor") else None
-        )
+        reduce = self.all_reduce_max if (d.mode == "w4a4" and d.act_scale == "per_tensor") else None
         return compute_route_rows(
             d.rows, d.row_expert, self.experts, mode=d.mode, act_scale=d.act_scale,
             backend=d.backend, amax_reduce=reduce,
@@ -573,7 +571,9 @@ class EPMoELayer(nn.Module):
     def _cfg(self, phase: str) -> PhaseConfig:
         return self.policy.prefill if phase == "prefill" else self.policy.decode
 
-    def _all_reduce_max(self, amax: torch.Tensor) -> torch.Tensor:
+    def all_reduce_max(self, amax: torch.Tensor) -> torch.Tensor:
+        """The max of ``amax`` (a one-element tensor) over the layer's group: fp32 [] (a
+        copy; ``amax`` is not written). W4A4 per-tensor's global scales come from it."""
         buf = amax.detach().float().reshape(1).clone()
         dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
         return buf.reshape(())
@@ -594,7 +594,7 @@ class EPMoELayer(nn.Module):
             amax = (
                 x2d.abs().amax().float() if t else torch.zeros((), dtype=torch.float32, device=dev)
             )
-            g = global_from_amax(self._all_reduce_max(amax))
+            g = global_from_amax(self.all_reduce_max(amax))
         if backend == "triton":
             from .kernels.quantize import MODE_PER_ROW, MODE_SCALAR, MODE_STATIC, quantize_rows
 

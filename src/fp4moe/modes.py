@@ -34,7 +34,17 @@ name (``mode="w4a4-token", act_scale="static"``).
 
 from __future__ import annotations
 
-__all__ = ["ACT_SCALES", "KERNEL_MODES", "MODE_NAMES", "TOLERANCE", "mode_name", "resolve_mode"]
+import torch
+
+__all__ = [
+    "ACT_SCALES",
+    "KERNEL_MODES",
+    "MODE_NAMES",
+    "TOLERANCE",
+    "mode_name",
+    "relative_error",
+    "resolve_mode",
+]
 
 MODE_NAMES: tuple[str, ...] = ("w4a16", "w4a8", "w4a4-token", "w4a4-tensor", "w4a4-static")
 # The kernel families and W4A4 activation scales the backends take (``moe_reference``,
@@ -46,6 +56,14 @@ ACT_SCALES: tuple[str, ...] = ("per_token", "static", "per_tensor")
 # last-bit difference in FC1's output moves a whole quantization step; W4A8's FP8 tensor
 # cores also accumulate with fewer bits than fp32.
 TOLERANCE: dict[str, float] = {"w4a16": 2e-3, "w4a8": 2e-2, "w4a4": 1e-2}
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp32 (Frobenius; same shapes): what ``TOLERANCE`` bounds.
+    0 where both are zero (or empty); where only ``ref`` is zero, a huge value (not NaN)."""
+    ref = ref.float()
+    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
 
 _BY_NAME: dict[str, tuple[str, str]] = {
     "w4a16": ("w4a16", "per_token"),
