@@ -1,6 +1,6 @@
 """The shape of the code base, checked from its sources: no import cycles among the
 modules of src/fp4moe (imports inside functions included), no module importing another
-module's private names, no source file far over 700 lines, and no development history in
+module's private names, no source file over 700 lines, and no development history in
 the repository's text."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 PKG = SRC / "fp4moe"
-MAX_LINES = 720
+MAX_LINES = 700
 
 
 def _module_name(path: Path) -> str:
