@@ -26,7 +26,7 @@ import torch
 from fp4moe import explain, moe
 from fp4moe.backend import KERNELS
 from fp4moe.bench import cold_copies, make_routes, random_experts
-from fp4moe.modes import TOLERANCE
+from fp4moe.modes import TOLERANCE, relative_error
 from fp4moe.presets import MODES, PRESETS
 from fp4moe.reference import moe_reference
 from pins import pin_arg, pin_options
@@ -81,7 +81,7 @@ out = call()
 torch.cuda.synchronize()
 if a.check:
     ref = moe_reference(x, ids, w, ex, mode=m, act_scale=sc).float()
-    err = float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+    err = relative_error(out, ref)
     tol = TOLERANCE[m]
     print(f"rel err {err:.2e} (tolerance {tol}), NaN {bool(out.isnan().any())}")
     if not err <= tol or out.isnan().any():

@@ -32,6 +32,7 @@ from torch import nn
 
 from .integrations.hf_blocks import find_blocks
 from .integrations.hf_load import dequantized_model, load_model, load_model_config
+from .modes import relative_error
 from .phases import PHASES, MoELayer, PhasePolicy
 
 __all__ = [
@@ -316,10 +317,8 @@ def _storage(layers: dict[str, MoELayer]) -> dict[str, tuple]:
 
 def _agreement(logits: torch.Tensor, ref: torch.Tensor) -> tuple[float, int, int]:
     """(relative Frobenius error, top-1 matches, positions) of logits [N, V] vs ref [N, V]."""
-    a, b = logits.float(), ref.float()
-    rel = float((a - b).norm() / b.norm().clamp_min(1e-30))
-    same = int((a.argmax(-1) == b.argmax(-1)).sum())
-    return rel, same, int(a.shape[0])
+    same = int((logits.argmax(-1) == ref.argmax(-1)).sum())
+    return relative_error(logits, ref), same, int(logits.shape[0])
 
 
 @torch.no_grad()

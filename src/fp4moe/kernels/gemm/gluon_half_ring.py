@@ -40,9 +40,9 @@ _TR = TILE_ROWS
 
 def uses_half_ring(whole: bool, k: int, scale_tma: bool) -> bool:
     """Split K on the ring of two half stages: whole 1024-K segments, the scales by TMA
-    (else the ring of ``RING_STAGES`` 256-K stages). In the shared memory of one 256-K
-    stage the next half stage's copy flies while one is decoded, and FC1's 8-row programs
-    keep 6 an SM (sm_90: 72 registers, 36880 bytes)."""
+    (else ``gluon_decode``'s ring of ``RING_STAGES`` 256-K stages). In the shared memory
+    of one 256-K stage the next half stage's copy flies while one is decoded, and FC1's
+    8-row programs keep 6 an SM (sm_90: 72 registers, 36880 bytes)."""
     return not whole and k % SEGMENT == 0 and scale_tma
 
 
@@ -63,7 +63,7 @@ def half_buffers(GATED: gl.constexpr):
 
 @gluon.jit
 def issue_half(c_desc, s_desc, cb, sb, bar, row, k0, st: gl.constexpr,
-                GATED: gl.constexpr):  # fmt: skip
+               GATED: gl.constexpr):  # fmt: skip
     """Half stage ``st`` of the segment at ``k0`` into code buffer ``cb``; an even one also
     copies the scales of its 256-K pair into ``sb``."""
     NW: gl.constexpr = 2 if GATED else 1  # weight row blocks a copy (gate and up)
@@ -133,5 +133,5 @@ def segment_half(
             gl.thread_barrier()
             fence_async_shared()
             issue_half(c_desc, s_desc, cb, nsb, bars.index((kb // 2) % 2), row, kj, kb // 2 + 2,
-                        GATED)  # fmt: skip
+                       GATED)  # fmt: skip
     return mma_drain(acc_g, acc_u, GATED)
