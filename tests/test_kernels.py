@@ -607,6 +607,16 @@ for spill, c in (
 c = gluon_decode.compile_sm90(n=2048, k=7168, gated=True, block_m=8)
 assert "cp.async.bulk.tensor.3d" in c.asm["ptx"] and (c.metadata.shared + 1024) * 6 <= 228 * 1024
 assert resource_usage(c)["REG"] <= 80
+# the route sort lets the next kernel of a PDL chain start as it starts, only with RELEASE
+from fp4moe.kernels import sort
+from fp4moe.kernels.common import compile_sm90
+ptrs = {a: "*i32" for a in sort.sort_routes_kernel.arg_names if a.endswith("_ptr")}
+for release in (True, False):
+    c = compile_sm90(sort.sort_routes_kernel, ptrs, dict(
+        E=32, EP=64, BM=8, CHUNK=16, PIECE=16, PIECES=1, ZB=1, TWO_PASS=False, MIXED=False,
+        R0=128, R1=64, R2=32, C0=1.74, C1=1.0, C2=0.85, RELEASE=release),
+        ints=("N", "NB", "NBM", "NZ", "ZPER"))
+    assert ("griddepcontrol.launch_dependents" in c.asm["ptx"]) == release
 print("ok")
 """
 

@@ -302,7 +302,7 @@ def moe_triton(
     # sits between two PDL launches.
     fused = torch.zeros(t, h, dtype=torch.float32, device=dev) if plan.fused_finalize else None
     sort = sort_routes(ids, e, plan.block_m, use_kernel=plan.sort == "triton", zero=zero,
-                       mixed=plan.mixed_sort)  # fmt: skip
+                       mixed=plan.mixed_sort, release=pdl)  # fmt: skip
     n_valid = sort.expert_offsets[e:]  # device scalar: rows in sorted order
 
     # FC1 input

@@ -29,6 +29,8 @@ CUDA graph); an expert with no rows gets no block:
   each other; above, a first launch (``sort_counts_kernel``) histograms each step of 8192
   routes once, and each program sums those rows and histograms only the routes of its
   own step before its chunk, so the cost grows about linearly with the routes.
+  With ``release`` (a programmatic dependent launch chain) it lets the next kernel start
+  as it starts, whose programs then wait for the sort's end before they read its outputs.
 - torch ops (stable sort, scatter-add, cumsum, searchsorted; no ``nonzero``, ``bincount``
   or ``.item()``): off CUDA and above the largest batch the kernel was measured at.
 """
@@ -41,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import interpreting
 from .gemm.shapes import PREFILL_BLOCKS, max_blocks
 
 __all__ = [
@@ -123,6 +126,7 @@ def sort_routes(
     use_kernel: bool,
     zero: torch.Tensor | None = None,
     mixed: bool = False,
+    release: bool = False,
 ) -> RouteSort:
     """Sort routes by expert and build the tile schedule (see module docstring).
 
@@ -136,6 +140,9 @@ def sort_routes(
         zero: int32 [.] set to 0 on the way (the split GEMMs' tile counters, amax slots):
             the sort kernel zeroes it, so a CUDA graph of the call has no memset node
             between kernels (which would stand between programmatic dependent launches).
+        release: the kernel lets the next kernel of a programmatic dependent launch chain
+            start as it starts (that kernel waits for the sort's end before it reads any
+            of its outputs); only where the device has PDL (``Plan.pdl``).
     """
     if zero is not None and (
         zero.dtype != torch.int32 or zero.device != topk_ids.device or not zero.is_contiguous()
@@ -145,7 +152,7 @@ def sort_routes(
             f"{zero.dtype} on {zero.device}"
         )
     if use_kernel and topk_ids.numel():
-        return _sort_routes_triton(topk_ids, num_experts, block_m, zero, mixed)
+        return _sort_routes_triton(topk_ids, num_experts, block_m, zero, mixed, release)
     if zero is not None:
         zero.zero_()
     return _sort_routes_torch(topk_ids, num_experts, block_m, mixed)
@@ -298,6 +305,7 @@ def sort_routes_kernel(
     C0: tl.constexpr,  # MIXED_COST
     C1: tl.constexpr,
     C2: tl.constexpr,
+    RELEASE: tl.constexpr,  # the next kernel (PDL) may start at once: it waits for the end
 ):
     """Program p places routes [p*CHUNK, (p+1)*CHUNK) and writes blocks [p*CHUNK, ...)
     (of each schedule).
@@ -309,6 +317,8 @@ def sort_routes_kernel(
     A route's place: its expert's offset, plus the routes of that expert before the chunk,
     plus those before it within the chunk."""
     pid = tl.program_id(0)
+    if RELEASE:
+        tl.extra.cuda.gdc_launch_dependents()
     SELECT: tl.constexpr = CHUNK * EP <= 4096
     zr = tl.arange(0, ZB)  # this program's share of zero_ptr
     zmask = (zr < ZPER) & (pid * ZPER + zr < NZ)
@@ -425,6 +435,7 @@ def _sort_routes_triton(
     block_m: int,
     zero: torch.Tensor | None,
     mixed: bool,
+    release: bool,
 ) -> RouteSort:
     dev = topk_ids.device
     n = topk_ids.numel()
@@ -467,7 +478,8 @@ def _sort_routes_triton(
         E=num_experts, EP=ep, BM=block_m, CHUNK=chunk, PIECE=piece, PIECES=pieces,
         ZB=triton.next_power_of_2(max(zper, 1)), TWO_PASS=two_pass, MIXED=mixed,
         R0=MIXED_ROWS[0], R1=MIXED_ROWS[1], R2=MIXED_ROWS[2], C0=MIXED_COST[0],
-        C1=MIXED_COST[1], C2=MIXED_COST[2], num_warps=warps,
+        C1=MIXED_COST[1], C2=MIXED_COST[2], RELEASE=release and not interpreting(),
+        num_warps=warps,
     )  # fmt: skip
     mixed_s = None
     if mixed:
