@@ -15,7 +15,8 @@ Bits: every mode and both finalizes at each token count; the deterministic final
 be bitwise equal; the fused (atomic) one may differ in the last bit from run to run, so
 where it differs the base is also run against itself. The bit checks of the presets and
 modes run in parallel processes (compiling is what takes the time); the timing runs after
-them in one process at a time. Output: a table on stdout and ``compare.json`` in --out.
+them in one process at a time. Output: a table on stdout (with each token count's valid
+routes: a row without any times the call's fixed cost alone) and ``compare.json`` in --out.
 Exit code 1 when a deterministic output differs or a median moves more than --max-slower.
 """
 
@@ -134,6 +135,7 @@ def worker_time(preset: str, modes: list[str], tokens: list[int], base_src: str,
     for t in tokens:
         x = torch.randn(t, p.hidden, device="cuda").to(torch.bfloat16)
         ids, w = make_routes(p, t, 1000 + t, "cuda")
+        routes = int((ids >= 0).sum())  # valid (local) routes; with none a call is its fixed cost
         calls = {}
         for mode in modes:
             m, sc = MODES[mode]
@@ -157,8 +159,8 @@ def worker_time(preset: str, modes: list[str], tokens: list[int], base_src: str,
         for mode in modes:
             for fused in (False, True):
                 a, b = us["new", mode, fused], us["base", mode, fused]
-                rows.append(dict(preset=preset, tokens=t, mode=mode, fused=fused, new_us=a,
-                                 base_us=b, ratio=a / b))  # fmt: skip
+                rows.append(dict(preset=preset, tokens=t, routes=routes, mode=mode,
+                                 fused=fused, new_us=a, base_us=b, ratio=a / b))  # fmt: skip
     return rows
 
 
@@ -244,10 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in bad_bits + fused_diff:
         print("  ", r)
     if doc["time"]:
-        print(f"{'preset':18s} {'tokens':>6s} {'mode':12s} {'finalize':8s} {'base us':>9s} "
-              f"{'new us':>9s} {'new/base':>8s}")  # fmt: skip
+        print(f"{'preset':18s} {'tokens':>6s} {'routes':>6s} {'mode':12s} {'finalize':8s} "
+              f"{'base us':>9s} {'new us':>9s} {'new/base':>8s}")  # fmt: skip
         for r in doc["time"]:
-            print(f"{r['preset']:18s} {r['tokens']:6d} {r['mode']:12s} "
+            print(f"{r['preset']:18s} {r['tokens']:6d} {r['routes']:6d} {r['mode']:12s} "
                   f"{'fused' if r['fused'] else 'determ':8s} {r['base_us']:9.1f} "
                   f"{r['new_us']:9.1f} {r['ratio']:8.3f}")  # fmt: skip
         print(f"medians slower than {a.max_slower:.0%}: {len(slow)}")
