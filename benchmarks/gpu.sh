@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # The runs that need the GPU machine, in parts that each fit one call of about ten minutes:
 #
-#   bash benchmarks/gpu.sh tests [PYTEST ARGS]   the GPU test suite, 4 processes (pytest-xdist);
-#                                                what fails there again in one process
+#   bash benchmarks/gpu.sh tests [N] [PYTEST ARGS]
+#                                                the GPU test suite, 4 processes (pytest-xdist);
+#                                                what fails there again in one process. The
+#                                                whole suite takes more than one call (on an
+#                                                H100, 470 s ran 212 of its 544 tests): N of
+#                                                1 to 4 runs one part (parts 1 to 4 together
+#                                                are the suite)
 #   bash benchmarks/gpu.sh memcheck              compute-sanitizer memcheck: one call of every
 #                                                kernel family (every kernel of the library)
 #   bash benchmarks/gpu.sh bench [BENCH ARGS]    fp4moe bench (default: the README's table)
@@ -27,6 +32,15 @@ shift || true
 
 case "$part" in
 tests)
+    # the parts: the whole-MoE shapes but the largest batch, the families' bits, the prefill
+    # kernel's mixed tile rows, then the rest
+    big="test_moe_gpu_shapes or test_families_same_bits_gpu or test_prefill_mixed_gpu"
+    case "${1:-}" in
+    1) shift; set -- -k "test_moe_gpu_shapes and not 8192" "$@" ;;
+    2) shift; set -- -k "test_families_same_bits_gpu" "$@" ;;
+    3) shift; set -- -k "test_prefill_mixed_gpu" "$@" ;;
+    4) shift; set -- -k "not ($big) or (test_moe_gpu_shapes and 8192)" "$@" ;;
+    esac
     # four processes share the GPU; tests that fail among them (four processes can run
     # out of its memory together) run again in one process, which gives the verdict
     cache="$(mktemp -d)"
