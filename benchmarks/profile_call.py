@@ -65,7 +65,7 @@ m, sc = MODES[a.mode]
 opt = pin_options(a.gemm, valid_fraction=pr.local_experts / pr.experts)
 # the checked call's buffers NaN-poisoned first (their fills are kernels of their own, so
 # the profiled calls leave them out)
-check_opt = pin_options(a.gemm, valid_fraction=pr.local_experts / pr.experts, poison=True)
+check_opt = dataclasses.replace(opt, poison=True)
 import fp4moe  # noqa: E402
 
 print(explain(fp4moe.plan(ex, a.tokens, pr.top_k, mode=m, act_scale=sc, fused_finalize=a.fused,
