@@ -11,6 +11,10 @@ they are skipped (those marked ``kernel`` or using the ``interpret`` fixture), w
 
 A run in which no test passed is a failure (exit 5, like pytest's own "no tests collected"),
 so that a mistyped path, marker or skip condition can never end green.
+
+After a test fails with an error that loses the process's CUDA context (an illegal address,
+say), the process's later tests are skipped, naming it, rather than each failing for it;
+a pytest-xdist worker leaves instead, and xdist starts a new one for the rest.
 """
 
 from __future__ import annotations
@@ -107,15 +111,51 @@ def interpret() -> bool:
     return INTERPRET
 
 
+# ------------------------------------------------------------ a lost CUDA context
+
+# CUDA errors after which the process's context is unusable: every later CUDA call fails
+LOST_CONTEXT = (
+    "illegal memory access",
+    "an illegal instruction",
+    "misaligned address",
+    "unspecified launch failure",
+    "device-side assert",
+)
+_lost_at: str | None = None  # the test that lost this process's CUDA context
+
+
+def lost_context(text: str) -> bool:
+    """Whether an error message is one of CUDA's context-losing errors (``LOST_CONTEXT``)."""
+    return any(m in text for m in LOST_CONTEXT)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # after a test lost the CUDA context, the rest would fail for it, hiding what fails
+    # on its own: they are skipped, naming that test
+    if _lost_at is not None:
+        pytest.skip(f"the CUDA context was lost in {_lost_at}; run this test in a new process")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logfinish(nodeid: str, location) -> None:
+    # a pytest-xdist worker leaves once the test that lost its context is reported: xdist
+    # reports it as crashed too and starts a new worker for the tests still to run
+    if _lost_at == nodeid and os.environ.get("PYTEST_XDIST_WORKER"):
+        sys.stderr.flush()
+        os._exit(3)
+
+
 # ------------------------------------------------------------------ no green empty runs
 
 _passed = 0  # tests passed in this session
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    global _passed
+    global _passed, _lost_at
     if report.when == "call" and report.passed:
         _passed += 1
+    if _lost_at is None and report.failed and lost_context(report.longreprtext):
+        _lost_at = report.nodeid
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
