@@ -67,7 +67,7 @@ def compile_gemm(plan, which: str) -> list[tuple[str, object]]:
         return [("", gluon_decode.compile_sm90(
             n=n, k=k, gated=gated, block_m=g.tile.block_m, epilogue=g.epilogue != "nvfp4",
             fused=fused, a_fp4=a_fp4, pdl=g.pdl, early_weights=g.early_weights,
-            whole=g.kernel == "gluon-whole",
+            whole=g.kernel == "gluon-whole", scale_tma=not plan.scale_loads,
         ))]  # fmt: skip
     if g.kernel == "gluon-prefill":
         runs = [(g.tile.block_m, 0)]
@@ -75,7 +75,7 @@ def compile_gemm(plan, which: str) -> list[tuple[str, object]]:
             runs = [(bm, 1 if i == 0 else 2) for i, bm in enumerate(MIXED_ROWS)]
         return [(f"@{bm}" if g.mixed else "", gluon_prefill.compile_sm90(
             n=n, k=k, gated=gated, fused=fused, a_fp4=a_fp4, a_e4m3=e4m3, block_m=bm,
-            chain=chain)) for bm, chain in runs]  # fmt: skip
+            scale_tma=not plan.scale_loads, chain=chain)) for bm, chain in runs]  # fmt: skip
     t = g.tile
     return [("", portable.compile_sm90(
         n=n, k=k, gated=gated, tile=(t.block_m, t.block_n, t.block_k, t.num_warps,
