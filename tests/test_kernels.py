@@ -571,8 +571,12 @@ for spill, c in (
     gluon_decode.compile_sm90(n=2880, k=2880, gated=True, block_m=16),
     gluon_decode.compile_sm90(n=2880, k=2880, gated=False, block_m=32, whole=True),
     gluon_decode.compile_sm90(n=2048, k=768, gated=False, block_m=8, whole=True),
-    # the same scale rows padded in memory (TMA), and K 128: less than one stage
+    # the same scale rows padded in memory (TMA: the ring of half stages, the last
+    # segment's too), K 1088: a last segment of one half stage, and K 128: less than
+    # one stage
     gluon_decode.compile_sm90(n=2880, k=2880, gated=True, block_m=8, scale_tma=True),
+    gluon_decode.compile_sm90(n=1024, k=1088, gated=False, block_m=8, early_weights=True,
+                              scale_tma=True),
     gluon_decode.compile_sm90(n=256, k=128, gated=False, block_m=8, whole=True,
                               scale_tma=True),
     gluon_prefill.compile_sm90(n=2048, k=7168, gated=True, chain=1),

@@ -12,9 +12,9 @@ overlapping the last unit's asynchronous wgmma. K is a multiple of 64: the last 
 may be partial (its copies read zeros past K, its missing units are skipped at compile
 time); scales TMA cannot copy (``shapes.scale_rows_tma``: contiguous rows of K / 16 bytes,
 no multiple of 16, which ``PreparedExperts`` pads in memory) come by pointer loads a stage
-ahead (``gluon_common.stage_scales``). Split K over whole 1024-K segments with TMA scales
-runs the ring of two 128-K half stages of ``gluon_half_ring`` instead, in the shared
-memory of one 256-K stage, at the same programs an SM.
+ahead (``gluon_common.stage_scales``). Split K with TMA scales runs the ring of two
+128-K half stages of ``gluon_half_ring`` instead, in the shared memory of one 256-K
+stage, at the same programs an SM.
 
 Two forms (``split_partials_tma``):
 
@@ -392,10 +392,12 @@ def tma_split_kernel(
         # ---- the ring's first stages, first (one elected thread issues the copies)
         row = e * w_rows + pid_n * _TR
         if HALF:
-            gl.static_assert(not WHOLE and TAIL_U == 0 and SCALE_TMA, "HALF: split, whole segments")
+            gl.static_assert(not WHOLE and SCALE_TMA, "HALF: split K, the scales by TMA")
             cb0, cb1, sb0, sb1, bars = half_buffers(GATED)
             issue_half(c_desc, s_desc, cb0, sb0, bars.index(0), row, k0, 0, GATED)
-            issue_half(c_desc, s_desc, cb1, sb0, bars.index(1), row, k0, 1, GATED)
+            # (a last, partial segment of one half stage has no second)
+            if TAIL_U == 0 or TAIL_U > 2 or s_id < NJF:
+                issue_half(c_desc, s_desc, cb1, sb0, bars.index(1), row, k0, 1, GATED)
         else:
             cbuf, sbuf, bars = _stage_buffers(GATED, NB)
             for st in gl.static_range(NB):
@@ -442,16 +444,24 @@ def tma_split_kernel(
                 )  # fmt: skip
                 tot_g = tot_g + acc_g
                 tot_u = tot_u + acc_u
+        elif HALF:  # split K on the ring of two half stages: a whole or the last segment
+            if TAIL_U > 0 and s_id == NJF:
+                tot_g, tot_u = segment_half(
+                    x_ptr, sorted_routes_ptr, c_desc, s_desc, cb0, cb1, sb0, sb1, bars, row,
+                    start, end, k0, K, TOPK, A_GATHER, BM, SEG, TAIL_U, GATED, A_UNIT_ORDER,
+                    MMA, A_L,
+                )  # fmt: skip
+            else:
+                tot_g, tot_u = segment_half(
+                    x_ptr, sorted_routes_ptr, c_desc, s_desc, cb0, cb1, sb0, sb1, bars, row,
+                    start, end, k0, K, TOPK, A_GATHER, BM, SEG, NU, GATED, A_UNIT_ORDER, MMA,
+                    A_L,
+                )  # fmt: skip
         elif TAIL_U > 0 and s_id == NJF:  # split K: the last, partial segment
             tot_g, tot_u = _segment(
                 x_ptr, sorted_routes_ptr, c_desc, s_desc, s_ptr, rows_total, cbuf, sbuf, bars,
                 0, row, start, end, k0, k0, False, 0, TAIL_U, N, K, TOPK, A_GATHER, BM, SEG, NB,
                 GATED, WHOLE, A_UNIT_ORDER, SCALE_TMA, MMA, A_L,
-            )  # fmt: skip
-        elif HALF:  # split K: a whole segment on the ring of two half stages
-            tot_g, tot_u = segment_half(
-                x_ptr, sorted_routes_ptr, c_desc, s_desc, cb0, cb1, sb0, sb1, bars, row, start,
-                end, k0, K, TOPK, A_GATHER, BM, SEG, GATED, A_UNIT_ORDER, MMA, A_L,
             )  # fmt: skip
         else:  # split K: a whole segment
             tot_g, tot_u = _segment(

@@ -1,5 +1,5 @@
-"""The split-K ring of two 128-K half stages (``gluon_decode``'s split form over whole
-1024-K segments with the scales by TMA): in the shared memory of one 256-K ring stage,
+"""The split-K ring of two 128-K half stages (``gluon_decode``'s split form with the
+scales by TMA, a last, partial segment included): in the shared memory of one 256-K ring stage,
 the next half stage's copy flies while the other is decoded. Codes come as [64 rows, 64
 bytes] boxes with a 64-byte swizzle; each 256-K pair's scales are copied with its even
 half into one of two scale buffers. The units, order and sums are those of
@@ -30,7 +30,6 @@ from .gluon_common import (
     smem_unit,
     stage_x,
 )
-from .shapes import SEGMENT
 
 __all__ = ["HALF_K", "half_buffers", "issue_half", "segment_half", "uses_half_ring"]
 
@@ -39,11 +38,12 @@ _TR = TILE_ROWS
 
 
 def uses_half_ring(whole: bool, k: int, scale_tma: bool) -> bool:
-    """Split K on the ring of two half stages: whole 1024-K segments, the scales by TMA
-    (else ``gluon_decode``'s ring of ``RING_STAGES`` 256-K stages). In the shared memory
-    of one 256-K stage the next half stage's copy flies while one is decoded, and FC1's
-    8-row programs keep 6 an SM (sm_90: 72 registers, 36880 bytes)."""
-    return not whole and k % SEGMENT == 0 and scale_tma
+    """Split K on the ring of two half stages: the scales by TMA (else ``gluon_decode``'s
+    ring of ``RING_STAGES`` 256-K stages); a last, partial segment (K in whole units)
+    takes it too. In the shared memory of one 256-K stage the next half stage's copy
+    flies while one is decoded, and FC1's 8-row programs keep 6 an SM (sm_90: 72
+    registers, 36880 bytes)."""
+    return not whole and k % UNIT.value == 0 and scale_tma
 
 
 @gluon.jit
@@ -89,13 +89,14 @@ def issue_half(c_desc, s_desc, cb, sb, bar, row, k0, st: gl.constexpr,
 def segment_half(
     x_ptr, sorted_routes_ptr, c_desc, s_desc, cb0, cb1, sb0, sb1, bars, row, start, end, kj,
     K: gl.constexpr, TOPK: gl.constexpr, A_GATHER: gl.constexpr, BM: gl.constexpr,
-    SEG: gl.constexpr, GATED: gl.constexpr, A_UNIT_ORDER: gl.constexpr,
+    SEG: gl.constexpr, NU: gl.constexpr, GATED: gl.constexpr, A_UNIT_ORDER: gl.constexpr,
     MMA: gl.constexpr, A_L: gl.constexpr,
 ):  # fmt: skip
-    """``gluon_decode``'s sums of one whole K segment on the ring of two half stages (the
-    first two issued before): the same units, order and sums, so the same bits."""
-    NU: gl.constexpr = SEG // UNIT
-    NS: gl.constexpr = SEG // HALF_K
+    """``gluon_decode``'s sums of one K segment of ``NU`` units (SEG / 64, or fewer in a
+    last, partial segment) on the ring of two half stages (the first two issued before,
+    only the first where the segment has one): the same units, order and sums, so the
+    same bits. Past K the copies read zeros and the rows are staged as zeros."""
+    NS: gl.constexpr = (NU + 1) // 2  # half stages (a partial segment's last: one unit)
     xs = stage_x(x_ptr, sorted_routes_ptr, start, end, kj, K, TOPK, A_GATHER, BM, SEG,
                  A_UNIT_ORDER)  # fmt: skip
     acc_g = gl.zeros([_TR, BM], gl.float32, layout=MMA)
