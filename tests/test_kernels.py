@@ -254,6 +254,30 @@ def test_prefill_gemm_chain_bad_input():
                      out_scale=256.0, sm_count=1, block_m=64, chain=3)  # fmt: skip
 
 
+def test_decode_row_programs():
+    """The decode kernels' row programs: DECODE_ROW_WAVES waves of 8 programs an SM over
+    the (weight tile, K segment) pairs, never more than the schedule's blocks, at least one,
+    and enough that no program takes more than DECODE_ROW_TURNS blocks (its turns)."""
+    from fp4moe.kernels.gemm.shapes import (
+        DECODE_ROW_TURNS,
+        DECODE_ROW_WAVES,
+        decode_row_programs,
+    )
+
+    # DeepSeek-V3 EP8 FC1 at 16 tokens: 48 worst-case blocks, 32 tiles x 7 segments
+    want = -(-DECODE_ROW_WAVES * 8 * 132 // 224)
+    rows, turns = decode_row_programs(48, 224, 132)
+    assert rows == min(48, want) < 48 and turns == -(-48 // rows)
+    assert decode_row_programs(9, 224, 132) == (9, 1)  # 1 token: the worst case fits
+    assert decode_row_programs(0, 224, 132) == (1, 1)
+    assert decode_row_programs(10**6, 1, 132) == (-(-(10**6) // DECODE_ROW_TURNS), 4)
+    for blocks in (1, 7, 48, 96, 160, 1000):
+        for units in (1, 45, 224, 4096):
+            rows, turns = decode_row_programs(blocks, units, 132)
+            assert 1 <= rows <= blocks and 1 <= turns <= DECODE_ROW_TURNS
+            assert rows * turns >= blocks  # every block has a program
+
+
 def test_sort_zero_bad_input():
     ids = torch.zeros(2, 2, dtype=torch.int32)
     for bad in (torch.zeros(4, dtype=torch.int64), torch.zeros(8, dtype=torch.int32)[::2]):
@@ -561,7 +585,8 @@ from fp4moe.kernels.common import resource_usage
 # more at K 2880 (a partial stage; most where the scales come by pointer loads)
 for spill, c in (
     *((0, c) for c in (
-    gluon_decode.compile_sm90(n=2048, k=7168, gated=True, block_m=8),
+    # a program's two turns (row blocks), unrolled
+    gluon_decode.compile_sm90(n=2048, k=7168, gated=True, block_m=8, turns=2),
     gluon_decode.compile_sm90(n=7168, k=2048, gated=False, block_m=32, whole=True,
                               early_weights=True),
     gluon_decode.compile_sm90(n=2048, k=7168, gated=True, block_m=8, epilogue=False,
@@ -574,7 +599,8 @@ for spill, c in (
     # the same scale rows padded in memory (TMA: the ring of half stages, the last
     # segment's too), K 1088: a last segment of one half stage, and K 128: less than
     # one stage
-    gluon_decode.compile_sm90(n=2880, k=2880, gated=True, block_m=8, scale_tma=True),
+    gluon_decode.compile_sm90(n=2880, k=2880, gated=True, block_m=8, scale_tma=True,
+                              turns=2),
     gluon_decode.compile_sm90(n=1024, k=1088, gated=False, block_m=8, early_weights=True,
                               scale_tma=True),
     gluon_decode.compile_sm90(n=256, k=128, gated=False, block_m=8, whole=True,
@@ -706,6 +732,41 @@ def test_moe_gpu_shapes(gpu_experts, shape, t, mode, fused):
         assert out.shape == (0, h)
         return
     _check(out, ids, x, w, experts, mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,t", [("deepseek-v3-ep8", 64), ("qwen3-30b-a3b", 16),
+                                     ("gpt-oss-like", 64)])  # fmt: skip
+@pytest.mark.parametrize("mode", MODES[:2], ids=_mode_id)
+def test_decode_row_turns_gpu(gpu_experts, monkeypatch, shape, t, mode):
+    """Decode-kernel programs that take several row blocks in turn (the grid forced to a
+    quarter of the schedule's worst-case blocks; every route valid, planned as masked, so
+    that valid blocks outnumber the programs) give the bits of the default grid,
+    deterministic finalize."""
+    from fp4moe.kernels.gemm import gluon_decode, shapes
+
+    e, h, _i, k, e_total = GPU_SHAPES[shape]
+    experts = gpu_experts(shape)
+    x = _x(t, h, seed=t + 11, device="cuda")
+    ids, w = _gpu_routes(t, k, e, e, seed=t + 11)
+    m, sc = mode
+    opt = Options(poison=True, valid_fraction=e / e_total)
+    base = fp4moe.moe(x, ids, w, experts, mode=m, act_scale=sc, options=opt)
+    _check(base, ids, x, w, experts, mode)
+    launches = []
+    launch = gluon_decode.split_partials_tma
+
+    def record(*args, **kw):
+        launches.append((args[7], args[4].numel()))  # (valid blocks, worst-case blocks)
+        return launch(*args, **kw)
+
+    monkeypatch.setattr(gluon_decode, "split_partials_tma", record)
+    monkeypatch.setattr(shapes, "decode_row_programs",
+                        lambda b, u, sm: (max(1, -(-b // 4)), 4))  # fmt: skip
+    out = fp4moe.moe(x, ids, w, experts, mode=m, act_scale=sc, options=opt)
+    turns = [int(v.item()) > -(-b // 4) for v, b in launches]
+    assert launches and any(turns), "no program took a second row block"
+    assert torch.equal(out, base)
 
 
 @pytest.mark.gpu

@@ -149,9 +149,10 @@ def _gemm(
         kw = dict(out=out, counters=counters, w_global=w_global, topk_w=topk_w, fused=fused,
                   out_scale=out_scale, a_global=a_global if a_fp4 else None)  # fmt: skip
     split_partials_tma(
-        a_src, sort.sorted_routes, w_codes, w_scales, *schedule, part, n=n, topk=topk,
-        gated=gated, gather=a_gather, block_m=t.block_m, ws_rows=ws_rows, a_unit_order=a_fp4,
-        pdl=g.pdl, early_weights=g.early_weights, whole=whole, **kw,
+        a_src, sort.sorted_routes, w_codes, w_scales, *schedule, sort.valid_blocks, part,
+        n=n, topk=topk, gated=gated, gather=a_gather, block_m=t.block_m, ws_rows=ws_rows,
+        a_unit_order=a_fp4, pdl=g.pdl, early_weights=g.early_weights, whole=whole,
+        sm_count=plan.target.sm_count, **kw,
     )  # fmt: skip
     if g.epilogue == "nvfp4":  # the portable kernel sums the partials, writes NVFP4
         portable_gemm(a, a_scales, a_global, sort.sorted_routes, topk_w, w_codes, w_scales,

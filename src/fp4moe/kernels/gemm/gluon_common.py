@@ -449,3 +449,10 @@ def mma_drain(acc_g, acc_u, GATED: gl.constexpr):
     else:
         acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
     return acc_g, acc_u
+
+
+@gluon.jit
+def opaque_zero():
+    """An int32 zero the compiler cannot see through."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                     is_pure=False, pack=1)  # fmt: skip

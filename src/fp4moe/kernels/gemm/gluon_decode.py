@@ -26,6 +26,11 @@ Two forms (``split_partials_tma``):
   ring running on from one segment to the next, and adds the segment sums in registers
   in the same order: no partials, no counters. Tiles of 16 or 32 token rows.
 
+The grid has ``shapes.decode_row_programs`` programs a (weight tile, K segment), which
+take the schedule's valid row blocks in turn (at most ``shapes.DECODE_ROW_TURNS``, the
+turns unrolled): the worst case's blocks, mostly empty at decode sizes, get no program
+each.
+
 Under programmatic dependent launch FC2's programs (whose schedule the sort wrote two
 kernels back) issue their first weight copies before they wait for FC1 (``EARLY_W``).
 W4A4 reads its activation rows already decoded (``A_UNIT_ORDER``).
@@ -59,6 +64,7 @@ from .gluon_common import (
     decode_unit,
     last_unit_done,
     mma_drain,
+    opaque_zero,
     pick_unit,
     row_globals,
     smem_stage,
@@ -149,12 +155,15 @@ def _gdc_wait_release():
 
 
 @gluon.jit
-def _opaque_zero():
-    """An int32 zero the compiler cannot see through, indexing the whole-K program's rows
-    buffer: through a constant index the wgmma descriptors of its 16 unit slices are
-    computed once before the loop and held in registers (211 registers instead of 66)."""
-    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+def _block_ids():
+    """(pid_n, s_id): the program's weight tile and K segment, read afresh in each of its
+    turns (row blocks): what the compiler derives from them is not computed once and held
+    in registers across the turns."""
+    pid_n = gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)  # fmt: skip
+    s_id = gl.inline_asm_elementwise("mov.u32 $0, %ctaid.y;", "=r", [], dtype=gl.int32,
                                      is_pure=False, pack=1)  # fmt: skip
+    return pid_n, s_id
 
 
 @gluon.jit
@@ -249,7 +258,7 @@ def _segment(
     NS_S: gl.constexpr = (NU_S + UPS - 1) // UPS  # stages of this segment
     # (32-row tiles: a stage's K at a time)
     xs = stage_x(x_ptr, sorted_routes_ptr, start, end, kj, K, TOPK, A_GATHER, BM, SEG,
-                 A_UNIT_ORDER, WHOLE, xd, _TR // 16, STAGE_K if BM == 32 else 0)  # fmt: skip
+                 A_UNIT_ORDER, True, xd, _TR // 16, STAGE_K if BM == 32 else 0)  # fmt: skip
     if not SCALE_TMA:  # the segment's first stage's scales
         t0 = kj // STAGE_K
         ng0, ng1, ng2, ng3 = stage_scales(s_ptr, row, row, rows_total, t0, K, _TR)
@@ -325,7 +334,11 @@ def _segment(
 
 
 @gluon.jit
-def tma_split_kernel(
+def _row_block(
+    pid_m,
+    pid_n,
+    s_id,
+    xw,  # bf16 [1, SEG / 64 * BM, 64] shared: the row block's activations of a K segment
     x_ptr,  # bf16 [rows, K]: FC1 the tokens (gathered by route // TOPK), FC2 sorted rows
     sorted_routes_ptr,  # int32 [T*TOPK]
     c_desc,  # TMA descriptor of the uint8 [E * W_ROWS, K/2] codes, [64, 128] boxes
@@ -360,11 +373,10 @@ def tma_split_kernel(
     # writes its output (EPILOGUE): no partials, no counter (the grid's segments: 1)
     E: gl.constexpr,  # experts (the weight rows' bound)
     SCALE_TMA: gl.constexpr,  # the scales by TMA, else by pointer (``shapes.scale_rows_tma``)
-    HALF: gl.constexpr = False,  # split K on the ring of two half stages (``uses_half_ring``)
+    HALF: gl.constexpr,  # split K on the ring of two half stages (``uses_half_ring``)
 ):
-    pid_n = gl.program_id(0)
-    s_id = gl.program_id(1)
-    pid_m = gl.program_id(2)
+    """Row block ``pid_m``'s unit (weight tile ``pid_n``, K segment ``s_id``; with WHOLE
+    every segment): its partial, or its output (``tma_split_kernel``)."""
     gl.static_assert(not WHOLE or EPILOGUE, "WHOLE writes its own output")
     gl.static_assert(BM != 32 or WHOLE, "32-row tiles: WHOLE only")
     NU: gl.constexpr = SEG // UNIT  # units a whole segment
@@ -374,10 +386,6 @@ def tma_split_kernel(
     TAIL_U: gl.constexpr = (K % SEG) // UNIT  # units of a last, partial segment
     gl.static_assert(K % UNIT == 0, "K is a multiple of a unit")
     gl.static_assert(TAIL_U == 0 or NB == 1, "a partial segment needs a ring of one stage")
-    if USE_PDL and not EARLY_W:
-        _gdc_wait_release()
-    # EARLY_W: the schedule was written two kernels back (the kernel before this one waited
-    # for it before it released this one), so it is read before the wait, from L2
     e = gl.load(block_expert_ptr + pid_m, cache_modifier=".cg")
     if e >= 0:
         start = gl.load(block_start_ptr + pid_m, cache_modifier=".cg")
@@ -414,9 +422,9 @@ def tma_split_kernel(
             version=[3, 0], warps_per_cta=[_TR // 16, 1], instr_shape=[16, BM, 16]
         )
         A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        if not WHOLE:  # split K: the rows' buffer through an opaque zero, as WHOLE's below
+            xd = xw.index(opaque_zero())
         if WHOLE:
-            XW: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
-            xw = gl.allocate_shared_memory(gl.bfloat16, [1, NU * BM, UNIT], XW)
             tot_g = gl.zeros([_TR, BM], gl.float32, layout=MMA)
             tot_u = gl.zeros([_TR, BM], gl.float32, layout=MMA)
             for j in range(NJF):
@@ -427,7 +435,7 @@ def tma_split_kernel(
                 # are computed before the loop and held in registers
                 acc_g, acc_u = _segment(
                     x_ptr, sorted_routes_ptr, c_desc, s_desc, s_ptr, rows_total, cbuf, sbuf,
-                    bars, xw.index(_opaque_zero()), row, start, end, kj, kj + SEG,
+                    bars, xw.index(opaque_zero()), row, start, end, kj, kj + SEG,
                     (j + 1 < NJF) or (TAIL_U > 0), (j * (NS // NB)) % 2, NU, N, K, TOPK,
                     A_GATHER, BM, SEG, NB, GATED, WHOLE, A_UNIT_ORDER, SCALE_TMA, MMA, A_L,
                 )  # fmt: skip
@@ -438,7 +446,7 @@ def tma_split_kernel(
                     gl.thread_barrier()
                 acc_g, acc_u = _segment(
                     x_ptr, sorted_routes_ptr, c_desc, s_desc, s_ptr, rows_total, cbuf, sbuf,
-                    bars, xw.index(_opaque_zero()), row, start, end, k0 + NJF * SEG, 0, False,
+                    bars, xw.index(opaque_zero()), row, start, end, k0 + NJF * SEG, 0, False,
                     (NJF * (NS // NB)) % 2, TAIL_U, N, K, TOPK, A_GATHER, BM, SEG, NB, GATED,
                     WHOLE, A_UNIT_ORDER, SCALE_TMA, MMA, A_L,
                 )  # fmt: skip
@@ -447,26 +455,26 @@ def tma_split_kernel(
         elif HALF:  # split K on the ring of two half stages: a whole or the last segment
             if TAIL_U > 0 and s_id == NJF:
                 tot_g, tot_u = segment_half(
-                    x_ptr, sorted_routes_ptr, c_desc, s_desc, cb0, cb1, sb0, sb1, bars, row,
+                    x_ptr, sorted_routes_ptr, c_desc, s_desc, cb0, cb1, sb0, sb1, bars, xd, row,
                     start, end, k0, K, TOPK, A_GATHER, BM, SEG, TAIL_U, GATED, A_UNIT_ORDER,
                     MMA, A_L,
                 )  # fmt: skip
             else:
                 tot_g, tot_u = segment_half(
-                    x_ptr, sorted_routes_ptr, c_desc, s_desc, cb0, cb1, sb0, sb1, bars, row,
+                    x_ptr, sorted_routes_ptr, c_desc, s_desc, cb0, cb1, sb0, sb1, bars, xd, row,
                     start, end, k0, K, TOPK, A_GATHER, BM, SEG, NU, GATED, A_UNIT_ORDER, MMA,
                     A_L,
                 )  # fmt: skip
         elif TAIL_U > 0 and s_id == NJF:  # split K: the last, partial segment
             tot_g, tot_u = _segment(
                 x_ptr, sorted_routes_ptr, c_desc, s_desc, s_ptr, rows_total, cbuf, sbuf, bars,
-                0, row, start, end, k0, k0, False, 0, TAIL_U, N, K, TOPK, A_GATHER, BM, SEG, NB,
+                xd, row, start, end, k0, k0, False, 0, TAIL_U, N, K, TOPK, A_GATHER, BM, SEG, NB,
                 GATED, WHOLE, A_UNIT_ORDER, SCALE_TMA, MMA, A_L,
             )  # fmt: skip
         else:  # split K: a whole segment
             tot_g, tot_u = _segment(
                 x_ptr, sorted_routes_ptr, c_desc, s_desc, s_ptr, rows_total, cbuf, sbuf, bars,
-                0, row, start, end, k0, k0, False, 0, NU, N, K, TOPK, A_GATHER, BM, SEG, NB,
+                xd, row, start, end, k0, k0, False, 0, NU, N, K, TOPK, A_GATHER, BM, SEG, NB,
                 GATED, WHOLE, A_UNIT_ORDER, SCALE_TMA, MMA, A_L,
             )  # fmt: skip
         if HALF:
@@ -492,14 +500,83 @@ def tma_split_kernel(
                 )  # fmt: skip
 
 
+@gluon.jit
+def tma_split_kernel(
+    x_ptr,  # bf16 [rows, K]: FC1 the tokens (gathered by route // TOPK), FC2 sorted rows
+    sorted_routes_ptr,  # int32 [T*TOPK]
+    c_desc,  # TMA descriptor of the uint8 [E * W_ROWS, K/2] codes, [64, 128] boxes
+    s_desc,  # TMA descriptor: uint8 [E * W_ROWS, K/16] e4m3 scale bits, [64, 16] boxes
+    s_ptr,  # the same scale bits by pointer (without SCALE_TMA)
+    block_expert_ptr,
+    block_start_ptr,
+    block_end_ptr,
+    valid_blocks_ptr,  # int32 [1]: the schedule's valid blocks (its first)
+    part_ptr,  # fp32 [segments, ws_rows, (2 if GATED) * N] (split K)
+    cnt_ptr,  # int32 [tiles * blocks] zeros: units done a tile (EPILOGUE; left at zero)
+    w_global_ptr,  # fp32 [E] or [E, 2] (GATED): the weights' global scales (EPILOGUE)
+    topk_w_ptr,  # fp32 [T*TOPK] router weights (FUSED)
+    out_ptr,  # EPILOGUE: bf16 [ws_rows, N] rows in sorted order, or fp32 [T, N] (FUSED)
+    a_global_ptr,  # fp32 [rows of x]: W4A4's activation global scales (A_FP4, EPILOGUE)
+    ws_rows,
+    N: gl.constexpr,
+    K: gl.constexpr,
+    TOPK: gl.constexpr,
+    GATED: gl.constexpr,
+    A_GATHER: gl.constexpr,
+    BM: gl.constexpr,  # rows (tokens) a tile: the wgmma N (8 or 16; 32 with WHOLE)
+    SEG: gl.constexpr,  # K elements a segment (1024)
+    NBUF: gl.constexpr,  # ring stages in shared memory
+    EPILOGUE: gl.constexpr,  # the tile's last unit (or WHOLE's program) writes the output
+    FUSED: gl.constexpr,  # EPILOGUE: router weight times y added into out (atomic)
+    OUT_SCALE: gl.constexpr,  # EPILOGUE: undoes the decodes' powers of two
+    A_UNIT_ORDER: gl.constexpr,  # x's rows already in the unit order (W4A4's decoded rows)
+    A_FP4: gl.constexpr,  # EPILOGUE: times the activation global (W4A4)
+    USE_PDL: gl.constexpr,  # programmatic dependent launch (launch_pdl=True)
+    EARLY_W: gl.constexpr,  # USE_PDL: the first stages' copies before the wait
+    WHOLE: gl.constexpr,  # a program takes every K segment of its tile in turn and
+    # writes its output (EPILOGUE): no partials, no counter (the grid's segments: 1)
+    E: gl.constexpr,  # experts (the weight rows' bound)
+    SCALE_TMA: gl.constexpr,  # the scales by TMA, else by pointer (``shapes.scale_rows_tma``)
+    HALF: gl.constexpr = False,  # split K on the ring of two half stages (``uses_half_ring``)
+    TURNS: gl.constexpr = 1,  # the most row blocks a program takes (its turns, unrolled)
+):
+    # EARLY_W: the schedule was written two kernels back (the kernel before this one waited
+    # for it before it released this one), so it is read before the wait, from L2. The
+    # grid's row programs take the valid blocks (the schedule's first) in turn: a grid of
+    # the worst case's blocks would start a program for each empty one.
+    if USE_PDL and not EARLY_W:
+        _gdc_wait_release()
+    valid = gl.load(valid_blocks_ptr, cache_modifier=".cg")
+    # the activation rows' buffer, allocated once (indexed in each turn through an opaque
+    # zero, so that its wgmma descriptors are not computed ahead and held in registers).
+    # The turns are unrolled: compiled as a runtime loop (``range``) by Triton 3.6, the
+    # gated GEMM on the ring with a partial last segment (K 2880) writes wrong tiles.
+    XW: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
+    xw = gl.allocate_shared_memory(gl.bfloat16, [1, SEG // UNIT * BM, UNIT], XW)
+    for turn in gl.static_range(TURNS):
+        pid_m = gl.program_id(2) + turn * gl.num_programs(2)
+        if pid_m < valid:
+            if turn > 0:
+                gl.thread_barrier()  # the last block's shared loads and barrier waits done
+                fence_async_shared()  # ordered before this block's TMA writes (async proxy)
+            pid_n, s_id = _block_ids()
+            _row_block(
+                pid_m, pid_n, s_id, xw, x_ptr, sorted_routes_ptr, c_desc, s_desc, s_ptr,
+                block_expert_ptr, block_start_ptr, block_end_ptr, part_ptr, cnt_ptr, w_global_ptr,
+                topk_w_ptr, out_ptr, a_global_ptr, ws_rows, N, K, TOPK, GATED, A_GATHER, BM, SEG,
+                NBUF, EPILOGUE, FUSED, OUT_SCALE, A_UNIT_ORDER, A_FP4, USE_PDL, EARLY_W, WHOLE, E,
+                SCALE_TMA, HALF
+            )  # fmt: skip
+
+
 def split_partials_tma(
-    x, sorted_routes, codes, scales, block_expert, block_start, block_end, part, *,
+    x, sorted_routes, codes, scales, block_expert, block_start, block_end, valid_blocks, part, *,
     n: int, topk: int, gated: bool, gather: bool, block_m: int, ws_rows: int,
     out: torch.Tensor | None = None,
     counters: torch.Tensor | None = None, w_global: torch.Tensor | None = None,
     topk_w: torch.Tensor | None = None, fused: bool = False, out_scale: float = 1.0,
     a_unit_order: bool = False, a_global: torch.Tensor | None = None, pdl: bool = False,
-    early_weights: bool = False, whole: bool = False,
+    early_weights: bool = False, whole: bool = False, sm_count: int | None = None,
 ) -> None:  # fmt: skip
     """Launch ``tma_split_kernel``.
 
@@ -508,8 +585,8 @@ def split_partials_tma(
             with ``a_unit_order`` already in the unit order (W4A4's decoded rows).
         codes, scales: one GEMM's weights, uint8 [E, W_ROWS, K/2] and e4m3 [E, W_ROWS,
             K/16] (W_ROWS = 2 n gated, else n).
-        block_expert, block_start, block_end: the tile schedule of ``sort_routes`` with
-            ``block_m`` rows a tile (8 or 16; 32 with ``whole``).
+        block_expert, block_start, block_end, valid_blocks: the tile schedule of
+            ``sort_routes`` with ``block_m`` rows a tile (8 or 16; 32 with ``whole``).
         part: fp32 [cdiv(K, 1024), ws_rows, (2 if gated) * n], every valid row's segment
             partials (split K); None with ``whole``.
         out: the output, written by the kernel (the last unit of each tile, or each whole-K
@@ -523,6 +600,8 @@ def split_partials_tma(
             was complete before the preceding kernel started (as for FC2), so each program
             issues its first weight copies before it waits.
         whole: each program takes every K segment of its tile in turn (``gluon-whole``).
+        sm_count: the GPU's SMs: the programs of each (weight tile, K segment) take the
+            valid row blocks in turn (``shapes.decode_row_programs``); None: one a block.
     """
     k = x.shape[1]
     if not gluon_decode_fits(k, block_m, UNIT.value, whole):
@@ -547,9 +626,11 @@ def split_partials_tma(
     c_desc, s_desc, s_bytes, s_tma = weight_descriptors(codes, scales, pair=n if gated else 0,
                                                         code_bytes=_code_bytes(half))  # fmt: skip
     dummy = part
-    tma_split_kernel[(tiles, segs, blocks)](
+    rows, turns = (blocks, 1) if sm_count is None else shapes.decode_row_programs(
+        blocks, tiles * segs, sm_count)  # fmt: skip
+    tma_split_kernel[(tiles, segs, rows)](
         x, sorted_routes, c_desc, s_desc, s_bytes, block_expert, block_start,
-        block_end, part,
+        block_end, valid_blocks, part,
         counters if epilogue else dummy, w_global if epilogue else dummy,
         topk_w if fused else dummy, out if epilogue else dummy,
         a_global if a_global is not None else dummy, ws_rows,
@@ -557,14 +638,15 @@ def split_partials_tma(
         NBUF=RING_STAGES, EPILOGUE=epilogue, FUSED=fused and epilogue, OUT_SCALE=out_scale,
         A_UNIT_ORDER=a_unit_order, A_FP4=a_global is not None and epilogue, USE_PDL=pdl,
         EARLY_W=pdl and early_weights, WHOLE=whole, E=codes.shape[0], SCALE_TMA=s_tma,
-        HALF=half, num_warps=4, launch_pdl=pdl, **_regs(gated, block_m),
+        HALF=half, TURNS=turns, num_warps=4, launch_pdl=pdl, **_regs(gated, block_m),
     )  # fmt: skip
 
 
 def compile_sm90(*, n: int, k: int, gated: bool, block_m: int, epilogue: bool = True,
                  fused: bool = False, a_fp4: bool = False, pdl: bool = True,
                  early_weights: bool = False, whole: bool = False,
-                 experts: int = 32, scale_tma: bool | None = None):  # fmt: skip
+                 experts: int = 32, scale_tma: bool | None = None,
+                 turns: int = 1):  # fmt: skip
     """Compile one specialization for sm_90 without a GPU (``common.compile_sm90``); the
     layout conversions are asserted trivial at compile time. ``scale_tma``: the scales by
     TMA (None: as contiguous rows of K / 16 bytes allow, ``shapes.scale_tma``). Returns
@@ -572,7 +654,7 @@ def compile_sm90(*, n: int, k: int, gated: bool, block_m: int, epilogue: bool = 
     ptrs = {
         "x_ptr": "*bf16", "sorted_routes_ptr": "*i32", "block_expert_ptr": "*i32",
         "s_ptr": "*u8", "block_start_ptr": "*i32", "block_end_ptr": "*i32",
-        "part_ptr": "*fp32",
+        "valid_blocks_ptr": "*i32", "part_ptr": "*fp32",
         "cnt_ptr": "*i32", "w_global_ptr": "*fp32", "topk_w_ptr": "*fp32",
         "out_ptr": "*fp32" if fused else "*bf16", "a_global_ptr": "*fp32",
     }  # fmt: skip
@@ -591,7 +673,7 @@ def compile_sm90(*, n: int, k: int, gated: bool, block_m: int, epilogue: bool = 
                  NBUF=RING_STAGES, EPILOGUE=epilogue or whole, FUSED=fused,
                  OUT_SCALE=2.0**16 if a_fp4 else 2.0**8, A_UNIT_ORDER=a_fp4, A_FP4=a_fp4,
                  USE_PDL=pdl, EARLY_W=pdl and early_weights, WHOLE=whole, E=experts,
-                 SCALE_TMA=stma, HALF=half)  # fmt: skip
+                 SCALE_TMA=stma, HALF=half, TURNS=turns)  # fmt: skip
     return common_compile_sm90(tma_split_kernel, ptrs, const, ints=("ws_rows",), gluon=True,
                                descs=descs, num_warps=4, launch_pdl=pdl,
                                **_regs(gated, block_m))  # fmt: skip

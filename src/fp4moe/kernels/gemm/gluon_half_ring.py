@@ -87,18 +87,19 @@ def issue_half(c_desc, s_desc, cb, sb, bar, row, k0, st: gl.constexpr,
 
 @gluon.jit
 def segment_half(
-    x_ptr, sorted_routes_ptr, c_desc, s_desc, cb0, cb1, sb0, sb1, bars, row, start, end, kj,
-    K: gl.constexpr, TOPK: gl.constexpr, A_GATHER: gl.constexpr, BM: gl.constexpr,
+    x_ptr, sorted_routes_ptr, c_desc, s_desc, cb0, cb1, sb0, sb1, bars, xd, row, start, end,
+    kj, K: gl.constexpr, TOPK: gl.constexpr, A_GATHER: gl.constexpr, BM: gl.constexpr,
     SEG: gl.constexpr, NU: gl.constexpr, GATED: gl.constexpr, A_UNIT_ORDER: gl.constexpr,
     MMA: gl.constexpr, A_L: gl.constexpr,
 ):  # fmt: skip
     """``gluon_decode``'s sums of one K segment of ``NU`` units (SEG / 64, or fewer in a
     last, partial segment) on the ring of two half stages (the first two issued before,
     only the first where the segment has one): the same units, order and sums, so the
-    same bits. Past K the copies read zeros and the rows are staged as zeros."""
+    same bits. Past K the copies read zeros and the rows are staged as zeros, into ``xd``
+    (``stage_x``'s buffer)."""
     NS: gl.constexpr = (NU + 1) // 2  # half stages (a partial segment's last: one unit)
     xs = stage_x(x_ptr, sorted_routes_ptr, start, end, kj, K, TOPK, A_GATHER, BM, SEG,
-                 A_UNIT_ORDER)  # fmt: skip
+                 A_UNIT_ORDER, True, xd)  # fmt: skip
     acc_g = gl.zeros([_TR, BM], gl.float32, layout=MMA)
     acc_u = gl.zeros([_TR, BM], gl.float32, layout=MMA)
     for kb in gl.static_range(NU):

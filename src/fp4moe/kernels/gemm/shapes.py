@@ -7,6 +7,7 @@ __all__ = [
     "FP8_GROUP",
     "PREFILL_BLOCKS",
     "SEGMENT",
+    "decode_row_programs",
     "gluon_decode_fits",
     "k_order",
     "max_blocks",
@@ -56,6 +57,24 @@ def max_blocks(num_routes: int, num_experts: int, block_m: int) -> int:
     """The row blocks of a call's tile schedule (``sort.sort_routes``): an upper bound of
     sum over experts of cdiv(rows, block_m), known on the host without a sync."""
     return -(-num_routes // block_m) + min(num_experts, num_routes)
+
+
+# The decode kernels' grid: the programs of each (weight tile, K segment) take the call's
+# valid row blocks in turn, as many as this many waves of 8 programs an SM hold, instead of
+# a program for each of the worst case's blocks (most empty at decode sizes), and enough
+# that none takes more than DECODE_ROW_TURNS blocks (its turns are unrolled).
+DECODE_ROW_WAVES = 4
+DECODE_ROW_TURNS = 4
+
+
+def decode_row_programs(blocks: int, units: int, sm_count: int) -> tuple[int, int]:
+    """(programs, turns): programs a (weight tile, K segment) of a decode-kernel grid of
+    ``units`` such pairs over a schedule of ``blocks`` row blocks, ``DECODE_ROW_WAVES``
+    waves of 8 programs on each of ``sm_count`` SMs (at least 1, at most ``blocks``, at
+    least blocks / ``DECODE_ROW_TURNS``), and the most blocks a program takes."""
+    waves = -(-DECODE_ROW_WAVES * 8 * sm_count // max(units, 1))
+    rows = max(1, min(blocks, max(waves, -(-blocks // DECODE_ROW_TURNS))))
+    return rows, max(1, -(-blocks // rows))
 
 
 def scale_tma(k: int) -> bool:
