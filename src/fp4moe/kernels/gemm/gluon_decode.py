@@ -335,48 +335,20 @@ def _segment(
 
 @gluon.jit
 def _row_block(
-    pid_m,
-    pid_n,
-    s_id,
+    pid_m, pid_n, s_id,
     xw,  # bf16 [1, SEG / 64 * BM, 64] shared: the row block's activations of a K segment
-    x_ptr,  # bf16 [rows, K]: FC1 the tokens (gathered by route // TOPK), FC2 sorted rows
-    sorted_routes_ptr,  # int32 [T*TOPK]
-    c_desc,  # TMA descriptor of the uint8 [E * W_ROWS, K/2] codes, [64, 128] boxes
-    s_desc,  # TMA descriptor: uint8 [E * W_ROWS, K/16] e4m3 scale bits, [64, 16] boxes
-    s_ptr,  # the same scale bits by pointer (without SCALE_TMA)
-    block_expert_ptr,
-    block_start_ptr,
-    block_end_ptr,
-    part_ptr,  # fp32 [segments, ws_rows, (2 if GATED) * N] (split K)
-    cnt_ptr,  # int32 [tiles * blocks] zeros: units done a tile (EPILOGUE; left at zero)
-    w_global_ptr,  # fp32 [E] or [E, 2] (GATED): the weights' global scales (EPILOGUE)
-    topk_w_ptr,  # fp32 [T*TOPK] router weights (FUSED)
-    out_ptr,  # EPILOGUE: bf16 [ws_rows, N] rows in sorted order, or fp32 [T, N] (FUSED)
-    a_global_ptr,  # fp32 [rows of x]: W4A4's activation global scales (A_FP4, EPILOGUE)
-    ws_rows,
-    N: gl.constexpr,
-    K: gl.constexpr,
-    TOPK: gl.constexpr,
-    GATED: gl.constexpr,
-    A_GATHER: gl.constexpr,
-    BM: gl.constexpr,  # rows (tokens) a tile: the wgmma N (8 or 16; 32 with WHOLE)
-    SEG: gl.constexpr,  # K elements a segment (1024)
-    NBUF: gl.constexpr,  # ring stages in shared memory
-    EPILOGUE: gl.constexpr,  # the tile's last unit (or WHOLE's program) writes the output
-    FUSED: gl.constexpr,  # EPILOGUE: router weight times y added into out (atomic)
-    OUT_SCALE: gl.constexpr,  # EPILOGUE: undoes the decodes' powers of two
-    A_UNIT_ORDER: gl.constexpr,  # x's rows already in the unit order (W4A4's decoded rows)
-    A_FP4: gl.constexpr,  # EPILOGUE: times the activation global (W4A4)
-    USE_PDL: gl.constexpr,  # programmatic dependent launch (launch_pdl=True)
-    EARLY_W: gl.constexpr,  # USE_PDL: the first stages' copies before the wait
-    WHOLE: gl.constexpr,  # a program takes every K segment of its tile in turn and
-    # writes its output (EPILOGUE): no partials, no counter (the grid's segments: 1)
-    E: gl.constexpr,  # experts (the weight rows' bound)
-    SCALE_TMA: gl.constexpr,  # the scales by TMA, else by pointer (``shapes.scale_rows_tma``)
-    HALF: gl.constexpr,  # split K on the ring of two half stages (``uses_half_ring``)
-):
+    x_ptr, sorted_routes_ptr, c_desc, s_desc, s_ptr, block_expert_ptr, block_start_ptr,
+    block_end_ptr, part_ptr, cnt_ptr, w_global_ptr, topk_w_ptr, out_ptr, a_global_ptr,
+    ws_rows, N: gl.constexpr, K: gl.constexpr, TOPK: gl.constexpr, GATED: gl.constexpr,
+    A_GATHER: gl.constexpr, BM: gl.constexpr, SEG: gl.constexpr, NBUF: gl.constexpr,
+    EPILOGUE: gl.constexpr, FUSED: gl.constexpr, OUT_SCALE: gl.constexpr,
+    A_UNIT_ORDER: gl.constexpr, A_FP4: gl.constexpr, USE_PDL: gl.constexpr,
+    EARLY_W: gl.constexpr, WHOLE: gl.constexpr, E: gl.constexpr, SCALE_TMA: gl.constexpr,
+    HALF: gl.constexpr,
+):  # fmt: skip
     """Row block ``pid_m``'s unit (weight tile ``pid_n``, K segment ``s_id``; with WHOLE
-    every segment): its partial, or its output (``tma_split_kernel``)."""
+    every segment): its partial, or its output. The other arguments are
+    ``tma_split_kernel``'s."""
     gl.static_assert(not WHOLE or EPILOGUE, "WHOLE writes its own output")
     gl.static_assert(BM != 32 or WHOLE, "32-row tiles: WHOLE only")
     NU: gl.constexpr = SEG // UNIT  # units a whole segment
