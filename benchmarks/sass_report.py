@@ -14,7 +14,10 @@ kernels without wgmma. ``ins/w``: instructions a
 thread issues a decoded weight, in the innermost loop holding the most of the decode (the
 prefill kernel's K-segment loop), or over the whole kernel where no loop holds it (the
 split-K decode kernel, unrolled); the decode's bf16x2 scale multiplies (HMUL2, one a
-weight pair) count the weights. "-" for kernels that decode nothing. ``/SM``: programs an
+weight pair) count the weights. "-" for kernels that decode nothing. ``wgmma``: "serial"
+where ptxas serializes a kernel's asynchronous wgmmas (its C75xx note: each then waits
+for the one before, whatever the source asks), "async" where it keeps them in flight,
+"-" without wgmma. ``/SM``: programs an
 SM can hold (Hopper: 64K registers in 256-register warp units, 228 KB of shared memory
 with 1 KB reserved a program, 2048 threads, 32 programs). ``waves``: for the decode
 kernels, the programs that have work (weight tiles x K segments x row blocks of the
@@ -94,10 +97,33 @@ def report(compiled) -> dict:
     ops = Counter(_opcode(i) for i in ins)
     res = resource_usage(compiled)
     base = lambda name: sum(v for o, v in ops.items() if o.split(".")[0] == name)
+    wgmma = base("HGMMA") + base("QGMMA")
+    mode = ("serial" if wgmma_serialized(compiled) else "async") if wgmma else "-"
     return dict(regs=res["REG"], stack=res.get("STACK", 0), shared=compiled.metadata.shared,
-                sass=len(ins), mma=base("HGMMA") + base("QGMMA") + base("HMMA"), lop3=base("LOP3"),
+                sass=len(ins), mma=wgmma + base("HMMA"), lop3=base("LOP3"),
                 shf=base("SHF"), imad=base("IMAD"), bar=base("BAR"),
-                overlap=decode_overlap(ins), per_weight=per_weight(addressed))  # fmt: skip
+                overlap=decode_overlap(ins), per_weight=per_weight(addressed),
+                wgmma=mode)  # fmt: skip
+
+
+def wgmma_serialized(compiled) -> bool:
+    """Whether ptxas serializes the kernel's asynchronous wgmmas: its note C7510 to C7519
+    ("wgmma.mma_async instructions are serialized due to ...") when Triton's bundled ptxas
+    compiles the kernel's PTX again for sm_90a (the PTX carries its register cap)."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(compiled.asm["ptx"])
+        run = subprocess.run([tool, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.o")],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+    return bool(re.search(r"\(C751\d\).*wgmma\.mma_async instructions are serialized",
+                          run.stdout + run.stderr))  # fmt: skip
 
 
 def per_weight(addressed: list[tuple[int, str]]) -> float | None:
@@ -194,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     p = PRESETS[a.preset]
     cols = ["tokens", "mode", "gemm", "kernel", "regs", "stack", "shared", "sass", "mma",
-            "lop3", "shf", "imad", "bar", "ovl%", "ins/w", "/SM", "waves"]  # fmt: skip
+            "lop3", "shf", "imad", "bar", "ovl%", "wgmma", "ins/w", "/SM", "waves"]  # fmt: skip
     print(" ".join(f"{c:>8s}" if c != "kernel" else f"{c:34s}" for c in cols))
     for mode in a.modes:
         m, sc = MODES[mode]

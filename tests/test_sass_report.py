@@ -39,3 +39,7 @@ def test_sass_report_reads_the_planned_kernels():
         per_sm = int(col["/SM"])
         assert 1 <= per_sm <= 32, r
         assert float(col["waves"]) == round(programs / (per_sm * 132), 2), r
+    # ptxas serializes the gated 8-row tiles' wgmmas under their register cap (C7512;
+    # docs/performance.md says so), and keeps the whole-K FC2's asynchronous
+    assert dict(zip(head, fc1[-len(head) :], strict=True))["wgmma"] == "serial", fc1
+    assert dict(zip(head, fc2[-len(head) :], strict=True))["wgmma"] == "async", fc2

@@ -8,7 +8,8 @@ gated GEMM's gate and up rows in one copy, [2, 64, 128] and [2, 64, 16]) into a 
 ``RING_STAGES`` stages, each with its own mbarrier; the activation tile is staged while
 they fly; the codes go from shared memory straight into the wgmma register fragment's
 layout (``gluon_common.code_layout``) and are decoded there, each unit's decode
-overlapping the last unit's asynchronous wgmma. K is a multiple of 64: the last segment
+overlapping the last unit's asynchronous wgmma (but for the gated 8-row tiles: under
+their register cap ptxas serializes the wgmmas). K is a multiple of 64: the last segment
 may be partial (its copies read zeros past K, its missing units are skipped at compile
 time); scales TMA cannot copy (``shapes.scale_rows_tma``: contiguous rows of K / 16 bytes,
 no multiple of 16, which ``PreparedExperts`` pads in memory) come by pointer loads a stage
