@@ -314,22 +314,16 @@ def decode_unit_e4m3(codes, sc, A_L: gl.constexpr, TR: gl.constexpr = 64):
 @gluon.jit
 def stage_x(x_ptr, sorted_routes_ptr, start, end, k0, K: gl.constexpr, TOPK: gl.constexpr,
             A_GATHER: gl.constexpr, BM: gl.constexpr, SEG: gl.constexpr,
-            A_UNIT_ORDER: gl.constexpr = False, HAS_DST: gl.constexpr = False,
-            dst=0, NWARPS: gl.constexpr = 4, CH: gl.constexpr = 0):  # fmt: skip
-    """The row block's activations of one K segment in the unit order, in shared memory
-    [SEG / 64 * BM, 64] (unit-major), fenced and synchronized for the wgmma: rows
-    ``start`` .. ``end`` (A_GATHER: tokens route // TOPK of the sorted routes), zeros past
-    ``end``; A_UNIT_ORDER: the rows are in the unit order already (only unit-major);
-    HAS_DST: into ``dst`` instead of a buffer of its own; NWARPS: the program's warps;
-    CH (0: the whole segment): loaded and stored CH K elements at a time, which holds
-    CH / SEG of the registers (32-row tiles: a segment's rows are 128 registers a thread)."""
-    NU: gl.constexpr = SEG // UNIT
+            A_UNIT_ORDER: gl.constexpr, xs, NWARPS: gl.constexpr = 4,
+            CH: gl.constexpr = 0):  # fmt: skip
+    """The row block's activations of one K segment in the unit order, into the caller's
+    shared buffer ``xs`` [SEG / 64 * BM, 64] (unit-major, ``NVMMASharedLayout`` of [BM,
+    64]), fenced and synchronized for the wgmma: rows ``start`` .. ``end`` (A_GATHER:
+    tokens route // TOPK of the sorted routes), zeros past ``end``; A_UNIT_ORDER: the rows
+    are in the unit order already (only unit-major); NWARPS: the program's warps; CH (0:
+    the whole segment): loaded and stored CH K elements at a time, which holds CH / SEG of
+    the registers (32-row tiles: a segment's rows are 128 registers a thread)."""
     src, m_ok = _x_rows(sorted_routes_ptr, start, end, TOPK, A_GATHER, BM, NWARPS)
-    XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, UNIT], gl.bfloat16)
-    if HAS_DST:  # the caller's buffer [NU * BM, 64] of that layout
-        xs = dst
-    else:
-        xs = gl.allocate_shared_memory(gl.bfloat16, [NU * BM, UNIT], XS)
     if CH == 0 or CH == SEG:
         x = _x_stage(x_ptr, src, m_ok, k0, K, BM, SEG, A_UNIT_ORDER, NWARPS)
         xs.store(x)
@@ -449,10 +443,3 @@ def mma_drain(acc_g, acc_u, GATED: gl.constexpr):
     else:
         acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
     return acc_g, acc_u
-
-
-@gluon.jit
-def opaque_zero():
-    """An int32 zero the compiler cannot see through."""
-    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
-                                     is_pure=False, pack=1)  # fmt: skip

@@ -65,7 +65,6 @@ from .gluon_common import (
     decode_unit,
     last_unit_done,
     mma_drain,
-    opaque_zero,
     pick_unit,
     row_globals,
     smem_stage,
@@ -153,6 +152,16 @@ def _gdc_wait_release():
                               is_pure=False, pack=1)  # fmt: skip
     gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
                               dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _opaque_zero():
+    """An int32 zero the compiler cannot see through, indexing a program's activation
+    buffer: through a constant index the wgmma descriptors of its unit slices are computed
+    ahead (before the whole-K segment loop, or across a program's turns) and held in
+    registers."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                     is_pure=False, pack=1)  # fmt: skip
 
 
 @gluon.jit
@@ -259,7 +268,7 @@ def _segment(
     NS_S: gl.constexpr = (NU_S + UPS - 1) // UPS  # stages of this segment
     # (32-row tiles: a stage's K at a time)
     xs = stage_x(x_ptr, sorted_routes_ptr, start, end, kj, K, TOPK, A_GATHER, BM, SEG,
-                 A_UNIT_ORDER, True, xd, _TR // 16, STAGE_K if BM == 32 else 0)  # fmt: skip
+                 A_UNIT_ORDER, xd, _TR // 16, STAGE_K if BM == 32 else 0)  # fmt: skip
     if not SCALE_TMA:  # the segment's first stage's scales
         t0 = kj // STAGE_K
         ng0, ng1, ng2, ng3 = stage_scales(s_ptr, row, row, rows_total, t0, K, _TR)
@@ -396,7 +405,7 @@ def _row_block(
         )
         A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         if not WHOLE:  # split K: the rows' buffer through an opaque zero, as WHOLE's below
-            xd = xw.index(opaque_zero())
+            xd = xw.index(_opaque_zero())
         if WHOLE:
             tot_g = gl.zeros([_TR, BM], gl.float32, layout=MMA)
             tot_u = gl.zeros([_TR, BM], gl.float32, layout=MMA)
@@ -408,7 +417,7 @@ def _row_block(
                 # are computed before the loop and held in registers
                 acc_g, acc_u = _segment(
                     x_ptr, sorted_routes_ptr, c_desc, s_desc, s_ptr, rows_total, cbuf, sbuf,
-                    bars, xw.index(opaque_zero()), row, start, end, kj, kj + SEG,
+                    bars, xw.index(_opaque_zero()), row, start, end, kj, kj + SEG,
                     (j + 1 < NJF) or (TAIL_U > 0), (j * (NS // NB)) % 2, NU, N, K, TOPK,
                     A_GATHER, BM, SEG, NB, GATED, WHOLE, A_UNIT_ORDER, SCALE_TMA, MMA, A_L,
                 )  # fmt: skip
@@ -419,7 +428,7 @@ def _row_block(
                     gl.thread_barrier()
                 acc_g, acc_u = _segment(
                     x_ptr, sorted_routes_ptr, c_desc, s_desc, s_ptr, rows_total, cbuf, sbuf,
-                    bars, xw.index(opaque_zero()), row, start, end, k0 + NJF * SEG, 0, False,
+                    bars, xw.index(_opaque_zero()), row, start, end, k0 + NJF * SEG, 0, False,
                     (NJF * (NS // NB)) % 2, TAIL_U, N, K, TOPK, A_GATHER, BM, SEG, NB, GATED,
                     WHOLE, A_UNIT_ORDER, SCALE_TMA, MMA, A_L,
                 )  # fmt: skip

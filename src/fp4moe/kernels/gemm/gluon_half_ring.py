@@ -99,7 +99,7 @@ def segment_half(
     (``stage_x``'s buffer)."""
     NS: gl.constexpr = (NU + 1) // 2  # half stages (a partial segment's last: one unit)
     xs = stage_x(x_ptr, sorted_routes_ptr, start, end, kj, K, TOPK, A_GATHER, BM, SEG,
-                 A_UNIT_ORDER, True, xd)  # fmt: skip
+                 A_UNIT_ORDER, xd)  # fmt: skip
     acc_g = gl.zeros([_TR, BM], gl.float32, layout=MMA)
     acc_u = gl.zeros([_TR, BM], gl.float32, layout=MMA)
     for kb in gl.static_range(NU):
