@@ -558,7 +558,7 @@ def split_partials_tma(
     counters: torch.Tensor | None = None, w_global: torch.Tensor | None = None,
     topk_w: torch.Tensor | None = None, fused: bool = False, out_scale: float = 1.0,
     a_unit_order: bool = False, a_global: torch.Tensor | None = None, pdl: bool = False,
-    early_weights: bool = False, whole: bool = False, sm_count: int | None = None,
+    early_weights: bool = False, whole: bool = False, sm_count: int,
 ) -> None:  # fmt: skip
     """Launch ``tma_split_kernel``.
 
@@ -583,7 +583,7 @@ def split_partials_tma(
             issues its first weight copies before it waits.
         whole: each program takes every K segment of its tile in turn (``gluon-whole``).
         sm_count: the GPU's SMs: the programs of each (weight tile, K segment) take the
-            valid row blocks in turn (``shapes.decode_row_programs``); None: one a block.
+            valid row blocks in turn (``shapes.decode_row_programs``).
     """
     k = x.shape[1]
     if not gluon_decode_fits(k, block_m, UNIT.value, whole):
@@ -608,8 +608,7 @@ def split_partials_tma(
     c_desc, s_desc, s_bytes, s_tma = weight_descriptors(codes, scales, pair=n if gated else 0,
                                                         code_bytes=_code_bytes(half))  # fmt: skip
     dummy = part
-    rows, turns = (blocks, 1) if sm_count is None else shapes.decode_row_programs(
-        blocks, tiles * segs, sm_count)  # fmt: skip
+    rows, turns = shapes.decode_row_programs(blocks, tiles * segs, sm_count)
     tma_split_kernel[(tiles, segs, rows)](
         x, sorted_routes, c_desc, s_desc, s_bytes, block_expert, block_start,
         block_end, valid_blocks, part,
