@@ -113,9 +113,9 @@ def wgmma_serialized(compiled) -> bool:
     import subprocess
     import tempfile
 
-    import triton
+    from fp4moe.kernels.common import bundled_tool
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    tool = bundled_tool("ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:

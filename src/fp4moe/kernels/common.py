@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "bundled_tool",
     "compile_sm90",
     "cuobjdump",
     "empty",
@@ -72,14 +73,18 @@ def compile_sm90(fn, ptrs: dict, constexprs: dict, *, ints=(), gluon=False, desc
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def bundled_tool(name: str) -> str:
+    """The path of one of the CUDA tools Triton bundles (``ptxas``, ``cuobjdump``)."""
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
 def cuobjdump(compiled, *flags: str) -> str:
     """The text Triton's bundled ``cuobjdump`` prints for a compiled kernel's cubin with
     ``flags`` (``-sass``, ``-res-usage``)."""
     import subprocess
     import tempfile
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                        "cuobjdump")  # fmt: skip
+    tool = bundled_tool("cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
